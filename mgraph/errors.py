@@ -1,0 +1,93 @@
+"""Every user-facing exception of mgraph.
+
+Each error says what is wrong, where (op, task, rank, event) and how to fix it. Internal
+invariants use ``assert``; anything a user can cause raises one of these.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "MgraphError",
+    "TopologyError",
+    "ShapeError",
+    "DTypeError",
+    "UnknownNameError",
+    "RegistrationError",
+    "GraphError",
+    "CycleError",
+    "UnsatisfiableWaitError",
+    "RaceError",
+    "TransferError",
+    "InputError",
+    "ScheduleError",
+    "WatchdogTimeout",
+    "ProxyError",
+]
+
+
+class MgraphError(Exception):
+    """Base of every error mgraph raises on purpose."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
+
+
+class TopologyError(MgraphError, ValueError):
+    """A topology string or rank is invalid."""
+
+
+class ShapeError(MgraphError, ValueError):
+    """An op's sizes are invalid: non-positive, or not divisible by a tile or the world size."""
+
+
+class DTypeError(MgraphError, TypeError):
+    """A dtype is unsupported, or a tensor's dtype disagrees with the graph."""
+
+
+class UnknownNameError(MgraphError, KeyError):
+    """A name (op, kind, policy, backend) is not registered; the message lists the valid ones."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class RegistrationError(MgraphError, ValueError):
+    """An op or task kind was registered twice, or is missing a required facet."""
+
+
+class GraphError(MgraphError, ValueError):
+    """A TaskGraph is malformed. Subclasses say which rule it breaks."""
+
+
+class CycleError(GraphError):
+    """Tasks wait on each other in a cycle."""
+
+
+class UnsatisfiableWaitError(GraphError):
+    """A task waits for more signals than its event can ever receive."""
+
+
+class RaceError(GraphError):
+    """Two tasks touch one region (write/write or read/write) with no order between them."""
+
+
+class TransferError(GraphError):
+    """A transfer's two ends disagree (shape, dtype, link class, rail peer, event placement)."""
+
+
+class InputError(MgraphError, ValueError):
+    """Inputs given to a run do not match the graph (missing, extra, shape, dtype)."""
+
+
+class ScheduleError(MgraphError, ValueError):
+    """A schedule is invalid for its graph or hardware."""
+
+
+class WatchdogTimeout(MgraphError, TimeoutError):
+    """A bounded wait expired: names rank, worker, task, event, current and target count."""
+
+
+class ProxyError(MgraphError, RuntimeError):
+    """The host proxy or one of its transports failed."""

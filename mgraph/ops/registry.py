@@ -1,0 +1,165 @@
+"""The op registry: one OpDef per fused op, its facets attached by decorators in the op's file.
+
+Facets (each attached once):
+- ``shapes(fn)``: ``fn(topology, **dims) -> {tensor name: global shape}`` for inputs and outputs;
+  raises ShapeError for sizes the op cannot lower.
+- ``lower(fn)``: ``fn(builder, **dims, **options)`` emits buffers, events and tile tasks.
+  Its keyword parameters ARE the op's options: the builder call accepts exactly these.
+- ``reference(fn)``: ``fn(**global_inputs, **params) -> {output name: tensor}``: the op's meaning
+  on GLOBAL tensors, in torch. Every backend is checked against it.
+- ``make_inputs(fn)`` (optional): ``fn(shapes, params, dtype, generator) -> inputs``: random
+  inputs with sensible scales; the default is a standard normal per input.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..builder import GraphBuilder
+from ..errors import RegistrationError, ShapeError, UnknownNameError
+from ..graph import TaskGraph, dtype_name, torch_dtype
+from ..topology import Topology
+
+__all__ = ["OpDef", "OPS", "get_op", "op_names"]
+
+OPS: dict[str, OpDef] = {}
+
+
+class OpDef:
+    """A fused op: its dims (the CLI's --shape order), inputs, outputs and facets."""
+
+    def __init__(
+        self, name: str, *, dims: tuple[str, ...], inputs: tuple[str, ...], outputs: tuple[str, ...]
+    ) -> None:
+        if name in OPS:
+            raise RegistrationError(f"op {name!r} is already registered", hint="pick another name")
+        self.name = name
+        self.dims = dims
+        self.input_names = inputs
+        self.output_names = outputs
+        self.shapes_fn: Callable[..., dict[str, tuple[int, ...]]] | None = None
+        self.lower_fn: Callable[..., None] | None = None
+        self.reference_fn: Callable[..., dict[str, torch.Tensor]] | None = None
+        self.make_inputs_fn: Callable[..., dict[str, torch.Tensor]] | None = None
+        OPS[name] = self
+
+    def _attach(self, facet: str, fn: Callable) -> Callable:
+        attr = f"{facet}_fn"
+        if getattr(self, attr) is not None:
+            raise RegistrationError(
+                f"op {self.name!r} already has a {facet} facet", hint="attach each facet once"
+            )
+        setattr(self, attr, fn)
+        return fn
+
+    def shapes(self, fn: Callable) -> Callable:
+        return self._attach("shapes", fn)
+
+    def lower(self, fn: Callable) -> Callable:
+        return self._attach("lower", fn)
+
+    def reference(self, fn: Callable) -> Callable:
+        return self._attach("reference", fn)
+
+    def make_inputs(self, fn: Callable) -> Callable:
+        return self._attach("make_inputs", fn)
+
+    # -- use ----------------------------------------------------------------------------------
+    @property
+    def options(self) -> dict[str, Any]:
+        """Lowering options and their defaults (keyword parameters after the dims)."""
+        assert self.lower_fn is not None, self.name
+        sig = inspect.signature(self.lower_fn)
+        return {
+            p.name: p.default
+            for p in list(sig.parameters.values())[1:]
+            if p.name not in self.dims and p.default is not inspect.Parameter.empty
+        }
+
+    def check_params(self, topology: Topology, params: dict[str, Any]) -> dict[str, tuple]:
+        """Validate dims and options; return the global shapes {name: shape}."""
+        missing = [d for d in self.dims if d not in params]
+        if missing:
+            raise ShapeError(
+                f"{self.name}: missing size(s) {', '.join(missing)}",
+                hint=f"{self.name} takes {', '.join(self.dims)}",
+            )
+        unknown = set(params) - set(self.dims) - set(self.options)
+        if unknown:
+            raise UnknownNameError(
+                f"{self.name}: unknown option(s) {', '.join(sorted(unknown))}; valid: "
+                f"{', '.join(self.dims + tuple(self.options))}"
+            )
+        for d in self.dims:
+            v = params[d]
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ShapeError(
+                    f"{self.name}: {d}={v!r} must be a positive integer",
+                    hint=f"pass {', '.join(self.dims)} as positive ints",
+                )
+        assert self.shapes_fn is not None
+        return self.shapes_fn(topology, **params)
+
+    def __call__(
+        self,
+        *,
+        topology: Topology | str,
+        dtype: torch.dtype | str = torch.float32,
+        **params: Any,
+    ) -> TaskGraph:
+        """Build this op's TaskGraph for ``topology``."""
+        if self.lower_fn is None or self.shapes_fn is None or self.reference_fn is None:
+            raise RegistrationError(
+                f"op {self.name!r} is missing a facet (shapes, lower and reference are required)"
+            )
+        topo = Topology.parse(topology)
+        dt = dtype_name(dtype)
+        # JSON-native values (lists, not tuples) so a graph's params survive a JSON round trip.
+        full = json.loads(json.dumps({**self.options, **params}))
+        self.check_params(topo, full)
+        builder = GraphBuilder(self.name, topo, dt, full)
+        self.lower_fn(builder, **full)
+        return builder.finish()
+
+    def run_reference(
+        self, inputs: dict[str, torch.Tensor], params: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        assert self.reference_fn is not None
+        return self.reference_fn(**inputs, **params)
+
+    def random_inputs(
+        self, graph: TaskGraph, *, seed: int = 0, device: str = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """Fresh random global inputs for ``graph`` (never zeros)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        if self.make_inputs_fn is not None:
+            out = self.make_inputs_fn(graph, gen)
+        else:
+            out = {
+                name: torch.randn(spec.shape, generator=gen).to(torch_dtype(spec.dtype))
+                for name, spec in graph.inputs.items()
+            }
+        return {k: v.to(device) for k, v in out.items()}
+
+
+def get_op(name: str) -> OpDef:
+    from .. import ops  # noqa: F401  (importing the package registers the builtin ops)
+
+    try:
+        return OPS[name]
+    except KeyError:
+        raise UnknownNameError(
+            f"unknown op {name!r}; registered ops: {', '.join(sorted(OPS))}",
+            hint="custom ops are added with mgraph.register_op",
+        ) from None
+
+
+def op_names() -> list[str]:
+    from .. import ops  # noqa: F401
+
+    return sorted(OPS)

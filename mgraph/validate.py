@@ -1,0 +1,303 @@
+"""TaskGraph validation: structure, transfers, progress (cycles, unsatisfiable waits) and races.
+
+Ordering ("happens-before") is what the synchronisation protocol guarantees: task B is ordered
+after task A when B waits on an event with a count equal to ALL its signals and A is one of the
+signalers, and transitively so. A wait for fewer than all signals orders B after none of them in
+particular, so it orders nothing here (conservative: a race it hides would be a real race).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from .errors import CycleError, GraphError, RaceError, TransferError, UnsatisfiableWaitError
+from .graph import Region, Task, TaskGraph
+from .kinds import KINDS, Role, TaskKind
+
+__all__ = ["validate", "topo_order", "order_edges", "Reachability"]
+
+
+def validate(graph: TaskGraph) -> None:
+    _check_structure(graph)
+    _check_transfers(graph)
+    order = topo_order(graph)
+    _check_races(graph, order)
+
+
+# -- structure ---------------------------------------------------------------------------------
+def _check_structure(graph: TaskGraph) -> None:
+    world = graph.topology.world_size
+    nevents = len(graph.events)
+    for i, ev in enumerate(graph.events):
+        if ev.id != i or not 0 <= ev.rank < world:
+            raise GraphError(f"event {ev.name!r} has id {ev.id} / rank {ev.rank}; expected id {i}")
+    for buf in graph.buffers.values():
+        if not 0 <= buf.rank < world or buf.rows <= 0 or buf.cols <= 0:
+            raise GraphError(f"buffer {buf.id} has rank {buf.rank} / shape {buf.shape}")
+    for i, t in enumerate(graph.tasks):
+        where = f"task {t.name!r} (id {t.id}, rank {t.rank})"
+        if t.id != i:
+            raise GraphError(f"{where}: id should be its position {i}")
+        if not 0 <= t.rank < world:
+            raise GraphError(f"{where}: rank outside topology {graph.topology}")
+        spec = KINDS.get(t.kind)
+        if spec is None:
+            raise GraphError(f"{where}: unknown kind {t.kind!r}", hint="define it with define_kind")
+        if Role(t.role) not in spec.roles:
+            raise GraphError(
+                f"{where}: kind {t.kind!r} cannot run in role {t.role!r}",
+                hint=f"allowed roles: {', '.join(sorted(r.value for r in spec.roles))}",
+            )
+        for r in (*t.reads, *t.writes):
+            buf = graph.buffers.get(r.buffer)
+            if buf is None:
+                raise GraphError(f"{where}: region {r} names an unknown buffer")
+            if not (0 <= r.row0 < r.row1 <= buf.rows and 0 <= r.col0 < r.col1 <= buf.cols):
+                raise GraphError(f"{where}: region {r} is outside buffer {buf.id} {buf.shape}")
+        for e, count in t.waits:
+            if not 0 <= e < nevents or count <= 0:
+                raise GraphError(f"{where}: bad wait (event {e}, count {count})")
+            ev = graph.events[e]
+            if graph.topology.node_of(ev.rank) != graph.topology.node_of(t.rank):
+                raise GraphError(
+                    f"{where} waits on event {ev.name!r} of rank {ev.rank}, on another node",
+                    hint="a task can only spin on counters of its own node",
+                )
+        for e in t.signals:
+            if not 0 <= e < nevents:
+                raise GraphError(f"{where}: signals unknown event {e}")
+
+
+# -- transfers ---------------------------------------------------------------------------------
+def _check_transfers(graph: TaskGraph) -> None:
+    topo = graph.topology
+    bufs = graph.buffers
+    for t in graph.tasks:
+        where = f"task {t.name!r} (rank {t.rank}, role {t.role})"
+        node = topo.node_of(t.rank)
+        read_ranks = {bufs[r.buffer].rank for r in t.reads}
+        write_ranks = {bufs[w.buffer].rank for w in t.writes}
+        event_ranks = {graph.events[e].rank for e in t.signals}
+        if t.kind in (TaskKind.COPY.value, TaskKind.REDUCE.value):
+            _check_same_shapes(graph, t, where)
+        if t.role == Role.COMPUTE.value:
+            touched = sorted((read_ranks | write_ranks) - {t.rank})
+            if touched:
+                raise TransferError(
+                    f"{where} touches memory of rank(s) {touched}",
+                    hint="compute tasks use local memory; move data with an nvlink/rdma task",
+                )
+            _check_event_nodes(graph, t, where, allowed_nodes={node})
+        elif t.role == Role.NVLINK.value:
+            far = sorted(r for r in read_ranks | write_ranks if topo.node_of(r) != node)
+            if far:
+                raise TransferError(
+                    f"{where} reaches rank(s) {far} on another node over NVLink",
+                    hint="cross-node traffic goes through an rdma task to the rail peer",
+                )
+            _check_event_nodes(graph, t, where, allowed_nodes={node})
+        else:
+            if read_ranks != {t.rank}:
+                raise TransferError(
+                    f"{where} reads rank(s) {sorted(read_ranks)}: an RDMA write sends local data",
+                    hint="run the rdma task on the rank that holds the source region",
+                )
+            if len(write_ranks) != 1:
+                raise TransferError(f"{where} writes to ranks {sorted(write_ranks)}; need one")
+            (dst,) = write_ranks
+            if topo.link(t.rank, dst) != "rdma":
+                raise TransferError(
+                    f"{where} writes rank {dst} on the same node",
+                    hint="use an nvlink task inside a node",
+                )
+            if topo.local_of(dst) != topo.local_of(t.rank):
+                raise TransferError(
+                    f"{where} writes rank {dst}, which is not a rail peer of rank {t.rank}",
+                    hint=f"send to rank {topo.rail_peer(t.rank, topo.node_of(dst))}, "
+                    "then forward over NVLink",
+                )
+            if event_ranks - {t.rank, dst}:
+                raise TransferError(
+                    f"{where} signals events on ranks {sorted(event_ranks - {t.rank, dst})}",
+                    hint="an RDMA write raises events on its source or its destination only",
+                )
+
+
+def _check_same_shapes(graph: TaskGraph, t: Task, where: str) -> None:
+    ref = t.writes[0] if t.kind == TaskKind.REDUCE.value else t.reads[0]
+    ref_dtype = graph.buffers[t.reads[0].buffer].dtype
+    for r in (*t.reads, *t.writes):
+        if r.shape != ref.shape:
+            raise TransferError(
+                f"{where}: region {r} has shape {r.shape}, the transfer moves {ref.shape}",
+                hint="both ends of a copy/reduce must be the same tile shape",
+            )
+        if graph.buffers[r.buffer].dtype != ref_dtype:
+            raise TransferError(
+                f"{where}: region {r} is {graph.buffers[r.buffer].dtype}, source is {ref_dtype}"
+            )
+
+
+def _check_event_nodes(graph: TaskGraph, t: Task, where: str, allowed_nodes: set[int]) -> None:
+    for e in t.signals:
+        ev = graph.events[e]
+        if graph.topology.node_of(ev.rank) not in allowed_nodes:
+            raise TransferError(
+                f"{where} signals event {ev.name!r} on rank {ev.rank}, another node",
+                hint="only rdma tasks raise events across nodes",
+            )
+
+
+# -- progress ----------------------------------------------------------------------------------
+def topo_order(graph: TaskGraph) -> list[int]:
+    """Task ids in an order the counters allow (by simulation); raise if some can never run."""
+    tasks = graph.tasks
+    waiters: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    missing = [0] * len(tasks)
+    for t in tasks:
+        missing[t.id] = len(t.waits)
+        for e, c in t.waits:
+            waiters[e].append((t.id, c))
+    count = [0] * len(graph.events)
+    ready = deque(t.id for t in tasks if not t.waits)
+    order: list[int] = []
+    while ready:
+        tid = ready.popleft()
+        order.append(tid)
+        for e in tasks[tid].signals:
+            count[e] += 1
+            for w, c in waiters.get(e, ()):
+                if count[e] == c:
+                    missing[w] -= 1
+                    if missing[w] == 0:
+                        ready.append(w)
+    if len(order) < len(tasks):
+        _explain_stuck(graph, set(range(len(tasks))) - set(order))
+    return order
+
+
+def _explain_stuck(graph: TaskGraph, stuck: set[int]) -> None:
+    total = [0] * len(graph.events)
+    for t in graph.tasks:
+        for e in t.signals:
+            total[e] += 1
+    signalers = graph.signalers()
+    for tid in sorted(stuck):
+        t = graph.tasks[tid]
+        for e, c in t.waits:
+            if total[e] < c:
+                ev = graph.events[e]
+                names = [graph.tasks[s].name for s in signalers[e]][:8]
+                raise UnsatisfiableWaitError(
+                    f"task {t.name!r} (rank {t.rank}) waits for event {ev.name!r} (rank "
+                    f"{ev.rank}) to reach {c}, but only {total[e]} task(s) signal it: {names}",
+                    hint="lower the wait count or add the missing signal",
+                )
+    # Every wait is satisfiable by count, so the stuck tasks wait on each other.
+    import networkx as nx
+
+    g = nx.DiGraph()
+    for tid in stuck:
+        for e, _ in graph.tasks[tid].waits:
+            for s in signalers[e]:
+                if s in stuck:
+                    g.add_edge(s, tid)
+    cycle = nx.find_cycle(g)
+    names = " -> ".join(graph.tasks[a].name for a, _ in cycle) + f" -> {graph.tasks[cycle[0][0]].name}"
+    raise CycleError(
+        f"tasks wait on each other in a cycle: {names}",
+        hint="one of these tasks must not wait for a later one; check the events they signal",
+    )
+
+
+# -- races -------------------------------------------------------------------------------------
+def order_edges(graph: TaskGraph) -> list[list[int]]:
+    """succ[a] = tasks ordered directly after a (they wait on ALL signals of an event a raises)."""
+    total = [0] * len(graph.events)
+    for t in graph.tasks:
+        for e in t.signals:
+            total[e] += 1
+    signalers = graph.signalers()
+    succ: list[list[int]] = [[] for _ in graph.tasks]
+    for t in graph.tasks:
+        for e, c in t.waits:
+            if c >= total[e]:
+                for s in set(signalers[e]):
+                    succ[s].append(t.id)
+    return succ
+
+
+class Reachability:
+    """Answers "is b ordered after a" by a search pruned with topological positions."""
+
+    def __init__(self, graph: TaskGraph, order: list[int]) -> None:
+        self.succ = order_edges(graph)
+        self.pos = [0] * len(graph.tasks)
+        for i, tid in enumerate(order):
+            self.pos[tid] = i
+        self.cache: dict[tuple[int, int], bool] = {}
+
+    def before(self, a: int, b: int) -> bool:
+        if a == b:
+            return True
+        key = (a, b)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        limit = self.pos[b]
+        if self.pos[a] > limit:
+            self.cache[key] = False
+            return False
+        seen = {a}
+        stack = [a]
+        found = False
+        while stack and not found:
+            for s in self.succ[stack.pop()]:
+                if s == b:
+                    found = True
+                    break
+                if s not in seen and self.pos[s] < limit:
+                    seen.add(s)
+                    stack.append(s)
+        self.cache[key] = found
+        return found
+
+    def ordered(self, a: int, b: int) -> bool:
+        return self.before(a, b) or self.before(b, a)
+
+
+def _check_races(graph: TaskGraph, order: list[int]) -> None:
+    by_buffer: dict[str, list[tuple[Region, int, bool]]] = defaultdict(list)
+    for t in graph.tasks:
+        written = set(t.writes)
+        for w in t.writes:
+            by_buffer[w.buffer].append((w, t.id, True))
+        for r in t.reads:
+            if r not in written:
+                by_buffer[r.buffer].append((r, t.id, False))
+    reach = Reachability(graph, order)
+    for accesses in by_buffer.values():
+        if not any(is_write for _, _, is_write in accesses):
+            continue
+        accesses.sort(key=lambda a: a[0].row0)
+        active: list[tuple[Region, int, bool]] = []
+        for acc in accesses:
+            region, tid, is_write = acc
+            active = [a for a in active if a[0].row1 > region.row0]
+            for other_region, other, other_write in active:
+                if other == tid or not (is_write or other_write):
+                    continue
+                if other_region.col0 < region.col1 and region.col0 < other_region.col1:
+                    if not reach.ordered(other, tid):
+                        _race(graph, other, other_region, other_write, tid, region, is_write)
+            active.append(acc)
+
+
+def _race(graph, a: int, ra: Region, wa: bool, b: int, rb: Region, wb: bool) -> None:
+    ta, tb = graph.tasks[a], graph.tasks[b]
+    what = "write/write" if wa and wb else "read/write"
+    raise RaceError(
+        f"{what} race: task {ta.name!r} ({'writes' if wa else 'reads'} {ra}) and task "
+        f"{tb.name!r} ({'writes' if wb else 'reads'} {rb}) are not ordered",
+        hint="make one wait (with the full count) on an event the other signals",
+    )

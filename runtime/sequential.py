@@ -1,0 +1,28 @@
+"""The simplest executor: every task of every rank, one at a time, in a topological order.
+
+It is the oracle the threaded reference runtime and property tests compare against: no queues,
+no workers, no counters, just the graph's meaning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mgraph.graph import TaskGraph
+from mgraph.kinds import KINDS
+from mgraph.validate import topo_order
+
+from .memory import allocate, gather_outputs, region_view, shard_inputs
+
+__all__ = ["run_sequential"]
+
+
+def run_sequential(graph: TaskGraph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    mem = allocate(graph)
+    shard_inputs(graph, inputs, mem)
+    for tid in topo_order(graph):
+        task = graph.tasks[tid]
+        reads = [region_view(mem, r) for r in task.reads]
+        writes = [region_view(mem, w) for w in task.writes]
+        KINDS[task.kind].run_cpu(task, reads, writes)
+    return gather_outputs(graph, mem)

@@ -1,0 +1,51 @@
+"""Shared checks for op tests: validate, run on the CPU oracle, compare with torch, round-trip."""
+
+from __future__ import annotations
+
+import torch
+
+import mgraph as mg
+from mgraph.graph import TaskGraph
+from mgraph.runtime import run_sequential
+
+TOPOLOGIES = ["1x2", "2x1", "2x4", "4x2"]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def check_graph(graph: TaskGraph, *, seed: int = 0, tol: float = 1e-4) -> dict[str, float]:
+    """The graph validates, equals its JSON round trip, and its CPU execution matches torch."""
+    graph.validate()
+    again = TaskGraph.from_json(graph.to_json())
+    assert again.to_text() == graph.to_text()
+    assert again.tasks == graph.tasks and again.buffers == graph.buffers
+    op = mg.ops.get_op(graph.op)
+    inputs = op.random_inputs(graph, seed=seed)
+    for name, t in inputs.items():
+        assert t.float().abs().sum() > 0, f"input {name} is all zeros"
+    got = run_sequential(graph, inputs)
+    want = op.run_reference(inputs, graph.params)
+    errs = {}
+    for name in graph.outputs:
+        errs[name] = rel_err(got[name], want[name])
+        assert errs[name] < tol, f"{graph.op} {graph.topology} output {name}: rel err {errs[name]}"
+    return errs
+
+
+def written_once(graph: TaskGraph, buffer_name: str) -> None:
+    """Every element of every ``buffer_name`` buffer is written by exactly one task."""
+    counts = {
+        b.id: torch.zeros(b.shape, dtype=torch.int32)
+        for b in graph.buffers.values()
+        if b.name == buffer_name
+    }
+    assert counts, buffer_name
+    for t in graph.tasks:
+        for w in t.writes:
+            if w.buffer in counts:
+                counts[w.buffer][w.row0 : w.row1, w.col0 : w.col1] += 1
+    for bid, c in counts.items():
+        assert int(c.min()) == 1 and int(c.max()) == 1, f"{bid}: writes per element {c.min()}..{c.max()}"
