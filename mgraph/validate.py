@@ -203,7 +203,8 @@ def _explain_stuck(graph: TaskGraph, stuck: set[int]) -> None:
                 if s in stuck:
                     g.add_edge(s, tid)
     cycle = nx.find_cycle(g)
-    names = " -> ".join(graph.tasks[a].name for a, _ in cycle) + f" -> {graph.tasks[cycle[0][0]].name}"
+    names = " -> ".join(repr(graph.tasks[a].name) for a, _ in cycle)
+    names += f" -> {graph.tasks[cycle[0][0]].name!r}"
     raise CycleError(
         f"tasks wait on each other in a cycle: {names}",
         hint="one of these tasks must not wait for a later one; check the events they signal",

@@ -155,7 +155,7 @@ def get_op(name: str) -> OpDef:
     except KeyError:
         raise UnknownNameError(
             f"unknown op {name!r}; registered ops: {', '.join(sorted(OPS))}",
-            hint="custom ops are added with mgraph.register_op",
+            hint="list them with `mgraph ops`; new ops are defined with mgraph.ops.OpDef",
         ) from None
 
 

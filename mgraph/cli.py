@@ -1,0 +1,197 @@
+"""The ``mgraph`` command: inspect graphs (more subcommands join as their stages land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import MgraphError
+from .graph import ITEMSIZE, TaskGraph
+
+__all__ = ["main", "build_from_args"]
+
+console = Console()
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def command(name: str) -> Callable:
+    def wrap(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = fn
+        return fn
+
+    return wrap
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def human_flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``key=value`` with a JSON value (``causal=true``, ``tile=[64,64]``), else a string."""
+    if "=" not in text:
+        raise MgraphError(f"option {text!r} is not key=value", hint="e.g. --set causal=true")
+    key, raw = text.split("=", 1)
+    try:
+        return key.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.strip(), raw
+
+
+def add_op_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    p.add_argument("--op", required=required, help="fused op name (see `mgraph ops`)")
+    p.add_argument("--shape", help="comma-separated sizes in the op's dim order")
+    p.add_argument("--topology", default="2x4", help="NODESxGPUS, e.g. 2x8")
+    p.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="op option")
+
+
+def build_from_args(args: argparse.Namespace) -> tuple[TaskGraph, float]:
+    from . import ops
+
+    op = ops.get_op(args.op)
+    params: dict[str, Any] = dict(parse_option(s) for s in args.set)
+    if args.shape:
+        sizes = [s for s in args.shape.split(",") if s.strip()]
+        if len(sizes) != len(op.dims):
+            raise MgraphError(
+                f"--shape {args.shape!r} has {len(sizes)} sizes; {op.name} takes "
+                f"{len(op.dims)}: {','.join(op.dims)}"
+            )
+        for dim, s in zip(op.dims, sizes):
+            try:
+                params[dim] = int(s)
+            except ValueError:
+                raise MgraphError(f"--shape: {dim}={s!r} is not an integer") from None
+    start = time.perf_counter()
+    graph = op(topology=args.topology, dtype=args.dtype, **params)
+    return graph, time.perf_counter() - start
+
+
+def print_graph(graph: TaskGraph, build_s: float | None = None) -> None:
+    st = graph.stats()
+    built = f", built in {build_s * 1e3:.0f} ms" if build_s is not None else ""
+    console.print(
+        f"[bold]{graph.op}[/] on {graph.topology} ({graph.topology.world_size} GPUs), "
+        f"{graph.dtype}, params {json.dumps(graph.params)}: {len(graph.tasks)} tasks, "
+        f"{len(graph.events)} events, {len(graph.buffers)} buffers{built}"
+    )
+    flops: dict[tuple[str, str], float] = {}
+    nbytes: dict[tuple[str, str], int] = {}
+    for t in graph.tasks:
+        flops[(t.role, t.kind)] = flops.get((t.role, t.kind), 0.0) + t.flops
+        nbytes[(t.role, t.kind)] = nbytes.get((t.role, t.kind), 0) + t.bytes
+    table = Table(title="tasks by role and kind (all ranks)")
+    for col in ("role", "kind", "tasks", "per rank", "flops", "bytes touched"):
+        table.add_column(col, justify="left" if col in ("role", "kind") else "right")
+    world = graph.topology.world_size
+    for (role, kind), n in sorted(st.by_role_kind().items()):
+        table.add_row(
+            role, kind, str(n), f"{n / world:.1f}", human_flops(flops[(role, kind)]),
+            human_bytes(nbytes[(role, kind)]),
+        )
+    console.print(table)
+    nodes = Table(title="traffic per node")
+    for col in ("node", "nvlink bytes", "rdma sent", "rdma received", "flops"):
+        nodes.add_column(col, justify="right")
+    g = graph.topology.gpus_per_node
+    for n in range(graph.topology.nodes):
+        node_flops = sum(st.flops_per_rank[n * g : (n + 1) * g])
+        nodes.add_row(
+            str(n), human_bytes(st.nvlink_per_node[n]), human_bytes(st.rdma_sent_per_node[n]),
+            human_bytes(st.rdma_received_per_node[n]), human_flops(node_flops),
+        )
+    console.print(nodes)
+    out_bytes = sum(_numel(spec.shape) * ITEMSIZE[spec.dtype] for spec in graph.outputs.values())
+    console.print(
+        f"bytes per link class: nvlink {human_bytes(st.bytes_by_link['nvlink'])}, rdma "
+        f"{human_bytes(st.bytes_by_link['rdma'])} (output bytes D = {human_bytes(out_bytes)})"
+    )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@command("inspect")
+def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.file:
+        start = time.perf_counter()
+        graph = TaskGraph.load(args.file)
+        build_s = time.perf_counter() - start
+    elif args.op:
+        graph, build_s = build_from_args(args)
+    else:
+        raise MgraphError("inspect needs --op (with --shape) or a graph JSON file")
+    start = time.perf_counter()
+    graph.validate()
+    valid_s = time.perf_counter() - start
+    print_graph(graph, build_s)
+    console.print(f"[green]valid[/] (checked in {valid_s * 1e3:.0f} ms)")
+    if args.json:
+        graph.save(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+@command("ops")
+def cmd_ops(args: argparse.Namespace) -> int:
+    from . import ops
+
+    table = Table(title="fused ops")
+    for col in ("op", "dims (--shape order)", "inputs", "outputs", "options"):
+        table.add_column(col)
+    for name in ops.op_names():
+        op = ops.get_op(name)
+        table.add_row(
+            name, ",".join(op.dims), ", ".join(op.input_names), ", ".join(op.output_names),
+            ", ".join(f"{k}={json.dumps(v)}" for k, v in op.options.items()),
+        )
+    console.print(table)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mgraph", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="build (or load) a task graph and print its statistics")
+    p.add_argument("file", nargs="?", help="a graph JSON written by --json")
+    add_op_args(p, required=False)
+    p.add_argument("--json", help="write the graph to this JSON file")
+    sub.add_parser("ops", help="list the fused ops, their dims and options")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except MgraphError as exc:
+        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The IR itself: validation errors name the tasks, JSON/text forms, networkx view, kinds."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+import mgraph as mg
+from mgraph.builder import GraphBuilder
+from mgraph.kinds import KINDS, Role, TaskKind, define_kind, kind_spec
+
+
+def builder(topology: str = "2x2") -> GraphBuilder:
+    return GraphBuilder("toy", mg.Topology.parse(topology), "float32", {})
+
+
+def test_cycle_is_named():
+    b = builder()
+    buf = b.buffer("x", 0, 4, 4)
+    e1, e2 = b.event(0, "one"), b.event(0, "two")
+    b.task(0, Role.COMPUTE, "copy", [buf.region((0, 2))], [buf.region((2, 4))],
+           waits=[(e2, 1)], signals=[e1], name="first")
+    b.task(0, Role.COMPUTE, "copy", [buf.region((2, 4))], [buf.region((0, 2))],
+           waits=[(e1, 1)], signals=[e2], name="second")
+    with pytest.raises(mg.CycleError, match="'first' -> 'second' -> 'first'|'second' -> 'first' -> 'second'"):
+        b.finish().validate()
+
+
+def test_unsatisfiable_wait_names_event_and_signalers():
+    b = builder()
+    buf = b.buffer("x", 0, 4, 4)
+    ev = b.event(0, "ready")
+    b.task(0, Role.COMPUTE, "copy", [buf.region((0, 2))], [buf.region((2, 4))], signals=[ev],
+           name="producer")
+    b.task(0, Role.COMPUTE, "copy", [buf.region((2, 4))], [buf.region((0, 2))], waits=[(ev, 2)],
+           name="consumer")
+    with pytest.raises(mg.UnsatisfiableWaitError) as info:
+        b.finish().validate()
+    msg = str(info.value)
+    assert "'consumer'" in msg and "'ready'" in msg and "reach 2" in msg and "producer" in msg
+
+
+def test_unordered_writes_are_a_race():
+    b = builder()
+    buf = b.buffer("x", 0, 4, 4)
+    src = b.buffer("y", 0, 4, 4)
+    b.task(0, Role.COMPUTE, "copy", [src.region((0, 2))], [buf.region((0, 2))], name="w1")
+    b.task(0, Role.COMPUTE, "copy", [src.region((2, 4))], [buf.region((1, 3))], name="w2")
+    with pytest.raises(mg.RaceError, match="write/write race: task 'w1'.*'w2'"):
+        b.finish().validate()
+
+
+def test_read_before_write_unordered_is_a_race_and_ordering_fixes_it():
+    for ordered in (False, True):
+        b = builder()
+        buf = b.buffer("x", 0, 4, 4)
+        out = b.buffer("z", 0, 4, 4)
+        w = b.task(0, Role.COMPUTE, "copy", [out.region((0, 2))], [buf.region((0, 2))], name="w")
+        b.task(0, Role.COMPUTE, "copy", [buf.region((0, 2))], [out.region((2, 4))],
+               waits=b.after(0, [w]) if ordered else [], name="r")
+        g = b.finish()
+        if ordered:
+            g.validate()
+        else:
+            with pytest.raises(mg.RaceError, match="read/write race"):
+                g.validate()
+
+
+def test_partial_count_orders_nothing():
+    # Waiting for 1 of 2 signals does not order the reader after a specific writer.
+    b = builder()
+    src = b.buffer("s", 0, 4, 4)
+    buf = b.buffer("x", 0, 4, 4)
+    ev = b.event(0, "any")
+    b.task(0, Role.COMPUTE, "copy", [src.region((0, 2))], [buf.region((0, 2))], signals=[ev], name="w1")
+    b.task(0, Role.COMPUTE, "copy", [src.region((2, 4))], [buf.region((2, 4))], signals=[ev], name="w2")
+    b.task(0, Role.COMPUTE, "copy", [buf.region((0, 2))], [src.region((2, 4))], waits=[(ev, 1)], name="r")
+    with pytest.raises(mg.RaceError):
+        b.finish().validate()
+
+
+def test_transfer_shape_mismatch():
+    b = builder()
+    a, c = b.buffer("a", 0, 4, 4), b.buffer("c", 1, 4, 4)
+    b.task(0, Role.NVLINK, "copy", [a.region((0, 2))], [c.region((0, 4))], name="bad copy")
+    with pytest.raises(mg.TransferError, match="'bad copy'.*shape"):
+        b.finish().validate()
+
+
+def test_transfer_dtype_mismatch():
+    b = builder()
+    a = b.buffer("a", 0, 4, 4)
+    c = b.buffer("c", 1, 4, 4, dtype="bfloat16")
+    b.task(0, Role.NVLINK, "copy", [a.region()], [c.region()], name="cast")
+    with pytest.raises(mg.TransferError, match="bfloat16"):
+        b.finish().validate()
+
+
+def test_compute_task_cannot_touch_peer_memory():
+    b = builder()
+    a, c = b.buffer("a", 0, 4, 4), b.buffer("c", 1, 4, 4)
+    b.task(0, Role.COMPUTE, "copy", [a.region()], [c.region()], name="sneaky")
+    with pytest.raises(mg.TransferError, match="'sneaky'.*rank\\(s\\) \\[1\\]"):
+        b.finish().validate()
+
+
+def test_nvlink_cannot_cross_nodes():
+    b = builder()
+    a, c = b.buffer("a", 0, 4, 4), b.buffer("c", 2, 4, 4)
+    b.task(0, Role.NVLINK, "copy", [a.region()], [c.region()], name="far")
+    with pytest.raises(mg.TransferError, match="another node over NVLink"):
+        b.finish().validate()
+
+
+def test_rdma_must_go_to_a_rail_peer():
+    b = builder()
+    a, c = b.buffer("a", 0, 4, 4), b.buffer("c", 3, 4, 4)
+    b.task(0, Role.RDMA, "copy", [a.region()], [c.region()], name="diag")
+    with pytest.raises(mg.TransferError, match="(?s)not a rail peer.*send to rank 2"):
+        b.finish().validate()
+
+
+def test_rdma_inside_a_node_is_rejected():
+    b = builder()
+    a, c = b.buffer("a", 0, 4, 4), b.buffer("c", 1, 4, 4)
+    b.task(0, Role.RDMA, "copy", [a.region()], [c.region()], name="short")
+    with pytest.raises(mg.TransferError, match="same node"):
+        b.finish().validate()
+
+
+def test_wait_on_another_node_is_rejected():
+    b = builder()
+    a = b.buffer("a", 0, 4, 4)
+    ev = b.event(2, "far")
+    b.task(0, Role.COMPUTE, "copy", [a.region((0, 2))], [a.region((2, 4))], waits=[(ev, 1)], name="w")
+    with pytest.raises(mg.GraphError, match="another node"):
+        b.finish().validate()
+
+
+def test_kind_not_allowed_in_role():
+    b = builder()
+    a = b.buffer("a", 0, 4, 4)
+    b.task(0, Role.NVLINK, "gemm", [a.region((0, 2), (0, 2)), a.region((0, 2), (2, 4))],
+           [a.region((2, 4))], name="gemm on comm")
+    with pytest.raises(mg.GraphError, match="cannot run in role 'nvlink'"):
+        b.finish().validate()
+
+
+def test_symmetric_is_derived():
+    g = mg.ops.gemm_allreduce(M=32, N=32, K=32, topology="1x2", tile=[16, 16])
+    sym = {b.id for b in g.buffers.values() if b.symmetric}
+    assert "partial@0" in sym and "partial@1" in sym  # node reduce pulls from peers
+    assert "a@0" not in sym
+
+
+def test_json_round_trip_and_text_are_deterministic(tmp_path):
+    g = mg.ops.gemm_allreduce(M=32, N=64, K=32, topology="2x2", tile=[16, 32], chunk_bytes=1024)
+    path = tmp_path / "g.json"
+    g.save(path)
+    again = mg.TaskGraph.load(path)
+    assert again.to_json() == g.to_json()
+    assert again.tasks == g.tasks and again.events == g.events and again.buffers == g.buffers
+    assert again.params == g.params and again.inputs == g.inputs
+    text = g.to_text()
+    assert text == mg.ops.gemm_allreduce(
+        M=32, N=64, K=32, topology="2x2", tile=[16, 32], chunk_bytes=1024
+    ).to_text()
+    assert text.splitlines()[0].startswith("graph gemm_allreduce topology=2x2 dtype=float32")
+    assert sum(line.startswith("task ") for line in text.splitlines()) == len(g.tasks)
+
+
+def test_bad_json_is_a_graph_error():
+    with pytest.raises(mg.GraphError, match="not a valid mgraph task graph"):
+        mg.TaskGraph.from_json('{"format": "mgraph.taskgraph/1", "op": 3}')
+    with pytest.raises(mg.GraphError, match="format"):
+        doc = mg.ops.gemm_allreduce(M=16, N=16, K=16, topology="1x2").to_json()
+        mg.TaskGraph.from_json(doc.replace("mgraph.taskgraph/1", "other/9"))
+
+
+def test_networkx_view_is_a_dag_matching_waits():
+    g = mg.ops.gemm_allreduce(M=32, N=32, K=32, topology="2x2", tile=[16, 16])
+    nxg = g.to_networkx()
+    assert nxg.number_of_nodes() == len(g.tasks)
+    assert nx.is_directed_acyclic_graph(nxg)
+    reduce = next(t for t in g.tasks if t.kind == "reduce" and t.role == "nvlink")
+    preds = {nxg.nodes[p]["kind"] for p in nxg.predecessors(reduce.id)}
+    assert preds == {"gemm"}
+
+
+def test_every_builtin_kind_has_cpu_body_and_cost():
+    for kind in TaskKind:
+        spec = kind_spec(kind)
+        assert spec.cpu_body is not None, kind
+        assert spec.flops_fn is not None, kind
+    assert set(k.value for k in TaskKind) <= set(KINDS)
+
+
+def test_kind_registration_errors():
+    with pytest.raises(mg.RegistrationError, match="already defined"):
+        define_kind("gemm", [Role.COMPUTE], "again")
+    with pytest.raises(mg.RegistrationError, match="already has a cpu body"):
+        kind_spec("gemm").cpu(lambda task, reads, writes: None)
+    with pytest.raises(mg.UnknownNameError, match="unknown task kind 'nope'"):
+        kind_spec("nope")
+
+
+def test_unknown_op_lists_ops():
+    with pytest.raises(mg.UnknownNameError, match="gemm_allreduce"):
+        mg.ops.get_op("gemm_allgather")
+
+
+def test_unsupported_dtype():
+    with pytest.raises(mg.DTypeError, match="unsupported dtype"):
+        mg.ops.gemm_allreduce(M=16, N=16, K=16, topology="1x2", dtype="int8")
