@@ -1,0 +1,197 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TOPOLOGIES, check_graph, rel_err, written_once
+from mgraph.runtime import run_sequential
+
+import mgraph as mg
+from mgraph.graph import Task
+from mgraph.kinds import kind_spec
+
+OP = "moe_dispatch_combine"
+
+
+def build(topology: str, *, T_loc: int = 24, E_loc: int = 2, top_k: int = 2, **kw):
+    world = mg.Topology.parse(topology).world_size
+    kw = {"H": 16, "F": 32, "expert_rows": 8, "combine_cols": 8, **kw}
+    return mg.ops.moe_dispatch_combine(
+        T=T_loc * world, E=E_loc * world, top_k=top_k, topology=topology, **kw
+    )
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("E_loc", [2, 3])
+def test_matches_torch(topology, E_loc):
+    g = build(topology, E_loc=E_loc, T_loc=16 if E_loc == 3 else 24)
+    check_graph(g)
+    for name in ("out", "send", "back", "recv", "ret"):
+        written_once(g, name)
+
+
+def test_single_tiles_and_one_gpu():
+    # Tiles larger than the dims (one expert tile per segment, one combine tile) and W = 1.
+    check_graph(build("1x2", expert_rows=64, combine_cols=256))
+    check_graph(build("1x1", E_loc=4, top_k=3))
+
+
+def test_top_k_equals_experts():
+    check_graph(build("2x1", T_loc=16, E_loc=2, top_k=4))
+
+
+def _run_skewed(graph, columns: list[int]) -> None:
+    op = mg.ops.get_op(OP)
+    inputs = op.random_inputs(graph, seed=3)
+    inputs["router_logits"][:, columns] += 50.0  # every token prefers these experts
+    got = run_sequential(graph, inputs)["out"]
+    want = op.run_reference(inputs, graph.params)["out"]
+    assert rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("topology", ["2x4", "4x2"])
+def test_skewed_router_no_token_dropped(topology):
+    g = build(topology, T_loc=16)
+    E = g.params["E"]
+    _run_skewed(g, [0])  # one expert gets every token of every rank: its capacity is full
+    _run_skewed(g, [E - 2, E - 1])  # every token goes to the last rank only
+
+
+def test_route_tile_packs_segments():
+    T_loc, E, E_loc, k, H = 12, 6, 3, 2, 5
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T_loc, H, generator=gen)
+    logits = torch.randn(T_loc, E, generator=gen)
+    logits[:, 4] += 50.0  # expert 4's segment fills up to its capacity
+    send = torch.full((E * T_loc, H), float("nan"))
+    meta = torch.full((E * T_loc, 3), float("nan"))
+    task = Task(
+        0,
+        "route",
+        0,
+        "compute",
+        "moe_route",
+        [],
+        [],
+        params={"top_k": k, "experts_per_rank": E_loc},
+    )
+    kind_spec("moe_route").run_cpu(task, [x, logits], [send, meta])
+    assert not send.isnan().any() and not meta.isnan().any()
+    weights, experts = torch.softmax(logits.topk(k).values, -1), logits.topk(k).indices
+    seen = torch.zeros(T_loc, dtype=torch.long)
+    for e in range(E):
+        seg, seg_meta = send[e * T_loc : (e + 1) * T_loc], meta[e * T_loc : (e + 1) * T_loc]
+        tokens = (experts == e).any(-1).nonzero().flatten()
+        n = len(tokens)
+        assert seg_meta[:n, 0].long().tolist() == tokens.tolist()  # packed, ascending
+        assert torch.equal(seg[:n], x[tokens])
+        assert (seg_meta[:n, 2] == e % E_loc).all()
+        for row in range(n):
+            t = tokens[row]
+            assert seg_meta[row, 1] == weights[t][experts[t] == e].item()
+        assert (seg_meta[n:] == torch.tensor([-1.0, 0.0, -1.0])).all() and (seg[n:] == 0).all()
+        seen[tokens] += 1
+    assert (seen == k).all()
+    assert (meta[4 * T_loc : 5 * T_loc, 0] >= 0).all()
+
+
+@pytest.mark.parametrize("topology", ["2x4", "4x2"])
+def test_traffic_rail_peers_and_nvlink_inside_nodes(topology):
+    g = build(topology, T_loc=16)
+    topo = g.topology
+    E_loc, T_loc, H = 2, 16, 16
+    block = E_loc * T_loc
+    assert g.buffers["w_gate@1"].shape == (E_loc * H, 32)  # one piece of E_loc experts
+    assert g.buffers["w_down@1"].shape == (E_loc * 32, H)
+    writers: dict[tuple, Task] = {}
+    for t in g.tasks:
+        for w in t.writes:
+            writers[(w.buffer, w.row0)] = t
+    rdma = [t for t in g.tasks if t.role == "rdma"]
+    for t in rdma:  # cross-node traffic: rail peer -> rail peer only
+        dst = g.buffers[t.writes[0].buffer].rank
+        assert topo.node_of(t.rank) != topo.node_of(dst)
+        assert topo.local_of(t.rank) == topo.local_of(dst)
+    for d in topo.ranks:
+        for s in topo.ranks:
+            if s == d:
+                continue
+            slot = (s if s < d else s - 1) * block
+            for buffer in ("recv", "recv_meta"):
+                last = writers[(f"{buffer}@{d}", slot)]
+                assert g.buffers[last.reads[0].buffer].name.startswith(("send", "relay"))
+                hop = topo.rail_peer(s, topo.node_of(d))
+                if topo.node_of(s) == topo.node_of(d):  # node peers receive over NVLink
+                    assert (last.role, last.rank) == ("nvlink", s)
+                elif hop == d:
+                    assert (last.role, last.rank) == ("rdma", s)
+                else:  # RDMA to the rail peer on d's node, which forwards over NVLink
+                    assert (last.role, last.rank) == ("nvlink", hop)
+                    first = writers[(last.reads[0].buffer, last.reads[0].row0)]
+                    assert (first.role, first.rank) == ("rdma", s)
+            back = writers[(f"back@{s}", d * block)]  # the return path mirrors it
+            hop = topo.rail_peer(d, topo.node_of(s))
+            want = "rdma" if topo.node_of(s) != topo.node_of(d) and hop == s else "nvlink"
+            assert back.role == want
+    remote_pairs = sum(topo.node_of(s) != topo.node_of(d) for s in topo.ranks for d in topo.ranks)
+    assert len(rdma) == 3 * remote_pairs  # rows + metadata out, expert outputs back
+    st = g.stats()
+    assert st.bytes_by_link["rdma"] == remote_pairs * block * (2 * H * 4 + 3 * 4)
+    for name in ("relay", "relay_meta", "relay_ret"):
+        written_once(g, name)
+
+
+def test_cost_hints_use_expected_rows():
+    T_loc, E_loc, k, H, F = 32, 2, 2, 16, 32
+    g = build("2x4", T_loc=T_loc, E_loc=E_loc, top_k=k, H=H, F=F)
+    W = 8
+    T = T_loc * W
+    experts = [t for t in g.tasks if t.kind == "moe_expert"]
+    assert len(experts) == W * E_loc * W * (T_loc // 8)  # (rank, expert, source, row tile)
+    assert sum(t.flops for t in experts) == pytest.approx(6.0 * T * k * H * F)
+    capacity = 6.0 * T * (E_loc * W) * H * F  # what the worst-case capacity would charge
+    assert sum(t.flops for t in experts) < capacity / 4
+    spec = kind_spec("moe_expert")
+    for t in experts:  # the kind's flops facet agrees with the hint the lowering passed
+        shapes = [(r.row1 - r.row0, r.col1 - r.col0) for r in t.reads]
+        assert spec.flops_fn(shapes, [], t.params) == t.flops
+    combine = [t for t in g.tasks if t.kind == "moe_combine"]
+    assert sum(t.flops for t in combine) == pytest.approx(2.0 * T * k * H)
+    assert st_kinds(g) == {
+        ("compute", "moe_route"): W,
+        ("compute", "moe_expert"): len(experts),
+        ("compute", "moe_combine"): W * 2,
+    }
+
+
+def st_kinds(g) -> dict:
+    return {k: n for k, n in g.stats().by_role_kind().items() if k[1].startswith("moe")}
+
+
+def test_kinds_have_bodies_and_costs():
+    for name in ("moe_route", "moe_expert", "moe_combine"):
+        spec = kind_spec(name)
+        assert spec.cpu_body is not None and spec.flops_fn is not None
+
+
+def test_bf16():
+    g = build("2x1", dtype=torch.bfloat16, T_loc=16)
+    assert g.buffers["send@0"].dtype == "bfloat16" and g.buffers["send_meta@0"].dtype == "float32"
+    check_graph(g, tol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(T=30, E=8, top_k=2),  # T % W
+        dict(T=32, E=6, top_k=2),  # E % W
+        dict(T=32, E=8, top_k=9),  # top_k > E
+        dict(T=32, E=8, top_k=0),
+        dict(T=32, E=8, top_k=-1),
+        dict(T=64, E=8, top_k=2, expert_rows=12),  # T/W = 16 not a multiple of the tile
+        dict(T=32, E=8, top_k=2, combine_cols=0),
+    ],
+)
+def test_bad_input(kw):
+    with pytest.raises(mg.ShapeError) as info:
+        mg.ops.moe_dispatch_combine(H=16, F=32, topology="1x4", **kw)
+    assert OP in str(info.value)
