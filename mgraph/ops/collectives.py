@@ -7,11 +7,25 @@ then moves one rectangle per command instead of one tile.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from ..graph import Buffer, Region
+from ..errors import ShapeError
+from ..graph import Buffer, Region, Task
 
-__all__ = ["Tile", "tile_grid", "partition", "group_chunks", "bounding", "tile_region"]
+__all__ = [
+    "Tile",
+    "tile_grid",
+    "partition",
+    "group_chunks",
+    "bounding",
+    "tile_region",
+    "shift",
+    "row_chunks",
+    "rotated",
+    "unique_tasks",
+    "check_options",
+    "shard_tile",
+]
 
 Tile = tuple[int, int, int, int]
 
@@ -67,3 +81,72 @@ def tile_region(buf: Buffer, tile: Tile) -> Region:
 
 
 _new = tuple.__new__  # hot: a NamedTuple built without its slower __new__
+
+
+def shift(tile: Tile, rows: int) -> Tile:
+    """``tile`` moved down by ``rows`` (negative: up): global rows <-> a shard's local rows."""
+    return (tile[0] + rows, tile[1] + rows, tile[2], tile[3])
+
+
+def row_chunks(
+    rows: int, row_bytes: int, tile_rows: int, chunk_bytes: int
+) -> list[tuple[int, int]]:
+    """[0, rows) cut into network chunks of about ``chunk_bytes``, whole rows each.
+
+    Chunks are aligned to ``tile_rows`` (which must divide ``rows``): a chunk is a whole number of
+    row tiles, or, when one row tile is already larger than ``chunk_bytes``, an exact fraction of
+    one. So a consumer tile waits for exactly the chunks holding its rows, never for a chunk that
+    straddles into the next tile.
+    """
+    assert rows % tile_rows == 0, (rows, tile_rows)
+    fit = max(1, chunk_bytes // max(1, row_bytes))
+    if fit >= tile_rows:
+        step = fit // tile_rows * tile_rows
+    else:
+        step = max(d for d in range(1, fit + 1) if tile_rows % d == 0)
+    return [(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
+def rotated(count: int, start: int) -> list[int]:
+    """``start, start+1, ..., start-1`` modulo ``count``: each rank begins with a different peer,
+    so no single link or GPU is the first target of everyone."""
+    return [(start + i) % count for i in range(count)]
+
+
+def unique_tasks(tasks: Iterable[Task]) -> list[Task]:
+    """``tasks`` without repeats (a chunk's task appears once per tile it covers), order kept."""
+    seen: dict[int, Task] = {}
+    for t in tasks:
+        seen.setdefault(t.id, t)
+    return list(seen.values())
+
+
+def check_options(op: str, tile: Sequence[int], chunk_bytes: int) -> tuple[int, int]:
+    """The ``tile`` and ``chunk_bytes`` options of a tiled collective, checked; returns the tile."""
+    if len(tile) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in tile):
+        raise ShapeError(
+            f"{op}: tile={list(tile)!r} must be two positive ints [rows, cols]",
+            hint="pass e.g. tile=[128, 256]",
+        )
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ShapeError(
+            f"{op}: chunk_bytes={chunk_bytes!r} must be a positive int",
+            hint="pass e.g. chunk_bytes=262144 (256 KiB per network command)",
+        )
+    return int(tile[0]), int(tile[1])
+
+
+def shard_tile(op: str, dim: str, size: int, parts: int, preferred: int) -> int:
+    """The tile size along ``dim`` when it is sharded in ``parts``: the per-rank extent, or
+    ``preferred`` when the extent is larger (then it must be a multiple: no silent padding)."""
+    per_rank = size // parts
+    if per_rank <= preferred:
+        return per_rank
+    if per_rank % preferred:
+        raise ShapeError(
+            f"{op}: {dim}={size} over {parts} ranks is {per_rank} per rank, not a multiple of "
+            f"the tile size {preferred}",
+            hint=f"choose {dim} as a multiple of {parts * preferred}, or pass a tile size that "
+            f"divides {per_rank}",
+        )
+    return preferred

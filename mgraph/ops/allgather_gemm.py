@@ -1,0 +1,288 @@
+"""AllGather + GEMM: ``out = a @ b`` with ``a`` sharded along M, ``b`` and ``out`` along N.
+
+Rank r holds rows ``[r*M/W, (r+1)*M/W)`` of ``a`` and columns ``[r*N/W, (r+1)*N/W)`` of ``b``; it
+gathers all of ``a`` into a scratch buffer and computes its columns of ``out`` from it. GEMM tiles
+start as soon as the rows they read have arrived: each tile waits only for the network chunks of
+``a`` it reads, so the gather hides behind the GEMM.
+
+Hierarchical movement (default): a shard crosses the network once per destination node. The owner
+(n, l) pushes each chunk of its shard over NVLink to its node peers, and over RDMA to its rail
+peer (n', l) on every other node, which forwards the chunk over NVLink to its own node peers.
+RDMA bytes sent per node = A (N-1)/N for A bytes of ``a``. A rank's own shard is read straight
+from its input buffer, never copied.
+
+``hierarchical=False`` is the baseline that ignores the hierarchy: the owner sends one copy per
+destination GPU of each other node to its rail peer there (G copies cross each node boundary),
+and the rail peer forwards each copy to its destination over NVLink: G times the RDMA bytes.
+
+Tile order on rank r: its own shard first (no waiting), then its node peers' shards (NVLink,
+fast), then the remote shards by node (n+1, n+2, ...), the rail peer's shard first in each node
+(it lands on r directly, one hop earlier than the forwarded ones).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..builder import GraphBuilder, piece, shard_range
+from ..errors import ShapeError
+from ..graph import ITEMSIZE, Buffer, Task
+from ..kinds import Role, TaskKind
+from ..topology import Topology
+from .collectives import (
+    check_options,
+    rotated,
+    row_chunks,
+    shard_tile,
+    tile_grid,
+    unique_tasks,
+)
+from .registry import OpDef
+
+OP = "allgather_gemm"
+allgather_gemm = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
+
+GEMM, COPY = TaskKind.GEMM.value, TaskKind.COPY.value
+
+Rows = tuple[int, int]  # a row range of one shard, in the shard's local rows
+
+
+def _tile_sizes(topology: Topology, M: int, N: int, tile: list[int]) -> tuple[int, int]:
+    world = topology.world_size
+    return (shard_tile(OP, "M", M, world, tile[0]), shard_tile(OP, "N", N, world, tile[1]))
+
+
+@allgather_gemm.shapes
+def _shapes(
+    topology: Topology,
+    M: int,
+    N: int,
+    K: int,
+    tile: list[int] = (128, 256),
+    chunk_bytes: int = 256 * 1024,
+    **_: object,
+) -> dict[str, tuple]:
+    world = topology.world_size
+    if M % world:
+        raise ShapeError(
+            f"{OP}: M={M} is not divisible by the world size {world}",
+            hint=f"a is sharded along M over all ranks: choose M as a multiple of {world}",
+        )
+    if N % world:
+        raise ShapeError(
+            f"{OP}: N={N} is not divisible by the world size {world}",
+            hint=f"b and out are sharded along N over all ranks: choose N as a multiple of {world}",
+        )
+    _tile_sizes(topology, M, N, list(check_options(OP, tile, chunk_bytes)))
+    return {"a": (M, K), "b": (K, N), "out": (M, N)}
+
+
+@allgather_gemm.reference
+def _reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
+    return {"out": (a.float() @ b.float()).to(a.dtype)}
+
+
+@allgather_gemm.lower
+def _lower(
+    b: GraphBuilder,
+    M: int,
+    N: int,
+    K: int,
+    tile: list[int] = (128, 256),
+    hierarchical: bool = True,
+    chunk_bytes: int = 256 * 1024,
+) -> None:
+    topo, world = b.topo, b.world
+    bm, bn = _tile_sizes(topo, M, N, tile)
+    rows, cols = M // world, N // world
+    b.global_input("a", (M, K))
+    b.global_input("b", (K, N))
+    b.global_output("out", (M, N))
+    a = [
+        b.bound_buffer("a", r, "a", [piece((M, K), d0=shard_range(M, r, world))])
+        for r in topo.ranks
+    ]
+    w = [
+        b.bound_buffer("b", r, "b", [piece((K, N), d1=shard_range(N, r, world))])
+        for r in topo.ranks
+    ]
+    out = [
+        b.bound_buffer("out", r, "out", [piece((M, N), d1=shard_range(N, r, world))], role="output")
+        for r in topo.ranks
+    ]
+    # Global rows of a; the rows of the rank's own shard stay unwritten (read from ``a``).
+    gathered = [b.buffer("a_gathered", r, M, K) for r in topo.ranks]
+    chunks = row_chunks(rows, K * ITEMSIZE[b.dtype], bm, chunk_bytes)
+    gather = _Gather(b, rows, chunks, a, gathered)
+    gather.node_push()
+    if hierarchical:
+        gather.rail_hierarchical()
+    else:
+        gather.rail_flat()
+    shard_tiles = tile_grid(rows, cols, bm, bn)  # one shard's rows x one rank's columns
+    for r in topo.ranks:
+        for s in gemm_shard_order(topo, r):
+            src = a[r] if s == r else gathered[r]
+            offset = 0 if s == r else s * rows
+            for t in shard_tiles:
+                waits = []
+                if s != r:
+                    waits = b.after(r, unique_tasks(gather.arrivals(r, s, (t[0], t[1]))))
+                b.task(
+                    r,
+                    Role.COMPUTE,
+                    GEMM,
+                    [
+                        src.region((offset + t[0], offset + t[1]), (0, K)),
+                        w[r].region((0, K), (t[2], t[3])),
+                    ],
+                    [out[r].region((s * rows + t[0], s * rows + t[1]), (t[2], t[3]))],
+                    waits=waits,
+                    name=f"gemm r{r} shard {s} [{s * rows + t[0]}:{s * rows + t[1]},{t[2]}:{t[3]}]",
+                )
+
+
+def gemm_shard_order(topo: Topology, rank: int) -> list[int]:
+    """The shards of ``a`` in the order rank ``rank`` consumes them: own, node-local, remote."""
+    node, local = topo.node_of(rank), topo.local_of(rank)
+    order = [topo.rank(node, g) for g in rotated(topo.gpus_per_node, local)]
+    for n in rotated(topo.nodes, node + 1)[:-1]:
+        order += [topo.rank(n, g) for g in rotated(topo.gpus_per_node, local)]
+    return order
+
+
+class _Gather:
+    """Emits the movement of every shard's chunks and remembers which task lands each chunk on
+    each rank, so a GEMM tile waits for exactly the chunks it reads."""
+
+    def __init__(
+        self,
+        b: GraphBuilder,
+        rows: int,
+        chunks: list[Rows],
+        a: list[Buffer],
+        gathered: list[Buffer],
+    ) -> None:
+        self.b = b
+        self.topo = b.topo
+        self.rows = rows
+        self.chunks = chunks
+        self.a = a
+        self.gathered = gathered
+        self.landed: dict[tuple[int, int, Rows], Task] = {}  # (rank, shard, chunk) -> writer
+
+    def arrivals(self, rank: int, shard: int, rows: Rows) -> list[Task]:
+        """The tasks that land the chunks of ``shard`` overlapping ``rows`` on ``rank``."""
+        return [
+            self.landed[(rank, shard, c)] for c in self.chunks if c[0] < rows[1] and rows[0] < c[1]
+        ]
+
+    def _global(self, shard: int, chunk: Rows) -> Rows:
+        return (shard * self.rows + chunk[0], shard * self.rows + chunk[1])
+
+    def _forward(
+        self,
+        src: Buffer,
+        src_rows: Rows,
+        via: Task,
+        to: list[int],
+        shard: int,
+        chunk: Rows,
+        label: str,
+    ) -> None:
+        """One NVLink copy on ``src``'s rank of a landed chunk into the ``to`` ranks' gathers."""
+        b = self.b
+        if not to:
+            return
+        dst_rows = self._global(shard, chunk)
+        task = b.task(
+            src.rank,
+            Role.NVLINK,
+            COPY,
+            [src.region(src_rows)],
+            [self.gathered[p].region(dst_rows) for p in to],
+            waits=b.after(src.rank, [via]),
+            name=f"{label} r{src.rank} shard {shard} rows {dst_rows[0]}:{dst_rows[1]}",
+        )
+        for p in to:
+            self.landed[(p, shard, chunk)] = task
+
+    def node_push(self) -> None:
+        """Every owner pushes each chunk of its shard to its node peers (input: no wait)."""
+        b, topo = self.b, self.topo
+        if topo.gpus_per_node == 1:
+            return
+        for s in topo.ranks:
+            node, local = topo.node_of(s), topo.local_of(s)
+            peers = [topo.rank(node, g) for g in rotated(topo.gpus_per_node, local)[1:]]
+            for c in self.chunks:
+                rows = self._global(s, c)
+                task = b.task(
+                    s,
+                    Role.NVLINK,
+                    COPY,
+                    [self.a[s].region(c)],
+                    [self.gathered[p].region(rows) for p in peers],
+                    name=f"node-push r{s} shard {s} rows {rows[0]}:{rows[1]}",
+                )
+                for p in peers:
+                    self.landed[(p, s, c)] = task
+
+    def _send(self, s: int, c: Rows, dst: Buffer, dst_rows: Rows, why: str) -> Task:
+        return self.b.task(
+            s,
+            Role.RDMA,
+            COPY,
+            [self.a[s].region(c)],
+            [dst.region(dst_rows)],
+            name=f"rail-send r{s}->r{dst.rank} shard {s} rows {dst_rows[0]}:{dst_rows[1]}{why}",
+        )
+
+    def rail_hierarchical(self) -> None:
+        """Each chunk goes once to the owner's rail peer on every other node, which forwards it
+        to its node peers. Chunk-major, so every node receives the first rows first."""
+        topo = self.topo
+        sends: list[tuple[int, Rows, int, Task]] = []
+        for s in topo.ranks:
+            node, local = topo.node_of(s), topo.local_of(s)
+            for c in self.chunks:
+                for n in rotated(topo.nodes, node + 1)[:-1]:
+                    peer = topo.rank(n, local)
+                    send = self._send(s, c, self.gathered[peer], self._global(s, c), "")
+                    self.landed[(peer, s, c)] = send
+                    sends.append((s, c, peer, send))
+        for s, c, peer, send in sends:
+            node, local = topo.node_of(peer), topo.local_of(peer)
+            to = [topo.rank(node, g) for g in rotated(topo.gpus_per_node, local)[1:]]
+            self._forward(self.gathered[peer], self._global(s, c), send, to, s, c, "forward")
+
+    def rail_flat(self) -> None:
+        """One copy per destination GPU crosses the network: the rail peer keeps its own copy
+        and forwards each other one, from a relay buffer per destination, over NVLink."""
+        b, topo = self.b, self.topo
+        relay: dict[tuple[int, int], Buffer] = {}  # (rail peer, destination local) -> buffer
+        sends: list[tuple[int, Rows, int, Task]] = []
+        for s in topo.ranks:
+            node, local = topo.node_of(s), topo.local_of(s)
+            for c in self.chunks:
+                for n in rotated(topo.nodes, node + 1)[:-1]:
+                    peer = topo.rank(n, local)
+                    for g in rotated(topo.gpus_per_node, local):
+                        dest = topo.rank(n, g)
+                        if dest == peer:
+                            send = self._send(s, c, self.gathered[peer], self._global(s, c), "")
+                            self.landed[(peer, s, c)] = send
+                            continue
+                        key = (peer, g)
+                        if key not in relay:
+                            # Indexed by global rows of a, like the gather, for plain bookkeeping;
+                            # only the rows of shards relayed to ``dest`` are used.
+                            relay[key] = b.buffer(f"relay_to{g}", peer, *self.gathered[peer].shape)
+                        rows = self._global(s, c)
+                        sends.append(
+                            (s, c, dest, self._send(s, c, relay[key], rows, f" for r{dest}"))
+                        )
+        for s, c, dest, send in sends:
+            src = send.writes[0]
+            peer = self.b.buffers[src.buffer]
+            self._forward(peer, (src.row0, src.row1), send, [dest], s, c, "relay")
