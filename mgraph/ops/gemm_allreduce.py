@@ -24,7 +24,7 @@ from ..errors import ShapeError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
-from .collectives import Tile, bounding, group_chunks, partition, tile_grid, tile_region
+from .collectives import Tile, bounding, group_chunks, partition, tile_grid, tile_region, unique_tasks
 from .registry import OpDef
 
 gemm_allreduce = OpDef("gemm_allreduce", dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
@@ -163,7 +163,7 @@ class _Stages:
                     COPY,
                     [tile_region(out[owner], box)],
                     [tile_region(out[p], box) for p in peers],
-                    waits=b.after(owner, _unique(done.ready[owner][t] for t in chunk)),
+                    waits=b.after(owner, unique_tasks(done.ready[owner][t] for t in chunk)),
                     name=f"broadcast r{owner} [{box[0]}:{box[1]},{box[2]}:{box[3]}]",
                 )
 
@@ -200,7 +200,7 @@ class _Stages:
                                 COPY,
                                 [tile_region(src[r], box)],
                                 [tile_region(recv[key], box)],
-                                waits=b.after(r, _unique(src_ready[r][t] for t in chunk)),
+                                waits=b.after(r, unique_tasks(src_ready[r][t] for t in chunk)),
                                 name=f"rail-send r{r}->r{final} {where}",
                             )
                         )
@@ -240,9 +240,3 @@ class _Stages:
             owned.sort()
         return res
 
-
-def _unique(tasks) -> list[Task]:
-    seen: dict[int, Task] = {}
-    for t in tasks:
-        seen.setdefault(t.id, t)
-    return list(seen.values())

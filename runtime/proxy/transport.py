@@ -1,0 +1,232 @@
+"""Transports: how a proxy moves a region into a peer's memory and raises the peer's event.
+
+``Transport`` is the interface every backend implements (in-process now; cuda_ipc, tcp and verbs
+later): ``register`` a rank's buffers by index, ``connect`` two ranks, ``write`` a source view
+into a destination region and then raise events there, ``signal`` an event alone, ``poll``
+completions, ``close``. A write's events are raised only after its data is visible at the
+destination, and a transport keeps the order of writes and signals between one pair of ranks
+(an RC queue pair gives both), which is all the proxy relies on.
+
+The base class holds what every transport shares: the registered memory and its bounds checks,
+and byte counters per rank pair and per node pair, which is how tests check that hierarchical
+collectives cross the network once per node.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mgraph.errors import ProxyError
+from mgraph.topology import Topology
+
+from .command import Rect
+
+__all__ = ["RaiseEvent", "Transport", "InProcessTransport"]
+
+RaiseEvent = Callable[[int, int, int], None]
+"""``raise_event(rank, event_id, epoch)``: add one to ``event_id`` on ``rank`` (the runtime's)."""
+
+
+class Transport(ABC):
+    """Moves regions between ranks' registered buffers. See the module docstring."""
+
+    name = "transport"
+
+    def __init__(self, topology: Topology | None = None) -> None:
+        # Without a topology every rank is its own node (GPUs of one host acting as nodes).
+        self.topology = topology
+        self.memory: dict[int, dict[int, torch.Tensor]] = {}
+        self.bytes_by_ranks: Counter[tuple[int, int]] = Counter()
+        self.bytes_by_nodes: Counter[tuple[int, int]] = Counter()
+        self.writes = 0
+        self.signals = 0
+        self.closed = False
+        self._stats_lock = threading.Lock()
+
+    # -- memory -----------------------------------------------------------------------------
+    def register(self, rank: int, buffers: dict[int, torch.Tensor]) -> None:
+        """Make ``rank``'s 2-D buffers addressable as ``buffers[index]`` (replaces earlier ones)."""
+        self._check_open("register")
+        if self.topology is not None:
+            self.topology.check_rank(rank)
+        for index, tensor in buffers.items():
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
+                raise ProxyError(
+                    f"{self.name}: rank {rank} buffer {index} is {shape}, not a 2-D tensor",
+                    hint="register buffers as the runtime allocates them: 2-D (rows, cols)",
+                )
+        self.memory[rank] = dict(buffers)
+
+    def view(self, rank: int, rect: Rect) -> torch.Tensor:
+        """``rect`` of ``rank``'s registered buffer, bounds-checked."""
+        buffers = self.memory.get(rank)
+        if buffers is None:
+            raise ProxyError(
+                f"{self.name}: rank {rank} has no registered memory",
+                hint=f"call register({rank}, buffers) first; registered: {sorted(self.memory)}",
+            )
+        tensor = buffers.get(rect.buffer)
+        if tensor is None:
+            raise ProxyError(
+                f"{self.name}: rank {rank} has no buffer {rect.buffer}",
+                hint=f"registered buffer indices on rank {rank}: {sorted(buffers)}",
+            )
+        rows, cols = tensor.shape
+        if not (0 <= rect.row0 <= rect.row1 <= rows and 0 <= rect.col0 <= rect.col1 <= cols):
+            raise ProxyError(
+                f"{self.name}: region {rect} is outside rank {rank} buffer {rect.buffer} "
+                f"of shape ({rows}, {cols})"
+            )
+        return tensor[rect.row0 : rect.row1, rect.col0 : rect.col1]
+
+    def check_region(self, rank: int, rect: Rect) -> torch.dtype:
+        """Bounds-check ``rect`` on ``rank`` and return its dtype. A transport whose peers'
+        memory is remote overrides this with the shapes exchanged at connect time."""
+        return self.view(rank, rect).dtype
+
+    def node_of(self, rank: int) -> int:
+        return rank if self.topology is None else self.topology.node_of(rank)
+
+    def _count(self, src_rank: int, dst_rank: int, nbytes: int) -> None:
+        with self._stats_lock:
+            self.writes += 1
+            self.bytes_by_ranks[(src_rank, dst_rank)] += nbytes
+            self.bytes_by_nodes[(self.node_of(src_rank), self.node_of(dst_rank))] += nbytes
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.bytes_by_ranks.values())
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise ProxyError(f"{self.name}: {what} after close()", hint="create a new transport")
+
+    # -- the data path ----------------------------------------------------------------------
+    @abstractmethod
+    def connect(self, rank: int, peer: int) -> None:
+        """Open the channel between ``rank`` and ``peer`` (both directions)."""
+
+    @abstractmethod
+    def write(
+        self,
+        src_rank: int,
+        src: torch.Tensor,
+        dst_rank: int,
+        dst: Rect,
+        events: Sequence[int] = (),
+        epoch: int = 0,
+    ) -> int:
+        """Copy ``src`` (a view of ``src_rank``'s memory) into ``dst`` on ``dst_rank``, then
+        raise each of ``events`` on ``dst_rank`` with ``epoch``. Returns a work id that ``poll``
+        reports once the source may be reused."""
+
+    @abstractmethod
+    def signal(self, src_rank: int, dst_rank: int, event: int, epoch: int = 0) -> int:
+        """Raise ``event`` on ``dst_rank``, after every earlier write from ``src_rank`` to it.
+        ``dst_rank == src_rank`` raises a local event. Returns a work id, like ``write``."""
+
+    @abstractmethod
+    def poll(self, rank: int | None = None) -> list[int]:
+        """Work ids completed since the last poll, of work issued by ``rank`` (None: any).
+        Proxies sharing one transport each poll their own ranks, so none takes another's."""
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InProcessTransport(Transport):
+    """Every rank in this process: a write is a tensor copy, an event a direct callback.
+
+    Writes complete before ``write`` returns, so ``poll`` just hands back the ids issued since
+    the previous poll. Safe to share between the proxies of several ranks.
+    """
+
+    name = "inprocess"
+
+    def __init__(self, raise_event: RaiseEvent, topology: Topology | None = None) -> None:
+        super().__init__(topology)
+        if not callable(raise_event):
+            raise ProxyError(f"inprocess: raise_event must be callable, got {raise_event!r}")
+        self.raise_event = raise_event
+        self.connections: set[frozenset[int]] = set()
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._done: dict[int, list[int]] = {}
+
+    def connect(self, rank: int, peer: int) -> None:
+        self._check_open("connect")
+        missing = [r for r in (rank, peer) if r not in self.memory]
+        if missing:
+            raise ProxyError(
+                f"inprocess: cannot connect rank {rank} to rank {peer}: rank(s) {missing} "
+                "registered no memory",
+                hint="register(rank, buffers) on both ranks before connect()",
+            )
+        self.connections.add(frozenset((rank, peer)))
+
+    def _check_path(self, src_rank: int, dst_rank: int, what: str) -> None:
+        self._check_open(what)
+        if src_rank != dst_rank and frozenset((src_rank, dst_rank)) not in self.connections:
+            raise ProxyError(
+                f"inprocess: {what} from rank {src_rank} to rank {dst_rank}, which are not "
+                "connected",
+                hint=f"call transport.connect({src_rank}, {dst_rank}) during setup",
+            )
+
+    def _complete(self, src_rank: int) -> int:
+        with self._lock:
+            work = self._next_id
+            self._next_id += 1
+            self._done.setdefault(src_rank, []).append(work)
+        return work
+
+    def write(
+        self,
+        src_rank: int,
+        src: torch.Tensor,
+        dst_rank: int,
+        dst: Rect,
+        events: Sequence[int] = (),
+        epoch: int = 0,
+    ) -> int:
+        self._check_path(src_rank, dst_rank, "write")
+        target = self.view(dst_rank, dst)
+        if target.shape != src.shape or target.dtype != src.dtype:
+            raise ProxyError(
+                f"inprocess: write of {tuple(src.shape)} {src.dtype} from rank {src_rank} into "
+                f"rank {dst_rank} {dst}, which is {tuple(target.shape)} {target.dtype}",
+                hint="source and destination regions must match in shape and dtype",
+            )
+        target.copy_(src)
+        self._count(src_rank, dst_rank, src.numel() * src.element_size())
+        for event in events:
+            self.raise_event(dst_rank, event, epoch)
+        return self._complete(src_rank)
+
+    def signal(self, src_rank: int, dst_rank: int, event: int, epoch: int = 0) -> int:
+        self._check_path(src_rank, dst_rank, "signal")
+        with self._stats_lock:
+            self.signals += 1
+        self.raise_event(dst_rank, event, epoch)
+        return self._complete(src_rank)
+
+    def poll(self, rank: int | None = None) -> list[int]:
+        with self._lock:
+            if rank is None:
+                done = [w for works in self._done.values() for w in works]
+                self._done.clear()
+            else:
+                done = self._done.pop(rank, [])
+        return done
