@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from . import hardware, kinds, ops
+from .api import run
 from .errors import *  # noqa: F403
 from .errors import __all__ as _errors
 from .graph import Buffer, Event, Region, Task, TaskGraph
 from .hardware import H200, HardwareProfile
 from .kinds import Role, TaskKind, define_kind
+from .scheduler import schedule
 from .topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "run",
     "Topology",
     "HardwareProfile",
     "H200",
@@ -27,5 +30,6 @@ __all__ = [
     "Role",
     "TaskKind",
     "define_kind",
+    "schedule",
     *_errors,
 ]

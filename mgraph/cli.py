@@ -1,4 +1,4 @@
-"""The ``mgraph`` command: inspect graphs (more subcommands join as their stages land)."""
+"""The ``mgraph`` command: demo, inspect, schedule, run, ops."""
 
 from __future__ import annotations
 
@@ -172,6 +172,93 @@ def cmd_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_schedule(sched) -> None:
+    table = Table(title=f"schedule ({sched.policy}, {sched.hardware.name}): workers and queues per rank")
+    for col in ("rank", "compute SMs", "nvlink SMs", "rdma SMs", "compute tasks", "nvlink tasks",
+                "rdma tasks", "proxy batches"):
+        table.add_column(col, justify="right")
+    for rs in sched.ranks:
+        table.add_row(
+            str(rs.rank), *(str(rs.workers.get(r, 0)) for r in ("compute", "nvlink", "rdma")),
+            *(str(len(rs.queues.get(r, []))) for r in ("compute", "nvlink", "rdma")),
+            str(len(rs.batches)),
+        )
+    console.print(table)
+
+
+@command("schedule")
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from .scheduler import schedule
+
+    graph, build_s = build_from_args(args)
+    start = time.perf_counter()
+    sched = schedule(graph, policy=args.policy)
+    console.print(
+        f"[bold]{graph.op}[/] on {graph.topology}: {len(graph.tasks)} tasks, built in "
+        f"{build_s * 1e3:.0f} ms, scheduled in {(time.perf_counter() - start) * 1e3:.0f} ms"
+    )
+    print_schedule(sched)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(sched.to_json())
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+@command("run")
+def cmd_run(args: argparse.Namespace) -> int:
+    from .api import run
+    from .ops import get_op
+    from .scheduler import schedule
+
+    graph, _ = build_from_args(args)
+    graph.validate()
+    op = get_op(graph.op)
+    inputs = op.random_inputs(graph, seed=args.seed)
+    sched = schedule(graph, policy=args.policy)
+    console.print(f"running {graph.op} on {graph.topology} ({len(graph.tasks)} tasks, "
+                  f"backend {args.backend}) ...")
+    result = run(sched, inputs, backend=args.backend)
+    console.print(f"done in {result.wall_s * 1e3:.1f} ms")
+    status = 0
+    if args.check:
+        from .demo import rel_err
+
+        want = op.run_reference(inputs, graph.params)
+        tol = 1e-4 if graph.dtype == "float32" else 2e-2
+        for name in graph.outputs:
+            err = rel_err(result.outputs[name], want[name])
+            ok = err < tol
+            status |= 0 if ok else 1
+            console.print(f"check {name}: relative error {err:.2e} (tolerance {tol:g}) "
+                          + ("[green]ok[/]" if ok else "[red]FAILED[/]"))
+    if args.trace:
+        result.trace.save(args.trace)
+        console.print(f"wrote timeline {args.trace} (open in https://ui.perfetto.dev)")
+    return status
+
+
+@command("demo")
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DEMO_CASES, run_demo
+
+    console.print(f"[bold]mgraph demo[/]: {len(DEMO_CASES)} fused ops on a {args.topology} cluster, "
+                  "run on the CPU reference runtime and checked against torch")
+    start = time.perf_counter()
+    rows = run_demo(args.topology, args.out)
+    table = Table(title=f"fused ops on {args.topology} (fp32)")
+    for col in ("op", "tasks", "nvlink bytes", "rdma bytes", "wall", "rel err", "ok"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for r in rows:
+        table.add_row(r.op, str(r.tasks), human_bytes(r.nvlink_bytes), human_bytes(r.rdma_bytes),
+                      f"{r.wall_s * 1e3:.0f} ms", f"{r.rel_err:.1e}",
+                      "[green]ok[/]" if r.ok else "[red]FAILED[/]")
+    console.print(table)
+    console.print(f"timelines in {args.out}/ (Chrome/Perfetto JSON); total "
+                  f"{time.perf_counter() - start:.1f} s")
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +267,20 @@ def make_parser() -> argparse.ArgumentParser:
     add_op_args(p, required=False)
     p.add_argument("--json", help="write the graph to this JSON file")
     sub.add_parser("ops", help="list the fused ops, their dims and options")
+    p = sub.add_parser("schedule", help="schedule an op's graph; print the SM partition and queues")
+    add_op_args(p)
+    p.add_argument("--policy", default="critical_path", help="queue ordering policy")
+    p.add_argument("--json", help="write the schedule to this JSON file")
+    p = sub.add_parser("run", help="build, schedule and run an op; --check compares with torch")
+    add_op_args(p)
+    p.add_argument("--policy", default="critical_path", help="queue ordering policy")
+    p.add_argument("--backend", default="reference", help="reference (CPU)")
+    p.add_argument("--check", action="store_true", help="compare with the op's torch reference")
+    p.add_argument("--trace", help="write the timeline (Chrome/Perfetto JSON) here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p = sub.add_parser("demo", help="run the five fused ops on the CPU and check them")
+    p.add_argument("--topology", default="2x2", help="NODESxGPUS")
+    p.add_argument("--out", default="mgraph-demo", help="folder for the timelines")
     return parser
 
 

@@ -12,12 +12,13 @@ from mgraph.graph import TaskGraph
 from mgraph.kinds import KINDS
 from mgraph.validate import topo_order
 
-from .memory import allocate, gather_outputs, region_view, shard_inputs
+from .memory import Memory, allocate, gather_outputs, region_view, shard_inputs
 
-__all__ = ["run_sequential"]
+__all__ = ["run_sequential", "execute_sequential"]
 
 
-def run_sequential(graph: TaskGraph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def execute_sequential(graph: TaskGraph, inputs: dict[str, torch.Tensor]) -> Memory:
+    """Every buffer of every rank after running all tasks one at a time."""
     mem = allocate(graph)
     shard_inputs(graph, inputs, mem)
     for tid in topo_order(graph):
@@ -25,4 +26,8 @@ def run_sequential(graph: TaskGraph, inputs: dict[str, torch.Tensor]) -> dict[st
         reads = [region_view(mem, r) for r in task.reads]
         writes = [region_view(mem, w) for w in task.writes]
         KINDS[task.kind].run_cpu(task, reads, writes)
-    return gather_outputs(graph, mem)
+    return mem
+
+
+def run_sequential(graph: TaskGraph, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return gather_outputs(graph, execute_sequential(graph, inputs))

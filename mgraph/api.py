@@ -1,0 +1,58 @@
+"""``mg.run``: execute a Schedule (or a TaskGraph, scheduled with defaults) on a backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import UnknownNameError
+from .graph import TaskGraph
+from .settings import Settings
+
+if TYPE_CHECKING:
+    from .runtime.reference import RunResult
+    from .scheduler import Schedule
+
+__all__ = ["run", "BACKENDS", "backend_names"]
+
+
+def _reference(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Settings, **kw: Any):
+    from .runtime.reference import ReferenceRuntime
+
+    if kw:
+        raise UnknownNameError(f"backend 'reference' takes no options {sorted(kw)}")
+    return ReferenceRuntime(schedule, settings).run(inputs)
+
+
+BACKENDS: dict[str, Callable[..., RunResult]] = {"reference": _reference}
+
+
+def backend_names() -> list[str]:
+    return sorted(BACKENDS)
+
+
+def run(
+    schedule: Schedule | TaskGraph,
+    inputs: dict[str, torch.Tensor] | None = None,
+    *,
+    backend: str = "reference",
+    settings: Settings | None = None,
+    seed: int = 0,
+    **options: Any,
+) -> RunResult:
+    """Run ``schedule`` on ``backend`` with GLOBAL ``inputs`` (random ones from ``seed`` if
+    None) and return the gathered outputs and the trace."""
+    from .ops import get_op
+    from .scheduler import schedule as make_schedule
+
+    if backend not in BACKENDS:
+        raise UnknownNameError(
+            f"unknown backend {backend!r}; available: {', '.join(backend_names())}"
+        )
+    if isinstance(schedule, TaskGraph):
+        schedule = make_schedule(schedule)
+    if inputs is None:
+        inputs = get_op(schedule.graph.op).random_inputs(schedule.graph, seed=seed)
+    return BACKENDS[backend](schedule, inputs, settings or Settings.from_env(), **options)

@@ -1,0 +1,215 @@
+"""The CPU reference runtime: runs a Schedule with the GPU's queues, counters and proxy.
+
+Every rank's workers are threads. A worker takes the next task of its role with a fetch-add on the
+role queue's head (so workers could change role at a task boundary), waits on epoch-tagged
+counters, runs the kind's CPU tile body and signals. NVLink tasks read and write peer ranks'
+buffers directly (all ranks share this process, as GPUs of one node share NVLink). RDMA tasks are
+pushed as commands into the rank's FIFO; a host proxy drains it, moves the data through a
+transport and raises the task's events: the same path the GPU megakernel takes.
+
+Counters are never reset: launch ``epoch`` waits for ``(epoch - 1) * signals(event) + count``,
+so a schedule relaunches as often as wanted. Every wait is bounded by ``Settings.watchdog_s``; on
+expiry all ranks abort and WatchdogTimeout names rank, worker, task, event, value and target.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from mgraph.errors import MgraphError, WatchdogTimeout
+from mgraph.graph import Task, TaskGraph
+from mgraph.kinds import KINDS, Role
+from mgraph.settings import Settings
+
+from .memory import allocate, gather_outputs, region_view, shard_inputs
+from .network import Network
+from .trace import TaskRecord, Trace
+
+if TYPE_CHECKING:
+    from mgraph.scheduler import Schedule
+
+__all__ = ["ReferenceRuntime", "RunResult", "Counters"]
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, torch.Tensor]
+    trace: Trace
+    wall_s: float
+    epoch: int
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class Counters:
+    """Event counters of all ranks; waiters block on their event's rank condition."""
+
+    def __init__(self, graph: TaskGraph) -> None:
+        self.values = [0] * len(graph.events)
+        self.rank_of = [e.rank for e in graph.events]
+        self.conds = [threading.Condition() for _ in graph.topology.ranks]
+        self.aborted = False
+
+    def add(self, event: int) -> None:
+        cond = self.conds[self.rank_of[event]]
+        with cond:
+            self.values[event] += 1
+            cond.notify_all()
+
+    def wait(self, event: int, target: int, timeout: float) -> bool:
+        """True once the counter reaches ``target``; False on timeout or abort."""
+        cond = self.conds[self.rank_of[event]]
+        deadline = time.monotonic() + timeout
+        with cond:
+            while self.values[event] < target and not self.aborted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                cond.wait(left)
+            return self.values[event] >= target
+
+    def abort(self) -> None:
+        self.aborted = True
+        for cond in self.conds:
+            with cond:
+                cond.notify_all()
+
+
+class ReferenceRuntime:
+    """Holds one schedule's memory, counters and proxies across launches."""
+
+    def __init__(self, schedule: Schedule, settings: Settings | None = None) -> None:
+        self.schedule = schedule
+        self.graph = schedule.graph
+        self.settings = settings or Settings.from_env()
+        self.memory = allocate(self.graph)
+        self.counters = Counters(self.graph)
+        self.total_signals = [0] * len(self.graph.events)
+        for t in self.graph.tasks:
+            for e in t.signals:
+                self.total_signals[e] += 1
+        self.signalers = self.graph.signalers()
+        self.epoch = 0
+
+    # -- one launch ---------------------------------------------------------------------------
+    def run(self, inputs: dict[str, torch.Tensor]) -> RunResult:
+        graph = self.graph
+        shard_inputs(graph, inputs, self.memory)  # checks names, shapes, dtypes first
+        for buf in graph.buffers.values():
+            if buf.role != "input":  # stale results of the last launch must not pass as new
+                self.memory[buf.id].fill_(float("nan"))
+        self.epoch += 1
+        self.counters.aborted = False
+        self.errors: list[BaseException] = []
+        self.done = [False] * len(graph.tasks)
+        self.records: list[TaskRecord] = []
+        self.record_lock = threading.Lock()
+        network = Network(self, self.settings)
+        self.t0 = time.perf_counter()
+        self.network = network
+        threads = []
+        for rs in self.schedule.ranks:
+            for role in Role:
+                queue = rs.queues.get(role.value, [])
+                if not queue:
+                    continue
+                head = itertools.count()  # next() on a count is atomic under the GIL: fetch-add
+                n = min(max(rs.workers.get(role.value, 1), 1), self.settings.threads_per_role)
+                for w in range(n):
+                    th = threading.Thread(
+                        target=self._worker,
+                        args=(rs.rank, role.value, w, queue, head),
+                        name=f"r{rs.rank}-{role.value}-{w}",
+                        daemon=True,
+                    )
+                    threads.append(th)
+        network.start()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        network.stop(drain=not self.errors)
+        if self.errors:
+            self.counters.abort()
+            raise self.errors[0]
+        wall = time.perf_counter() - self.t0
+        outputs = gather_outputs(graph, self.memory)
+        trace = Trace(sorted(self.records, key=lambda r: r.start), backend="reference")
+        return RunResult(outputs, trace, wall, self.epoch, network.stats())
+
+    # -- workers ------------------------------------------------------------------------------
+    def _worker(self, rank: int, role: str, worker: int, queue: list[int], head) -> None:
+        tasks = self.graph.tasks
+        try:
+            while not self.counters.aborted:
+                i = next(head)
+                if i >= len(queue):
+                    return
+                task = tasks[queue[i]]
+                for event, count in task.waits:
+                    target = (self.epoch - 1) * self.total_signals[event] + count
+                    if not self.counters.wait(event, target, self.settings.watchdog_s):
+                        if self.counters.aborted:
+                            return
+                        self.fail(self._timeout(rank, role, worker, task, event, count, target))
+                        return
+                start = time.perf_counter() - self.t0
+                if role == Role.RDMA.value:
+                    self.network.submit(task, worker, start)
+                    continue
+                self.execute(task)
+                self.finish(task, worker, start)
+        except BaseException as exc:  # a failing tile body aborts every rank
+            self.fail(exc)
+
+    def execute(self, task: Task) -> None:
+        reads = [region_view(self.memory, r) for r in task.reads]
+        writes = [region_view(self.memory, w) for w in task.writes]
+        try:
+            KINDS[task.kind].run_cpu(task, reads, writes)
+        except MgraphError:
+            raise
+        except Exception as exc:
+            raise MgraphError(
+                f"task {task.name!r} (rank {task.rank}, {task.role} {task.kind}) failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    def record(self, task: Task, worker: int, start: float) -> None:
+        end = time.perf_counter() - self.t0
+        with self.record_lock:
+            self.records.append(
+                TaskRecord(task.id, task.name, task.kind, task.rank, task.role, worker, start, end)
+            )
+        self.done[task.id] = True
+
+    def finish(self, task: Task, worker: int, start: float) -> None:
+        """Record the task and signal its events (after its writes: release order)."""
+        self.record(task, worker, start)
+        for e in task.signals:
+            self.counters.add(e)
+
+    def fail(self, exc: BaseException) -> None:
+        with self.record_lock:
+            self.errors.append(exc)
+        self.counters.abort()
+
+    def _timeout(self, rank, role, worker, task, event, count, target) -> WatchdogTimeout:
+        ev = self.graph.events[event]
+        value = self.counters.values[event]
+        names = [
+            f"{self.graph.tasks[s].name!r} ({'done' if self.done[s] else 'not done'})"
+            for s in self.signalers[event]
+        ]
+        return WatchdogTimeout(
+            f"watchdog: rank {rank}, {role} worker {worker}, task {task.name!r} waited "
+            f"{self.settings.watchdog_s:g} s for event {ev.name!r} (id {event}, rank {ev.rank}): "
+            f"value {value}, target {target} (count {count}, epoch {self.epoch}); tasks that "
+            f"signal it: {', '.join(names) if names else 'none'}",
+            hint="a signal is missing or a producer never ran; check those tasks' waits",
+        )
