@@ -1,0 +1,122 @@
+"""The scheduler: TaskGraph -> Schedule (DESIGN: Roles, queues; Controller).
+
+Four steps, each its own module:
+1. cost    (costmodel.py): seconds per task on one worker, from the graph's cost hints;
+2. order   (policies.py):  one global topological order by a named policy, cut per rank and
+   role into the queues;
+3. SM partition (balance.py): workers per role from the work-balance rule (or an override);
+4. proxy batches (batches.py): each rank's rdma queue in groups the proxy submits at once.
+Then every check of checks.py runs, so a returned Schedule cannot deadlock a runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..errors import ScheduleError, UnknownNameError
+from ..graph import TaskGraph
+from ..hardware import H200, HardwareProfile
+from ..kinds import ROLES, Role
+from .balance import DAMPING, balance_workers, static_partition
+from .batches import proxy_batches
+from .checks import check_batches, check_queues, check_schedule, check_workers
+from .costmodel import role_work, task_cost, task_costs
+from .policies import POLICIES, Policy, PolicyInput, get_policy, policy_input, register_policy
+from .model import RankSchedule, Schedule
+
+__all__ = [
+    "schedule",
+    "Schedule",
+    "RankSchedule",
+    "POLICIES",
+    "Policy",
+    "PolicyInput",
+    "get_policy",
+    "register_policy",
+    "policy_input",
+    "balance_workers",
+    "static_partition",
+    "DAMPING",
+    "proxy_batches",
+    "check_queues",
+    "check_workers",
+    "check_batches",
+    "check_schedule",
+    "task_cost",
+    "task_costs",
+    "role_work",
+]
+
+_ROLE_NAMES = tuple(r.value for r in ROLES)
+
+
+def schedule(
+    graph: TaskGraph,
+    hardware: HardwareProfile = H200,
+    policy: str = "critical_path",
+    workers: Mapping[str | Role, int] | None = None,
+) -> Schedule:
+    """Schedule ``graph`` for ``hardware`` with the ordering ``policy`` (see ``POLICIES``).
+
+    ``workers`` overrides the SM partition on every rank: role -> workers, where a role left
+    out gets none; it must give each role with tasks at least one and use at most
+    ``hardware.sms`` in total.
+    """
+    choose = get_policy(policy)  # an unknown name fails before any work
+    override = None if workers is None else _check_override(graph, hardware, workers)
+    costs = task_costs(graph, hardware)
+    order = choose(graph, policy_input(graph, costs))
+    world = graph.topology.world_size
+    queues: list[dict[str, list[int]]] = [{r: [] for r in _ROLE_NAMES} for _ in range(world)]
+    tasks = graph.tasks
+    for tid in order:
+        t = tasks[tid]
+        queues[t.rank][t.role].append(tid)
+    partition = static_partition(graph, hardware, costs) if override is None else None
+    ranks = [
+        RankSchedule(
+            rank=r,
+            workers=dict(override) if override is not None else partition[r],
+            queues=queues[r],
+            batches=proxy_batches(graph, queues[r][Role.RDMA.value], hardware),
+        )
+        for r in range(world)
+    ]
+    result = Schedule(graph=graph, hardware=hardware, policy=policy, ranks=ranks)
+    check_schedule(result)
+    return result
+
+
+def _check_override(
+    graph: TaskGraph, hardware: HardwareProfile, workers: Mapping[str | Role, int]
+) -> dict[str, int]:
+    out = {r: 0 for r in _ROLE_NAMES}
+    for role, n in workers.items():
+        name = str(role)
+        if name not in out:
+            raise UnknownNameError(
+                f"schedule(workers=...): unknown role {name!r}; valid roles: "
+                f"{', '.join(_ROLE_NAMES)}"
+            )
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ScheduleError(
+                f"schedule(workers=...): {name}={n!r} must be a non-negative int",
+                hint='e.g. workers={"compute": 112, "nvlink": 16, "rdma": 1}',
+            )
+        out[name] = n
+    total = sum(out.values())
+    if total > hardware.sms:
+        raise ScheduleError(
+            f"schedule(workers=...): {total} workers ({out}) but {hardware.name} has "
+            f"{hardware.sms} SMs",
+            hint="the persistent kernel runs one worker per SM at most: lower the counts",
+        )
+    used = {(t.rank, t.role) for t in graph.tasks}
+    for rank, role in sorted(used):
+        if out[role] < 1:
+            raise ScheduleError(
+                f"schedule(workers=...): rank {rank} has {role} tasks but {role}=0 workers",
+                hint=f"give every role with tasks at least one worker: roles with tasks here are "
+                f"{', '.join(sorted({r for _, r in used}))}",
+            )
+    return out

@@ -1,0 +1,213 @@
+"""Checks that a schedule can run on its graph and hardware; each failure is a ScheduleError
+naming the rank, role, task and event involved.
+
+The queue check is the one that matters for progress. A worker takes the next task of its role's
+queue and blocks until that task's waits are met, so the queues are safe exactly when they can
+be merged into one order the counters allow. Counters only grow, so a task that is ready stays
+ready, and greedily running any ready queue head finds such a merge whenever one exists.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import ScheduleError
+from ..graph import TaskGraph
+from ..hardware import HardwareProfile
+from ..kinds import ROLES
+
+if TYPE_CHECKING:
+    from .model import RankSchedule, Schedule
+
+__all__ = ["check_queues", "check_workers", "check_batches", "check_schedule", "rdma_destination"]
+
+_ROLE_NAMES = tuple(r.value for r in ROLES)
+
+
+def check_schedule(schedule: Schedule) -> list[int]:
+    """All checks; returns the merged global order of the queues."""
+    order = check_queues(schedule.graph, schedule.ranks)
+    check_workers(schedule.graph, schedule.ranks, schedule.hardware)
+    check_batches(schedule.graph, schedule.ranks, schedule.hardware)
+    return order
+
+
+def check_queues(graph: TaskGraph, ranks: Sequence[RankSchedule]) -> list[int]:
+    """Every task once, in its own rank's role queue, and all queues consistent with one
+    topological order. Returns that order (ready queue heads taken by smallest task id)."""
+    _check_membership(graph, ranks)
+    tasks = graph.tasks
+    queues = [rs.queues[role] for rs in ranks for role in _ROLE_NAMES]
+    head = [0] * len(queues)
+    queue_of = [0] * len(tasks)
+    for qi, q in enumerate(queues):
+        for tid in q:
+            queue_of[tid] = qi
+    waiters: dict[int, list[tuple[int, int]]] = {}
+    missing = [0] * len(tasks)
+    for t in tasks:
+        missing[t.id] = len(t.waits)
+        for e, c in t.waits:
+            waiters.setdefault(e, []).append((t.id, c))
+    count = [0] * len(graph.events)
+    ready = [q[0] for q in queues if q and missing[q[0]] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        tid = heapq.heappop(ready)
+        order.append(tid)
+        qi = queue_of[tid]
+        head[qi] += 1
+        q = queues[qi]
+        if head[qi] < len(q) and missing[q[head[qi]]] == 0:
+            heapq.heappush(ready, q[head[qi]])
+        for e in tasks[tid].signals:
+            count[e] += 1
+            for w, c in waiters.get(e, ()):
+                if count[e] == c:
+                    missing[w] -= 1
+                    # A task becomes runnable only at its queue's head: the worker is in order.
+                    if missing[w] == 0 and queues[queue_of[w]][head[queue_of[w]]] == w:
+                        heapq.heappush(ready, w)
+    if len(order) < len(tasks):
+        _explain_blocked(graph, ranks, queues, head, count, set(order))
+    return order
+
+
+def _check_membership(graph: TaskGraph, ranks: Sequence[RankSchedule]) -> None:
+    world = graph.topology.world_size
+    if [rs.rank for rs in ranks] != list(range(world)):
+        raise ScheduleError(
+            f"schedule ranks {[rs.rank for rs in ranks]} do not match topology "
+            f"{graph.topology} (ranks 0..{world - 1}, in order)",
+            hint="a schedule has one RankSchedule per rank of its graph",
+        )
+    n = len(graph.tasks)
+    seen = [False] * n
+    for rs in ranks:
+        if set(rs.queues) != set(_ROLE_NAMES):
+            raise ScheduleError(
+                f"rank {rs.rank}: queues for roles {sorted(rs.queues)}; need exactly "
+                f"{', '.join(_ROLE_NAMES)}",
+                hint="give every role a queue, an empty list when it has no tasks",
+            )
+        for role, queue in rs.queues.items():
+            for pos, tid in enumerate(queue):
+                where = f"rank {rs.rank} {role} queue position {pos}"
+                if not 0 <= tid < n:
+                    raise ScheduleError(f"{where}: no task {tid} (the graph has {n})")
+                t = graph.tasks[tid]
+                if t.rank != rs.rank or t.role != role:
+                    raise ScheduleError(
+                        f"{where}: task {t.name!r} runs on rank {t.rank} as {t.role}",
+                        hint=f"put it in rank {t.rank}'s {t.role} queue",
+                    )
+                if seen[tid]:
+                    raise ScheduleError(f"{where}: task {t.name!r} is queued twice")
+                seen[tid] = True
+    if not all(seen):
+        absent = [graph.tasks[i].name for i in range(n) if not seen[i]]
+        raise ScheduleError(
+            f"{len(absent)} task(s) are in no queue: {absent[:8]}",
+            hint="every task of the graph must be queued once, on its rank in its role",
+        )
+
+
+def _explain_blocked(
+    graph: TaskGraph,
+    ranks: Sequence[RankSchedule],
+    queues: list[list[int]],
+    head: list[int],
+    count: list[int],
+    done: set[int],
+) -> None:
+    signalers = graph.signalers()
+    where: dict[int, str] = {}
+    for rs in ranks:
+        for role in _ROLE_NAMES:
+            for pos, tid in enumerate(rs.queues[role]):
+                where[tid] = f"rank {rs.rank} {role} queue position {pos}"
+    lines = []
+    for qi, q in enumerate(queues):
+        if head[qi] >= len(q):
+            continue
+        t = graph.tasks[q[head[qi]]]
+        for e, c in t.waits:
+            if count[e] >= c:
+                continue
+            ev = graph.events[e]
+            pending = [s for s in signalers[e] if s not in done]
+            by = ", ".join(f"{graph.tasks[s].name!r} ({where[s]})" for s in pending[:3])
+            lines.append(
+                f"{t.name!r} ({where[t.id]}) waits on event {ev.name!r} (rank {ev.rank}) for "
+                f"{c}, has {count[e]}; "
+                + (f"still to signal: {by}" if pending else "no remaining task signals it")
+            )
+            break
+        if len(lines) == 4:
+            break
+    raise ScheduleError(
+        f"the queues deadlock after {len(done)} of {len(graph.tasks)} tasks: no queue head can "
+        "run.\n  " + "\n  ".join(lines),
+        hint="a queue must list a task after every task it waits on, directly or through other "
+        "queues: cut the queues from one topological order (mgraph.validate.topo_order)",
+    )
+
+
+def check_workers(
+    graph: TaskGraph, ranks: Sequence[RankSchedule], hardware: HardwareProfile
+) -> None:
+    """Every role with tasks on a rank has a worker; no rank uses more workers than SMs."""
+    for rs in ranks:
+        unknown = set(rs.workers) - set(_ROLE_NAMES)
+        if unknown:
+            raise ScheduleError(
+                f"rank {rs.rank}: workers for unknown role(s) {sorted(unknown)}",
+                hint=f"roles are {', '.join(_ROLE_NAMES)}",
+            )
+        for role in _ROLE_NAMES:
+            n = rs.workers.get(role, 0)
+            if n < 0:
+                raise ScheduleError(f"rank {rs.rank}: {n} {role} workers")
+            if rs.queues[role] and n < 1:
+                raise ScheduleError(
+                    f"rank {rs.rank} has {len(rs.queues[role])} {role} task(s) but no {role} "
+                    "worker",
+                    hint="every role with tasks needs at least one worker, or its queue never "
+                    "drains",
+                )
+        total = sum(rs.workers.values())
+        if total > hardware.sms:
+            raise ScheduleError(
+                f"rank {rs.rank} uses {total} workers ({rs.workers}); {hardware.name} has "
+                f"{hardware.sms} SMs",
+                hint="the persistent kernel's workers must all be resident: one per SM at most",
+            )
+
+
+def rdma_destination(graph: TaskGraph, tid: int) -> int:
+    """The rank an rdma task writes to (validate.py: exactly one)."""
+    return graph.buffers[graph.tasks[tid].writes[0].buffer].rank
+
+
+def check_batches(
+    graph: TaskGraph, ranks: Sequence[RankSchedule], hardware: HardwareProfile
+) -> None:
+    """A rank's batches are its rdma queue cut into runs of 1..proxy_batch commands."""
+    for rs in ranks:
+        flat = [tid for batch in rs.batches for tid in batch]
+        if flat != rs.queues["rdma"]:
+            raise ScheduleError(
+                f"rank {rs.rank}: proxy batches {rs.batches[:4]}... do not list the rdma queue "
+                "in order",
+                hint="batches cut the rdma queue into consecutive runs",
+            )
+        for i, batch in enumerate(rs.batches):
+            if not 1 <= len(batch) <= hardware.proxy_batch:
+                raise ScheduleError(
+                    f"rank {rs.rank}: proxy batch {i} has {len(batch)} commands; "
+                    f"{hardware.name} allows 1..{hardware.proxy_batch}",
+                    hint="split the batch",
+                )

@@ -1,0 +1,204 @@
+"""Ordering policies: plain functions with one signature, chosen by name (STYLE rule 4).
+
+    policy(graph, facts) -> order
+
+``facts`` (PolicyInput) holds what every policy needs and nobody should compute twice: the cost
+of each task on one worker, one topological order of the graph, and each task's successors.
+``order`` is ONE global order of all task ids that the counters allow; the scheduler cuts it into
+the per-rank, per-role queues, so every queue is a subsequence of one topological order and a
+single worker per role can never deadlock (DESIGN: Roles, queues). ``check_queues`` verifies it
+for any policy, including user ones.
+
+The builtin policies differ only in the priority a ready task gets; ``list_order`` turns a
+priority into an order by simulating the counters and always taking the best ready task.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RegistrationError, UnknownNameError
+from ..graph import TaskGraph
+from ..kinds import Role
+from ..validate import topo_order
+
+__all__ = [
+    "PolicyInput",
+    "Policy",
+    "POLICIES",
+    "policy_input",
+    "get_policy",
+    "register_policy",
+    "list_order",
+    "critical_path_lengths",
+    "network_waves",
+    "topological",
+    "critical_path",
+    "remote_first",
+]
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    """What a policy may read besides the graph."""
+
+    costs: list[float]  # seconds on one worker of the task's role (costmodel.task_costs)
+    order: list[int]  # one topological order (mgraph.validate.topo_order)
+    succ: list[list[int]]  # tasks that wait on an event the task signals, later in ``order``
+
+
+Policy = Callable[[TaskGraph, PolicyInput], list[int]]
+
+POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(name: str) -> Callable[[Policy], Policy]:
+    """Decorator: make ``fn`` selectable as ``schedule(..., policy=name)``."""
+
+    def attach(fn: Policy) -> Policy:
+        if name in POLICIES:
+            raise RegistrationError(
+                f"scheduling policy {name!r} is already registered", hint="pick another name"
+            )
+        POLICIES[name] = fn
+        return fn
+
+    return attach
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except (KeyError, TypeError):
+        raise UnknownNameError(
+            f"unknown scheduling policy {name!r}; valid policies: {', '.join(sorted(POLICIES))}",
+            hint="register your own with mgraph.scheduler.register_policy",
+        ) from None
+
+
+def policy_input(graph: TaskGraph, costs: list[float]) -> PolicyInput:
+    order = topo_order(graph)  # raises CycleError / UnsatisfiableWaitError for broken graphs
+    pos = [0] * len(graph.tasks)
+    for i, tid in enumerate(order):
+        pos[tid] = i
+    signalers = graph.signalers()
+    succ: list[list[int]] = [[] for _ in graph.tasks]
+    for t in graph.tasks:
+        tid, tpos = t.id, pos[t.id]
+        for e, _ in t.waits:
+            for s in signalers[e]:
+                # A wait for fewer than all signals can be met before some signaler runs: only
+                # the signalers earlier in the order are predecessors (keeps the edges acyclic).
+                if pos[s] < tpos:
+                    lst = succ[s]
+                    if not lst or lst[-1] != tid:
+                        lst.append(tid)
+    return PolicyInput(costs=costs, order=order, succ=succ)
+
+
+def list_order(graph: TaskGraph, priority: Sequence[Any]) -> list[int]:
+    """The counter simulation of ``topo_order``, taking the ready task with the smallest
+    ``(priority[id], id)`` first. Any priority gives a valid topological order."""
+    tasks = graph.tasks
+    n = len(tasks)
+    # Rank the keys once so the heap holds plain ints (40k+ tasks per schedule).
+    rank_of = [0] * n
+    for i, tid in enumerate(sorted(range(n), key=lambda t: (priority[t], t))):
+        rank_of[tid] = i
+    waiters: dict[int, list[tuple[int, int]]] = {}
+    missing = [0] * n
+    for t in tasks:
+        missing[t.id] = len(t.waits)
+        for e, c in t.waits:
+            waiters.setdefault(e, []).append((t.id, c))
+    count = [0] * len(graph.events)
+    heap = [rank_of[t.id] for t in tasks if not t.waits]
+    heapq.heapify(heap)
+    by_rank = sorted(range(n), key=rank_of.__getitem__)
+    order: list[int] = []
+    while heap:
+        tid = by_rank[heapq.heappop(heap)]
+        order.append(tid)
+        for e in tasks[tid].signals:
+            count[e] += 1
+            for w, c in waiters.get(e, ()):
+                if count[e] == c:
+                    missing[w] -= 1
+                    if missing[w] == 0:
+                        heapq.heappush(heap, rank_of[w])
+    assert len(order) == n, "policy_input's topo_order already proved every task can run"
+    return order
+
+
+def critical_path_lengths(facts: PolicyInput) -> list[float]:
+    """Cost of the longest path from each task to the end of the graph, the task included."""
+    costs, succ = facts.costs, facts.succ
+    length = list(costs)
+    for tid in reversed(facts.order):
+        best = 0.0
+        for s in succ[tid]:
+            if length[s] > best:
+                best = length[s]
+        length[tid] = costs[tid] + best
+    return length
+
+
+_NEVER = 1 << 30  # the wave of a task no network transfer depends on
+
+
+def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """For each task, the earliest network wave that needs it (``_NEVER`` if none).
+
+    An rdma task's wave is the number of rdma tasks on the longest chain ending at it: wave 1
+    sends data produced locally, wave 2 sends what wave 1 made possible (a reduce-scatter's
+    all-gather), and so on. A task's wave is the smallest wave among the rdma tasks that depend
+    on it: the lower, the sooner the network waits for it.
+    """
+    rdma = Role.RDMA.value
+    tasks, succ = graph.tasks, facts.succ
+    level = [0] * len(tasks)
+    for tid in facts.order:
+        if tasks[tid].role == rdma:
+            level[tid] += 1
+        lv = level[tid]
+        for s in succ[tid]:
+            if level[s] < lv:
+                level[s] = lv
+    need = [_NEVER] * len(tasks)
+    for tid in reversed(facts.order):
+        best = level[tid] if tasks[tid].role == rdma else _NEVER
+        for s in succ[tid]:
+            if need[s] < best:
+                best = need[s]
+        need[tid] = best
+    return need
+
+
+# -- the builtin policies ----------------------------------------------------------------------
+@register_policy("topological")
+def topological(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """Ready tasks in id order: the program order the lowering emitted them in."""
+    return list_order(graph, range(len(graph.tasks)))
+
+
+@register_policy("critical_path")
+def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """Longest remaining path (by estimated cost) first, ties by id: the classic list-scheduling
+    priority; it starts the tiles whose results still have the longest way to go."""
+    length = critical_path_lengths(facts)
+    return list_order(graph, [-x for x in length])
+
+
+@register_policy("remote_first")
+def remote_first(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """Tasks whose outputs the earliest network transfers need first, then by critical path.
+
+    The network is the slowest link: producing first the tiles that must cross it starts the
+    transfers early and hides them behind the rest of the compute.
+    """
+    waves = network_waves(graph, facts)
+    length = critical_path_lengths(facts)
+    return list_order(graph, [(w, -x) for w, x in zip(waves, length, strict=True)])

@@ -1,0 +1,454 @@
+from __future__ import annotations
+
+import json
+import time
+
+import networkx as nx
+import pytest
+import torch
+from helpers import TOPOLOGIES, rel_err
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mgraph.runtime import allocate, gather_outputs, region_view, shard_inputs
+
+import mgraph as mg
+from mgraph.builder import GraphBuilder
+from mgraph.kinds import KINDS, Role
+from mgraph.scheduler import (
+    POLICIES,
+    RankSchedule,
+    Schedule,
+    check_queues,
+    policy_input,
+    register_policy,
+    task_cost,
+    task_costs,
+)
+
+BUILTIN = ["topological", "critical_path", "remote_first"]
+
+# Small shapes per op, as a function of the world size; ops not registered (yet) are skipped.
+SMALL = {
+    "gemm_allreduce": lambda w: dict(M=64, N=96, K=32, tile=[16, 32], chunk_bytes=2048),
+    "gemm_reduce_scatter": lambda w: dict(M=128, N=96, K=32, tile=[8, 32], chunk_bytes=2048),
+    "allgather_gemm": lambda w: dict(M=16 * w, N=32 * w, K=32, tile=[8, 32], chunk_bytes=2048),
+    "ring_attention": lambda w: dict(B=2, H=2, S=64, D=16, block=4, chunk_bytes=1000),
+    "moe_dispatch_combine": lambda w: dict(
+        T=8 * w, E=2 * w, top_k=2, H=16, F=32, expert_rows=8, combine_cols=8
+    ),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # Tiles here are tiny: a second intra-op thread only adds contention (100x slower when the
+    # cores are shared with other test processes).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build(op: str, topology: str) -> mg.TaskGraph:
+    if op not in mg.ops.op_names():
+        pytest.skip(f"op {op} is not registered yet")
+    world = mg.Topology.parse(topology).world_size
+    return mg.ops.get_op(op)(topology=topology, **SMALL[op](world))
+
+
+def assert_runnable(s: Schedule) -> list[int]:
+    """Independent of check_queues: the merged order is a permutation the counters allow, and
+    every queue is a subsequence of it holding only its own rank's tasks of its role."""
+    g = s.graph
+    order = s.order()
+    assert sorted(order) == list(range(len(g.tasks)))
+    pos = [0] * len(order)
+    for i, tid in enumerate(order):
+        pos[tid] = i
+    assert [rs.rank for rs in s.ranks] == list(g.topology.ranks)
+    for rs in s.ranks:
+        assert set(rs.queues) == {"compute", "nvlink", "rdma"}
+        for role, q in rs.queues.items():
+            assert [pos[t] for t in q] == sorted(pos[t] for t in q), (rs.rank, role)
+            assert all(g.tasks[t].rank == rs.rank and g.tasks[t].role == role for t in q)
+            if q:
+                assert rs.workers[role] >= 1
+        assert sum(rs.workers.values()) <= s.hardware.sms
+        flat = [t for b in rs.batches for t in b]
+        assert flat == rs.queues["rdma"]
+        for batch in rs.batches:
+            assert 1 <= len(batch) <= s.hardware.proxy_batch
+            dsts = {g.buffers[g.tasks[t].writes[0].buffer].rank for t in batch}
+            assert len(dsts) == 1, "a proxy batch goes to one destination"
+    count = [0] * len(g.events)
+    for tid in order:
+        t = g.tasks[tid]
+        assert all(count[e] >= c for e, c in t.waits), f"{t.name} runs before its inputs"
+        for e in t.signals:
+            count[e] += 1
+    return order
+
+
+def run_in_order(g: mg.TaskGraph, order: list[int], inputs: dict) -> dict:
+    mem = allocate(g)
+    shard_inputs(g, inputs, mem)
+    for tid in order:
+        t = g.tasks[tid]
+        KINDS[t.kind].run_cpu(
+            t, [region_view(mem, r) for r in t.reads], [region_view(mem, w) for w in t.writes]
+        )
+    return gather_outputs(g, mem)
+
+
+# -- every op, every policy --------------------------------------------------------------------
+def test_builtin_policies_registered():
+    assert set(BUILTIN) <= set(POLICIES)
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_queues_consistent_every_policy(op, topology):
+    g = build(op, topology)
+    reference = mg.ops.get_op(op)
+    inputs = reference.random_inputs(g, seed=1)
+    want = reference.run_reference(inputs, g.params)
+    for policy in BUILTIN:
+        s = mg.schedule(g, policy=policy)
+        assert s.policy == policy
+        order = assert_runnable(s)
+        got = run_in_order(g, order, inputs)  # the schedule's order computes the op
+        for name in g.outputs:
+            assert rel_err(got[name], want[name]) < 1e-4, (op, topology, policy, name)
+
+
+def test_every_registered_op_has_a_small_shape():
+    missing = sorted(set(mg.ops.op_names()) - set(SMALL))
+    if missing:
+        pytest.skip(f"no small shape in this table yet for {missing}")
+
+
+def test_topological_is_program_order():
+    g = build("gemm_allreduce", "2x4")
+    s = mg.schedule(g, policy="topological")
+    for rs in s.ranks:
+        for q in rs.queues.values():
+            assert q == sorted(q)  # the lowering emits producers first, so ids are topological
+
+
+def _feeds(g: mg.TaskGraph, name_prefix: str) -> set[int]:
+    nxg = g.to_networkx()
+    return {
+        t.id
+        for t in g.tasks
+        if any(g.tasks[d].name.startswith(name_prefix) for d in nx.descendants(nxg, t.id))
+    }
+
+
+@pytest.mark.parametrize("policy", ["remote_first", "critical_path"])
+def test_tiles_that_cross_the_network_go_first(policy):
+    g = build("gemm_allreduce", "2x2")
+    sent = _feeds(g, "rail-send")
+    s = mg.schedule(g, policy=policy)
+    for rs in s.ranks:
+        gemms = [t for t in rs.queues["compute"] if g.tasks[t].kind == "gemm"]
+        flags = [t in sent for t in gemms]
+        assert any(flags) and not all(flags)
+        assert flags == sorted(flags, reverse=True), f"rank {rs.rank}: {flags}"
+
+
+def test_remote_first_beats_a_longer_local_chain():
+    # Rank 0: a long local chain of heavy tiles, and one light tile whose result rank 1 needs.
+    # critical_path starts the long chain; remote_first starts the tile the network waits for.
+    topo = mg.Topology.parse("2x1")
+    b = GraphBuilder("two_chains", topo, "float32", {})
+    src = b.buffer("src", 0, 4, 4)
+    dst = [b.buffer("dst", r, 4, 4) for r in topo.ranks]
+    prev = None
+    for i in range(3):
+        prev = b.task(
+            0,
+            Role.COMPUTE,
+            "copy",
+            [src.region((i, i + 1))],
+            [dst[0].region((i, i + 1))],
+            waits=b.after(0, [prev] if prev else []),
+            flops=1e12,
+            name=f"local{i}",
+        )
+    light = b.task(
+        0, Role.COMPUTE, "copy", [src.region((3, 4))], [dst[0].region((3, 4))], name="light"
+    )
+    b.task(
+        0,
+        Role.RDMA,
+        "copy",
+        [dst[0].region((3, 4))],
+        [dst[1].region((3, 4))],
+        waits=b.after(0, [light]),
+        name="send",
+    )
+    g = b.finish()
+    first = {
+        p: g.tasks[mg.schedule(g, policy=p).queue(0, "compute")[0]].name
+        for p in ("critical_path", "remote_first")
+    }
+    assert first == {"critical_path": "local0", "remote_first": "light"}
+
+
+# -- random graphs -----------------------------------------------------------------------------
+@st.composite
+def random_graphs(draw) -> mg.TaskGraph:
+    topo = mg.Topology.parse(draw(st.sampled_from(["1x1", "1x2", "2x1", "2x2", "3x2"])))
+    n = draw(st.integers(1, 30))
+    b = GraphBuilder("random", topo, "float32", {})
+    src = [b.buffer("src", r, 1, 4) for r in topo.ranks]
+    dst = [b.buffer("dst", r, n, 4) for r in topo.ranks]
+    roles = [Role.COMPUTE, Role.NVLINK] + ([Role.RDMA] if topo.nodes > 1 else [])
+    tasks = []
+    for i in range(n):
+        rank = draw(st.integers(0, topo.world_size - 1))
+        role = draw(st.sampled_from(roles))
+        target = rank
+        if role == Role.RDMA:
+            other = (topo.node_of(rank) + 1) % topo.nodes
+            target = topo.rail_peer(rank, other)
+        preds = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
+        producers = [tasks[p] for p in preds]
+        if len(producers) >= 2 and draw(st.booleans()):
+            # "any k of n": a partial wait, met before some of its signalers run.
+            ev = b.event(rank, f"any#{i}")
+            for p in producers:
+                p.signals.append(ev)
+            waits = [(ev, draw(st.integers(1, len(producers))))]
+        else:
+            waits = b.after(rank, producers)
+        tasks.append(
+            b.task(
+                rank,
+                role,
+                "copy",
+                [src[rank].region()],
+                [dst[target].region((i, i + 1))],
+                waits=waits,
+                flops=draw(st.floats(0, 1e9)),
+                name=f"t{i}",
+            )
+        )
+    return b.finish()
+
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(random_graphs())
+def test_random_graphs_every_policy(g):
+    for policy in BUILTIN:
+        assert_runnable(mg.schedule(g, policy=policy))
+
+
+@FAST
+@given(random_graphs(), st.randoms(use_true_random=False))
+def test_random_topological_queues_pass(g, rnd):
+    # Any topological order cut into queues is accepted (a random Kahn order of the counters).
+    order = _random_topo(g, rnd)
+    ranks = _cut(g, order)
+    merged = check_queues(g, ranks)
+    assert sorted(merged) == list(range(len(g.tasks)))
+    s = Schedule(graph=g, hardware=mg.H200, policy="custom", ranks=ranks)
+    assert_runnable(s.check())
+
+
+def _random_topo(g: mg.TaskGraph, rnd) -> list[int]:
+    count = [0] * len(g.events)
+    done: set[int] = set()
+    order = []
+    while len(order) < len(g.tasks):
+        ready = [
+            t.id for t in g.tasks if t.id not in done and all(count[e] >= c for e, c in t.waits)
+        ]
+        tid = rnd.choice(ready)
+        done.add(tid)
+        order.append(tid)
+        for e in g.tasks[tid].signals:
+            count[e] += 1
+    return order
+
+
+def _cut(g: mg.TaskGraph, order: list[int]) -> list[RankSchedule]:
+    ranks = []
+    for r in g.topology.ranks:
+        queues = {
+            role: [t for t in order if g.tasks[t].rank == r and g.tasks[t].role == role]
+            for role in ("compute", "nvlink", "rdma")
+        }
+        ranks.append(
+            RankSchedule(
+                rank=r,
+                workers={role: 1 if q else 0 for role, q in queues.items()},
+                queues=queues,
+                batches=[[t] for t in queues["rdma"]],
+            )
+        )
+    return ranks
+
+
+# -- errors ------------------------------------------------------------------------------------
+def test_unknown_policy_lists_valid_ones():
+    g = build("gemm_allreduce", "1x2")
+    with pytest.raises(mg.UnknownNameError) as info:
+        mg.schedule(g, policy="fastest")
+    msg = str(info.value)
+    assert "fastest" in msg and all(p in msg for p in BUILTIN)
+
+
+def test_out_of_order_queue_is_rejected():
+    g = build("gemm_allreduce", "2x2")
+    s = mg.schedule(g)
+    nvl = s.ranks[0].queues["nvlink"]
+    # A broadcast waits (through its event) on this rank's node-reduces: put it first.
+    bcast = next(t for t in nvl if g.tasks[t].name.startswith("broadcast"))
+    nvl.remove(bcast)
+    nvl.insert(0, bcast)
+    with pytest.raises(mg.ScheduleError) as info:
+        s.check()
+    msg = str(info.value)
+    assert "deadlock" in msg and g.tasks[bcast].name in msg and "rank 0 nvlink" in msg
+
+
+def test_user_policy_must_return_a_topological_order(monkeypatch):
+    def backwards(graph, facts):
+        return list(reversed(facts.order))
+
+    monkeypatch.setitem(POLICIES, "backwards", backwards)
+    with pytest.raises(mg.ScheduleError, match="deadlock"):
+        mg.schedule(build("gemm_allreduce", "2x1"), policy="backwards")
+    with pytest.raises(mg.RegistrationError):
+        register_policy("topological")(backwards)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda rs: rs[0].queues["compute"].append(rs[0].queues["compute"][0]), "twice"),
+        (lambda rs: rs[0].queues["compute"].pop(), "in no queue"),
+        (
+            lambda rs: rs[1].queues["compute"].append(rs[0].queues["compute"].pop()),
+            "runs on rank 0",
+        ),
+        (lambda rs: rs[0].queues.pop("rdma"), "need exactly"),
+        (lambda rs: rs.pop(), "do not match topology"),
+        (lambda rs: rs[0].workers.update(compute=0), "no compute worker"),
+        (lambda rs: rs[0].workers.update(compute=500), "SMs"),
+        (lambda rs: rs[0].workers.update(tensor=1), "unknown role"),
+        (lambda rs: rs[0].batches.append([rs[0].queues["rdma"][0]]), "batches"),
+        (lambda rs: rs[0].batches.__setitem__(0, []), "batch"),
+    ],
+)
+def test_broken_schedules_are_named(mutate, match):
+    s = mg.schedule(build("gemm_allreduce", "2x2"))
+    broken = Schedule.from_json(s.to_json())
+    mutate(broken.ranks)
+    with pytest.raises(mg.ScheduleError, match=match):
+        broken.check()
+
+
+def test_long_batches_are_split():
+    g = build("gemm_allreduce", "2x1")
+    hw = mg.H200.model_copy(update={"proxy_batch": 2})
+    s = mg.schedule(g, hardware=hw)
+    assert_runnable(s)
+    assert max(len(b) for rs in s.ranks for b in rs.batches) == 2
+    assert sum(len(rs.batches) for rs in s.ranks) > len(s.ranks)
+
+
+# -- workers -----------------------------------------------------------------------------------
+def test_static_partition_h200():
+    g = build("gemm_allreduce", "2x4")
+    s = mg.schedule(g)
+    for rs in s.ranks:
+        assert rs.workers["rdma"] == 1
+        assert 1 <= rs.workers["nvlink"] <= mg.H200.nvlink_push_sms
+        assert sum(rs.workers.values()) == mg.H200.sms  # nobody idles while compute has work
+    one_node = mg.schedule(build("gemm_allreduce", "1x2"))
+    assert all(rs.workers["rdma"] == 0 for rs in one_node.ranks)
+
+
+def test_workers_override():
+    g = build("gemm_allreduce", "2x2")
+    s = mg.schedule(g, workers={Role.COMPUTE: 3, "nvlink": 2, "rdma": 1})
+    assert all(rs.workers == {"compute": 3, "nvlink": 2, "rdma": 1} for rs in s.ranks)
+    assert_runnable(s)
+    with pytest.raises(mg.ScheduleError, match="rdma=0") as info:
+        mg.schedule(g, workers={"compute": 3, "nvlink": 2})
+    assert info.value.hint and "rdma" in info.value.hint
+    with pytest.raises(mg.ScheduleError, match="132 SMs"):
+        mg.schedule(g, workers={"compute": 130, "nvlink": 2, "rdma": 1})
+    with pytest.raises(mg.ScheduleError, match="non-negative"):
+        mg.schedule(g, workers={"compute": -1, "nvlink": 2, "rdma": 1})
+    with pytest.raises(mg.UnknownNameError, match="tensor"):
+        mg.schedule(g, workers={"tensor": 1})
+
+
+# -- JSON, summary, cost model ------------------------------------------------------------------
+@pytest.mark.parametrize("policy", BUILTIN)
+def test_json_round_trip_lossless(policy, tmp_path):
+    s = mg.schedule(build("gemm_allreduce", "2x4"), policy=policy)
+    text = s.to_json()
+    again = Schedule.from_json(text)
+    assert again.to_json() == text
+    assert again.ranks == s.ranks and again.hardware == s.hardware and again.policy == policy
+    assert again.graph.to_text() == s.graph.to_text()
+    assert again.order() == s.order()
+    assert "graph" not in s.model_dump()
+    path = tmp_path / "schedule.json"
+    s.save(str(path))
+    assert Schedule.load(str(path)).to_json() == text
+
+
+def test_bad_json_is_a_schedule_error():
+    s = mg.schedule(build("gemm_allreduce", "1x2"))
+    doc = json.loads(s.to_json())
+    with pytest.raises(mg.ScheduleError):
+        Schedule.from_json("{not json")
+    with pytest.raises(mg.ScheduleError, match="format"):
+        Schedule.from_json(json.dumps({**doc, "format": "mgraph.schedule/0"}))
+    with pytest.raises(mg.ScheduleError):
+        Schedule.from_json(json.dumps({k: v for k, v in doc.items() if k != "ranks"}))
+    with pytest.raises(mg.ScheduleError, match="graph"):
+        Schedule.from_json(json.dumps({k: v for k, v in doc.items() if k != "graph"}))
+
+
+def test_summary_rows():
+    g = build("gemm_allreduce", "2x4")
+    s = mg.schedule(g)
+    rows = s.summary()
+    assert [r["rank"] for r in rows] == list(range(8))
+    assert sum(r[f"{role}_tasks"] for r in rows for role in ("compute", "nvlink", "rdma")) == len(
+        g.tasks
+    )
+    for r, rs in zip(rows, s.ranks, strict=True):
+        assert r["batches"] == len(rs.batches) and r["compute_workers"] == rs.workers["compute"]
+    assert "gemm_allreduce" in repr(s)
+
+
+def test_cost_model():
+    g = build("gemm_allreduce", "2x2")
+    costs = task_costs(g, mg.H200)
+    assert costs == [task_cost(t, mg.H200) for t in g.tasks]
+    assert all(c > 0 for c in costs)
+    gemm = next(t for t in g.tasks if t.kind == "gemm")
+    per_sm = mg.H200.tile_gemm_tflops * 1e12 / mg.H200.sms
+    assert task_cost(gemm, mg.H200) >= gemm.flops / per_sm
+    facts = policy_input(g, costs)
+    assert sorted(facts.order) == list(range(len(g.tasks)))
+
+
+def test_schedule_2x8_large_is_fast():
+    g = mg.ops.gemm_allreduce(M=8192, N=8192, K=4096, topology="2x8", dtype=torch.bfloat16)
+    assert len(g.tasks) > 40_000
+    start = time.process_time()  # CPU time: other test processes may share the cores
+    s = mg.schedule(g)
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"scheduling {len(g.tasks)} tasks took {elapsed:.2f} s"
+    assert all(len(b) <= mg.H200.proxy_batch for rs in s.ranks for b in rs.batches)
