@@ -1,0 +1,428 @@
+"""Ring attention: sequence-parallel (context-parallel) attention with q, k, v and out sharded on S.
+
+``out = softmax(q k^T / sqrt(D)) v`` per (batch, head), optionally causal. Every rank keeps its own
+queries and must see every key/value slice (only the slices at or before its positions when
+causal); its output never leaves it.
+
+Layout. Non-causal: rank r holds the contiguous positions [r S/W, (r+1) S/W). Causal: the sequence
+is cut into 2W chunks and rank r holds chunks r and 2W-1-r (zigzag), so every rank owns the same
+number of unmasked (q block, k block) pairs; a contiguous split would leave rank 0 with almost no
+work and rank W-1 with most of it. A rank's 2-D buffers are ``[b, h, s_local]`` rows x D columns
+(the two zigzag pieces concatenated along S), so one (b, h, block) is a contiguous row range.
+
+Math (per q block, on its rank): online softmax in fp32 with the state acc [rows, D] and
+ml [rows, 2] = (running max m, running denominator l). ``attn_block`` folds one KV block into the
+state (the first block of a chain initialises it, so no zeroing task exists); successive blocks of
+one q block are chained by events because they rewrite the same state. ``attn_finalize`` writes
+``acc / l`` in the op dtype. Causal masks use GLOBAL positions (task params ``q_start``,
+``k_start``): with the block dividing a zigzag chunk, a k block is either the diagonal block
+(masked), entirely before the q block (unmasked) or entirely after it (no task at all).
+
+The KV "ring" is a CONSUMPTION ORDER, not the movement. Rank r folds its own slice first (no
+wait), then the slices of its node peers (r+1, r+2, ... wrapping inside the node), then the slices
+of the other nodes in ring order; each attn_block waits only on the arrival of the rows it reads,
+so compute starts at once and overlaps the transfers. The movement is hierarchical: the owner of a
+slice pushes it over NVLink to its node peers and over RDMA, in chunks of at least
+``chunk_bytes``, to its rail peer on every other node, which forwards it over NVLink to its own
+node peers. Each slice thus crosses each node boundary exactly once: RDMA bytes sent per node =
+(N-1) x the node's KV bytes. A plain ring (r sends to r+1) cannot run on a rail-only network:
+its cross-node hop goes from local GPU G-1 of one node to local GPU 0 of the next, two different
+rails, which such a network does not connect; and even where they are connected, all the
+cross-node traffic would funnel through one NIC per node. Here every GPU sends its own slice on
+its own rail, so all G NICs of a node carry traffic at once.
+
+Received slices land in per-rank gather buffers ``k_gather`` / ``v_gather`` with one slot per
+source rank (the own slot stays unused; indexing by source keeps every peer's write offset
+independent of the receiver, as symmetric memory wants).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..builder import GraphBuilder, pick_tile, piece, split
+from ..errors import ShapeError
+from ..graph import ITEMSIZE, Buffer, Region, Task, torch_dtype
+from ..kinds import Role, TaskKind, kind_spec
+from ..topology import Topology
+from .registry import OpDef
+
+if TYPE_CHECKING:
+    from ..graph import TaskGraph
+
+__all__ = ["ring_attention"]
+
+ring_attention = OpDef(
+    "ring_attention", dims=("B", "H", "S", "D"), inputs=("q", "k", "v"), outputs=("out",)
+)
+
+ATTN_BLOCK = kind_spec(TaskKind.ATTN_BLOCK)
+ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
+COPY = TaskKind.COPY.value
+
+Segment = tuple[int, int]  # a global sequence range [start, stop) held by one rank
+
+
+# -- shapes, meaning, inputs -------------------------------------------------------------------
+def _segments(S: int, world: int, rank: int, causal: bool) -> list[Segment]:
+    """The global sequence ranges rank ``rank`` holds, in buffer order."""
+    if not causal:
+        step = S // world
+        return [(rank * step, (rank + 1) * step)]
+    chunk = S // (2 * world)
+    mirror = 2 * world - 1 - rank
+    return [(rank * chunk, (rank + 1) * chunk), (mirror * chunk, (mirror + 1) * chunk)]
+
+
+def _block_size(S: int, world: int, causal: bool, block: int) -> int:
+    """Rows of sequence per tile; it must divide every segment so blocks never straddle one."""
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ShapeError(
+            f"ring_attention: block={block!r} must be a positive integer",
+            hint="pass block as the number of sequence rows per tile, e.g. 128",
+        )
+    segment, dim = (S // (2 * world), "S/(2W)") if causal else (S // world, "S/W")
+    return pick_tile("ring_attention", dim, segment, block)
+
+
+@ring_attention.shapes
+def _shapes(
+    topology: Topology,
+    B: int,
+    H: int,
+    S: int,
+    D: int,
+    causal: bool = False,
+    block: int = 128,
+    chunk_bytes: int = 256 * 1024,
+    **_: object,
+) -> dict[str, tuple]:
+    world = topology.world_size
+    parts = 2 * world if causal else world
+    if S % parts:
+        layout = f"2W={parts} zigzag chunks" if causal else f"the world size W={world}"
+        raise ShapeError(
+            f"ring_attention: S={S} is not divisible by {layout}",
+            hint=f"choose S as a multiple of {parts}",
+        )
+    _block_size(S, world, causal, block)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ShapeError(
+            f"ring_attention: chunk_bytes={chunk_bytes!r} must be a positive integer",
+            hint="the default, 256 KiB, keeps the proxy well under its command rate",
+        )
+    shape = (B, H, S, D)
+    return {"q": shape, "k": shape, "v": shape, "out": shape}
+
+
+@ring_attention.reference
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, **_: object
+) -> dict[str, torch.Tensor]:
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    return {"out": out.to(q.dtype)}
+
+
+@ring_attention.make_inputs
+def _make_inputs(graph: TaskGraph, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    # Unit normals: q.k / sqrt(D) then has unit variance, so the softmax is neither uniform nor
+    # one-hot and every KV block contributes visibly to the output.
+    return {
+        name: torch.randn(spec.shape, generator=generator).to(torch_dtype(spec.dtype))
+        for name, spec in graph.inputs.items()
+    }
+
+
+# -- tile bodies -------------------------------------------------------------------------------
+@ATTN_BLOCK.cpu
+def _attn_block_cpu(
+    task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]
+) -> None:
+    """reads: q, k, v blocks (+ acc, ml unless ``first``); writes: acc, ml (same rows)."""
+    p = task.params
+    q, k, v = (t.float() for t in reads[:3])
+    scores = (q @ k.T) * p["scale"]
+    if p["mask"]:
+        q_pos = p["q_start"] + torch.arange(q.shape[0])
+        k_pos = p["k_start"] + torch.arange(k.shape[0])
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    block_max = scores.amax(dim=1)
+    if p["first"]:
+        m_new = block_max
+    else:
+        acc_old, ml_old = reads[3], reads[4]
+        m_old, l_old = ml_old[:, 0], ml_old[:, 1]
+        m_new = torch.maximum(m_old, block_max)
+    # A row with nothing unmasked yet keeps m = -inf; shift it by 0 so exp() gives 0, not NaN.
+    shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    probs = torch.exp(scores - shift[:, None])
+    acc_new = probs @ v.float()
+    l_new = probs.sum(dim=1)
+    if not p["first"]:
+        alpha = torch.exp(m_old - shift)
+        acc_new += alpha[:, None] * acc_old
+        l_new += alpha * l_old
+    writes[0].copy_(acc_new)
+    writes[1][:, 0] = m_new
+    writes[1][:, 1] = l_new
+
+
+@ATTN_BLOCK.flops
+def _attn_block_flops(
+    reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict
+) -> float:
+    (rows, d), (keys, _) = reads[0], reads[1]
+    return 4.0 * rows * keys * d  # q k^T and p v; the exp/max/sum terms are O(rows * keys)
+
+
+@ATTN_FINALIZE.cpu
+def _attn_finalize_cpu(
+    task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]
+) -> None:
+    acc, ml = reads
+    writes[0].copy_(acc / ml[:, 1:2])
+
+
+@ATTN_FINALIZE.flops
+def _attn_finalize_flops(
+    reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict
+) -> float:
+    rows, d = writes[0]
+    return float(rows * d)
+
+
+# -- lowering ----------------------------------------------------------------------------------
+@ring_attention.lower
+def _lower(
+    b: GraphBuilder,
+    B: int,
+    H: int,
+    S: int,
+    D: int,
+    causal: bool = False,
+    block: int = 128,
+    chunk_bytes: int = 256 * 1024,
+) -> None:
+    topo, world = b.topo, b.world
+    blk = _block_size(S, world, causal, block)
+    shape = (B, H, S, D)
+    for name in ("q", "k", "v"):
+        b.global_input(name, shape)
+    b.global_output("out", shape)
+    segments = [_segments(S, world, r, causal) for r in topo.ranks]
+
+    def bound(name: str, rank: int, role: str) -> Buffer:
+        pieces = [piece(shape, d2=seg) for seg in segments[rank]]
+        return b.bound_buffer(name, rank, name, pieces, cat_dim=2, role=role)
+
+    q = [bound("q", r, "input") for r in topo.ranks]
+    k = [bound("k", r, "input") for r in topo.ranks]
+    v = [bound("v", r, "input") for r in topo.ranks]
+    out = [bound("out", r, "output") for r in topo.ranks]
+    rows = q[0].rows  # B * H * S_local, the same on every rank
+    acc = [b.buffer("attn_acc", r, rows, D, dtype="float32") for r in topo.ranks]
+    ml = [b.buffer("attn_ml", r, rows, 2, dtype="float32") for r in topo.ranks]
+
+    moves = _Movement(b, k, v, blk, chunk_bytes)
+    scale = 1.0 / math.sqrt(D)
+    s_local = rows // (B * H)
+    for r in topo.ranks:
+        orders = {
+            q0: _kv_order(topo, segments, r, blk, causal, q0) for _, q0 in _blocks(segments[r], blk)
+        }
+        for bh in range(B * H):
+            base = bh * s_local  # first row of this (b, h) in every rank's buffers
+            for q_row, q_start in _blocks(segments[r], blk):
+                q_rows = (base + q_row, base + q_row + blk)
+                state = [acc[r].region(q_rows), ml[r].region(q_rows)]
+                chain: Task | None = None
+                for src, k_row, k_start in orders[q_start]:
+                    params = {
+                        "q_start": q_start,
+                        "k_start": k_start,
+                        "mask": causal and k_start == q_start,  # the diagonal block
+                        "first": chain is None,
+                        "scale": scale,
+                    }
+                    k_rows = (base + k_row, base + k_row + blk)
+                    name = f"attn r{r} bh{bh} q{q_start} k{k_start} (slice r{src})"
+                    chain = _attn_step(
+                        b, moves, r, q[r].region(q_rows), state, chain, src, k_rows, params, name
+                    )
+                assert chain is not None  # the diagonal (causal) or every block is computed
+                b.task(
+                    r,
+                    Role.COMPUTE,
+                    ATTN_FINALIZE.name,
+                    state,
+                    [out[r].region(q_rows)],
+                    waits=b.after(r, [chain]),
+                    name=f"attn-final r{r} bh{bh} q{q_start}",
+                )
+
+
+def _kv_order(
+    topo: Topology, segments: list[list[Segment]], rank: int, blk: int, causal: bool, q_start: int
+) -> list[tuple[int, int, int]]:
+    """(source rank, row offset within one (b, h), global start) of every KV block the q block
+    at ``q_start`` on ``rank`` folds, in consumption order; blocks above the diagonal are left out
+    (with the block dividing a segment, a k block starting after q_start lies wholly above it)."""
+    return [
+        (src, k_row, k_start)
+        for src in _ring_order(topo, rank)
+        for k_row, k_start in _blocks(segments[src], blk)
+        if not (causal and k_start > q_start)
+    ]
+
+
+def _attn_step(
+    b: GraphBuilder,
+    moves: _Movement,
+    r: int,
+    q_region: Region,
+    state: list[Region],
+    chain: Task | None,
+    src: int,
+    k_rows: tuple[int, int],
+    params: dict,
+    name: str,
+) -> Task:
+    """One online-softmax step on rank r: fold rows ``k_rows`` of KV slice ``src`` into the
+    ``state`` (acc, ml) of ``q_region``, after the chain's previous step and the rows' arrival."""
+    k_region, v_region = moves.kv_regions(r, src, k_rows)
+    reads = [q_region, k_region, v_region]
+    waits = []
+    if chain is not None:
+        reads += state  # the first step initialises the state instead of reading it
+        waits += b.after(r, [chain])
+    if src != r:
+        waits += moves.arrival_waits(r, src, k_rows[0])
+    return b.task(
+        r, Role.COMPUTE, ATTN_BLOCK.name, reads, state, waits=waits, name=name, params=params
+    )
+
+
+def _blocks(segments: list[Segment], blk: int) -> list[tuple[int, int]]:
+    """(row offset within one (b, h), global start position) of every block of a rank."""
+    out, offset = [], 0
+    for start, stop in segments:
+        for pos in range(start, stop, blk):
+            out.append((offset + pos - start, pos))
+        offset += stop - start
+    return out
+
+
+def _ring_order(topo: Topology, rank: int) -> list[int]:
+    """The slices rank ``rank`` folds, in order: its own, its node peers', then remote ones."""
+    G, W = topo.gpus_per_node, topo.world_size
+    node, local = topo.node_of(rank), topo.local_of(rank)
+    near = [topo.rank(node, (local + i) % G) for i in range(G)]
+    far = sorted((s for s in topo.ranks if topo.node_of(s) != node), key=lambda s: (s - rank) % W)
+    return near + far
+
+
+class _Movement:
+    """Hierarchical KV movement: every slice crosses each node boundary once.
+
+    The owner pushes each chunk of its k and v slices over NVLink to its node peers and over RDMA
+    to its rail peer on every other node, which forwards it over NVLink to its node peers. A chunk
+    is whole blocks of rows, at least ``chunk_bytes`` (except a slice's last chunk).
+    """
+
+    def __init__(
+        self, b: GraphBuilder, k: list[Buffer], v: list[Buffer], blk: int, chunk_bytes: int
+    ) -> None:
+        self.b, self.topo = b, b.topo
+        self.k, self.v = k, v
+        self.rows = k[0].rows
+        row_bytes = k[0].cols * ITEMSIZE[k[0].dtype]
+        blocks_per_chunk = max(1, -(-chunk_bytes // (blk * row_bytes)))
+        self.chunk_rows = min(self.rows, blocks_per_chunk * blk)
+        # One slot per source rank; a single GPU receives nothing and needs no gather buffer.
+        slots = b.world * self.rows
+        ranks = b.topo.ranks if b.world > 1 else []
+        self.k_gather = [b.buffer("k_gather", r, slots, k[0].cols) for r in ranks]
+        self.v_gather = [b.buffer("v_gather", r, slots, v[0].cols) for r in ranks]
+        # (receiver, source, chunk) -> the tasks that deliver that chunk of k and v there
+        self.arrivals: dict[tuple[int, int, int], list[Task]] = {}
+        self._waits: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        self._lower()
+
+    def arrival_waits(self, rank: int, src: int, row: int) -> list[tuple[int, int]]:
+        """Waits on ``rank`` for the chunk of slice ``src`` holding ``row`` (k and v) to land."""
+        key = (rank, src, row // self.chunk_rows)
+        waits = self._waits.get(key)
+        if waits is None:  # every block of the chunk reuses one event: cache the lookup
+            waits = self._waits[key] = self.b.after(rank, self.arrivals[key])
+        return waits
+
+    def kv_regions(self, rank: int, src: int, rows: tuple[int, int]) -> tuple[Region, Region]:
+        """Where rank ``rank`` reads rows ``rows`` of slice ``src`` (its input when its own)."""
+        if src == rank:
+            return self.k[rank].region(rows), self.v[rank].region(rows)
+        slot = (src * self.rows + rows[0], src * self.rows + rows[1])
+        return self.k_gather[rank].region(slot), self.v_gather[rank].region(slot)
+
+    def _lower(self) -> None:
+        """Emit every slice's transfers, chunk by chunk, k then v, filling ``arrivals``."""
+        for src in self.topo.ranks:
+            for chunk, (r0, r1) in enumerate(split(self.rows, self.chunk_rows)):
+                self._move(src, chunk, (r0, r1), "k", self.k[src], self.k_gather)
+                self._move(src, chunk, (r0, r1), "v", self.v[src], self.v_gather)
+
+    def _move(
+        self,
+        src: int,
+        chunk: int,
+        rows: tuple[int, int],
+        name: str,
+        inp: Buffer,
+        gather: list[Buffer],
+    ) -> None:
+        b, topo = self.b, self.topo
+        slot = (src * self.rows + rows[0], src * self.rows + rows[1])
+        what = f"{name}[{rows[0]}:{rows[1]}] of r{src}"
+        home = topo.node_of(src)
+        peers = [p for p in topo.node_ranks(home) if p != src]
+        if peers:
+            push = b.task(
+                src,
+                Role.NVLINK,
+                COPY,
+                [inp.region(rows)],
+                [gather[p].region(slot) for p in peers],
+                name=f"push {what} -> node{home}",
+            )
+            for p in peers:
+                self.arrivals.setdefault((p, src, chunk), []).append(push)
+        for hop in range(1, topo.nodes):  # the other nodes, in ring order from home
+            node = (home + hop) % topo.nodes
+            rail = topo.rail_peer(src, node)
+            send = b.task(
+                src,
+                Role.RDMA,
+                COPY,
+                [inp.region(rows)],
+                [gather[rail].region(slot)],
+                name=f"rail-send {what} -> r{rail}",
+            )
+            self.arrivals.setdefault((rail, src, chunk), []).append(send)
+            others = [p for p in topo.node_ranks(node) if p != rail]
+            if not others:
+                continue
+            forward = b.task(
+                rail,
+                Role.NVLINK,
+                COPY,
+                [gather[rail].region(slot)],
+                [gather[p].region(slot) for p in others],
+                waits=b.after(rail, [send]),
+                name=f"forward {what} at r{rail} -> node{node}",
+            )
+            for p in others:
+                self.arrivals.setdefault((p, src, chunk), []).append(forward)
