@@ -248,7 +248,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = run_demo(args.topology, args.out)
     table = Table(title=f"fused ops on {args.topology} (fp32)")
     for col in ("op", "tasks", "nvlink bytes", "rdma bytes", "wall", "rel err", "ok"):
-        table.add_column(col, justify="left" if col == "op" else "right")
+        table.add_column(col, justify="left" if col == "op" else "right", no_wrap=True)
     for r in rows:
         table.add_row(r.op, str(r.tasks), human_bytes(r.nvlink_bytes), human_bytes(r.rdma_bytes),
                       f"{r.wall_s * 1e3:.0f} ms", f"{r.rel_err:.1e}",
