@@ -26,7 +26,22 @@ def _reference(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Se
     return ReferenceRuntime(schedule, settings).run(inputs)
 
 
-BACKENDS: dict[str, Callable[..., RunResult]] = {"reference": _reference}
+_TRITON_RUNTIMES: dict[int, Any] = {}  # id(schedule) -> TritonRuntime: compile and allocate once
+
+
+def _triton(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Settings, **kw: Any):
+    """The persistent megakernel. 1-rank graphs take GLOBAL tensors; multi-rank graphs run SPMD
+    under torchrun and take each rank's LOCAL shards."""
+    from .runtime.megakernel import TritonRuntime
+
+    rt = _TRITON_RUNTIMES.get(id(schedule))
+    if rt is None or rt.schedule is not schedule:
+        rt = TritonRuntime(schedule, settings=settings, **kw)
+        _TRITON_RUNTIMES[id(schedule)] = rt
+    return rt.run(inputs)
+
+
+BACKENDS: dict[str, Callable[..., RunResult]] = {"reference": _reference, "triton": _triton}
 
 
 def backend_names() -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import tiles  # noqa: F401  (generic kinds: gemm, reduce, copy)
 from .allgather_gemm import allgather_gemm
+from .gemm import gemm
 from .gemm_allreduce import gemm_allreduce
 from .gemm_reduce_scatter import gemm_reduce_scatter
 from .moe_dispatch_combine import moe_dispatch_combine
@@ -21,6 +22,7 @@ __all__ = [
     "gemm_allreduce",
     "gemm_reduce_scatter",
     "allgather_gemm",
+    "gemm",
     "ring_attention",
     "moe_dispatch_combine",
 ]

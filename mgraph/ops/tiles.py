@@ -1,7 +1,8 @@
 """Tile bodies of the generic kinds every collective uses: gemm, reduce, copy.
 
 CPU bodies are the meaning of each kind (the reference runtimes execute them); they accumulate in
-fp32 and cast once on the store, as the GPU tile bodies do.
+fp32 and cast once on the store, as the GPU tile bodies (the Triton functions at the end, run by
+the megakernel) do.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import torch
 
 from ..graph import Task
 from ..kinds import TaskKind, kind_spec
+from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
+
+if HAVE_TRITON:
+    from .abi import buffer_base, load_region
 
 GEMM = kind_spec(TaskKind.GEMM)
 REDUCE = kind_spec(TaskKind.REDUCE)
@@ -53,3 +58,83 @@ def _copy_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.
 @COPY.flops
 def _copy_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict):
     return 0.0
+
+
+# -- megakernel tile bodies ----------------------------------------------------------------------
+# Uniform signature: (tp = this task's row in the task table, the region and buffer tables,
+# constexpr dtype and block sizes). Outputs go out with plain stores, not TMA stores: a TMA store
+# completes asynchronously (its wait only covers reading shared memory), so a release right after
+# it could publish a tile whose bytes are not in global memory yet.
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @GEMM.triton
+    @triton.jit
+    def gemm_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+        r0 = tl.load(tp + F_READ0)
+        a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
+        b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
+        c_slot, cm0, cm1, cn0, cn1 = load_region(regions, tl.load(tp + F_WRITE0))
+        a_cols = tl.load(bufcols + a_slot)
+        b_cols = tl.load(bufcols + b_slot)
+        ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
+                                       [tl.load(bufrows + a_slot), a_cols], [a_cols, 1], [BM, BK])
+        bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
+                                       [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(0, ak1 - ak0, BK):
+            acc = tl.dot(ad.load([am0, ak0 + kk]), bd.load([bk0 + kk, bn0]), acc)
+        rm = cm0 + tl.arange(0, BM)
+        rn = cn0 + tl.arange(0, BN)
+        c = buffer_base(bufaddr, c_slot, DT)
+        c_cols = tl.load(bufcols + c_slot).to(tl.int64)
+        tl.store(c + rm[:, None].to(tl.int64) * c_cols + rn[None, :], acc.to(DT))
+
+    @REDUCE.triton
+    @triton.jit
+    def reduce_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+        r0 = tl.load(tp + F_READ0)
+        nread = tl.load(tp + F_NREAD)
+        w_slot, wm0, wm1, wn0, wn1 = load_region(regions, tl.load(tp + F_WRITE0))
+        w = buffer_base(bufaddr, w_slot, DT)
+        w_cols = tl.load(bufcols + w_slot).to(tl.int64)
+        for i in range(0, wm1 - wm0, RB_M):
+            for j in range(0, wn1 - wn0, RB_N):
+                om = i + tl.arange(0, RB_M)
+                on = j + tl.arange(0, RB_N)
+                mask = (om < wm1 - wm0)[:, None] & (on < wn1 - wn0)[None, :]
+                acc = tl.zeros((RB_M, RB_N), dtype=tl.float32)
+                for q in range(nread):
+                    s, sm0, sm1, sn0, sn1 = load_region(regions, r0 + q)
+                    src = buffer_base(bufaddr, s, DT)
+                    s_cols = tl.load(bufcols + s).to(tl.int64)
+                    ptrs = src + (sm0 + om)[:, None].to(tl.int64) * s_cols + (sn0 + on)[None, :]
+                    acc += tl.load(ptrs, mask=mask).to(tl.float32)
+                dst = w + (wm0 + om)[:, None].to(tl.int64) * w_cols + (wn0 + on)[None, :]
+                tl.store(dst, acc.to(DT), mask=mask)
+
+    @COPY.triton
+    @triton.jit
+    def copy_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+        s, sm0, sm1, sn0, sn1 = load_region(regions, tl.load(tp + F_READ0))
+        w0 = tl.load(tp + F_WRITE0)
+        nwrite = tl.load(tp + F_NWRITE)
+        src = buffer_base(bufaddr, s, DT)
+        s_cols = tl.load(bufcols + s).to(tl.int64)
+        for i in range(0, sm1 - sm0, RB_M):
+            for j in range(0, sn1 - sn0, RB_N):
+                om = i + tl.arange(0, RB_M)
+                on = j + tl.arange(0, RB_N)
+                mask = (om < sm1 - sm0)[:, None] & (on < sn1 - sn0)[None, :]
+                x = tl.load(src + (sm0 + om)[:, None].to(tl.int64) * s_cols + (sn0 + on)[None, :],
+                            mask=mask)
+                for q in range(nwrite):
+                    d, dm0, dm1, dn0, dn1 = load_region(regions, w0 + q)
+                    dst = buffer_base(bufaddr, d, DT)
+                    d_cols = tl.load(bufcols + d).to(tl.int64)
+                    tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * d_cols + (dn0 + on)[None, :],
+                             x, mask=mask)

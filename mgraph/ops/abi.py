@@ -1,0 +1,58 @@
+"""The tile-body ABI: how one rank's schedule is laid out in device tables for the megakernel.
+
+The encoder (mgraph/runtime/megakernel/encode.py) writes these int32 tables and the tile bodies
+(in each op's file) read them, so both sides import the field indices from here.
+
+- tasks   [T, TASK_FIELDS]: kind id, first/number of reads, writes, waits, signals, graph task id
+- regions [R, REGION_FIELDS]: buffer slot, row0, row1, col0, col1
+- waits   [Wn, WAIT_FIELDS]: event slot, count, signals per launch (target = (epoch-1)*total+count)
+- signals [Sn]: event slot
+- buffer tables per slot: address (int64), rows, cols (int32); event table: address (int64)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TASK_FIELDS",
+    "F_KIND",
+    "F_READ0",
+    "F_NREAD",
+    "F_WRITE0",
+    "F_NWRITE",
+    "F_WAIT0",
+    "F_NWAIT",
+    "F_SIG0",
+    "F_NSIG",
+    "F_GID",
+    "REGION_FIELDS",
+    "WAIT_FIELDS",
+    "HAVE_TRITON",
+]
+
+TASK_FIELDS = 10
+F_KIND, F_READ0, F_NREAD, F_WRITE0, F_NWRITE, F_WAIT0, F_NWAIT, F_SIG0, F_NSIG, F_GID = range(10)
+REGION_FIELDS = 5
+WAIT_FIELDS = 3
+
+try:  # triton is a Linux-only dependency; the CPU side of mgraph works without it
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton only
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def load_region(regions, index):
+        """(slot, row0, row1, col0, col1) of region ``index``."""
+        p = regions + index * 5
+        return tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4)
+
+    @triton.jit
+    def buffer_base(bufaddr, slot, DT: tl.constexpr):
+        """Typed pointer to the first element of buffer ``slot`` (local or a peer's)."""
+        return tl.load(bufaddr + slot).to(tl.pointer_type(DT))
+
+    __all__ += ["load_region", "buffer_base"]

@@ -1,0 +1,54 @@
+"""Plain GEMM, data parallel: ``out = a @ b`` with ``a`` and ``out`` sharded along M and ``b``
+replicated. No communication: it is how the megakernel's tile GEMM is measured against cuBLAS,
+and the smallest graph every backend must run."""
+
+from __future__ import annotations
+
+import torch
+
+from ..builder import GraphBuilder, pick_tile, piece, shard_range
+from ..errors import ShapeError
+from ..kinds import Role, TaskKind
+from ..topology import Topology
+from .collectives import tile_grid, tile_region
+from .registry import OpDef
+
+gemm = OpDef("gemm", dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
+
+
+@gemm.shapes
+def _shapes(topology: Topology, M: int, N: int, K: int, **_: object) -> dict[str, tuple]:
+    if M % topology.world_size:
+        raise ShapeError(
+            f"gemm: M={M} is not divisible by the world size {topology.world_size}",
+            hint=f"M is sharded over all ranks: choose a multiple of {topology.world_size}",
+        )
+    return {"a": (M, K), "b": (K, N), "out": (M, N)}
+
+
+@gemm.reference
+def _reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
+    return {"out": (a.float() @ b.float()).to(a.dtype)}
+
+
+@gemm.lower
+def _lower(b: GraphBuilder, M: int, N: int, K: int, tile: list[int] = (128, 256)) -> None:
+    world = b.world
+    rows = M // world
+    bm = pick_tile("gemm", "M per rank", rows, tile[0])
+    bn = pick_tile("gemm", "N", N, tile[1])
+    b.global_input("a", (M, K))
+    b.global_input("b", (K, N))
+    b.global_output("out", (M, N))
+    for r in b.topo.ranks:
+        shard = shard_range(M, r, world)
+        a = b.bound_buffer("a", r, "a", [piece((M, K), d0=shard)])
+        w = b.bound_buffer("b", r, "b", [piece((K, N))])
+        out = b.bound_buffer("out", r, "out", [piece((M, N), d0=shard)], role="output")
+        for t in tile_grid(rows, N, bm, bn):
+            b.task(
+                r, Role.COMPUTE, TaskKind.GEMM.value,
+                [a.region((t[0], t[1]), (0, K)), w.region((0, K), (t[2], t[3]))],
+                [tile_region(out, t)],
+                name=f"gemm r{r} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+            )

@@ -1,0 +1,18 @@
+"""The persistent Triton megakernel (backend="triton"): encode, kernel, runtime."""
+
+from __future__ import annotations
+
+from .encode import Layout, RankTables, encode_rank, layout
+from .runtime import SUPPORTED_KINDS, TritonRuntime, assemble_local, local_shards, run_in_process
+
+__all__ = [
+    "Layout",
+    "RankTables",
+    "encode_rank",
+    "layout",
+    "TritonRuntime",
+    "SUPPORTED_KINDS",
+    "local_shards",
+    "assemble_local",
+    "run_in_process",
+]

@@ -1,0 +1,164 @@
+"""Encode one rank's share of a Schedule into the megakernel's int32 tables (mgraph/ops/abi.py).
+
+Pure torch on the CPU: tested in CI. What depends on device addresses (where each buffer and
+event lives) is left symbolic here: the layout gives each buffer an offset in its rank's arena and
+each event an index in its rank's flag array; the runtime adds the ranks' base addresses.
+
+Worker programs: compute first, then nvlink, then rdma, as the schedule's SM partition says. A
+single program with role ALL runs the rank's whole queue in one global order: that is how the
+Triton interpreter (which runs programs one after another) executes a schedule on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mgraph.errors import ScheduleError
+from mgraph.graph import ITEMSIZE, TaskGraph
+from mgraph.kinds import KINDS, ROLES, Role
+from mgraph.ops.abi import REGION_FIELDS, TASK_FIELDS, WAIT_FIELDS
+
+__all__ = ["Layout", "RankTables", "layout", "encode_rank", "ROLE_ALL", "ALIGN", "kind_id"]
+
+ROLE_ALL = len(ROLES)  # role index of a program that serves every queue (interpreter mode)
+ALIGN = 256  # bytes: TMA needs 16-byte aligned bases; 256 keeps every tile row-aligned too
+
+
+def kind_id(kind: str) -> int:
+    """The kind's position in the one kind registry (the kernel's dispatch constant)."""
+    return list(KINDS).index(kind)
+
+
+@dataclass
+class Layout:
+    """Where every buffer and event lives, for every rank (all ranks compute the same layout)."""
+
+    offset: dict[str, int]  # buffer id -> byte offset in its rank's arena
+    arena_bytes: int  # the largest rank's arena (symmetric allocations are equal-sized)
+    event_index: list[int]  # event id -> index in its rank's flag array
+    flag_count: int  # the largest rank's number of events
+
+
+def layout(graph: TaskGraph) -> Layout:
+    used = [0] * graph.topology.world_size
+    offset: dict[str, int] = {}
+    for buf in graph.buffers.values():
+        start = -(-used[buf.rank] // ALIGN) * ALIGN
+        offset[buf.id] = start
+        used[buf.rank] = start + buf.rows * buf.cols * ITEMSIZE[buf.dtype]
+    count = [0] * graph.topology.world_size
+    index = []
+    for ev in graph.events:
+        index.append(count[ev.rank])
+        count[ev.rank] += 1
+    return Layout(offset, max(max(used), ALIGN), index, max(max(count), 1))
+
+
+@dataclass
+class RankTables:
+    """One rank's tables (CPU int32 tensors) plus what the runtime needs to fill addresses."""
+
+    rank: int | None  # None: every rank's tasks (single-program interpreter mode)
+    tasks: torch.Tensor  # [T, TASK_FIELDS]
+    regions: torch.Tensor  # [R, REGION_FIELDS]
+    waits: torch.Tensor  # [Wn, WAIT_FIELDS]
+    signals: torch.Tensor  # [Sn]
+    queues: torch.Tensor  # concatenated role queues (local task indices), then the ALL queue
+    qinfo: torch.Tensor  # [len(ROLES) + 1, 3]: offset, length, workers per role
+    roles: torch.Tensor  # [programs]: role index of each worker program
+    slots: list[str] = field(default_factory=list)  # buffer id per buffer slot
+    event_slots: list[int] = field(default_factory=list)  # event id per event slot
+    local_tasks: list[int] = field(default_factory=list)  # graph task id per local task index
+    kinds: set[str] = field(default_factory=set)
+
+    @property
+    def programs(self) -> int:
+        return int(self.roles.numel())
+
+
+def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> RankTables:
+    """Tables for ``rank``. ``single_program`` gives one ALL-role program (interpreter mode);
+    ``rank=None`` encodes every rank's tasks for that one program, in the schedule's global
+    order (the interpreter runs programs one by one, so it cannot spin across ranks)."""
+    graph: TaskGraph = schedule.graph
+    if rank is None:
+        assert single_program, "all ranks in one table set only for the single-program mode"
+    rs = schedule.ranks[rank if rank is not None else 0]
+    total = [0] * len(graph.events)
+    for t in graph.tasks:
+        for e in t.signals:
+            total[e] += 1
+    order = [tid for tid in schedule.order() if rank is None or graph.tasks[tid].rank == rank]
+    local = {tid: i for i, tid in enumerate(order)}
+    slot_of: dict[str, int] = {}
+    ev_slot: dict[int, int] = {}
+    tasks, regions, waits, signals = [], [], [], []
+
+    def slot(buffer_id: str) -> int:
+        if buffer_id not in slot_of:
+            slot_of[buffer_id] = len(slot_of)
+        return slot_of[buffer_id]
+
+    def eslot(event: int) -> int:
+        if event not in ev_slot:
+            ev_slot[event] = len(ev_slot)
+        return ev_slot[event]
+
+    kinds = set()
+    for tid in order:
+        t = graph.tasks[tid]
+        kinds.add(t.kind)
+        row = [0] * TASK_FIELDS
+        row[0] = kind_id(t.kind)
+        row[1], row[2] = len(regions), len(t.reads)
+        regions += [[slot(r.buffer), r.row0, r.row1, r.col0, r.col1] for r in t.reads]
+        row[3], row[4] = len(regions), len(t.writes)
+        regions += [[slot(w.buffer), w.row0, w.row1, w.col0, w.col1] for w in t.writes]
+        row[5], row[6] = len(waits), len(t.waits)
+        waits += [[eslot(e), c, total[e]] for e, c in t.waits]
+        row[7], row[8] = len(signals), len(t.signals)
+        signals += [eslot(e) for e in t.signals]
+        row[9] = tid
+        tasks.append(row)
+
+    qrows, flat = [], []
+    for role in ROLES:
+        q = [] if rank is None else [local[tid] for tid in rs.queues.get(role.value, [])]
+        n = rs.workers.get(role.value, 0) if q else 0
+        if q and n < 1:
+            raise ScheduleError(f"rank {rank} has {role.value} tasks but no {role.value} workers")
+        qrows.append([len(flat), len(q), 0 if single_program else n])
+        flat += q
+    qrows.append([len(flat), len(order), 1 if single_program else 0])
+    flat += list(range(len(order)))
+    if single_program:
+        roles = [ROLE_ALL]
+    else:
+        roles = [i for i, role in enumerate(ROLES) for _ in range(qrows[i][2])]
+    if Role.RDMA.value in {graph.tasks[t].role for t in order} and not single_program:
+        raise ScheduleError(
+            f"rank {rank}: the triton backend does not run rdma tasks yet",
+            hint="multi-node graphs run on backend='reference'; the GPU proxy path is issue 6",
+        )
+
+    def i32(rows, width=None):
+        if not rows:
+            return torch.zeros((0, width) if width else (0,), dtype=torch.int32)
+        return torch.tensor(rows, dtype=torch.int32)
+
+    return RankTables(
+        rank=rank,
+        tasks=i32(tasks, TASK_FIELDS),
+        regions=i32(regions, REGION_FIELDS),
+        waits=i32(waits, WAIT_FIELDS),
+        signals=i32(signals),
+        queues=i32(flat),
+        qinfo=i32(qrows, 3),
+        roles=i32(roles),
+        slots=list(slot_of),
+        event_slots=list(ev_slot),
+        local_tasks=order,
+        kinds=kinds,
+    )

@@ -1,0 +1,124 @@
+"""The persistent megakernel: one launch per rank runs that rank's whole schedule.
+
+Grid = the rank's worker programs (<= SMs, all resident: they spin on each other). Program p has
+role ``roles[p]``; it takes the next task of its role's queue with an atomic fetch-add on the
+queue head, waits for the task's events, runs the kind's tile body (only kinds the schedule uses
+are compiled in: HAS_* constexprs), then signals. Heads are never reset: launch ``epoch`` sees
+each head start at ``(epoch - 1) * (queue length + workers)`` (every worker takes one ticket past
+the end), and event targets are ``(epoch - 1) * signals per launch + count``.
+
+Before any task, an entry barrier across the node's ranks: program 0 raises every peer's start
+flag and waits for all peers' raises of this epoch; the others wait for program 0's go. A peer
+that has started launch k has finished launch k-1 (one stream), so nobody overwrites a buffer a
+peer is still reading from the previous launch.
+
+A wait that times out (or sees the abort flag) records (rank, program, task, event slot, value,
+target) in ``err`` (first error wins), raises the abort flag, and the program stops taking tasks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mgraph.ops import tiles
+from mgraph.ops.abi import F_GID, F_KIND, F_NSIG, F_NWAIT, F_SIG0, F_WAIT0, TASK_FIELDS
+
+from .sync import now, signal, wait
+
+__all__ = ["megakernel", "ERR_FIELDS"]
+
+ERR_FIELDS = 8  # flag, rank, program, task, event slot, value, target, epoch
+
+gemm_tile = tiles.GEMM.triton_body
+reduce_tile = tiles.REDUCE.triton_body
+copy_tile = tiles.COPY.triton_body
+
+
+@triton.jit
+def _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort, err, rank,
+                   USE_TIMER: tl.constexpr):
+    if pid == 0:
+        for p in range(npeers):
+            peer = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
+            tl.atomic_add(peer, 1, sem="release", scope="sys")
+        target = epoch * npeers
+        v = wait(start_flags, target, limit, abort, USE_TIMER)
+        if v < target:
+            _record(err, abort, rank, pid, -1, -1, v, target, epoch)
+        tl.atomic_xchg(go, epoch, sem="release", scope="gpu")
+    v = wait(go, epoch, limit, abort, USE_TIMER)
+
+
+@triton.jit
+def _record(err, abort, rank, pid, task, slot, value, target, epoch):
+    if tl.atomic_cas(err, 0, 1) == 0:
+        tl.store(err + 1, rank.to(tl.int64))
+        tl.store(err + 2, pid.to(tl.int64))
+        tl.store(err + 3, task.to(tl.int64))
+        tl.store(err + 4, slot.to(tl.int64))
+        tl.store(err + 5, value.to(tl.int64))
+        tl.store(err + 6, target.to(tl.int64))
+        tl.store(err + 7, epoch.to(tl.int64))
+    tl.atomic_xchg(abort, 1)
+
+
+@triton.jit
+def megakernel(
+    tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
+    queues, qinfo, roles, heads, epoch, rank, limit, err, abort, go,
+    start_flags, peer_flags, npeers, trace,
+    DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    RB_M: tl.constexpr, RB_N: tl.constexpr,
+    GEMM_ID: tl.constexpr, REDUCE_ID: tl.constexpr, COPY_ID: tl.constexpr,
+    HAS_GEMM: tl.constexpr, HAS_REDUCE: tl.constexpr, HAS_COPY: tl.constexpr,
+    USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if BARRIER:
+        _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort, err, rank,
+                       USE_TIMER)
+    role = tl.load(roles + pid)
+    qoff = tl.load(qinfo + role * 3)
+    qlen = tl.load(qinfo + role * 3 + 1)
+    nworkers = tl.load(qinfo + role * 3 + 2)
+    head = heads + role
+    base = (epoch - 1) * (qlen + nworkers)
+    i = tl.atomic_add(head, 1) - base
+    stop = tl.load(abort, volatile=True)
+    while (i < qlen) & (stop == 0):
+        t = tl.load(queues + qoff + i)
+        tp = tasks + t * TASK_FIELDS
+        t_start = now(USE_TIMER)
+        w0 = tl.load(tp + F_WAIT0)
+        ok = 1
+        for q in range(tl.load(tp + F_NWAIT)):
+            wp = waits + (w0 + q) * 3
+            slot = tl.load(wp)
+            target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
+            flag = tl.load(evaddr + slot).to(tl.pointer_type(tl.int32))
+            v = wait(flag, target, limit, abort, USE_TIMER)
+            if v < target:
+                if ok == 1:
+                    _record(err, abort, rank, pid, tl.load(tp + F_GID), slot, v, target, epoch)
+                ok = 0
+        if ok == 1:
+            kind = tl.load(tp + F_KIND)
+            if HAS_GEMM:
+                if kind == GEMM_ID:
+                    gemm_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
+            if HAS_REDUCE:
+                if kind == REDUCE_ID:
+                    reduce_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
+            if HAS_COPY:
+                if kind == COPY_ID:
+                    copy_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
+            s0 = tl.load(tp + F_SIG0)
+            for q in range(tl.load(tp + F_NSIG)):
+                signal(tl.load(evaddr + tl.load(signals + s0 + q)).to(tl.pointer_type(tl.int32)))
+            if TRACE:
+                tl.store(trace + t * 3, t_start)
+                tl.store(trace + t * 3 + 1, now(USE_TIMER))
+                tl.store(trace + t * 3 + 2, pid.to(tl.int64))
+        i = tl.atomic_add(head, 1) - base
+        stop = tl.load(abort, volatile=True)

@@ -1,0 +1,372 @@
+"""backend="triton": run one rank's schedule with the persistent megakernel.
+
+Memory: every rank allocates one arena of ``layout.arena_bytes`` bytes and one int32 flag array,
+with torch symmetric memory when the graph spans several GPUs (``symm_mem.empty`` + ``rendezvous``;
+pointers from ``buffer_ptrs``): a peer buffer's address is that peer's arena base plus the
+buffer's offset, which every rank computes from the same graph. The flags are our own symmetric
+allocation, never torch's signal pad (GPU.md). Events are never reset: launches are epoch-tagged.
+
+Use: SPMD under torchrun (one process per GPU, torch.distributed initialised; ``run`` takes and
+returns the rank's LOCAL shards, as DTensor local tensors), or a 1-rank graph on one GPU with
+GLOBAL tensors. On the CPU, ``interpret=True`` runs the same kernel in Triton's interpreter with
+one all-roles program (TRITON_INTERPRET=1 must be set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from mgraph.errors import DTypeError, InputError, MgraphError, ScheduleError, WatchdogTimeout
+from mgraph.graph import ITEMSIZE, TaskGraph, torch_dtype
+from mgraph.kinds import ROLES, TaskKind
+from mgraph.settings import Settings
+
+from ..memory import check_inputs, gather_outputs
+from ..trace import TaskRecord, Trace
+from .encode import RankTables, encode_rank, kind_id, layout
+
+if TYPE_CHECKING:
+    from mgraph.scheduler import Schedule
+
+__all__ = ["TritonRuntime", "SUPPORTED_KINDS", "local_shards", "assemble_local", "run_in_process"]
+
+SUPPORTED_KINDS = {TaskKind.GEMM.value, TaskKind.REDUCE.value, TaskKind.COPY.value}
+BK = 64
+RB_M, RB_N = 32, 128  # sub-block of the reduce/copy bodies: 8 KiB bf16 per load
+
+
+def local_shards(graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor]) -> dict:
+    """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs."""
+    out = {}
+    for buf in graph.buffers.values():
+        if buf.rank == rank and buf.role == "input" and buf.binding is not None:
+            b = buf.binding
+            parts = [inputs[b.tensor][tuple(slice(lo, hi) for lo, hi in p)] for p in b.pieces]
+            out[b.tensor] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=b.cat_dim)
+    return out
+
+
+def assemble_local(graph: TaskGraph, rank: int, name: str, data: torch.Tensor) -> torch.Tensor:
+    """A rank's 2-D output buffer viewed as its local shard of the global output."""
+    buf = next(
+        b for b in graph.buffers.values()
+        if b.rank == rank and b.role == "output" and b.binding and b.binding.tensor == name
+    )
+    shape = [hi - lo for lo, hi in buf.binding.pieces[0]]
+    shape[buf.binding.cat_dim] = sum(
+        p[buf.binding.cat_dim][1] - p[buf.binding.cat_dim][0] for p in buf.binding.pieces
+    )
+    return data.reshape(shape)
+
+
+class TritonRuntime:
+    """One rank's compiled schedule: tables on the GPU, arena, flags; ``run`` launches it."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        *,
+        rank: int | None = None,
+        device: torch.device | str | None = None,
+        settings: Settings | None = None,
+        interpret: bool = False,
+        trace: bool = False,
+        shared: _SharedMemory | None = None,
+    ) -> None:
+        graph = schedule.graph
+        self.graph, self.schedule = graph, schedule
+        self.settings = settings or Settings.from_env()
+        self.interpret = interpret
+        self.trace_enabled = trace and not interpret
+        world = graph.topology.world_size
+        self._check_graph(graph)
+        self.shared = shared
+        if world > 1 and shared is None:
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_world_size() != world:
+                raise MgraphError(
+                    f"{graph.op}: a {world}-rank graph on backend='triton' runs SPMD: start one "
+                    f"process per GPU (torchrun --nproc_per_node={world}) and init "
+                    "torch.distributed first",
+                )
+            rank = dist.get_rank() if rank is None else rank
+        # rank None with shared memory: every rank at once in one interpreter program.
+        self.rank = 0 if rank is None and shared is None else rank
+        self.world = world
+        if interpret:
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device(device) if device is not None else torch.device(
+                "cuda", torch.cuda.current_device()
+            )
+        self.layout = layout(graph)
+        self.tables: RankTables = encode_rank(schedule, self.rank, single_program=interpret)
+        self.mine = set(graph.topology.ranks) if self.rank is None else {self.rank}
+        self._allocate()
+        self._upload()
+        self.epoch = 0
+        self.failed: MgraphError | None = None
+
+    # -- set-up -------------------------------------------------------------------------------
+    @staticmethod
+    def _check_graph(graph: TaskGraph) -> None:
+        unsupported = {t.kind for t in graph.tasks} - SUPPORTED_KINDS
+        if unsupported:
+            raise ScheduleError(
+                f"{graph.op}: backend='triton' has no tile bodies for {sorted(unsupported)} yet",
+                hint="run this op on backend='reference'",
+            )
+        dtypes = {b.dtype for b in graph.buffers.values()}
+        if len(dtypes) != 1:
+            raise DTypeError(f"{graph.op}: backend='triton' needs one dtype, graph has {dtypes}")
+        if graph.topology.nodes > 1:
+            raise ScheduleError(
+                f"{graph.op}: backend='triton' runs one node for now (topology {graph.topology})",
+                hint="multi-node graphs need the GPU proxy path; use backend='reference'",
+            )
+        for b in graph.buffers.values():
+            if (b.cols * ITEMSIZE[b.dtype]) % 16:
+                raise ScheduleError(
+                    f"{graph.op}: buffer {b.id} rows are {b.cols} elements, not a multiple of 16 "
+                    "bytes (TMA needs 16-byte aligned rows)",
+                    hint="choose the op's inner sizes as multiples of 8 (bf16) or 4 (fp32)",
+                )
+        gemms = [t for t in graph.tasks if t.kind == TaskKind.GEMM.value]
+        shapes = {t.writes[0].shape for t in gemms}
+        if len(shapes) > 1:
+            raise ScheduleError(f"{graph.op}: gemm tiles of several shapes {sorted(shapes)}")
+        for t in gemms:
+            k = t.reads[0].col1 - t.reads[0].col0
+            if k % BK:
+                raise ScheduleError(
+                    f"{graph.op}: task {t.name!r} has K={k}, not a multiple of {BK}",
+                    hint=f"choose K per rank as a multiple of {BK}",
+                )
+
+    def _allocate(self) -> None:
+        graph, lay, dev = self.graph, self.layout, self.device
+        if self.shared is not None:
+            self.arena = self.shared.arenas[self.rank or 0]
+            self.flags = self.shared.flags[self.rank or 0]
+            self.arenas = self.shared.arenas
+            arena_ptrs = [a.data_ptr() for a in self.shared.arenas]
+            flag_ptrs = [f.data_ptr() for f in self.shared.flags]
+        elif self.world > 1:
+            import torch.distributed as dist
+            import torch.distributed._symmetric_memory as symm_mem
+
+            group = dist.group.WORLD
+            self.arena = symm_mem.empty(lay.arena_bytes, dtype=torch.uint8, device=dev)
+            arena_h = symm_mem.rendezvous(self.arena, group)
+            # Our own flag buffer: torch's signal pad belongs to torch's collectives (GPU.md).
+            self.flags = symm_mem.empty(lay.flag_count + 1, dtype=torch.int32, device=dev)
+            flags_h = symm_mem.rendezvous(self.flags, group)
+            self.flags.zero_()
+            torch.cuda.synchronize(dev)
+            dist.barrier()
+            arena_ptrs, flag_ptrs = list(arena_h.buffer_ptrs), list(flags_h.buffer_ptrs)
+        else:
+            self.arena = torch.zeros(lay.arena_bytes, dtype=torch.uint8, device=dev)
+            self.flags = torch.zeros(lay.flag_count + 1, dtype=torch.int32, device=dev)
+            arena_ptrs, flag_ptrs = [self.arena.data_ptr()], [self.flags.data_ptr()]
+        self.views: dict[str, torch.Tensor] = {}
+        for buf in graph.buffers.values():
+            if buf.rank not in self.mine:
+                continue
+            dt = torch_dtype(buf.dtype)
+            nbytes = buf.rows * buf.cols * torch.empty((), dtype=dt).element_size()
+            start = lay.offset[buf.id]
+            arena = self.shared.arenas[buf.rank] if self.shared is not None else self.arena
+            self.views[buf.id] = arena[start : start + nbytes].view(dt).view(buf.rows, buf.cols)
+        t = self.tables
+        self.bufaddr = torch.tensor(
+            [arena_ptrs[graph.buffers[b].rank] + lay.offset[b] for b in t.slots] or [0],
+            dtype=torch.int64,
+        )
+        self.bufrows = torch.tensor([graph.buffers[b].rows for b in t.slots] or [0], dtype=torch.int32)
+        self.bufcols = torch.tensor([graph.buffers[b].cols for b in t.slots] or [0], dtype=torch.int32)
+        self.evaddr = torch.tensor(
+            [flag_ptrs[graph.events[e].rank] + 4 * lay.event_index[e] for e in t.event_slots] or [0],
+            dtype=torch.int64,
+        )
+        # Entry barrier: the last flag of every rank counts peers' starts of each launch.
+        if self.rank is None:
+            peers = []
+        else:
+            node = graph.topology.node_of(self.rank)
+            peers = [p for p in graph.topology.node_ranks(node) if p != self.rank]
+        self.npeers = len(peers)
+        self.peer_flags = torch.tensor(
+            [flag_ptrs[p] + 4 * lay.flag_count for p in peers] or [0], dtype=torch.int64
+        )
+        self.start_flag = self.flags[lay.flag_count :]
+
+    def _upload(self) -> None:
+        dev, t = self.device, self.tables
+        self.d = {
+            name: tensor.to(dev)
+            for name, tensor in dict(
+                tasks=t.tasks, regions=t.regions, waits=t.waits, signals=t.signals,
+                queues=t.queues, qinfo=t.qinfo, roles=t.roles, bufaddr=self.bufaddr,
+                bufrows=self.bufrows, bufcols=self.bufcols, evaddr=self.evaddr,
+                peer_flags=self.peer_flags,
+            ).items()
+        }
+        self.d["heads"] = torch.zeros(len(ROLES) + 1, dtype=torch.int32, device=dev)
+        self.d["err"] = torch.zeros(8, dtype=torch.int64, device=dev)
+        self.d["abort"] = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.d["go"] = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.d["trace"] = torch.zeros(max(len(t.local_tasks), 1) * 3, dtype=torch.int64, device=dev)
+        gemms = [x for x in self.graph.tasks if x.kind == TaskKind.GEMM.value]
+        self.bm, self.bn = gemms[0].writes[0].shape if gemms else (16, 16)
+
+    # -- launches -----------------------------------------------------------------------------
+    def load_inputs(self, inputs: dict[str, torch.Tensor]) -> None:
+        graph = self.graph
+        if self.world == 1 or self.rank is None:
+            check_inputs(graph, inputs)
+            for buf in graph.buffers.values():
+                if buf.role == "input":
+                    local = local_shards(graph, buf.rank, inputs)[buf.binding.tensor]
+                    self.views[buf.id].copy_(local.reshape(buf.rows, buf.cols))
+            return
+        for buf in graph.buffers.values():
+            if buf.rank != self.rank or buf.role != "input":
+                continue
+            name = buf.binding.tensor
+            if name not in inputs:
+                raise InputError(f"{graph.op}: rank {self.rank} got no local input {name!r}")
+            x = inputs[name]
+            if x.numel() != buf.rows * buf.cols or x.dtype != torch_dtype(buf.dtype):
+                raise InputError(
+                    f"{graph.op}: rank {self.rank} input {name!r} is {tuple(x.shape)} {x.dtype}; "
+                    f"its local shard is {buf.rows * buf.cols} elements of {buf.dtype}",
+                    hint="under torchrun each rank passes its own shard (mgraph.runtime."
+                    "megakernel.local_shards cuts them from global tensors)",
+                )
+            self.views[buf.id].copy_(x.reshape(buf.rows, buf.cols))
+
+    def launch(self, poison: bool = False) -> None:
+        """One launch of the persistent kernel (no host sync)."""
+        if self.failed is not None:
+            raise self.failed
+        import triton
+
+        from .kernel import megakernel
+
+        if not self.interpret:
+            triton.set_allocator(
+                lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=self.device)
+            )
+        else:
+            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+        if poison:
+            for buf in self.graph.buffers.values():
+                if buf.rank in self.mine and buf.role != "input":
+                    self.views[buf.id].fill_(float("nan"))
+        self.epoch += 1
+        d, kinds = self.d, self.tables.kinds
+        limit = int(self.settings.watchdog_s * 1e9) if not self.interpret else 1_000_000
+        megakernel[(self.tables.programs,)](
+            d["tasks"], d["regions"], d["waits"], d["signals"], d["bufaddr"], d["bufrows"],
+            d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
+            self.epoch, -1 if self.rank is None else self.rank, limit, d["err"], d["abort"], d["go"], self.start_flag,
+            d["peer_flags"], self.npeers, d["trace"],
+            DT=_tl_dtype(self.graph.dtype), BM=self.bm, BN=self.bn, BK=BK, RB_M=RB_M, RB_N=RB_N,
+            GEMM_ID=kind_id("gemm"), REDUCE_ID=kind_id("reduce"), COPY_ID=kind_id("copy"),
+            HAS_GEMM="gemm" in kinds, HAS_REDUCE="reduce" in kinds, HAS_COPY="copy" in kinds,
+            USE_TIMER=not self.interpret, TRACE=self.trace_enabled,
+            BARRIER=self.npeers > 0,
+            num_warps=8, num_stages=3,
+        )
+
+    def check(self) -> None:
+        """Raise the kernel's watchdog record, if any (synchronises)."""
+        err = self.d["err"].cpu().tolist()
+        if err[0]:
+            _, rank, pid, task, slot, value, target, epoch = err
+            if task < 0:
+                what = "the entry barrier (peers' start flags)"
+            else:
+                t = self.graph.tasks[task]
+                ev = self.graph.events[self.tables.event_slots[slot]]
+                what = f"task {t.name!r} waiting for event {ev.name!r} (rank {ev.rank})"
+            self.failed = WatchdogTimeout(
+                f"watchdog (triton): rank {rank}, program {pid}: {what}: value {value}, target "
+                f"{target}, epoch {epoch}, after {self.settings.watchdog_s:g} s",
+                hint="a signal is missing or a peer never launched; rebuild the runtime to retry",
+            )
+            raise self.failed
+
+    def run(self, inputs: dict[str, torch.Tensor], *, poison: bool = True):
+        from mgraph.runtime.reference import RunResult
+
+        self.load_inputs(inputs)
+        start = time.perf_counter()
+        self.launch(poison=poison)
+        if not self.interpret:
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - start
+        self.check()
+        if self.world == 1 or self.rank is None:
+            outputs = gather_outputs(self.graph, self.views)
+        else:
+            outputs = {
+                buf.binding.tensor: assemble_local(self.graph, self.rank, buf.binding.tensor,
+                                                   self.views[buf.id])
+                for buf in self.graph.buffers.values()
+                if buf.rank == self.rank and buf.role == "output"
+            }
+        return RunResult(outputs, self.trace(), wall, self.epoch, {})
+
+    def trace(self) -> Trace:
+        """Per-task records of the last launch (when built with trace=True)."""
+        if not self.trace_enabled:
+            return Trace(backend="triton")
+        raw = self.d["trace"].view(-1, 3).cpu()
+        t0 = int(raw[:, 0][raw[:, 0] > 0].min()) if (raw[:, 0] > 0).any() else 0
+        roles = self.tables.roles.tolist()
+        records = []
+        for local, tid in enumerate(self.tables.local_tasks):
+            s, e, pid = raw[local].tolist()
+            t = self.graph.tasks[tid]
+            records.append(TaskRecord(tid, t.name, t.kind, self.rank, t.role, int(pid) -
+                                      roles.index(roles[pid]), (s - t0) / 1e9, (e - t0) / 1e9))
+        return Trace(records, backend="triton")
+
+
+class _SharedMemory:
+    """Every rank's arena and flags in one process (the interpreter's multi-rank mode)."""
+
+    def __init__(self, graph: TaskGraph, device: torch.device) -> None:
+        lay = layout(graph)
+        ranks = graph.topology.ranks
+        self.arenas = [torch.zeros(lay.arena_bytes, dtype=torch.uint8, device=device) for _ in ranks]
+        self.flags = [torch.zeros(lay.flag_count + 1, dtype=torch.int32, device=device) for _ in ranks]
+
+
+def run_in_process(
+    schedule: Schedule, inputs: dict[str, torch.Tensor], *, launches: int = 1,
+    settings: Settings | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every rank of ``schedule`` in this process under the Triton interpreter: one program runs
+    all ranks' tasks in the schedule's global order over every rank's arena, with the same
+    tables, events, epochs and tile bodies the GPU uses. GLOBAL inputs and outputs."""
+    shared = _SharedMemory(schedule.graph, torch.device("cpu"))
+    rt = TritonRuntime(schedule, rank=None, interpret=True, shared=shared, settings=settings)
+    result = None
+    for _ in range(launches):
+        result = rt.run(inputs)
+    assert result is not None
+    return result.outputs
+
+
+def _tl_dtype(name: str):
+    import triton.language as tl
+
+    return {"bfloat16": tl.bfloat16, "float16": tl.float16, "float32": tl.float32}[name]
+

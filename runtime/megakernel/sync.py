@@ -1,0 +1,70 @@
+"""Signal, wait and timing primitives of the megakernel: every memory-ordering rule lives here.
+
+Contracts (DESIGN: synchronisation protocol):
+- ``signal(flag)``: a CTA barrier, then ``atom.add.release.sys`` on the flag. The barrier orders
+  every thread's earlier stores before thread 0's release; release is cumulative, so a consumer
+  that acquires the new value sees all of the tile's stores, on this GPU and on peers (sys scope
+  covers NVLink peers and the host proxy).
+- ``wait(flag, target)``: ``atom.add.acquire.sys`` polls (add 0) until the value reaches ``target``;
+  loads issued after it see everything the signalling side stored before its release. Bounded:
+  it gives up after ``limit`` (nanoseconds of %globaltimer on the GPU, polls in the interpreter)
+  or when another program raised the abort flag, and returns the last value it saw.
+- A wait comes before a tile's K-loop, never inside it: Triton's pipeliner may hoist the loop's
+  loads above a wait that sits in the loop body.
+- Data consumed through TMA (the async proxy) that peers wrote with plain stores (the generic
+  proxy) needs ``fence_proxy_async()`` after the wait.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["now", "signal", "wait", "fence_proxy_async"]
+
+
+@triton.jit
+def now(USE_TIMER: tl.constexpr):
+    """Nanoseconds of the GPU's global timer; 0 in the interpreter (no inline asm there)."""
+    if USE_TIMER:
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        t = tl.zeros((), dtype=tl.int64)
+    return t
+
+
+@triton.jit
+def fence_proxy_async(USE_TIMER: tl.constexpr):
+    """Order earlier generic-proxy accesses before later TMA (async proxy) accesses."""
+    if USE_TIMER:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def signal(flag):
+    tl.debug_barrier()
+    tl.atomic_add(flag, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def wait(flag, target, limit, abort, USE_TIMER: tl.constexpr):
+    value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    if value < target:
+        start = now(USE_TIMER)
+        spins = 0
+        aborted = tl.load(abort, volatile=True)
+        elapsed = tl.zeros((), dtype=tl.int64)
+        while (value < target) & (elapsed < limit) & (aborted == 0):
+            value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            aborted = tl.load(abort, volatile=True)
+            spins += 1
+            if USE_TIMER:
+                elapsed = now(USE_TIMER) - start
+            else:
+                elapsed = spins.to(tl.int64)
+    return value

@@ -1,0 +1,108 @@
+"""The megakernel's CPU-testable parts: table encoding, layout, backend errors, and the kernel
+itself under Triton's interpreter (in a subprocess: TRITON_INTERPRET must be set before import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mgraph as mg
+from mgraph.kinds import ROLES
+from mgraph.ops.abi import F_KIND, F_NREAD, F_NWAIT, F_NWRITE, TASK_FIELDS
+from mgraph.runtime.megakernel import encode_rank, layout
+from mgraph.runtime.megakernel.encode import ALIGN, ROLE_ALL, kind_id
+from mgraph.runtime.megakernel.runtime import TritonRuntime
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).parent
+
+
+def test_layout_is_aligned_and_disjoint():
+    g = mg.ops.gemm_allreduce(M=64, N=96, K=64, topology="1x2", tile=[32, 32], dtype=torch.bfloat16)
+    lay = layout(g)
+    for r in range(2):
+        spans = sorted(
+            (lay.offset[b.id], lay.offset[b.id] + b.nbytes) for b in g.buffers.values() if b.rank == r
+        )
+        assert all(s % ALIGN == 0 for s, _ in spans)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert spans[-1][1] <= lay.arena_bytes
+    per_rank = [sum(1 for e in g.events if e.rank == r) for r in range(2)]
+    assert lay.flag_count == max(per_rank)
+
+
+def test_encoded_tables_cover_the_rank_schedule():
+    g = mg.ops.gemm_allreduce(M=64, N=96, K=64, topology="1x2", tile=[32, 32])
+    sched = mg.schedule(g, workers={"compute": 6, "nvlink": 2})
+    for rank in range(2):
+        t = encode_rank(sched, rank)
+        mine = [x.id for x in g.tasks if x.rank == rank]
+        assert sorted(t.local_tasks) == sorted(mine)
+        assert t.tasks.shape == (len(mine), TASK_FIELDS)
+        for local, tid in enumerate(t.local_tasks):
+            task = g.tasks[tid]
+            row = t.tasks[local]
+            assert int(row[F_KIND]) == kind_id(task.kind)
+            assert int(row[F_NREAD]) == len(task.reads) and int(row[F_NWRITE]) == len(task.writes)
+            assert int(row[F_NWAIT]) == len(task.waits)
+        # Queues: each role's slice holds that role's tasks in schedule order.
+        for i, role in enumerate(ROLES):
+            off, n, workers = t.qinfo[i].tolist()
+            queue = [t.local_tasks[x] for x in t.queues[off : off + n].tolist()]
+            assert queue == sched.ranks[rank].queues[role.value]
+        assert t.roles.tolist() == [0] * 6 + [1] * 2
+        # Regions point at slots naming the right buffers.
+        first = t.local_tasks[0]
+        slot = int(t.regions[int(t.tasks[0][1])][0])
+        assert t.slots[slot] == g.tasks[first].reads[0].buffer
+
+
+def test_single_program_mode_runs_everything_in_global_order():
+    g = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x2", tile=[32, 32])
+    sched = mg.schedule(g)
+    t = encode_rank(sched, None, single_program=True)
+    assert t.roles.tolist() == [ROLE_ALL]
+    off, n, _ = t.qinfo[ROLE_ALL].tolist()
+    assert n == len(g.tasks)
+    assert t.local_tasks == sched.order()
+
+
+def test_triton_backend_rejects_what_it_cannot_run():
+    ring = mg.ops.ring_attention(B=1, H=1, S=32, D=16, topology="1x1")
+    with pytest.raises(mg.ScheduleError, match="attn_block"):
+        TritonRuntime(mg.schedule(ring), interpret=True)
+    two_nodes = mg.ops.gemm_allreduce(M=32, N=32, K=64, topology="2x1", tile=[16, 16])
+    with pytest.raises(mg.ScheduleError, match="one node"):
+        TritonRuntime(mg.schedule(two_nodes), interpret=True)
+    odd = mg.ops.gemm(M=32, N=36, K=64, topology="1x1", tile=[16, 36], dtype=torch.bfloat16)
+    with pytest.raises(mg.ScheduleError, match="16 bytes"):
+        TritonRuntime(mg.schedule(odd), interpret=True)
+    small_k = mg.ops.gemm(M=32, N=32, K=32, topology="1x1", tile=[16, 16])
+    with pytest.raises(mg.ScheduleError, match="multiple of 64"):
+        TritonRuntime(mg.schedule(small_k), interpret=True)
+
+
+def test_multi_rank_graph_needs_torchrun():
+    g = mg.ops.gemm_allreduce(M=64, N=64, K=128, topology="1x2", tile=[32, 32])
+    with pytest.raises(mg.MgraphError, match="torchrun"):
+        TritonRuntime(mg.schedule(g), interpret=True)
+
+
+def test_megakernel_under_the_interpreter_matches_torch():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "megakernel_interp.py")], env=env, capture_output=True,
+        text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 6, proc.stdout
+    for row in rows:
+        assert max(row["errors"]) < 1e-5, row
