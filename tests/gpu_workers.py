@@ -1,0 +1,58 @@
+"""Process bodies for the multi-GPU tests (spawned with torch.multiprocessing): each process is one
+rank, runs the op on backend triton with its local shards, and checks against torch."""
+
+from __future__ import annotations
+
+import os
+
+
+def setup(rank: int, world: int, port: int) -> None:
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # GPU.md: lazy loading can deadlock
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+
+
+def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunches: int, queue) -> None:
+    try:
+        setup(rank, world, port)
+        import torch
+        import torch.distributed as dist
+
+        import mgraph as mg
+        from mgraph.runtime.megakernel import TritonRuntime, local_shards
+
+        op = mg.ops.get_op(op_name)
+        graph = op(topology=f"1x{world}", dtype=torch.bfloat16, **kw)
+        rt = TritonRuntime(mg.schedule(graph))
+        worst = 0.0
+        for i in range(relaunches):
+            inputs = op.random_inputs(graph, seed=i)  # same seed on every rank: same global data
+            want_global = op.run_reference({k: v.cuda().float() for k, v in inputs.items()}, graph.params)["out"]
+            local = {k: v.cuda() for k, v in local_shards(graph, rank, inputs).items()}
+            got = rt.run(local).outputs["out"].float()
+            want = _local_reference(graph, rank, want_global)
+            err = ((got - want).norm() / want.norm()).item()
+            worst = max(worst, err)
+        dist.barrier()
+        queue.put((rank, worst, None))
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the parent test
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def _local_reference(graph, rank, full):
+    """The rank's part of a GLOBAL reference output, in the output buffer's layout."""
+    buf = next(b for b in graph.buffers.values() if b.rank == rank and b.role == "output")
+    parts = [full[tuple(slice(lo, hi) for lo, hi in p)] for p in buf.binding.pieces]
+    import torch
+
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=buf.binding.cat_dim)
