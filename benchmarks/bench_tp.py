@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -28,8 +27,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import mgraph as mg  # noqa: E402
+import mgraph as mg  # noqa: E402  (installed: mgraph.runtime comes from the package-dir map)
 from mgraph.runtime.megakernel import TritonRuntime, local_shards  # noqa: E402
 
 SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (2048, 8192, 8192)]
