@@ -69,14 +69,18 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    # jit code may only read globals that are constexpr objects
+    _READ0, _NREAD = tl.constexpr(F_READ0), tl.constexpr(F_NREAD)
+    _WRITE0, _NWRITE = tl.constexpr(F_WRITE0), tl.constexpr(F_NWRITE)
+
     @GEMM.triton
     @triton.jit
     def gemm_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
-        r0 = tl.load(tp + F_READ0)
+        r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
         b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
-        c_slot, cm0, cm1, cn0, cn1 = load_region(regions, tl.load(tp + F_WRITE0))
+        c_slot, cm0, cm1, cn0, cn1 = load_region(regions, tl.load(tp + _WRITE0))
         a_cols = tl.load(bufcols + a_slot)
         b_cols = tl.load(bufcols + b_slot)
         ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
@@ -96,9 +100,9 @@ if HAVE_TRITON:
     @triton.jit
     def reduce_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
-        r0 = tl.load(tp + F_READ0)
-        nread = tl.load(tp + F_NREAD)
-        w_slot, wm0, wm1, wn0, wn1 = load_region(regions, tl.load(tp + F_WRITE0))
+        r0 = tl.load(tp + _READ0)
+        nread = tl.load(tp + _NREAD)
+        w_slot, wm0, wm1, wn0, wn1 = load_region(regions, tl.load(tp + _WRITE0))
         w = buffer_base(bufaddr, w_slot, DT)
         w_cols = tl.load(bufcols + w_slot).to(tl.int64)
         for i in range(0, wm1 - wm0, RB_M):
@@ -120,9 +124,9 @@ if HAVE_TRITON:
     @triton.jit
     def copy_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
-        s, sm0, sm1, sn0, sn1 = load_region(regions, tl.load(tp + F_READ0))
-        w0 = tl.load(tp + F_WRITE0)
-        nwrite = tl.load(tp + F_NWRITE)
+        s, sm0, sm1, sn0, sn1 = load_region(regions, tl.load(tp + _READ0))
+        w0 = tl.load(tp + _WRITE0)
+        nwrite = tl.load(tp + _NWRITE)
         src = buffer_base(bufaddr, s, DT)
         s_cols = tl.load(bufcols + s).to(tl.int64)
         for i in range(0, sm1 - sm0, RB_M):

@@ -30,6 +30,10 @@ __all__ = ["megakernel", "ERR_FIELDS"]
 
 ERR_FIELDS = 8  # flag, rank, program, task, event slot, value, target, epoch
 
+# jit code may only read globals that are constexpr objects
+_GID, _KIND, _NSIG, _NWAIT = tl.constexpr(F_GID), tl.constexpr(F_KIND), tl.constexpr(F_NSIG), tl.constexpr(F_NWAIT)
+_SIG0, _WAIT0, _FIELDS = tl.constexpr(F_SIG0), tl.constexpr(F_WAIT0), tl.constexpr(TASK_FIELDS)
+
 gemm_tile = tiles.GEMM.triton_body
 reduce_tile = tiles.REDUCE.triton_body
 copy_tile = tiles.COPY.triton_body
@@ -52,15 +56,16 @@ def _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort
 
 @triton.jit
 def _record(err, abort, rank, pid, task, slot, value, target, epoch):
-    if tl.atomic_cas(err, 0, 1) == 0:
-        tl.store(err + 1, rank.to(tl.int64))
-        tl.store(err + 2, pid.to(tl.int64))
-        tl.store(err + 3, task.to(tl.int64))
-        tl.store(err + 4, slot.to(tl.int64))
-        tl.store(err + 5, value.to(tl.int64))
-        tl.store(err + 6, target.to(tl.int64))
-        tl.store(err + 7, epoch.to(tl.int64))
-    tl.atomic_xchg(abort, 1)
+    # The abort flag doubles as the "first error" claim: the winner writes the record.
+    if tl.atomic_cas(abort, 0, 1) == 0:
+        tl.store(err, 1)
+        tl.store(err + 1, rank)
+        tl.store(err + 2, pid)
+        tl.store(err + 3, task)
+        tl.store(err + 4, slot)
+        tl.store(err + 5, value)
+        tl.store(err + 6, target)
+        tl.store(err + 7, epoch)
 
 
 @triton.jit
@@ -88,11 +93,11 @@ def megakernel(
     stop = tl.load(abort, volatile=True)
     while (i < qlen) & (stop == 0):
         t = tl.load(queues + qoff + i)
-        tp = tasks + t * TASK_FIELDS
+        tp = tasks + t * _FIELDS
         t_start = now(USE_TIMER)
-        w0 = tl.load(tp + F_WAIT0)
+        w0 = tl.load(tp + _WAIT0)
         ok = 1
-        for q in range(tl.load(tp + F_NWAIT)):
+        for q in range(tl.load(tp + _NWAIT)):
             wp = waits + (w0 + q) * 3
             slot = tl.load(wp)
             target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
@@ -100,10 +105,10 @@ def megakernel(
             v = wait(flag, target, limit, abort, USE_TIMER)
             if v < target:
                 if ok == 1:
-                    _record(err, abort, rank, pid, tl.load(tp + F_GID), slot, v, target, epoch)
+                    _record(err, abort, rank, pid, tl.load(tp + _GID), slot, v, target, epoch)
                 ok = 0
         if ok == 1:
-            kind = tl.load(tp + F_KIND)
+            kind = tl.load(tp + _KIND)
             if HAS_GEMM:
                 if kind == GEMM_ID:
                     gemm_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
@@ -113,12 +118,12 @@ def megakernel(
             if HAS_COPY:
                 if kind == COPY_ID:
                     copy_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
-            s0 = tl.load(tp + F_SIG0)
-            for q in range(tl.load(tp + F_NSIG)):
+            s0 = tl.load(tp + _SIG0)
+            for q in range(tl.load(tp + _NSIG)):
                 signal(tl.load(evaddr + tl.load(signals + s0 + q)).to(tl.pointer_type(tl.int32)))
             if TRACE:
                 tl.store(trace + t * 3, t_start)
                 tl.store(trace + t * 3 + 1, now(USE_TIMER))
-                tl.store(trace + t * 3 + 2, pid.to(tl.int64))
+                tl.store(trace + t * 3 + 2, pid)
         i = tl.atomic_add(head, 1) - base
         stop = tl.load(abort, volatile=True)
