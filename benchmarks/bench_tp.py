@@ -195,7 +195,7 @@ class Bench:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
-    parser.add_argument("--ops", nargs="*", default=["gemm", "allreduce", "reduce_scatter", "all_gather"])
+    parser.add_argument("--ops", nargs="*", default=["gemm_alone", "allreduce", "reduce_scatter", "all_gather"])
     parser.add_argument("--comm-workers", type=int, nargs="*", default=[4, 8, 12, 16, 24, 32])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
