@@ -10,7 +10,7 @@ from ..builder import GraphBuilder, pick_tile, piece, shard_range
 from ..errors import ShapeError
 from ..kinds import Role, TaskKind
 from ..topology import Topology
-from .collectives import tile_grid, tile_region
+from .collectives import grouped, tile_grid, tile_region
 from .registry import OpDef
 
 gemm = OpDef("gemm", dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
@@ -45,7 +45,7 @@ def _lower(b: GraphBuilder, M: int, N: int, K: int, tile: list[int] = (128, 256)
         a = b.bound_buffer("a", r, "a", [piece((M, K), d0=shard)])
         w = b.bound_buffer("b", r, "b", [piece((K, N))])
         out = b.bound_buffer("out", r, "out", [piece((M, N), d0=shard)], role="output")
-        for t in tile_grid(rows, N, bm, bn):
+        for t in grouped(tile_grid(rows, N, bm, bn)):  # L2-friendly queue order
             b.task(
                 r, Role.COMPUTE, TaskKind.GEMM.value,
                 [a.region((t[0], t[1]), (0, K)), w.region((0, K), (t[2], t[3]))],

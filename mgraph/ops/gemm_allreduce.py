@@ -24,7 +24,16 @@ from ..errors import ShapeError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
-from .collectives import Tile, bounding, group_chunks, partition, tile_grid, tile_region, unique_tasks
+from .collectives import (
+    Tile,
+    bounding,
+    group_chunks,
+    grouped,
+    partition,
+    tile_grid,
+    tile_region,
+    unique_tasks,
+)
 from .registry import OpDef
 
 gemm_allreduce = OpDef("gemm_allreduce", dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
@@ -75,7 +84,7 @@ def _lower(
     gemms: list[dict[Tile, Task]] = []
     for r in topo.ranks:
         row: dict[Tile, Task] = {}
-        for t in tiles:
+        for t in grouped(tiles):  # emission order = queue order among equals: L2-friendly
             row[t] = b.task(
                 r,
                 Role.COMPUTE,

@@ -61,8 +61,8 @@ def _copy_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, in
 
 
 # -- megakernel tile bodies ----------------------------------------------------------------------
-# Uniform signature: (tp = this task's row in the task table, the region and buffer tables,
-# constexpr dtype and block sizes). Outputs go out with plain stores, not TMA stores: a TMA store
+# Each body reads its task's row ``tp`` of the task table and the region and buffer tables;
+# constexpr dtype and block sizes come from the kernel. Outputs go out with plain stores, not TMA stores: a TMA store
 # completes asynchronously (its wait only covers reading shared memory), so a release right after
 # it could publish a tile whose bytes are not in global memory yet.
 if HAVE_TRITON:
@@ -75,18 +75,27 @@ if HAVE_TRITON:
 
     @GEMM.triton
     @triton.jit
-    def gemm_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+    def gemm_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
+                  DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """C = A @ B over the task's K range. ``ad0``/``bd0`` are descriptors the kernel built once
+        for the rank's usual A and B buffers: building one costs a global-memory write and a
+        fence, so a task only builds its own when it reads another buffer."""
         r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
         b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
         c_slot, cm0, cm1, cn0, cn1 = load_region(regions, tl.load(tp + _WRITE0))
-        a_cols = tl.load(bufcols + a_slot)
-        b_cols = tl.load(bufcols + b_slot)
-        ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
-                                       [tl.load(bufrows + a_slot), a_cols], [a_cols, 1], [BM, BK])
-        bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
-                                       [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
+        if a_slot == a0_slot:
+            ad = ad0
+        else:
+            a_cols = tl.load(bufcols + a_slot)
+            ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
+                                           [tl.load(bufrows + a_slot), a_cols], [a_cols, 1], [BM, BK])
+        if b_slot == b0_slot:
+            bd = bd0
+        else:
+            b_cols = tl.load(bufcols + b_slot)
+            bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
+                                           [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(0, ak1 - ak0, BK):
             acc = tl.dot(ad.load([am0, ak0 + kk]), bd.load([bk0 + kk, bn0]), acc)
@@ -98,8 +107,8 @@ if HAVE_TRITON:
 
     @REDUCE.triton
     @triton.jit
-    def reduce_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+    def reduce_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
+                    RB_N: tl.constexpr):
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
         w_slot, wm0, wm1, wn0, wn1 = load_region(regions, tl.load(tp + _WRITE0))
@@ -122,8 +131,8 @@ if HAVE_TRITON:
 
     @COPY.triton
     @triton.jit
-    def copy_tile(tp, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+    def copy_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
+                  RB_N: tl.constexpr):
         s, sm0, sm1, sn0, sn1 = load_region(regions, tl.load(tp + _READ0))
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)

@@ -72,6 +72,8 @@ class RankTables:
     event_slots: list[int] = field(default_factory=list)  # event id per event slot
     local_tasks: list[int] = field(default_factory=list)  # graph task id per local task index
     kinds: set[str] = field(default_factory=set)
+    a0_slot: int = 0  # the most used GEMM A buffer slot (its descriptor is built once per launch)
+    b0_slot: int = 0  # likewise for B
 
     @property
     def programs(self) -> int:
@@ -148,6 +150,14 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
             return torch.zeros((0, width) if width else (0,), dtype=torch.int32)
         return torch.tensor(rows, dtype=torch.int32)
 
+    a_use: dict[int, int] = {}
+    b_use: dict[int, int] = {}
+    for tid in order:
+        t = graph.tasks[tid]
+        if t.kind == "gemm":
+            a, b = slot_of[t.reads[0].buffer], slot_of[t.reads[1].buffer]
+            a_use[a] = a_use.get(a, 0) + 1
+            b_use[b] = b_use.get(b, 0) + 1
     return RankTables(
         rank=rank,
         tasks=i32(tasks, TASK_FIELDS),
@@ -161,4 +171,6 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
         event_slots=list(ev_slot),
         local_tasks=order,
         kinds=kinds,
+        a0_slot=max(a_use, key=a_use.get) if a_use else 0,
+        b0_slot=max(b_use, key=b_use.get) if b_use else 0,
     )

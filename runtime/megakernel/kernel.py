@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from mgraph.ops import tiles
+from mgraph.ops.abi import buffer_base
 from mgraph.ops.abi import F_GID, F_KIND, F_NSIG, F_NWAIT, F_SIG0, F_WAIT0, TASK_FIELDS
 
 from .sync import now, signal, wait
@@ -72,7 +73,7 @@ def _record(err, abort, rank, pid, task, slot, value, target, epoch):
 def megakernel(
     tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
     queues, qinfo, roles, heads, epoch, rank, limit, err, abort, go,
-    start_flags, peer_flags, npeers, trace,
+    start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
     GEMM_ID: tl.constexpr, REDUCE_ID: tl.constexpr, COPY_ID: tl.constexpr,
@@ -83,6 +84,13 @@ def megakernel(
     if BARRIER:
         _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort, err, rank,
                        USE_TIMER)
+    if HAS_GEMM:  # the rank's usual A and B: one descriptor each per launch, not per tile
+        a_cols = tl.load(bufcols + a0_slot)
+        ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),
+                                        [tl.load(bufrows + a0_slot), a_cols], [a_cols, 1], [BM, BK])
+        b_cols = tl.load(bufcols + b0_slot)
+        bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, b0_slot, DT),
+                                        [tl.load(bufrows + b0_slot), b_cols], [b_cols, 1], [BK, BN])
     role = tl.load(roles + pid)
     qoff = tl.load(qinfo + role * 3)
     qlen = tl.load(qinfo + role * 3 + 1)
@@ -111,13 +119,14 @@ def megakernel(
             kind = tl.load(tp + _KIND)
             if HAS_GEMM:
                 if kind == GEMM_ID:
-                    gemm_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
+                    gemm_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
+                              DT, BM, BN, BK)
             if HAS_REDUCE:
                 if kind == REDUCE_ID:
-                    reduce_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
+                    reduce_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
             if HAS_COPY:
                 if kind == COPY_ID:
-                    copy_tile(tp, regions, bufaddr, bufrows, bufcols, DT, BM, BN, BK, RB_M, RB_N)
+                    copy_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
             s0 = tl.load(tp + _SIG0)
             for q in range(tl.load(tp + _NSIG)):
                 signal(tl.load(evaddr + tl.load(signals + s0 + q)).to(tl.pointer_type(tl.int32)))
