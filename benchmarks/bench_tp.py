@@ -96,7 +96,13 @@ class Bench:
             del rt
             gc.collect()
             torch.cuda.empty_cache()
-        self.add(op_name, shape, "mgraph_best", best[0], nvlink_workers=best[1])
+        # Where the time goes: one traced launch of the best split (in-kernel %globaltimer stamps).
+        workers = {"compute": sms - best[1], "nvlink": best[1]}
+        rt = TritonRuntime(mg.schedule(graph, workers=workers), trace=True)
+        rt.run(local)
+        busy = busy_fractions(rt.trace(), workers)
+        self.add(op_name, shape, "mgraph_best", best[0], nvlink_workers=best[1], **busy)
+        del rt
 
     def gemm_alone(self, shape):
         M, N, K = shape
@@ -192,6 +198,16 @@ class Bench:
         self.mgraph("allgather_gemm", shape, dict(M=M, N=N * w, K=K), want, self.args.comm_workers)
 
 
+def busy_fractions(trace, workers: dict[str, int]) -> dict[str, float]:
+    """Busy time per role over (workers x makespan) of one traced launch, and the makespan."""
+    span = trace.makespan
+    out = {"traced_ms": round(span * 1e3, 4)}
+    for role, n in workers.items():
+        busy = sum(r.end - r.start for r in trace.records if r.role == role)
+        out[f"busy_{role}"] = round(busy / (n * span), 3) if n and span else 0.0
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
@@ -233,6 +249,8 @@ def table(rows: list[dict]) -> str:
                 continue
             ratio = f"{base / r['ms']:.2f}x" if base else ""
             extra = f" (nvlink {r['nvlink_workers']})" if "nvlink_workers" in r else ""
+            if "busy_compute" in r:
+                extra += f" busy compute {r['busy_compute']:.2f} nvlink {r['busy_nvlink']:.2f}"
             lines.append(f"| {op} | {M},{N},{K} | {r['impl']}{extra} | {r['ms']:.3f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
