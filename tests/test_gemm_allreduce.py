@@ -41,7 +41,8 @@ def test_stats_structure_2x4():
     st = g.stats()
     kinds = st.by_role_kind()
     assert kinds[("compute", "gemm")] == 8 * 4  # every rank computes every tile's partial
-    assert kinds[("nvlink", "reduce")] == 2 * 4  # each node reduces each tile once
+    assert kinds[("compute", "reduce")] == 2 * 4 + 4  # node reduce per tile and node, + rail
+    assert kinds[("nvlink", "copy")] == 2 * 4 * 3 + 8  # 3 pushes per tile and node + broadcasts
     gemm_flops = [sum(t.flops for t in g.tasks_on(r) if t.kind == "gemm") for r in range(8)]
     assert gemm_flops == [2 * 64 * 64 * 8] * 8  # K=64 sharded 8 ways
     assert all(f > 2 * 64 * 64 * 8 for f in st.flops_per_rank)  # plus the reductions

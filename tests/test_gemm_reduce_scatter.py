@@ -61,24 +61,25 @@ def test_stats_structure_2x4():
     tiles = (M // 8) * (N // 32)  # 16 output tiles, 2 per rank
     assert kinds == {
         ("compute", "gemm"): 8 * tiles,  # every rank computes a partial of every tile
-        ("nvlink", "reduce"): 2 * tiles,  # each node sums each tile once
+        ("nvlink", "copy"): 2 * tiles * 3,  # node reduce: 3 peers push each tile to its summer
+        ("compute", "reduce"): 2 * tiles + tiles,  # node sums, then each tile finished once
         ("rdma", "copy"): 8,  # one chunk (both tiles of a rank's rows) from the other node
-        ("compute", "reduce"): tiles,  # each tile finished once, on its owner
     }
     for r in range(8):
         gemm_flops = sum(t.flops for t in g.tasks_on(r) if t.kind == "gemm")
         assert gemm_flops == 2 * M * N * (K // 8)
     for t in g.tasks:
         if t.role == "compute" and t.kind == "reduce":
-            assert len(t.reads) == 2  # own node sum + the other node's
+            # a node sum adds 4 GPUs' partials; a final reduce its node sum + the other node's
+            assert len(t.reads) == (4 if t.name.startswith("node-reduce") else 2)
     flat = mg.ops.gemm_reduce_scatter(
         M=M, N=N, K=K, topology="2x4", tile=[8, 32], hierarchical=False
     )
     assert flat.stats().by_role_kind() == {
         ("compute", "gemm"): 8 * tiles,
         ("rdma", "copy"): 8 * 4,  # each GPU sends the other node's 4 tile rows, one chunk each
-        ("compute", "reduce"): 8 * tiles // 2,  # each rail peer sums its node's rows
-        ("nvlink", "reduce"): tiles,  # node reduce delivers each tile to its owner
+        ("compute", "reduce"): 8 * tiles // 2 + tiles,  # rail sums, then node sums per tile
+        ("nvlink", "copy"): tiles * 3,  # node reduce: 3 peers push each tile to its owner
     }
 
 
@@ -86,7 +87,7 @@ def test_one_node_reduces_straight_into_out():
     g = mg.ops.gemm_reduce_scatter(M=64, N=64, K=32, topology="1x4", tile=[8, 32])
     assert not any(b.name in ("nodesum", "railsum") for b in g.buffers.values())
     reduces = [t for t in g.tasks if t.kind == "reduce"]
-    assert {t.role for t in reduces} == {"nvlink"}
+    assert {t.role for t in reduces} == {"compute"}  # peers push, the owner adds locally
     assert all(g.buffers[t.writes[0].buffer].name == "out" for t in reduces)
     assert all(len(t.reads) == 4 for t in reduces)
     check_graph(g)

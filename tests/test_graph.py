@@ -149,8 +149,9 @@ def test_kind_not_allowed_in_role():
 def test_symmetric_is_derived():
     g = mg.ops.gemm_allreduce(M=32, N=32, K=32, topology="1x2", tile=[16, 16])
     sym = {b.id for b in g.buffers.values() if b.symmetric}
-    assert "partial@0" in sym and "partial@1" in sym  # node reduce pulls from peers
-    assert "a@0" not in sym
+    assert "partial_from1@0" in sym and "partial_from0@1" in sym  # peers push partials here
+    assert "out@1" in sym  # the owner broadcasts finished tiles
+    assert "a@0" not in sym and "partial@0" not in sym
 
 
 def test_json_round_trip_and_text_are_deterministic(tmp_path):
@@ -182,9 +183,9 @@ def test_networkx_view_is_a_dag_matching_waits():
     nxg = g.to_networkx()
     assert nxg.number_of_nodes() == len(g.tasks)
     assert nx.is_directed_acyclic_graph(nxg)
-    reduce = next(t for t in g.tasks if t.kind == "reduce" and t.role == "nvlink")
-    preds = {nxg.nodes[p]["kind"] for p in nxg.predecessors(reduce.id)}
-    assert preds == {"gemm"}
+    reduce = next(t for t in g.tasks if t.name.startswith("node-reduce"))
+    preds = {(nxg.nodes[p]["role"], nxg.nodes[p]["kind"]) for p in nxg.predecessors(reduce.id)}
+    assert preds == {("compute", "gemm"), ("nvlink", "copy")}  # own partial + pushed partial
 
 
 def test_every_builtin_kind_has_cpu_body_and_cost():

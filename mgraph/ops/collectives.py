@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from typing import TYPE_CHECKING
+
 from ..errors import ShapeError
 from ..graph import Buffer, Region, Task
+from ..kinds import Role, TaskKind
+
+if TYPE_CHECKING:
+    from ..builder import GraphBuilder
 
 __all__ = [
     "Tile",
@@ -25,6 +31,8 @@ __all__ = [
     "unique_tasks",
     "check_options",
     "shard_tile",
+    "grouped",
+    "push_reduce",
 ]
 
 Tile = tuple[int, int, int, int]
@@ -159,3 +167,41 @@ def grouped(tiles: Sequence[Tile], group_rows: int = 8) -> list[Tile]:
     rows = sorted({t[0] for t in tiles})
     band_of = {r: i // group_rows for i, r in enumerate(rows)}
     return sorted(tiles, key=lambda t: (band_of[t[0]], t[2], t[0]))
+
+
+def push_reduce(
+    b: GraphBuilder,
+    owner: int,
+    sources: dict[int, tuple[Region, Task]],
+    dst: Region,
+    recv: dict[tuple[int, int], Buffer],
+    name: str,
+) -> Task:
+    """Sum one tile held by several GPUs of a node into ``dst`` on ``owner``.
+
+    ``sources``: rank -> (its region of the tile, the task that finished it). The other ranks
+    PUSH their region into the owner's receive buffer (same coordinates as their source buffer)
+    over NVLink, then the owner adds everything from local memory in a compute task. Pushing,
+    not pulling: a store to a peer is fire-and-forget while a load waits a round trip (pulling
+    reduce bodies measured about 2 GB/s per program on H200). ``recv`` caches the owner's
+    receive buffers by (owner, pusher); it is shared by every call of one lowering.
+    """
+    where = f"[{dst.row0}:{dst.row1},{dst.col0}:{dst.col1}]"
+    pushes, reads = [], []
+    for rank, (region, ready) in sources.items():
+        if rank == owner:
+            continue
+        key = (owner, rank)
+        if key not in recv:
+            src_buf = b.buffers[region.buffer]
+            recv[key] = b.buffer(f"{src_buf.name}_from{rank}", owner, src_buf.rows, src_buf.cols)
+        landing = Region(recv[key].id, *region[1:])
+        pushes.append(
+            b.task(rank, Role.NVLINK, TaskKind.COPY.value, [region], [landing],
+                   waits=b.after(rank, [ready]), name=f"push r{rank}->r{owner} {name} {where}")
+        )
+        reads.append(landing)
+    own = [sources[owner]] if owner in sources else []
+    reads = [r for r, _ in own] + reads
+    return b.task(owner, Role.COMPUTE, TaskKind.REDUCE.value, reads, [dst],
+                  waits=b.after(owner, [t for _, t in own] + pushes), name=f"{name} r{owner} {where}")

@@ -5,7 +5,8 @@ later tiles are still being computed.
 
 Hierarchical movement (default): the output tiles are cut into G x N contiguous slots (G GPUs per
 node, N nodes); slot (l, j) belongs to local GPU l on every node and is finally reduced on node j.
-1. node reduce (nvlink): on every node, GPU l pulls its slot tiles from the node's G partials;
+1. node reduce: on every node, the other GPUs push their partials of GPU l's slot tiles to it
+   over NVLink and GPU l adds the G tiles (compute);
 2. rail reduce-scatter (rdma): node sums of slot (l, j) go, in chunks, to the rail peer (j, l),
    which adds the N node sums (compute);
 3. rail all-gather (rdma): (j, l) sends the finished chunks back to its rail peers;
@@ -30,6 +31,7 @@ from .collectives import (
     group_chunks,
     grouped,
     partition,
+    push_reduce,
     tile_grid,
     tile_region,
     unique_tasks,
@@ -132,28 +134,25 @@ class _Stages:
     def node_reduce(self, src, src_ready, scratch_name, out) -> _Result:
         """GPU l of every node reduces its slot of tiles over the node's G source buffers.
 
-        With one node the sum is final and lands in ``out``; otherwise in a ``scratch_name``
-        buffer. Slots: with hierarchical movement a tile's owner must also own it in the rail
-        stage, so the slot index is l * nodes + j (the rail stage picks j).
+        The other GPUs push their tile to the owner, which adds them (collectives.push_reduce).
+        With one node the sum is final and lands in
+        ``out``; otherwise in a ``scratch_name`` buffer. Slots: with hierarchical movement a
+        tile's owner must also own it in the rail stage, so the slot index is l * nodes + j.
         """
         b, topo = self.b, self.topo
         G = topo.gpus_per_node
         dst = out if scratch_name is None else [b.buffer(scratch_name, r, *out[r].shape) for r in topo.ranks]
         res = _Result(dst)
+        recv: dict[tuple[int, int], Buffer] = {}
         for node in range(topo.nodes):
             members = topo.node_ranks(node)
             for local, owned in enumerate(partition(self.tiles, G)):
                 owner = members[local]
                 res.owned[owner] = owned
                 for t in owned:
-                    res.ready[owner][t] = b.task(
-                        owner,
-                        Role.NVLINK,
-                        REDUCE,
-                        [tile_region(src[p], t) for p in members],
-                        [tile_region(dst[owner], t)],
-                        waits=b.after(owner, [src_ready[p][t] for p in members]),
-                        name=f"node-reduce r{owner} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+                    res.ready[owner][t] = push_reduce(
+                        b, owner, {p: (tile_region(src[p], t), src_ready[p][t]) for p in members},
+                        tile_region(dst[owner], t), recv, "node-reduce",
                     )
         return res
 

@@ -36,6 +36,7 @@ from .collectives import (
     bounding,
     check_options,
     group_chunks,
+    push_reduce,
     rotated,
     shard_tile,
     shift,
@@ -154,6 +155,7 @@ class _Plan:
         self.shard_tiles = tile_grid(rows, cols, *tile)  # one rank's rows, local coordinates
         self.itemsize = ITEMSIZE[b.dtype]
         self.chunk_bytes = chunk_bytes
+        self.recv: dict[tuple[int, int], Buffer] = {}  # push_reduce's receive buffers
 
     def tiles_of(self, dest: int) -> list[Tile]:
         """Rank ``dest``'s output tiles in global rows."""
@@ -182,14 +184,9 @@ class _Plan:
         for d in topo.ranks:
             members = topo.node_ranks(topo.node_of(d))
             for t in self.tiles_of(d):
-                b.task(
-                    d,
-                    Role.NVLINK,
-                    REDUCE,
-                    [tile_region(src[p], t) for p in members],
-                    [tile_region(out[d], shift(t, -d * self.rows))],
-                    waits=b.after(d, [ready[p][t] for p in members]),
-                    name=f"node-reduce r{d} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+                push_reduce(
+                    b, d, {p: (tile_region(src[p], t), ready[p][t]) for p in members},
+                    tile_region(out[d], shift(t, -d * self.rows)), self.recv, "node-reduce",
                 )
 
     # -- hierarchical: node reduce, then one rail send per (node, destination) ----------------
@@ -221,14 +218,9 @@ class _Plan:
                     if G == 1:
                         ready[t] = gemms[q][t]
                         continue
-                    ready[t] = b.task(
-                        q,
-                        Role.NVLINK,
-                        REDUCE,
-                        [tile_region(part[p], t) for p in members],
-                        [tile_region(sums[q], slot(q, d, t))],
-                        waits=b.after(q, [gemms[p][t] for p in members]),
-                        name=f"node-reduce r{q} for r{d} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+                    ready[t] = push_reduce(
+                        b, q, {p: (tile_region(part[p], t), gemms[p][t]) for p in members},
+                        tile_region(sums[q], slot(q, d, t)), self.recv, f"node-reduce for r{d}",
                     )
         recv: dict[tuple[int, int], Buffer] = {}  # (dest, source node) -> landing buffer
         arrived: dict[tuple[int, int], dict[Tile, Task]] = {}  # (dest, source node) -> tile -> send
@@ -324,12 +316,9 @@ class _Plan:
             home = topo.node_of(d)
             members = topo.node_ranks(home)
             for t in self.tiles_of(d):
-                b.task(
-                    d,
-                    Role.NVLINK,
-                    REDUCE,
-                    [tile_region(railsum[p], shift(t, -home * node_rows)) for p in members],
-                    [tile_region(out[d], shift(t, -d * rows))],
-                    waits=b.after(d, [rail_done[p][t] for p in members]),
-                    name=f"node-reduce r{d} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+                push_reduce(
+                    b, d,
+                    {p: (tile_region(railsum[p], shift(t, -home * node_rows)), rail_done[p][t])
+                     for p in members},
+                    tile_region(out[d], shift(t, -d * rows)), self.recv, "node-reduce",
                 )
