@@ -9,6 +9,17 @@ from .errors import __all__ as _errors
 from .graph import Buffer, Event, Region, Task, TaskGraph
 from .hardware import H200, HardwareProfile
 from .kinds import Role, TaskKind, define_kind
+from .ops.custom import register_op
+from .plans import (
+    ColwiseParallel,
+    ContextParallel,
+    ExpertParallel,
+    Replicate,
+    RowwiseParallel,
+    SequenceParallel,
+    Shard,
+)
+from .program import Program, compile
 from .scheduler import schedule
 from .topology import Topology
 
@@ -31,5 +42,15 @@ __all__ = [
     "TaskKind",
     "define_kind",
     "schedule",
+    "compile",
+    "Program",
+    "register_op",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "ContextParallel",
+    "ExpertParallel",
+    "Shard",
+    "Replicate",
     *_errors,
 ]

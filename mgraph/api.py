@@ -9,6 +9,7 @@ import torch
 
 from .errors import UnknownNameError
 from .graph import TaskGraph
+from .hardware import HardwareProfile
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -23,7 +24,8 @@ def _reference(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Se
 
     if kw:
         raise UnknownNameError(f"backend 'reference' takes no options {sorted(kw)}")
-    return ReferenceRuntime(schedule, settings).run(inputs)
+    with ReferenceRuntime(schedule, settings) as runtime:
+        return runtime.run(inputs)
 
 
 _TRITON_RUNTIMES: dict[int, Any] = {}  # id(schedule) -> TritonRuntime: compile and allocate once
@@ -41,7 +43,19 @@ def _triton(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Setti
     return rt.run(inputs)
 
 
-BACKENDS: dict[str, Callable[..., RunResult]] = {"reference": _reference, "triton": _triton}
+def _sim(schedule: Schedule, inputs: dict[str, torch.Tensor] | None, settings: Settings, **kw: Any):
+    from .runtime.sim import simulate
+
+    return simulate(schedule, settings=settings, **kw)
+
+
+BACKENDS: dict[str, Callable[..., RunResult]] = {
+    "reference": _reference,
+    "triton": _triton,
+    "sim": _sim,
+}
+# Backends that model time rather than compute values: run() makes no random inputs for them.
+INPUTLESS: set[str] = {"sim"}
 
 
 def backend_names() -> list[str]:
@@ -58,7 +72,8 @@ def run(
     **options: Any,
 ) -> RunResult:
     """Run ``schedule`` on ``backend`` with GLOBAL ``inputs`` (random ones from ``seed`` if
-    None) and return the gathered outputs and the trace."""
+    None) and return the gathered outputs and the trace. ``backend="sim"`` predicts the time on
+    ``hardware=`` (a HardwareProfile; default the schedule's) and needs no inputs."""
     from .ops import get_op
     from .scheduler import schedule as make_schedule
 
@@ -67,7 +82,10 @@ def run(
             f"unknown backend {backend!r}; available: {', '.join(backend_names())}"
         )
     if isinstance(schedule, TaskGraph):
-        schedule = make_schedule(schedule)
-    if inputs is None:
+        hw = options.get("hardware")  # the sim's profile also schedules a bare graph
+        schedule = make_schedule(schedule, hw) if isinstance(hw, HardwareProfile) else (
+            make_schedule(schedule)
+        )
+    if inputs is None and backend not in INPUTLESS:
         inputs = get_op(schedule.graph.op).random_inputs(schedule.graph, seed=seed)
     return BACKENDS[backend](schedule, inputs, settings or Settings.from_env(), **options)

@@ -259,6 +259,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+@command("simulate")
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .runtime.sim.cli import simulate_command
+
+    return simulate_command(args, console)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mgraph", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +288,11 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the five fused ops on the CPU and check them")
     p.add_argument("--topology", default="2x2", help="NODESxGPUS")
     p.add_argument("--out", default="mgraph-demo", help="folder for the timelines")
+    p = sub.add_parser("simulate", help="predict an op's fused vs baseline time on a cluster")
+    add_op_args(p)
+    from .runtime.sim.cli import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(p)
     return parser
 
 

@@ -22,6 +22,10 @@ __all__ = [
     "ScheduleError",
     "WatchdogTimeout",
     "ProxyError",
+    "RdmaUnavailableError",
+    "TraceError",
+    "UnsupportedOpError",
+    "PlanError",
 ]
 
 
@@ -91,3 +95,19 @@ class WatchdogTimeout(MgraphError, TimeoutError):
 
 class ProxyError(MgraphError, RuntimeError):
     """The host proxy or one of its transports failed."""
+
+
+class RdmaUnavailableError(ProxyError):
+    """The verbs transport cannot run here: no RDMA device (or no pyverbs to reach one)."""
+
+
+class TraceError(MgraphError, ValueError):
+    """A module cannot be traced into an op graph (e.g. data-dependent control flow)."""
+
+
+class UnsupportedOpError(TraceError):
+    """A traced ATen op (or an argument of it) has no mgraph op; the hint says how to register one."""
+
+
+class PlanError(MgraphError, ValueError):
+    """A parallel plan names a module path that does not exist or a style that does not fit it."""

@@ -32,6 +32,20 @@ class HardwareProfile(BaseModel):
     proxy_command_us: float = Field(ge=0, description="host proxy cost per FIFO command")
     chunk_bytes: int = Field(gt=0, description="smallest network chunk worth a proxy command")
     proxy_batch: int = Field(gt=0, description="most commands the proxy submits at once")
+    # -- simulator constants (runtime/sim/); defaults are H200's, so older profile JSON loads --
+    grouped_gemm_tflops: float = Field(600.0, gt=0, description="MoE grouped expert GEMM rate")
+    launch_us: float = Field(4.0, ge=0, description="one kernel launch, host call to first SM")
+    nvlink_latency_us: float = Field(1.0, ge=0, description="a flag store seen by a peer GPU")
+    fifo_push_us: float = Field(1.0, ge=0, description="GPU writes one command to host FIFO")
+    rdma_chunk_us: float = Field(0.5, ge=0, description="NIC cost per RDMA write (+ flag)")
+    nccl_nvlink_gbps: float = Field(259.0, gt=0, description="NCCL bus bandwidth over NVLink")
+    nccl_rdma_efficiency: float = Field(
+        0.92, gt=0, le=1, description="fraction of NIC bandwidth NCCL reaches"
+    )
+    nccl_base_us: float = Field(8.4, ge=0, description="NCCL fixed latency per collective")
+    nccl_nvlink_step_us: float = Field(3.4, ge=0, description="NCCL latency per NVLink step")
+    nccl_net_step_us: float = Field(9.6, ge=0, description="NCCL latency per network step")
+    nccl_sms: int = Field(16, ge=0, description="SMs NCCL kernels occupy while they run")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
@@ -59,4 +73,19 @@ H200 = HardwareProfile(
     proxy_command_us=5.0,  # a native drain loop must beat 200 k commands/s (GPU.md)
     chunk_bytes=256 * 1024,  # GPU.md: 256 KiB chunks at 50 GB/s need 200 k commands/s
     proxy_batch=8,  # at most 8 commands per proxy submission (DESIGN)
+    # Simulator constants. Measured ones come from GPU.md; the rest are marked as estimates.
+    grouped_gemm_tflops=600.0,  # GPU.md: MoE T=4096/GPU H=7168 F=2048 top-8: the two grouped
+    # GEMMs (3 x 2 x 32768 x 7168 x 2048 = 2.89 TFLOP) take 4.8 ms: 601 TF/s
+    launch_us=4.0,  # estimate: CUDA launch overhead is 3-5 us on Hopper (not measured here)
+    nvlink_latency_us=1.0,  # estimate: sys-scope release + remote atomic over NVLink, ~1 us
+    fifo_push_us=1.0,  # estimate: claim a FIFO slot + 64 B command + release store over PCIe
+    rdma_chunk_us=0.5,  # estimate: per-write NIC work (WQE + trailing flag write); NICs reach
+    # line rate from ~64 KiB messages, so it is small beside a 256 KiB chunk's 5.2 us
+    nccl_nvlink_gbps=259.0,  # GPU.md: NCCL all_reduce 128 MB on 2 GPUs, algbw 259 GB/s (=
+    # busbw for 2 ranks)
+    nccl_rdma_efficiency=0.92,  # estimate: NCCL over 400 Gb/s IB reaches ~46 of 50 GB/s
+    nccl_base_us=8.4,  # NCCL's tuning model (src/graph/tuning.cc): ring/Simple base latency
+    nccl_nvlink_step_us=3.4,  # NCCL tuning.cc: ring/Simple latency per step over NVLink
+    nccl_net_step_us=9.6,  # NCCL tuning.cc: ring/Simple latency per step over the network
+    nccl_sms=16,  # estimate: NCCL runs 16 channels (one CTA = one SM each) on NVLink nodes
 )

@@ -71,11 +71,14 @@ def shard_inputs(graph: TaskGraph, inputs: dict[str, torch.Tensor], mem: Memory)
             mem[buf.id].copy_(_pieces(buf.binding, inputs[buf.binding.tensor]))
 
 
-def gather_outputs(graph: TaskGraph, mem: Memory, *, ranks=None) -> dict[str, torch.Tensor]:
+def gather_outputs(
+    graph: TaskGraph, mem: Memory, *, ranks=None, partial: bool = False
+) -> dict[str, torch.Tensor]:
     """Assemble global outputs from the ranks' output buffers.
 
     A piece held by several ranks (replicated outputs) must agree bit for bit; a piece nobody
-    holds, or one left NaN, is an error: no silent wrong answers.
+    holds, or one left NaN, is an error: no silent wrong answers. ``partial`` (a process that
+    holds only some ranks) leaves out the outputs those ranks do not hold in full instead.
     """
     out: dict[str, torch.Tensor] = {}
     for name, spec in graph.outputs.items():
@@ -109,6 +112,8 @@ def gather_outputs(graph: TaskGraph, mem: Memory, *, ranks=None) -> dict[str, to
                     covered[index] = True
                     holders[p] = buf.rank
         if not covered.all():
+            if partial:
+                continue
             raise MgraphError(f"{graph.op}: no rank holds part of output {name!r}")
         if torch.isnan(result).any():
             bad = torch.isnan(result).nonzero()[0].tolist()

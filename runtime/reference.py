@@ -10,6 +10,12 @@ transport and raises the task's events: the same path the GPU megakernel takes.
 Counters are never reset: launch ``epoch`` waits for ``(epoch - 1) * signals(event) + count``,
 so a schedule relaunches as often as wanted. Every wait is bounded by ``Settings.watchdog_s``; on
 expiry all ranks abort and WatchdogTimeout names rank, worker, task, event, value and target.
+
+SPMD: ``ranks=`` (whole nodes) and a torch.distributed ``store`` make this process run only
+those ranks, as one process per node does under torchrun; RDMA then goes through the tcp
+transport to the processes holding the other nodes, and every process calls ``run`` with the
+same global inputs for each launch. A peer that fails or disconnects aborts the launch on both
+sides with a ProxyError, within the watchdog bound. ``close()`` ends the connections.
 """
 
 from __future__ import annotations
@@ -17,16 +23,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from mgraph.errors import MgraphError, WatchdogTimeout
-from mgraph.graph import Task, TaskGraph
+from mgraph.errors import MgraphError, TopologyError, WatchdogTimeout
+from mgraph.graph import Task
 from mgraph.kinds import KINDS, Role
 from mgraph.settings import Settings
 
+from .counters import Counters
 from .memory import allocate, gather_outputs, region_view, shard_inputs
 from .network import Network
 from .trace import TaskRecord, Trace
@@ -34,7 +42,7 @@ from .trace import TaskRecord, Trace
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
 
-__all__ = ["ReferenceRuntime", "RunResult", "Counters"]
+__all__ = ["ReferenceRuntime", "RunResult", "Counters"]  # Counters: re-exported
 
 
 @dataclass
@@ -46,55 +54,74 @@ class RunResult:
     stats: dict[str, int] = field(default_factory=dict)
 
 
-class Counters:
-    """Event counters of all ranks; waiters block on their event's rank condition."""
-
-    def __init__(self, graph: TaskGraph) -> None:
-        self.values = [0] * len(graph.events)
-        self.rank_of = [e.rank for e in graph.events]
-        self.conds = [threading.Condition() for _ in graph.topology.ranks]
-        self.aborted = False
-
-    def add(self, event: int) -> None:
-        cond = self.conds[self.rank_of[event]]
-        with cond:
-            self.values[event] += 1
-            cond.notify_all()
-
-    def wait(self, event: int, target: int, timeout: float) -> bool:
-        """True once the counter reaches ``target``; False on timeout or abort."""
-        cond = self.conds[self.rank_of[event]]
-        deadline = time.monotonic() + timeout
-        with cond:
-            while self.values[event] < target and not self.aborted:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                cond.wait(left)
-            return self.values[event] >= target
-
-    def abort(self) -> None:
-        self.aborted = True
-        for cond in self.conds:
-            with cond:
-                cond.notify_all()
-
-
 class ReferenceRuntime:
     """Holds one schedule's memory, counters and proxies across launches."""
 
-    def __init__(self, schedule: Schedule, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        settings: Settings | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
+        store: object = None,
+        tag: str = "mgraph",
+    ) -> None:
         self.schedule = schedule
         self.graph = schedule.graph
         self.settings = settings or Settings.from_env()
+        topo = self.graph.topology
+        self.local_ranks = sorted(set(topo.ranks if ranks is None else ranks))
+        self._check_local_ranks()
+        self.processes = topo.world_size // len(self.local_ranks)
         self.memory = allocate(self.graph)
-        self.counters = Counters(self.graph)
+        atomic_add = None
+        if self.settings.proxy == "native":  # a native writer exists: adds must be atomic
+            from .proxy.native import load
+
+            atomic_add = load().atomic_add
+        self.counters = Counters(self.graph, atomic_add)
         self.total_signals = [0] * len(self.graph.events)
         for t in self.graph.tasks:
             for e in t.signals:
                 self.total_signals[e] += 1
         self.signalers = self.graph.signalers()
         self.epoch = 0
+        self.errors: list[BaseException] = []
+        self.network = Network(self, self.settings, store=store, tag=tag)
+
+    def _check_local_ranks(self) -> None:
+        topo = self.graph.topology
+        for r in self.local_ranks:
+            topo.check_rank(r)
+            node = topo.node_ranks(topo.node_of(r))
+            if not set(node) <= set(self.local_ranks):
+                raise TopologyError(
+                    f"ReferenceRuntime(ranks={self.local_ranks}): rank {r} is here but not all "
+                    f"of its node {topo.node_of(r)} ({node}) is",
+                    hint="a process runs whole nodes (NVLink tasks reach every GPU of a node)",
+                )
+        if topo.world_size % len(self.local_ranks):
+            raise TopologyError(
+                f"ReferenceRuntime(ranks={self.local_ranks}): {topo.world_size} ranks do not "
+                "split evenly into processes of this size",
+                hint="give every process the same number of nodes",
+            )
+
+    @property
+    def spmd(self) -> bool:
+        """Whether other processes hold some of the ranks."""
+        return len(self.local_ranks) < self.graph.topology.world_size
+
+    def close(self) -> None:
+        """End the network (connections to other processes) and the counters' waker."""
+        self.network.close()
+        self.counters.close()
+
+    def __enter__(self) -> ReferenceRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- one launch ---------------------------------------------------------------------------
     def run(self, inputs: dict[str, torch.Tensor]) -> RunResult:
@@ -105,15 +132,17 @@ class ReferenceRuntime:
                 self.memory[buf.id].fill_(float("nan"))
         self.epoch += 1
         self.counters.aborted = False
-        self.errors: list[BaseException] = []
+        self.errors = []
         self.done = [False] * len(graph.tasks)
         self.records: list[TaskRecord] = []
         self.record_lock = threading.Lock()
-        network = Network(self, self.settings)
+        network = self.network
+        network.launch(self.epoch)
         self.t0 = time.perf_counter()
-        self.network = network
         threads = []
         for rs in self.schedule.ranks:
+            if rs.rank not in self.local_ranks:
+                continue
             for role in Role:
                 queue = rs.queues.get(role.value, [])
                 if not queue:
@@ -128,17 +157,22 @@ class ReferenceRuntime:
                         daemon=True,
                     )
                     threads.append(th)
-        network.start()
         for th in threads:
             th.start()
         for th in threads:
             th.join()
-        network.stop(drain=not self.errors)
+        try:
+            network.finish(drain=not self.errors)
+        except MgraphError as exc:
+            self.fail(exc)
         if self.errors:
             self.counters.abort()
             raise self.errors[0]
         wall = time.perf_counter() - self.t0
-        outputs = gather_outputs(graph, self.memory)
+        if self.spmd:
+            outputs = gather_outputs(graph, self.memory, ranks=self.local_ranks, partial=True)
+        else:
+            outputs = gather_outputs(graph, self.memory)
         trace = Trace(sorted(self.records, key=lambda r: r.start), backend="reference")
         return RunResult(outputs, trace, wall, self.epoch, network.stats())
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mgraph.errors import ProxyError
@@ -84,6 +85,7 @@ class Proxy:
 
     ``batch`` bounds the commands taken per round; ``timeout`` bounds ``stop()``'s drain and join
     and the wait for outstanding completions. ``coalesce=False`` sends every WRITE on its own.
+    ``on_error`` is called from the drain thread with the error that stopped it.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Proxy:
         name: str = "proxy",
         timeout: float = 10.0,
         coalesce: bool = True,
+        on_error: Callable[[ProxyError], None] | None = None,
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
@@ -104,6 +107,7 @@ class Proxy:
         self.name = name
         self.timeout = timeout
         self.coalesce = coalesce
+        self.on_error = on_error
         self.stats = ProxyStats()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -180,6 +184,8 @@ class Proxy:
             err = ProxyError(f"proxy {self.name}: drain loop failed: {type(exc).__name__}: {exc}")
             err.__cause__ = exc
             self._error = err
+        if self._error is not None and self.on_error is not None:
+            self.on_error(self._error)  # at once: the runtime's waiters need not run into a watchdog
 
     # -- one round --------------------------------------------------------------------------
     def drain_once(self) -> int:

@@ -1,7 +1,7 @@
 """Transports: how a proxy moves a region into a peer's memory and raises the peer's event.
 
-``Transport`` is the interface every backend implements (in-process now; cuda_ipc, tcp and verbs
-later): ``register`` a rank's buffers by index, ``connect`` two ranks, ``write`` a source view
+``Transport`` is the interface every backend implements (in-process here; tcp.py, verbs.py and
+cuda_ipc.py): ``register`` a rank's buffers by index, ``connect`` two ranks, ``write`` a source view
 into a destination region and then raise events there, ``signal`` an event alone, ``poll``
 completions, ``close``. A write's events are raised only after its data is visible at the
 destination, and a transport keeps the order of writes and signals between one pair of ranks
@@ -46,6 +46,7 @@ class Transport(ABC):
         self.writes = 0
         self.signals = 0
         self.closed = False
+        self.epoch = 0
         self._stats_lock = threading.Lock()
 
     # -- memory -----------------------------------------------------------------------------
@@ -93,11 +94,15 @@ class Transport(ABC):
     def node_of(self, rank: int) -> int:
         return rank if self.topology is None else self.topology.node_of(rank)
 
-    def _count(self, src_rank: int, dst_rank: int, nbytes: int) -> None:
+    def _count(self, src_rank: int, dst_rank: int, nbytes: int, writes: int = 1) -> None:
         with self._stats_lock:
-            self.writes += 1
+            self.writes += writes
             self.bytes_by_ranks[(src_rank, dst_rank)] += nbytes
             self.bytes_by_nodes[(self.node_of(src_rank), self.node_of(dst_rank))] += nbytes
+
+    def account(self, src_rank: int, dst_rank: int, nbytes: int, writes: int = 1) -> None:
+        """Count traffic that went around ``write`` (a native proxy's data path)."""
+        self._count(src_rank, dst_rank, nbytes, writes)
 
     @property
     def bytes_total(self) -> int:
@@ -135,6 +140,19 @@ class Transport(ABC):
     def poll(self, rank: int | None = None) -> list[int]:
         """Work ids completed since the last poll, of work issued by ``rank`` (None: any).
         Proxies sharing one transport each poll their own ranks, so none takes another's."""
+
+    def begin(self, epoch: int) -> None:
+        """A launch starts: transports that tag or check events with the epoch note it."""
+        self.epoch = epoch
+
+    def attach_native(self, drain: object, rank: int, counters: dict[int, torch.Tensor]) -> None:
+        """Describe to a native drain loop (runtime/proxy/native) the memory and events that
+        ``rank``'s proxy reaches through this transport. ``counters`` holds the int64 event
+        arrays of the ranks in this process. Transports without a native path say so."""
+        raise ProxyError(
+            f"{self.name}: this transport has no native data path",
+            hint="use the Python proxy with it: Settings(proxy='python') or MGRAPH_PROXY=python",
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -221,6 +239,20 @@ class InProcessTransport(Transport):
             self.signals += 1
         self.raise_event(dst_rank, event, epoch)
         return self._complete(src_rank)
+
+    def attach_native(self, drain: object, rank: int, counters: dict[int, torch.Tensor]) -> None:
+        """Host memmove into every rank connected to ``rank``; events are atomic adds on
+        ``counters`` (the ``raise_event`` callback is not called on this path)."""
+        from .native import add_tensor, load
+
+        self._check_open("attach_native")
+        place = load().PLACE_HOST
+        reach = {rank} | {p for pair in self.connections if rank in pair for p in pair}
+        for r in sorted(reach & set(self.memory)):
+            for index, tensor in self.memory[r].items():
+                add_tensor(drain, r, place, index, tensor)
+            if r in counters:
+                drain.set_host_events(r, counters[r].data_ptr(), counters[r].numel())
 
     def poll(self, rank: int | None = None) -> list[int]:
         with self._lock:

@@ -1,0 +1,546 @@
+"""Simulated predictions for mKernel's published configurations, written to benchmarks/simulated.md.
+
+Cluster (mKernel's setup): 2 nodes x 8 H200, 50 GB/s per GPU between nodes (one 400 Gb/s NIC per
+GPU, rail-optimised), 450 GB/s NVLink per GPU per direction. Every other constant is the H200
+profile of mgraph/hardware.py (calibrated to ../shared/GPU.md). For each configuration: build the
+op's task graph, schedule it (critical-path queues, work-balance SM split), simulate it, and
+model the baselines (cuBLAS/FA2/grouped GEMM + NCCL-like collectives) on the same hardware.
+
+Large shapes use coarser tiles and larger network chunks than the op defaults (listed per row),
+so the graphs stay at most ~90k tasks; where a few lowering options are listed the fastest
+predicted one is reported (as a tuned kernel would choose). Also written: the calibration of
+the model against GPU.md, and, when a GPU run of benchmarks/bench_tp.py left
+benchmarks/results/bench_tp.json, the simulated vs measured times of those runs.
+
+Run: python benchmarks/simulate_mkernel.py [--quick] [--out benchmarks]   (a few minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from mgraph.runtime.sim import collective_times, simulate, sweep_comm_sms
+
+import mgraph as mg
+
+TOPOLOGY = "2x8"
+PROFILE = mg.H200.model_copy(
+    update={"name": "H200 mKernel cluster", "nvlink_gbps": 450.0, "rdma_gbps": 50.0}
+)
+SWEEP = (4, 8, 12, 16, 24, 32)
+KIB, MIB = 1024, 1024 * 1024
+GEMM_AR_PUBLISHED = {2048: 1.50, 4096: 1.72, 8192: 1.38, 16384: 1.22, 32768: 1.36}
+RING_PUBLISHED = {12288: 1.03, 24576: 1.43, 49152: 1.69, 98304: 1.88, 196608: 1.80}
+TITLES = {
+    "gemm_allreduce": "GEMM + AllReduce (M x K x N per GPU, K = N/16; global K = 16 K)",
+    "ring_attention": "Ring attention (B=4, H=16, D=128, non-causal; S = total sequence)",
+    "allgather_gemm": "AllGather + GEMM (M = K, N = M/16 per GPU; global N = M)",
+    "gemm_reduce_scatter": "GEMM + ReduceScatter (M x 512 x 8192 per GPU; global K = 8192)",
+    "moe_dispatch_combine": "MoE dispatch + experts + combine (H=7168, F=2048, top-8, 256 experts)",
+}
+
+
+@dataclass
+class Case:
+    op: str
+    label: str
+    params: dict[str, Any]
+    options: list[dict[str, Any]]
+    published: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def cases(quick: bool) -> list[Case]:
+    out = []
+    for m, pub in GEMM_AR_PUBLISHED.items():
+        if m <= 8192:
+            opts = [{"tile": [128, 256], "chunk_bytes": c} for c in (64 * KIB, 256 * KIB, MIB)]
+        elif m == 16384:
+            opts = [{"tile": [256, 256], "chunk_bytes": c} for c in (256 * KIB, MIB)]
+        else:
+            opts = [{"tile": [512, 512], "chunk_bytes": MIB}]
+        out.append(Case("gemm_allreduce", f"{m}x{m // 16}x{m}", dict(M=m, N=m, K=m), opts, pub))
+    for s, pub in RING_PUBLISHED.items():
+        slice_bytes = 4 * 16 * (s // 16) * 128 * 2  # one rank's k (or v)
+        opts = [{"block": s // 32, "chunk_bytes": max(256 * KIB, slice_bytes // 16)}]
+        out.append(Case("ring_attention", f"S={s}", dict(B=4, H=16, S=s, D=128), opts, pub))
+    for m in (4096, 8192, 16384, 32768):
+        chunks = (256 * KIB, MIB, 4 * MIB) if m <= 16384 else (4 * MIB,)
+        opts = [{"tile": [128, 256], "chunk_bytes": c} for c in chunks]
+        out.append(Case("allgather_gemm", f"M=K={m}, N={m // 16}", dict(M=m, N=m, K=m), opts))
+    for m in (2048, 4096, 8192, 16384, 32768, 65536):
+        tile = [128, 256] if m <= 16384 else [512, 256]
+        opts = [{"tile": tile, "chunk_bytes": c} for c in (256 * KIB, MIB)]
+        out.append(Case("gemm_reduce_scatter", f"M={m}", dict(M=m, N=8192, K=8192), opts))
+    for t in (8192, 16384, 32768, 65536, 131072):
+        params = dict(T=t, H=7168, E=256, top_k=8, F=2048)
+        opts = [{"expert_rows": t // 16, "combine_cols": 256}]
+        out.append(Case("moe_dispatch_combine", f"T={t // 1024}K", params, opts))
+    if quick:  # the smallest of each op: a smoke run of the whole script
+        seen: set[str] = set()
+        out = [c for c in out if not (c.op in seen or seen.add(c.op))]
+    return out
+
+
+def run_case(case: Case, quick: bool) -> dict[str, Any]:
+    op = mg.ops.get_op(case.op)
+    best = None
+    start = time.perf_counter()
+    for opts in case.options:
+        graph = op(topology=TOPOLOGY, dtype=torch.bfloat16, **case.params, **opts)
+        sched = mg.schedule(graph, PROFILE)
+        res = simulate(sched)
+        if best is None or res.predicted_s < best[0].predicted_s:
+            best = (res, sched, graph, opts)
+    res, sched, graph, opts = best
+    row: dict[str, Any] = {
+        "op": case.op, "label": case.label, "params": case.params, "options": opts,
+        "tasks": len(graph.tasks), **res.summary(),
+    }  # fmt: skip
+    row["adaptive_ms"] = simulate(sched, adaptive=True, baselines=False).predicted_s * 1e3
+    rdma_tasks = sum(1 for t in graph.tasks if t.role == "rdma")
+    row["commands_per_rdma_task"] = res.stats["commands"] / rdma_tasks if rdma_tasks else 0.0
+    row["first_nvlink_target"] = first_targets(sched)
+    if not quick:
+        points = sweep_comm_sms(sched, SWEEP)
+        top = min(points, key=lambda p: (p.predicted_s, p.comm_sms))
+        row["sweep"] = {str(p.comm_sms): p.predicted_s * 1e3 for p in points}
+        row["best_split"] = {"comm_sms": top.comm_sms, "predicted_ms": top.predicted_s * 1e3}
+    row["what_if"] = what_if(case, sched, graph)
+    # mKernel compares with cuBLAS+NCCL (sequential) and FA2+NCCL; for ring attention take the
+    # stronger of the all-gather+FA2 and the ring (overlapped P2P) baselines.
+    name = "sequential"
+    if case.op == "ring_attention":
+        name = min(res.baselines, key=lambda k: res.baselines[k].time_s)
+    row["compare_to"] = name
+    row["predicted_speedup"] = res.speedup(name)
+    row["published_speedup"] = case.published
+    if case.published:
+        row["diff"] = row["predicted_speedup"] / case.published - 1
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def first_targets(sched, window: int = 8) -> list[int | None]:
+    """For each rank of node 0, the GPU that at least half of the bytes of its first ``window``
+    nvlink tasks go to (None: no such GPU; a task writing to k peers counts 1/k for each)."""
+    graph, out = sched.graph, []
+    for rank in graph.topology.node_ranks(0):
+        share: dict[int, float] = {}
+        queue = sched.ranks[rank].queues["nvlink"][:window]
+        for tid in queue:
+            dsts = {graph.buffers[w.buffer].rank for w in graph.tasks[tid].writes} - {rank}
+            for d in dsts:
+                share[d] = share.get(d, 0.0) + 1 / len(dsts)
+        top = max(share, key=share.get, default=None)
+        out.append(top if top is not None and share[top] >= len(queue) / 2 else None)
+    return out
+
+
+def incast(row: dict[str, Any]) -> tuple[int, int] | None:
+    """(target, senders) when 3+ GPUs of a node start by writing into the same GPU."""
+    targets = [t for t in row.get("first_nvlink_target", []) if t is not None]
+    if not targets:
+        return None
+    top = max(set(targets), key=targets.count)
+    return (top, targets.count(top)) if targets.count(top) >= 3 else None
+
+
+def what_if(case: Case, sched, graph) -> dict[str, Any]:
+    """One change of the model per op family that the explanations lean on."""
+    if case.op == "ring_attention":
+        hw = PROFILE.model_copy(update={"attention_tflops": 617.0})
+        what = "fused attention tiles at cuDNN's 617 TF/s (GPU.md), baselines still FA2"
+        return {"what": what, "predicted_ms": simulate(sched, hardware=hw).predicted_s * 1e3}
+    if case.op == "moe_dispatch_combine":
+        p = graph.params
+        fill = p["top_k"] / p["E"]  # routed rows / capacity rows of a (source, dest) block
+
+        def routed(task) -> float:
+            return fill if task.kind == "copy" else 1.0
+
+        what = f"only routed rows move (fill {fill:.4f} of the capacity-sized blocks)"
+        return {"what": what, "predicted_ms": simulate(sched, fill=routed).predicted_s * 1e3}
+    hw = PROFILE.model_copy(update={"proxy_command_us": 1.0})
+    what = "host proxy at 1 us per command instead of 5"
+    return {"what": what, "predicted_ms": simulate(sched, hardware=hw).predicted_s * 1e3}
+
+
+# -- calibration against GPU.md -----------------------------------------------------------------
+def calibration() -> list[dict[str, Any]]:
+    """The model on 1x2 H200 (the machine GPU.md measured) beside the measurements."""
+    bf16 = torch.bfloat16
+    rows = []
+
+    def add(what: str, measured: str, lo: float, hi: float, sim_s: float) -> None:
+        ms = sim_s * 1e3
+        mid = lo if ms < lo else hi if ms > hi else ms
+        rows.append({"what": what, "measured": measured, "simulated_ms": ms,
+                     "error": ms / mid - 1})  # fmt: skip
+
+    g = mg.ops.gemm_allreduce(M=8192, N=8192, K=8192, topology="1x2", dtype=bf16)
+    ar = simulate(mg.schedule(g))
+    seq = ar.baseline("sequential")
+    add("cuBLAS 8192x8192x4096", "0.74-0.77 ms", 0.74, 0.77, seq.parts["compute_s"])
+    add("NCCL all_reduce 128 MB", "0.52 ms", 0.52, 0.52, seq.parts["comm_s"])
+    topo = mg.Topology.parse("1x2")
+    ar64 = min(collective_times("all_reduce", 64 * MIB, topo, mg.H200).values())
+    add("NCCL all_reduce 64 MB", "0.30 ms", 0.30, 0.30, ar64)
+    add("cuBLAS then NCCL all_reduce", "1.23 ms", 1.23, 1.23, seq.time_s)
+    g = mg.ops.gemm_reduce_scatter(M=8192, N=8192, K=8192, topology="1x2", dtype=bf16)
+    rs = simulate(mg.schedule(g))
+    add("matmul + NCCL reduce_scatter", "1.09 ms", 1.09, 1.09, rs.baseline("sequential").time_s)
+    add("torch fused_matmul_reduce_scatter (vs our overlap)", "1.12 ms", 1.12, 1.12,
+        rs.baseline("overlap").time_s)  # fmt: skip
+    g = mg.ops.allgather_gemm(M=8192, N=16384, K=4096, topology="1x2", dtype=bf16)
+    ag = simulate(mg.schedule(g))
+    add("NCCL all_gather + matmul", "0.89 ms", 0.89, 0.89, ag.baseline("sequential").time_s)
+    add("torch fused_all_gather_matmul (vs our overlap)", "0.96 ms", 0.96, 0.96,
+        ag.baseline("overlap").time_s)  # fmt: skip
+    g = mg.ops.ring_attention(B=4, H=16, S=32768, D=128, block=4096, topology="1x2", dtype=bf16)
+    ra = simulate(mg.schedule(g))
+    add("ring attention S=32768, FA2 + NCCL P2P overlapped", "54.3 ms", 54.3, 54.3,
+        ra.baseline("overlap").time_s)  # fmt: skip
+    g = mg.ops.moe_dispatch_combine(T=8192, H=7168, E=256, top_k=8, F=2048, expert_rows=4096,
+                                    topology="1x2", dtype=bf16)  # fmt: skip
+    moe = simulate(mg.schedule(g))
+    add("MoE grouped GEMMs alone (T=4096/GPU)", "4.8 ms", 4.8, 4.8,
+        moe.baseline("sequential").parts["compute_s"])  # fmt: skip
+    add("MoE all_to_all + grouped_mm + all_to_all", "12.8 ms", 12.8, 12.8,
+        moe.baseline("sequential").time_s)  # fmt: skip
+    rows.append({"fused_1x2": {"gemm_allreduce": ar.predicted_s * 1e3,
+                               "gemm_reduce_scatter": rs.predicted_s * 1e3,
+                               "allgather_gemm": ag.predicted_s * 1e3}})  # fmt: skip
+    return rows
+
+
+def gpu_comparison(results: Path) -> dict[str, Any]:
+    """Simulated vs measured for benchmarks/bench_tp.py rows (per-rank GEMM shapes, 1 node):
+    with the H200 profile as it is, and with two constants fitted to the measurements (the
+    megakernel's GEMM tile rate from its GEMM-only rows, the NVLink bytes/s of one nvlink
+    worker by a grid search), which says how far the measured kernel is from the profile."""
+    files = sorted(results.glob("bench_tp*.json"), key=lambda f: f.stat().st_mtime)
+    latest: dict[tuple, dict[str, Any]] = {}
+    for f in files:  # a later file's row replaces an earlier one's
+        for r in json.loads(f.read_text()):
+            latest[(r["op"], r["M"], r["N"], r["K"], r["impl"], r.get("nvlink_workers"))] = r
+    rows = [r for r in latest.values() if r["impl"] in ("mgraph", "mgraph_sweep", "cublas_nccl")]
+    rows = [r for r in rows if r["op"] != "gemm"]
+    if not rows:
+        return {}
+    gemm = {(r["M"], r["N"], r["K"]): r["ms"] for r in latest.values() if r["impl"] == "cublas"}
+    ours = [gemm[(r["M"], r["N"], r["K"])] / r["ms"] for r in latest.values()
+            if r["impl"] == "mgraph_gemm" and (r["M"], r["N"], r["K"]) in gemm]  # fmt: skip
+    graphs: dict[tuple, mg.TaskGraph] = {}
+
+    def predict(r: dict[str, Any], hw: mg.HardwareProfile) -> float:
+        M, N, K, w = r["M"], r["N"], r["K"], r["world"]
+        key = (r["op"], M, N, K, w)
+        if key not in graphs:
+            dims = (
+                dict(M=M, N=N * w, K=K) if r["op"] == "allgather_gemm" else dict(M=M, N=N, K=K * w)
+            )
+            graphs[key] = mg.ops.get_op(r["op"])(topology=f"1x{w}", dtype=torch.bfloat16, **dims)
+        if r["impl"] == "cublas_nccl":
+            return simulate(mg.schedule(graphs[key], hw)).baseline("sequential").time_s * 1e3
+        nv = r["nvlink_workers"]
+        sched = mg.schedule(graphs[key], hw, workers={"compute": hw.sms - nv, "nvlink": nv})
+        return simulate(sched, baselines=False).predicted_s * 1e3
+
+    fused = [r for r in rows if r["impl"] != "cublas_nccl"]
+    tile = mg.H200.tile_gemm_tflops * (sum(ours) / len(ours) if ours else 1.0)
+    best = None
+    for per_sm in (2.0, 3.0, 4.0, 5.0, 6.0, 8.0):
+        hw = mg.H200.model_copy(update={
+            "name": "H200 fitted", "tile_gemm_tflops": tile,
+            "nvlink_push_sms": round(mg.H200.nvlink_push_gbps / per_sm)})  # fmt: skip
+        err = sum(abs(math.log(predict(r, hw) / r["ms"])) for r in fused) / len(fused)
+        if best is None or err < best[0]:
+            best = (err, per_sm, hw)
+    _, per_sm, fitted = best
+    out = []
+    for r in rows:
+        sim = predict(r, mg.H200)
+        fit = sim if r["impl"] == "cublas_nccl" else predict(r, fitted)  # cuBLAS stays cuBLAS
+        out.append({**r, "simulated_ms": sim, "error": sim / r["ms"] - 1, "fitted_ms": fit,
+                    "fitted_error": fit / r["ms"] - 1})  # fmt: skip
+    return {"files": [f.name for f in files], "fit": {"tile_gemm_tflops": tile,
+            "nvlink_gbps_per_worker": per_sm}, "rows": out}  # fmt: skip
+
+
+# -- the report ---------------------------------------------------------------------------------
+CALIBRATION_NOTES = [
+    "Notes: the GEMM is list-scheduled 128x256 tiles on 132 SMs at 725 TF/s (16 waves), 2% above "
+    "the measured range. NCCL all-reduce is 8.4 + 2 x 3.4 us (NCCL's tuning model) plus 128 MiB "
+    "at the measured 259 GB/s bus bandwidth; the 64 MB point shows that this single bandwidth "
+    "misses NCCL's extra fixed cost (about 40 us) by 9%. The overlap rows are NOT torch's fused "
+    "ops: our kernel-level overlap picks the best of 1-16 chunks, while torch decomposes into "
+    "one step per rank (2 here), which is why torch is slower than sequential and we are not. "
+    "MoE: the grouped GEMMs match (the rate is fitted to them), but torch's all_to_all path "
+    "costs 8 ms where two bandwidth-bound all-to-alls of the routed rows take 1.8 ms; the gap "
+    "is token permutation, routing and the count exchange (a host sync), which the model does "
+    "not have: the MoE baselines here are optimistic by up to ~2x.",
+]
+
+
+def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
+    """What holds for every row of ``op`` (numbers from the rows themselves)."""
+    worse = [r["label"] for r in rows if r["adaptive_ms"] > r["predicted_ms"] * 1.05]
+    out = []
+    if op == "gemm_allreduce":
+        big = 32768**2 * 2  # output bytes D at 32768
+        floor = 7 / 4 * big / (PROFILE.nvlink_push_gbps * 1e9) * 1e3
+        cmds = max(r["commands_per_rdma_task"] for r in rows)
+        out.append(
+            "RDMA bytes per node are D (the output bytes: hierarchical). The floor of the fused "
+            "kernel is its NVLink SM work: the node reduce-scatter and broadcast send 7/4 D per "
+            f"GPU through at most {PROFILE.nvlink_push_gbps:g} GB/s of SM stores (GPU.md), "
+            f"{floor:.1f} ms at 32768. The host proxy costs 5 us per command (the rate GPU.md "
+            f"requires of the native loop) and the lowering needs up to {cmds:.1f} commands per "
+            "RDMA write (one SIGNAL per extra event it raises), hence the proxy what-if."
+        )
+    elif op == "ring_attention":
+        out.append(
+            "The fused attention tiles run at the same FA2 rate as the baseline (354 TF/s, "
+            "GPU.md), so the fused kernel gains only what it hides of the KV movement. The "
+            "baseline is the faster of NCCL all-gather + FA2 (sequential) and the FA2 + NCCL P2P "
+            "ring (overlap), whose every step waits for a cross-node hop through one 46 GB/s NIC."
+        )
+    elif op == "moe_dispatch_combine":
+        r = rows[-1]
+        out.append(
+            "No published numbers. The fused prediction is ~50x slower than the baselines "
+            "because the lowering moves each (source, destination) block at worst-case capacity "
+            "(T/16 rows per expert: E/top_k = 32x the routed rows) while NCCL's all-to-all moves "
+            f"only routed rows; the what-if moving routed rows only gives {_ms(r['what_if']['predicted_ms'])} "
+            f"at {r['label']} (baseline {_ms(r['baselines']['sequential']['time_ms'])}): RDMA "
+            "writes of the data-dependent sizes, not the static graph, would fix it."
+        )
+    else:
+        proxy = [r["label"] for r in rows if r["busy_by_role"].get("proxy", 0) > 0.7]
+        if proxy:
+            out.append(
+                f"No published numbers. Host proxy busy > 70% at {', '.join(proxy)}: there the "
+                "proxy's 5 us per command bounds the fused kernel (see the what-if column)."
+            )
+    hit = [r["label"] for r in rows if incast(r)]
+    if hit:
+        target, senders = incast(next(r for r in rows if incast(r)))
+        out.append(
+            f"Incast ({', '.join(hit)}): most of the first 8 NVLink tasks of {senders} of the 8 "
+            f"GPUs of a node write into GPU {target}: those pushes share one GPU's ingress "
+            "(450 GB/s) instead of each having its own, "
+            "which 2-GPU measurements cannot show. Rotating each rank's destination order "
+            "(rank r starts with r+1) would remove it."
+        )
+    if worse:
+        out.append(
+            f"The adaptive controller is slower than the static split at {', '.join(worse)}: "
+            "the work-balance rule splits SMs by remaining work, so while compute has most of "
+            "the work it takes SMs from the communication that later tiles wait on."
+        )
+    return [f"- {line}" for line in out] + ([""] if out else [])
+
+
+def explain_row(r: dict[str, Any]) -> list[str]:
+    """Why the predicted speedup differs from mKernel's by more than 20%."""
+    seq = r["baselines"][r["compare_to"]]
+    busy = r["busy_by_role"]
+    top = max(("compute", "nvlink", "proxy", "nic"), key=lambda k: busy.get(k, 0.0))
+    base = r["baselines"][r["compare_to"]]["time_ms"]
+    text = (
+        f"**{r['label']}: {r['predicted_speedup']:.2f}x predicted vs {r['published_speedup']:.2f}x "
+        f"published ({r['diff']:+.0%}).** Baseline {_ms(base)}"
+    )
+    if "compute_ms" in seq:
+        text += (f" ({seq['compute_ms'] / seq['time_ms']:.0%} math, NCCL "
+                 f"{seq.get('algorithms', 'p2p')})")  # fmt: skip
+    text += (f"; fused {_ms(r['predicted_ms'])}, busiest: {top} "
+             f"({busy.get(top, 0):.0%}).")  # fmt: skip
+    wi = r["what_if"]
+    text += f" With {wi['what']}: {_ms(wi['predicted_ms'])} ({base / wi['predicted_ms']:.2f}x)."
+    split = r.get("best_split")
+    if split and split["predicted_ms"] < r["predicted_ms"] * 0.95:
+        text += (f" The best static split ({split['comm_sms']} nvlink SMs vs the rule's "
+                 f"{r['workers_rank0'].get('nvlink')}) gives {_ms(split['predicted_ms'])} "
+                 f"({base / split['predicted_ms']:.2f}x).")  # fmt: skip
+    if incast(r):
+        text += (" The schedule starts with an NVLink incast (see above): the first pushes "
+                 "run at a fraction of the SM push rate.")  # fmt: skip
+    if r["op"] == "gemm_allreduce":
+        text += (" Each chunk also crosses node reduce -> RDMA -> rail reduce -> RDMA -> "
+                 "broadcast, paying FIFO push, proxy commands, NIC and flag latency per hop; "
+                 "at small sizes that chain, not bandwidth, sets the time.")  # fmt: skip
+    elif r["op"] == "ring_attention" and r["diff"] < 0:
+        text += (" mKernel's gain grows with S, i.e. with the share of attention math: its "
+                 "attention tiles are faster than FA2 (GPU.md's cuDNN reaches 617 TF/s), while "
+                 "the model gives fused tiles the FA2 rate; the chained online-softmax tiles "
+                 "also stall on KV arrivals when the split leaves few nvlink SMs.")  # fmt: skip
+    elif r["op"] == "ring_attention":
+        text += (" At small S the model's baseline is NCCL all-gather + FA2, mostly "
+                 "communication, which the fused kernel hides; mKernel reports almost no gain "
+                 "here, so its small-S kernel pays overheads (per-tile, per-step "
+                 "synchronisation) the model does not have.")  # fmt: skip
+    return [f"- {text}"]
+
+
+def markdown(rows, calib, gpu, elapsed: float, command: str) -> str:
+    hw = PROFILE
+    lines = [
+        "# Simulated mKernel configurations",
+        "",
+        f"Generated by `{command}` in {elapsed:.0f} s (runtime/sim, the cluster simulator) on "
+        f"commit {_commit()}. "
+        f"Cluster: {TOPOLOGY} H200, {hw.rdma_gbps:g} GB/s per GPU between nodes (rail NICs), "
+        f"{hw.nvlink_gbps:g} GB/s NVLink per GPU per direction; all other constants are the H200 "
+        "profile of mgraph/hardware.py (each says where it comes from). Times are predictions, "
+        "not measurements. Raw numbers: benchmarks/results/simulated_mkernel.json.",
+        "",
+        "Columns: *fused* = the megakernel on the scheduler's queues and work-balance SM split; "
+        "*adaptive* = the same with the controller re-splitting compute/nvlink SMs every 20 us; "
+        "*best split* = the best static split of a sweep over nvlink SMs "
+        f"({', '.join(map(str, SWEEP))}); *sequential* = math on all SMs then (or before) the "
+        "best NCCL-like collective (ring, tree, hierarchical); *overlap* = kernel-level overlap "
+        "(chunked, two streams, NCCL holding SMs); speedups are over the baseline named in "
+        "*vs*; *diff* compares the predicted speedup with mKernel's published one.",
+        "",
+    ]
+    for op, title in TITLES.items():
+        mine = [r for r in rows if r["op"] == op]
+        if not mine:
+            continue
+        lines += [f"## {title}", ""]
+        head = ["config", "tasks", "options", "fused", "adaptive", "best split", "sequential",
+                "overlap", "vs", "speedup", "published", "diff", "what-if"]  # fmt: skip
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in mine:
+            b = r["baselines"]
+            split = r.get("best_split")
+            lines.append("| " + " | ".join([
+                r["label"], str(r["tasks"]), _opts(r["options"]), _ms(r["predicted_ms"]),
+                _ms(r["adaptive_ms"]),
+                f"{split['comm_sms']}: {_ms(split['predicted_ms'])}" if split else "-",
+                _ms(b["sequential"]["time_ms"]), _ms(b["overlap"]["time_ms"]), r["compare_to"],
+                f"{r['predicted_speedup']:.2f}x",
+                f"{r['published_speedup']:.2f}x" if r["published_speedup"] else "-",
+                f"{r['diff']:+.0%}" if "diff" in r else "-",
+                _ms(r["what_if"]["predicted_ms"]),
+            ]) + " |")  # fmt: skip
+        lines += ["", f"What-if: {mine[0]['what_if']['what']}.", ""]
+        lines += op_notes(op, mine)
+        for r in mine:
+            if abs(r.get("diff", 0.0)) > 0.20:
+                lines += explain_row(r)
+        lines.append("")
+    lines += ["## Calibration against ../shared/GPU.md (1 node x 2 H200, bf16)", "",
+              "| what | measured | simulated | error |", "|---|---|---|---|"]  # fmt: skip
+    for c in calib:
+        if "what" in c:
+            lines.append(f"| {c['what']} | {c['measured']} | {_ms(c['simulated_ms'])} | "
+                         f"{c['error']:+.0%} |")  # fmt: skip
+    fused = next(c["fused_1x2"] for c in calib if "fused_1x2" in c)
+    lines += ["", "Predicted fused times on the same 1x2 machine (no GPU measurement yet): "
+              + ", ".join(f"{k} {_ms(v)}" for k, v in fused.items()) + ".", ""]  # fmt: skip
+    lines += CALIBRATION_NOTES
+    lines += ["", "## Simulated vs measured megakernel runs (1 node x 2 H200)", ""]
+    if not gpu:
+        lines.append("No GPU benchmark JSON yet (benchmarks/results/bench_tp*.json, written by "
+                     "`torchrun --nproc_per_node=2 benchmarks/bench_tp.py`); rerun this script "
+                     "after a GPU run to fill this table.")  # fmt: skip
+    else:
+        fit = gpu["fit"]
+        lines += [
+            f"From {', '.join(gpu['files'])}: shapes are per-rank GEMMs (bench_tp.py). "
+            "*simulated* uses the H200 profile as it is; *fitted* replaces two constants by what "
+            f"the measurements imply: GEMM tiles at {fit['tile_gemm_tflops']:.0f} TF/s (the "
+            "megakernel's GEMM-only runs against cuBLAS) and "
+            f"{fit['nvlink_gbps_per_worker']:g} GB/s per nvlink worker (grid search; the profile "
+            f"has {PROFILE.nvlink_push_gbps / PROFILE.nvlink_push_sms:.1f}, GPU.md's push probe "
+            "~19): the measured kernel's NVLink tasks, not the links, are what the profile "
+            "misses. Baseline rows (cublas_nccl) compare with the sequential model.",
+            "",
+        ]
+        by_op: dict[str, list[tuple[float, float]]] = {}
+        for g in gpu["rows"]:
+            if g["impl"] != "cublas_nccl":
+                by_op.setdefault(g["op"], []).append((g["error"], g["fitted_error"]))
+        for op, errs in sorted(by_op.items()):
+            lines.append(
+                f"- {op}: mean |error| {sum(abs(e) for e, _ in errs) / len(errs):.0%} with the "
+                f"profile, {sum(abs(f) for _, f in errs) / len(errs):.0%} fitted ({len(errs)} runs)"
+            )
+        lines += ["", "| op | M,N,K per rank | impl | nvlink SMs | measured | simulated | error "
+                  "| fitted | error |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for g in gpu["rows"]:
+            lines.append(f"| {g['op']} | {g['M']},{g['N']},{g['K']} | {g['impl']} | "
+                         f"{g.get('nvlink_workers', '-')} | {_ms(g['ms'])} | "
+                         f"{_ms(g['simulated_ms'])} | {g['error']:+.0%} | "
+                         f"{_ms(g['fitted_ms'])} | {g['fitted_error']:+.0%} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    """The commit the predictions were made on (the ops' lowerings change what is predicted)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], capture_output=True, text=True,
+                             cwd=Path(__file__).parent)  # fmt: skip
+        return run.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" + uncommitted changes" if git("status", "--porcelain") else "")
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms"
+
+
+def _opts(opts: dict[str, Any]) -> str:
+    parts = []
+    for k, v in opts.items():
+        if k == "chunk_bytes":
+            v = f"{v // MIB} MiB" if v >= MIB else f"{v // KIB} KiB"
+        parts.append(f"{k}={v}".replace(" ", ""))
+    return " ".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one config per op, no sweeps")
+    parser.add_argument("--out", default=str(Path(__file__).parent), help="folder for the .md")
+    args = parser.parse_args()
+    out = Path(args.out)
+    results = out / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    rows = []
+    for case in cases(args.quick):
+        row = run_case(case, args.quick)
+        rows.append(row)
+        print(f"{case.op:22s} {case.label:22s} fused {row['predicted_ms']:9.3f} ms  "
+              f"x{row['predicted_speedup']:.2f} vs {row['compare_to']}  ({row['seconds']:.0f} s)",
+              flush=True)  # fmt: skip
+    calib = calibration()
+    gpu = gpu_comparison(Path(__file__).parent / "results")  # GPU runs live in the repo
+    elapsed = time.perf_counter() - start
+    command = "python benchmarks/simulate_mkernel.py" + (" --quick" if args.quick else "")
+    (results / "simulated_mkernel.json").write_text(json.dumps(
+        {"command": command, "profile": PROFILE.model_dump(), "topology": TOPOLOGY,
+         "rows": rows, "calibration": calib, "gpu_comparison": gpu}, indent=1))  # fmt: skip
+    (out / "simulated.md").write_text(markdown(rows, calib, gpu, elapsed, command))
+    print(f"wrote {out / 'simulated.md'} and {results / 'simulated_mkernel.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Lowering: OpGraph -> ONE TaskGraph, every op lowered by its own registered lowering.
+
+Ops compose without knowing it. Each op's lowering runs against an ``_OpScope``: a GraphBuilder
+that shares the program's buffers, events and tasks, prefixes the op's buffer and task names
+with the node name, and resolves the op's ``bound_buffer`` calls:
+
+- an input request (the pieces the op wants on a rank, as a Binding would name them) returns a
+  buffer already holding exactly those elements: a program input or parameter bound in that
+  layout (the runtime shards it), an earlier op's output, or, when the value lives elsewhere or
+  in another layout, a new buffer filled by explicit resharding tasks (resharding.py);
+- an output request creates a scratch buffer and records which elements of the value it holds.
+
+Readiness is added afterwards: every task of the op that reads an earlier op's buffer waits for
+the tasks that wrote the rows it reads (tile-level, so an op starts on its first tiles while its
+producer is still working on the last ones). Program outputs become output buffers bound to
+global tensors, in whatever layout they ended in; the runtime gathers them.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from typing import Any
+
+from .builder import GraphBuilder
+from .errors import MgraphError
+from .graph import Binding, Buffer, Task, TaskGraph, TensorSpec
+from .kinds import Role, TaskKind
+from .layout import REPLICATE, Run, binding_runs, flat_shape, layout_runs, runs_pieces
+from .ops import get_op
+from .resharding import Holding, Resharder
+from .trace.opgraph import OpGraph, OpNode, Value
+
+__all__ = ["lower"]
+
+
+def lower(opgraph: OpGraph) -> TaskGraph:
+    """The TaskGraph of a traced program (validated by the caller)."""
+    ctx = _Lowering(opgraph)
+    was_enabled = gc.isenabled()
+    gc.disable()  # see OpDef.__call__: a graph is many small long-lived objects
+    try:
+        for node in opgraph.nodes:
+            ctx.lower_node(node)
+        ctx.bind_outputs()
+        return ctx.b.finish()
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class _Lowering:
+    def __init__(self, opgraph: OpGraph) -> None:
+        self.og = opgraph
+        self.b = GraphBuilder(
+            f"program:{opgraph.name}",
+            opgraph.topology,
+            opgraph.dtype,
+            {"module": opgraph.name, "nodes": len(opgraph.nodes)},
+        )
+        self.world = opgraph.topology.world_size
+        self.reshard = Resharder(self.b)
+        self.bound: dict[tuple[str, int], int] = {}  # (input, rank) -> bound buffers so far
+
+    # -- values -------------------------------------------------------------------------------
+    def acquire(self, value: Value, rank: int, runs: tuple[Run, ...]) -> Buffer:
+        """A buffer on ``rank`` holding exactly ``runs`` of ``value``."""
+        root = value.root()
+        found = self.reshard.find(root.name, rank, runs)
+        if found is not None:
+            return found.buffer
+        if root.free:
+            return self._bind_input(root, rank, runs)
+        if not self.reshard.held(root.name):
+            raise MgraphError(
+                f"value {root.name!r} is read before any op produced it",
+                hint="this is a tracer bug: report the module that triggers it",
+            )
+        return self.reshard.reshard(root.name, rank, runs).buffer
+
+    def _bind_input(self, root: Value, rank: int, runs: tuple[Run, ...]) -> Buffer:
+        """A program input or parameter, bound in the layout its consumer asks for."""
+        b = self.b
+        if root.name not in b.inputs:
+            b.inputs[root.name] = TensorSpec(flat_shape(root.shape), root.dtype)
+        k = self.bound.get((root.name, rank), 0)
+        self.bound[(root.name, rank)] = k + 1
+        name = root.name if k == 0 else f"{root.name}#{k}"
+        rows = sum(r[1] - r[0] for r in runs)
+        buf = b.buffer(
+            name,
+            rank,
+            rows,
+            runs[0][3] - runs[0][2],
+            role="input",
+            dtype=root.dtype,
+            binding=Binding(root.name, runs_pieces(runs), 0),
+        )
+        self.reshard.add(root.name, rank, Holding(buf, runs))
+        return buf
+
+    # -- nodes --------------------------------------------------------------------------------
+    def lower_node(self, node: OpNode) -> None:
+        opdef = get_op(node.op)
+        params = json.loads(json.dumps({**opdef.options, **node.params}))
+        try:
+            opdef.check_params(self.og.topology, params)
+            scope = _OpScope(self, node, params)
+            start = len(self.b.tasks)
+            assert opdef.lower_fn is not None
+            opdef.lower_fn(scope, **params)
+        except MgraphError as e:
+            raise type(e)(f"{node.where()}: {e.message}", hint=e.hint) from e
+        new = self.b.tasks[start:]
+        self._add_readiness(new)
+        for value in node.outputs.values():
+            if not all(self.reshard.on(value.name, r) for r in range(self.world)):
+                raise MgraphError(
+                    f"{node.where()}: op {node.op} left output {value.name!r} unbound"
+                )
+        for t in new:
+            for w in t.writes:
+                self.reshard.note_writer(w, t)
+
+    def _add_readiness(self, tasks: list[Task]) -> None:
+        """Each task that reads an earlier op's buffer waits for the writers of what it reads."""
+        for t in tasks:
+            producers: dict[int, Task] = {}
+            for r in t.reads:
+                for p in self.reshard.producers(r):
+                    producers[p.id] = p
+            if producers:
+                t.waits.extend(self.b.after(t.rank, list(producers.values())))
+
+    # -- outputs ------------------------------------------------------------------------------
+    def bind_outputs(self) -> None:
+        b = self.b
+        taken: set[str] = set()
+        for name, value in zip(self.og.output_names, self.og.outputs, strict=True):
+            root = value.root()
+            b.outputs[name] = TensorSpec(flat_shape(value.shape), value.dtype)
+            for rank in range(self.world):
+                if not self.reshard.on(root.name, rank):
+                    self.acquire(root, rank, layout_runs(root.shape, REPLICATE, rank, self.world))
+                held = self.reshard.primary(root.name, rank)
+                if held.buffer.role != "scratch" or held.buffer.id in taken:
+                    held = self._local_copy(root.name, rank, held, name)
+                taken.add(held.buffer.id)
+                held.buffer.role = "output"
+                held.buffer.binding = Binding(name, runs_pieces(held.runs), 0)
+
+    def _local_copy(self, value: str, rank: int, held: Holding, label: str) -> Holding:
+        """A fresh buffer with the same rows: an input returned as is, or one value returned
+        twice, still gets an output buffer of its own."""
+        b = self.b
+        buf = b.buffer(f"{label}~copy", rank, held.buffer.rows, held.buffer.cols)
+        task = b.task(
+            rank,
+            Role.COMPUTE,
+            TaskKind.COPY.value,
+            [held.buffer.region()],
+            [buf.region()],
+            waits=b.after(rank, self.reshard.producers(held.buffer.region())),
+            name=f"output copy {label} r{rank}",
+        )
+        copy = Holding(buf, held.runs)
+        self.reshard.add(value, rank, copy)
+        self.reshard.note_writer(buf.region(), task)
+        return copy
+
+
+class _OpScope(GraphBuilder):
+    """The program's builder as one op's lowering sees it (see the module docstring)."""
+
+    def __init__(self, ctx: _Lowering, node: OpNode, params: dict[str, Any]) -> None:
+        # Deliberately no super().__init__(): the containers are the program builder's own.
+        base = ctx.b
+        self.op = node.op
+        self.topo = base.topo
+        self.world = base.world
+        self.dtype = base.dtype
+        self.params = params
+        self.inputs: dict[str, TensorSpec] = {}
+        self.outputs: dict[str, TensorSpec] = {}
+        self.buffers = base.buffers
+        self.events = base.events
+        self.tasks = base.tasks
+        self._joins = base._joins
+        self.ctx = ctx
+        self.node = node
+
+    def _value(self, tensor: str, role: str) -> Value:
+        table = self.node.inputs if role == "input" else self.node.outputs
+        value = table.get(tensor)
+        spec = (self.inputs if role == "input" else self.outputs).get(tensor)
+        if value is None or spec is None:
+            raise MgraphError(
+                f"{self.node.where()}: op {self.op} binds {role} {tensor!r}, which the node "
+                f"does not provide (node {role}s: {sorted(table)})"
+            )
+        if flat_shape(spec.shape) != flat_shape(value.shape):
+            raise MgraphError(
+                f"{self.node.where()}: op {self.op} sees {tensor!r} as {list(spec.shape)}, "
+                f"the traced tensor {value.name!r} is {list(value.shape)}",
+                hint="the op's shape must flatten to the same rows x cols as the tensor",
+            )
+        return value
+
+    def buffer(
+        self,
+        name: str,
+        rank: int,
+        rows: int,
+        cols: int,
+        *,
+        role: str = "scratch",
+        dtype: str | None = None,
+        binding: Binding | None = None,
+    ) -> Buffer:
+        return GraphBuilder.buffer(self, f"{self.node.name}/{name}", rank, rows, cols, dtype=dtype)
+
+    def bound_buffer(
+        self,
+        name: str,
+        rank: int,
+        tensor: str,
+        pieces,
+        *,
+        cat_dim: int = 0,
+        role: str = "input",
+    ) -> Buffer:
+        value = self._value(tensor, role)
+        spec = (self.inputs if role == "input" else self.outputs)[tensor]
+        runs = binding_runs(spec.shape, pieces, cat_dim)
+        if role == "input":
+            return self.ctx.acquire(value, rank, runs)
+        rows = sum(r[1] - r[0] for r in runs)
+        buf = self.buffer(name, rank, rows, runs[0][3] - runs[0][2], dtype=spec.dtype)
+        self.ctx.reshard.add(value.name, rank, Holding(buf, runs))
+        return buf
+
+    def task(self, rank, role, kind, reads, writes, *, name=None, **kw) -> Task:
+        label = f"{self.node.name}: {name}" if name is not None else None
+        return GraphBuilder.task(self, rank, role, kind, reads, writes, name=label, **kw)

@@ -1,0 +1,142 @@
+"""Local attention: ``out = softmax(q k^T * scale) v`` per (batch, head), no communication.
+
+Every rank computes the (batch, head) pairs it holds: heads sharded (the attention between a
+column-parallel QKV projection and a row-parallel output projection), batches sharded, or all of
+them (replicated). Sequence-sharded attention is ring_attention. The math is ring attention's
+online softmax on the same kinds: ``attn_block`` folds one KV block into the fp32 state
+(acc, ml), chained per q block; ``attn_finalize`` writes ``acc / l``. Causal masks skip the
+blocks above the diagonal and mask the diagonal one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..builder import GraphBuilder, pick_tile
+from ..errors import ShapeError
+from ..kinds import Role, TaskKind
+from ..layout import Layout, as_dim_shard, check_layout, layout_pieces
+from ..topology import Topology
+from .registry import OpDef
+
+__all__ = ["attention"]
+
+OP = "attention"
+attention = OpDef(OP, dims=("B", "H", "S", "D"), inputs=("q", "k", "v"), outputs=("out",))
+ATTN_BLOCK, ATTN_FINALIZE = TaskKind.ATTN_BLOCK.value, TaskKind.ATTN_FINALIZE.value
+
+
+def _layout(shape: tuple[int, ...], layout: Sequence | None, world: int) -> Layout | None:
+    """The layout as a batch or head shard (a token-row shard of a (1, H, S, D) tensor is one)."""
+    return as_dim_shard(shape, Layout.from_json(layout), world)
+
+
+@attention.shapes
+def _shapes(
+    topology: Topology,
+    B: int,
+    H: int,
+    S: int,
+    D: int,
+    block: int = 128,
+    layout: Sequence | None = None,
+    **_: object,
+) -> dict[str, tuple]:
+    shape = (B, H, S, D)
+    lay = _layout(shape, layout, topology.world_size)
+    if lay is None or (lay.kind == "shard" and lay.dim % 4 >= 2):
+        lay = Layout.from_json(layout)
+        raise ShapeError(
+            f"{OP}: q, k, v must be sharded along batch or heads (got {lay.describe()})",
+            hint="sequence-sharded attention is ring_attention (ContextParallel)",
+        )
+    check_layout(shape, lay, topology.world_size, OP, "choose heads divisible by the world size")
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ShapeError(f"{OP}: block={block!r} must be a positive int")
+    pick_tile(OP, "S", S, block)
+    return {"q": shape, "k": shape, "v": shape, "out": shape}
+
+
+@attention.reference
+def _reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    **_: object,
+) -> dict[str, torch.Tensor]:
+    out = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=causal, scale=scale
+    )
+    return {"out": out.to(q.dtype)}
+
+
+@attention.lower
+def _lower(
+    b: GraphBuilder,
+    B: int,
+    H: int,
+    S: int,
+    D: int,
+    causal: bool = False,
+    scale: float | None = None,
+    block: int = 128,
+    layout: list | None = None,
+) -> None:
+    shape = (B, H, S, D)
+    blk = pick_tile(OP, "S", S, block)
+    lay = _layout(shape, layout, b.world)
+    assert lay is not None
+    for name in ("q", "k", "v"):
+        b.global_input(name, shape)
+    b.global_output("out", shape)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    for r in b.topo.ranks:
+        pieces, cat_dim = layout_pieces(shape, lay, r, b.world)
+        q, k, v = (b.bound_buffer(n, r, n, pieces, cat_dim=cat_dim) for n in ("q", "k", "v"))
+        out = b.bound_buffer("out", r, "out", pieces, cat_dim=cat_dim, role="output")
+        acc = b.buffer("attn_acc", r, q.rows, D, dtype="float32")
+        ml = b.buffer("attn_ml", r, q.rows, 2, dtype="float32")
+        for group in range(q.rows // S):  # one (batch, head) per S buffer rows
+            base = group * S
+            for q0 in range(0, S, blk):
+                rows = (base + q0, base + q0 + blk)
+                state = [acc.region(rows), ml.region(rows)]
+                chain = None
+                for k0 in range(0, S, blk):
+                    if causal and k0 > q0:
+                        break
+                    krows = (base + k0, base + k0 + blk)
+                    reads = [q.region(rows), k.region(krows), v.region(krows)]
+                    if chain is not None:
+                        reads += state
+                    chain = b.task(
+                        r,
+                        Role.COMPUTE,
+                        ATTN_BLOCK,
+                        reads,
+                        state,
+                        waits=b.after(r, [chain]) if chain is not None else (),
+                        name=f"attn r{r} bh{group} q{q0} k{k0}",
+                        params={
+                            "q_start": q0,
+                            "k_start": k0,
+                            "mask": causal and k0 == q0,
+                            "first": chain is None,
+                            "scale": scale,
+                        },
+                    )
+                b.task(
+                    r,
+                    Role.COMPUTE,
+                    ATTN_FINALIZE,
+                    state,
+                    [out.region(rows)],
+                    waits=b.after(r, [chain]),
+                    name=f"attn-final r{r} bh{group} q{q0}",
+                )

@@ -1,0 +1,92 @@
+"""RMSNorm over the last dim: ``out = x * rsqrt(mean(x^2) + eps) * weight``.
+
+One ``rms_norm`` compute task per row tile, whole rows each, in the layout of ``x`` (replicated
+under tensor parallelism, token-sharded under sequence parallelism: see tilewise.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..builder import GraphBuilder
+from ..graph import Task
+from ..kinds import Role, define_kind
+from ..topology import Topology
+from .registry import OpDef
+from .tilewise import lower_tilewise, tile_shapes
+
+__all__ = ["rms_norm"]
+
+rms_norm = OpDef("rms_norm", dims=("rows", "cols"), inputs=("x", "weight"), outputs=("out",))
+RMS_NORM = define_kind("rms_norm", [Role.COMPUTE], "RMSNorm of whole rows (params: eps)")
+
+
+def _operands(weight: bool) -> dict[str, str]:
+    return {"weight": "row"} if weight else {}
+
+
+@rms_norm.shapes
+def _shapes(
+    topology: Topology,
+    rows: int,
+    cols: int,
+    has_weight: bool = True,
+    shape: Sequence[int] | None = None,
+    layout: Sequence | None = None,
+    **_: object,
+) -> dict[str, tuple]:
+    return tile_shapes(
+        "rms_norm", topology, rows, cols, shape, layout, _operands(has_weight), whole_rows=True
+    )
+
+
+@rms_norm.reference
+def _reference(
+    x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, **_: object
+) -> dict[str, torch.Tensor]:
+    w = None if weight is None else weight.float().reshape(-1)
+    return {"out": F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)}
+
+
+@rms_norm.lower
+def _lower(
+    b: GraphBuilder,
+    rows: int,
+    cols: int,
+    eps: float = 1e-6,
+    has_weight: bool = True,
+    shape: list[int] | None = None,
+    layout: list | None = None,
+    tile_rows: int = 64,
+) -> None:
+    lower_tilewise(
+        b,
+        RMS_NORM.name,
+        rows=rows,
+        cols=cols,
+        shape=shape,
+        layout=layout,
+        operands=_operands(has_weight),
+        params={"eps": eps},
+        tile_rows=tile_rows,
+    )
+
+
+@RMS_NORM.cpu
+def _rms_norm_cpu(
+    task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]
+) -> None:
+    x = reads[0].float()
+    w = reads[1].float().reshape(-1) if len(reads) > 1 else None
+    writes[0].copy_(F.rms_norm(x, (x.shape[-1],), w, task.params["eps"]))
+
+
+@RMS_NORM.flops
+def _rms_norm_flops(
+    reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict
+):
+    rows, cols = writes[0]
+    return 4.0 * rows * cols

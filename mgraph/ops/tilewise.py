@@ -1,0 +1,138 @@
+"""Shared lowering of the layout-following tile ops: elementwise math, norms, softmax, row
+reductions and user-registered ops.
+
+These ops move no data: each rank computes the rows it holds, in whatever layout its main input
+``x`` has (the op's ``layout`` option, set by the tracer), one compute task per block of
+``tile_rows`` buffer rows spanning every column. Row-wise ops (norms, softmax) need whole rows,
+so their ``x`` is never sharded along the last dim. Other operands come in one of four forms:
+
+- ``full``: same shape as ``x``, held in the same layout (same buffer rows);
+- ``row``: a vector over the last dim (a norm weight, a bias), read whole by every tile (only its
+  columns of a column-sharded ``x``);
+- ``col``: one value per row (shape ``[..., 1]``), held in the rows of ``x``;
+- scalars travel as task params.
+
+Shapes: dims are the flat 2-D view ``rows x cols`` of ``x``; option ``shape`` is its N-D shape
+(default ``[rows, cols]``), which the layout refers to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..builder import GraphBuilder, split
+from ..errors import ShapeError
+from ..graph import Buffer
+from ..kinds import Role
+from ..layout import Layout, check_layout, flat_shape, layout_runs, runs_pieces
+from ..topology import Topology
+
+__all__ = ["OPERAND_FORMS", "parse_shape", "parse_layout", "tile_shapes", "lower_tilewise"]
+
+OPERAND_FORMS = ("full", "row", "col")
+
+
+def parse_shape(op: str, rows: int, cols: int, shape: Sequence[int] | None) -> tuple[int, ...]:
+    if shape is None:
+        return (rows, cols)
+    shape = tuple(int(n) for n in shape)
+    if flat_shape(shape) != (rows, cols):
+        raise ShapeError(
+            f"{op}: shape={list(shape)} does not flatten to rows x cols = {rows} x {cols}",
+            hint="rows is the product of all dims but the last, cols the last dim",
+        )
+    return shape
+
+
+def parse_layout(layout: Sequence | None) -> Layout:
+    return Layout.from_json(layout)
+
+
+def tile_shapes(
+    op: str,
+    topology: Topology,
+    rows: int,
+    cols: int,
+    shape: Sequence[int] | None,
+    layout: Sequence | None,
+    operands: dict[str, str],
+    out_cols: int | None = None,
+    *,
+    whole_rows: bool = False,
+) -> dict[str, tuple]:
+    """Global shapes (flat 2-D) of ``x``, the operands and ``out``; checks the layout."""
+    nd = parse_shape(op, rows, cols, shape)
+    lay = parse_layout(layout)
+    check_layout(nd, lay, topology.world_size, op, "choose sizes divisible by the world size")
+    if whole_rows and lay.kind == "shard" and lay.dim == len(nd) - 1:
+        raise ShapeError(
+            f"{op}: works on whole rows; its input cannot be sharded along the last dim",
+            hint="replicate the input, or shard it along another dim",
+        )
+    out = {"x": (rows, cols), "out": (rows, cols if out_cols is None else out_cols)}
+    for name, form in operands.items():
+        if form not in OPERAND_FORMS:
+            raise ShapeError(f"{op}: operand {name!r} has unknown form {form!r}")
+        out[name] = {"full": (rows, cols), "row": (1, cols), "col": (rows, 1)}[form]
+    return out
+
+
+def lower_tilewise(
+    b: GraphBuilder,
+    kind: str,
+    *,
+    rows: int,
+    cols: int,
+    shape: Sequence[int] | None,
+    layout: Sequence | None,
+    operands: dict[str, str],
+    out_cols: int | None = None,
+    params: dict[str, Any] | None = None,
+    tile_rows: int = 64,
+    label: str | None = None,
+) -> None:
+    """Emit ``kind`` tiles: reads ``[x, *operands in order]``, writes ``[out]``."""
+    if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows <= 0:
+        raise ShapeError(f"{kind}: tile_rows={tile_rows!r} must be a positive int")
+    nd = parse_shape(kind, rows, cols, shape)
+    lay = parse_layout(layout)
+    world = b.world
+    out_cols = cols if out_cols is None else out_cols
+    b.global_input("x", (rows, cols))
+    for name, form in operands.items():
+        b.global_input(name, {"full": (rows, cols), "row": (1, cols), "col": (rows, 1)}[form])
+    b.global_output("out", (rows, out_cols))
+    label = label or kind
+    for r in b.topo.ranks:
+        runs = layout_runs(nd, lay, r, world)
+        x = b.bound_buffer("x", r, "x", runs_pieces(runs))
+        c0, c1 = runs[0][2], runs[0][3]
+        reads: list[tuple[Buffer, str]] = []
+        for name, form in operands.items():
+            if form == "full":
+                pieces = runs_pieces(runs)
+            elif form == "row":
+                pieces = (((0, 1), (c0, c1)),)
+            else:
+                pieces = tuple(((r0, r1), (0, 1)) for r0, r1, _, _ in runs)
+            reads.append((b.bound_buffer(name, r, name, pieces), form))
+        if out_cols == cols:
+            out_pieces = runs_pieces(runs)
+        else:
+            assert (c0, c1) == (0, cols), "a row op changing the width needs whole rows"
+            out_pieces = tuple(((r0, r1), (0, out_cols)) for r0, r1, _, _ in runs)
+        out = b.bound_buffer("out", r, "out", out_pieces, role="output")
+        for t0, t1 in split(x.rows, tile_rows):
+            regions = [x.region((t0, t1))]
+            for buf, form in reads:
+                regions.append(buf.region() if form == "row" else buf.region((t0, t1)))
+            b.task(
+                r,
+                Role.COMPUTE,
+                kind,
+                regions,
+                [out.region((t0, t1))],
+                name=f"{label} r{r} [{t0}:{t1}]",
+                params=dict(params or {}),
+            )

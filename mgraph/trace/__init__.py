@@ -1,0 +1,101 @@
+"""Tracing: an nn.Module + example inputs + a parallel plan -> OpGraph (see mgraph/lower.py for
+the next step, mgraph/program.py for the whole pipeline behind ``mg.compile``).
+
+capture.py records the module's ops (torch.export; torch.fx where export cannot), tracer.py
+decides layouts and emits nodes, aten.py and modules.py map each op family to registered ops.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..errors import InputError, PlanError
+from ..graph import dtype_name
+from ..plans import ColwiseParallel, ExpertParallel, ParallelStyle, RowwiseParallel
+from ..topology import Topology
+from .capture import Captured, CNode, capture
+from .opgraph import OpGraph, OpNode, ParamSource, Value
+from .tracer import Tracer
+
+__all__ = ["trace", "check_plan", "OpGraph", "OpNode", "Value", "ParamSource", "CNode", "Captured"]
+
+
+def trace(
+    module: nn.Module,
+    example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+    plan: Mapping[str, ParallelStyle] | None = None,
+    topology: Topology | str = "1x1",
+) -> OpGraph:
+    """The OpGraph of ``module`` run on ``example_inputs`` under ``plan`` on ``topology``."""
+    topo = Topology.parse(topology)
+    checked = check_plan(module, plan)
+    args = example_args(example_inputs)
+    leaf_paths = [p for p, s in checked.items() if isinstance(s, ExpertParallel)]
+    captured = capture(module, args, leaf_paths)
+    og = Tracer(module, captured, checked, topo, dtype_name(args[0].dtype)).run()
+    og.note = captured.note
+    return og
+
+
+def example_args(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if not args or not all(isinstance(a, torch.Tensor) for a in args):
+        raise InputError(
+            "example_inputs must be a tensor or a tuple of tensors "
+            f"(got {[type(a).__name__ for a in args]})",
+            hint="pass the positional inputs of module.forward, e.g. (x,)",
+        )
+    return args
+
+
+def check_plan(module: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, ParallelStyle]:
+    """The plan, checked against the module: every path exists and fits its style."""
+    from .modules import expert_modules
+
+    if plan is None:
+        return {}
+    if not isinstance(plan, Mapping):
+        raise PlanError(
+            f"plan must be a dict of module path -> style, got {type(plan).__name__}",
+            hint='e.g. {"mlp.up_proj": mg.ColwiseParallel()}',
+        )
+    names = [name for name, _ in module.named_modules()]
+    out: dict[str, ParallelStyle] = {}
+    for path, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise PlanError(
+                f"plan[{path!r}] is {style!r}, not a parallel style",
+                hint="use mg.ColwiseParallel(), RowwiseParallel(), SequenceParallel(), "
+                "ContextParallel() or ExpertParallel()",
+            )
+        if path not in names:
+            close = difflib.get_close_matches(path, names, n=3)
+            raise PlanError(
+                f"plan names module path {path!r}, which {type(module).__name__} does not have",
+                hint=(f"did you mean {', '.join(map(repr, close))}? " if close else "")
+                + "paths are as model.named_modules() lists them ('' is the model itself)",
+            )
+        sub = module.get_submodule(path)
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(sub, nn.Linear):
+            raise PlanError(
+                f"plan[{path!r}] is {type(style).__name__}, but {path!r} is a "
+                f"{type(sub).__name__}, not an nn.Linear",
+                hint="plan the linear layers themselves, e.g. 'mlp.up_proj'",
+            )
+        if isinstance(style, ExpertParallel):
+            expert_modules(sub, style, path)
+        out[path] = style
+    leaves = [p for p, s in out.items() if isinstance(s, ExpertParallel)]
+    for path in out:
+        for leaf in leaves:
+            if path != leaf and (leaf == "" or path.startswith(leaf + ".")):
+                raise PlanError(
+                    f"plan[{path!r}] lies inside the ExpertParallel block {leaf!r}",
+                    hint="an ExpertParallel block is lowered as a whole: drop the inner entry",
+                )
+    return out

@@ -1,0 +1,176 @@
+"""ATen op -> mgraph op for elementwise math, norms, softmax and row reductions: each becomes a
+layout-following tile op (mgraph/ops/tilewise.py) in the layout of its main input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedOpError
+from ..layout import REPLICATE, flat_shape
+from .capture import CNode
+from .mapping import BINARY, UNARY, broadcast_form, handles, whole_rows
+from .opgraph import Value
+from .tracer import Tracer
+
+__all__: list[str] = []
+
+
+# -- elementwise -------------------------------------------------------------------------------
+def _shape(v: Any) -> str:
+    return str(list(v.shape)) if hasattr(v, "shape") else repr(v)
+
+
+@handles(*UNARY)
+def _unary(tr: Tracer, n: CNode) -> Any:
+    x = tr.tensor(n, n.args[0], "input")
+    fn = UNARY[n.op]
+    if n.op == "gelu" and n.arg(1, "approximate", "none") == "tanh":
+        fn = "gelu_tanh"
+    lay = tr.layout_in(x, n) or REPLICATE
+    rows, cols = flat_shape(x.shape)
+    params = {"rows": rows, "cols": cols, "fn": fn, "shape": list(x.shape), "layout": lay.to_json()}
+    return tr.emit(n, "elementwise", params, {"x": x}, x.shape, lay)
+
+
+@handles(*BINARY)
+def _binary(tr: Tracer, n: CNode) -> Any:
+    a, b = tr.value(n.args[0]), tr.value(n.arg(1, "other"))
+    alpha = n.kwargs.get("alpha", n.args[2] if len(n.args) > 2 else 1)
+    swap = n.op == "rsub"
+    if not isinstance(a, Value):
+        a, b, swap = b, a, not swap
+    out_shape = tuple(n.shape)
+    if isinstance(b, Value) and b.shape == out_shape and a.shape != out_shape:
+        a, b, swap = b, a, not swap
+    if alpha != 1 and swap:
+        raise UnsupportedOpError(f"{n.where()}: alpha={alpha} with a broadcast first operand")
+    if not isinstance(a, Value) or a.shape != out_shape:
+        raise UnsupportedOpError(
+            f"{n.where()}: broadcasts both operands ({_shape(a)} with {_shape(b)})",
+            hint="one operand must have the result's shape",
+        )
+    rows, cols = flat_shape(out_shape)
+    params: dict[str, Any] = {
+        "rows": rows,
+        "cols": cols,
+        "fn": BINARY[n.op],
+        "alpha": float(alpha),
+        "swap": swap,
+        "shape": list(out_shape),
+    }
+    inputs = {"x": a}
+    lay = tr.layout_in(a, n)
+    if isinstance(b, Value):
+        form = broadcast_form(b.shape, out_shape)
+        if form is None:
+            raise UnsupportedOpError(
+                f"{n.where()}: broadcast of {list(b.shape)} to {list(out_shape)} is not supported",
+                hint="operands are the result's shape, a vector over its last dim, or one "
+                "value per row ([..., 1])",
+            )
+        params["other"] = form
+        inputs["y"] = b
+        if form == "full":
+            other = tr.layout_in(b, n)
+            if lay is None or (lay == REPLICATE and other is not None):
+                lay = other
+    elif isinstance(b, (int, float, bool)):
+        params["scalar"] = float(b)
+    else:
+        raise UnsupportedOpError(f"{n.where()}: operand {b!r} is neither a tensor nor a number")
+    lay = lay or REPLICATE
+    params["layout"] = lay.to_json()
+    return tr.emit(n, "elementwise", params, inputs, out_shape, lay)
+
+
+# -- norms, softmax, reductions ----------------------------------------------------------------
+def _last_dim_only(n: CNode, x, normalized) -> None:
+    if list(normalized) != [x.shape[-1]]:
+        raise UnsupportedOpError(
+            f"{n.where()}: normalizes over {list(normalized)}; only the last dim is supported"
+        )
+
+
+@handles("rms_norm")
+def _rms_norm(tr: Tracer, n: CNode) -> Any:
+    x = tr.tensor(n, n.args[0], "input")
+    _last_dim_only(n, x, n.arg(1, "normalized_shape"))
+    weight, eps = n.arg(2, "weight"), n.arg(3, "eps")
+    eps = torch.finfo(n.dtype).eps if eps is None else float(eps)
+    lay = whole_rows(tr, x, n)
+    rows, cols = flat_shape(x.shape)
+    inputs = {"x": x} | ({"weight": tr.value(weight)} if weight is not None else {})
+    params = {
+        "rows": rows,
+        "cols": cols,
+        "eps": eps,
+        "has_weight": weight is not None,
+        "shape": list(x.shape),
+        "layout": lay.to_json(),
+    }
+    return tr.emit(n, "rms_norm", params, inputs, x.shape, lay)
+
+
+@handles("layer_norm")
+def _layer_norm(tr: Tracer, n: CNode) -> Any:
+    x = tr.tensor(n, n.args[0], "input")
+    _last_dim_only(n, x, n.arg(1, "normalized_shape"))
+    weight, bias, eps = n.arg(2, "weight"), n.arg(3, "bias"), n.arg(4, "eps", 1e-5)
+    lay = whole_rows(tr, x, n)
+    rows, cols = flat_shape(x.shape)
+    inputs = {"x": x}
+    if weight is not None:
+        inputs["weight"] = tr.value(weight)
+    if bias is not None:
+        inputs["bias"] = tr.value(bias)
+    params = {
+        "rows": rows,
+        "cols": cols,
+        "eps": float(eps),
+        "has_weight": weight is not None,
+        "has_bias": bias is not None,
+        "shape": list(x.shape),
+        "layout": lay.to_json(),
+    }
+    return tr.emit(n, "layer_norm", params, inputs, x.shape, lay)
+
+
+@handles("softmax", "_softmax")
+def _softmax(tr: Tracer, n: CNode) -> Any:
+    x = tr.tensor(n, n.args[0], "input")
+    dim = n.arg(1, "dim")
+    if dim is None or dim % len(x.shape) != len(x.shape) - 1:
+        raise UnsupportedOpError(f"{n.where()}: softmax over dim {dim}; only the last dim")
+    lay = whole_rows(tr, x, n)
+    rows, cols = flat_shape(x.shape)
+    params = {"rows": rows, "cols": cols, "shape": list(x.shape), "layout": lay.to_json()}
+    return tr.emit(n, "softmax", params, {"x": x}, x.shape, lay)
+
+
+@handles("mean", "sum", "amax", "amin")
+def _reduce(tr: Tracer, n: CNode) -> Any:
+    x = tr.tensor(n, n.args[0], "input")
+    dims = n.arg(1, "dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    keepdim = bool(n.arg(2, "keepdim", False))
+    if [d % len(x.shape) for d in dims] != [len(x.shape) - 1]:
+        raise UnsupportedOpError(
+            f"{n.where()}: reduces over dims {dims}; only the last dim is supported"
+        )
+    lay = whole_rows(tr, x, n)
+    rows, cols = flat_shape(x.shape)
+    kept = tuple(x.shape[:-1]) + (1,)
+    params = {
+        "rows": rows,
+        "cols": cols,
+        "fn": n.op,
+        "shape": list(x.shape),
+        "layout": lay.to_json(),
+    }
+    out = tr.emit(n, "row_reduce", params, {"x": x}, kept, lay)
+    return out if keepdim else tr.relayout(n, out, ("view", tuple(n.shape)))
+
+
+# user-registered ops and leaf modules (ExpertParallel) map in modules.py

@@ -1,0 +1,334 @@
+"""The Tracer: captured nodes + a parallel plan -> OpGraph, deciding every tensor's layout.
+
+Layouts propagate like DTensor placements on a 1-D mesh of all ranks. Program inputs and
+parameters are free (bound as each consumer asks). An op follows the layout of its main input,
+except where the plan says otherwise: a planned linear (colwise/rowwise), and the inputs that
+enter a SequenceParallel or ContextParallel region, which are requested sharded along the tokens.
+Whenever a requested layout differs from the one a value has, the lowering inserts resharding
+tasks, so a layout decision here never makes a program wrong, only faster or slower.
+
+Op mapping lives in aten.py (one handler per ATen op family) and modules.py (leaf modules and
+user-registered ops); this module holds the state they share.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn as nn
+
+from ..errors import DTypeError, MgraphError, UnsupportedOpError
+from ..graph import dtype_name
+from ..layout import (
+    REPLICATE,
+    Layout,
+    canonical,
+    check_layout,
+    flat_shape,
+    permute_layout,
+    view_layout,
+)
+from ..ops.relayout import relayout_feasible, steps_shape
+from ..plans import ContextParallel, ParallelStyle, SequenceParallel
+from ..topology import Topology
+from .capture import Captured, CNode
+from .opgraph import OpGraph, OpNode, ParamSource, Value
+
+__all__ = ["Tracer"]
+
+
+class Tracer:
+    def __init__(
+        self,
+        module: nn.Module,
+        captured: Captured,
+        plan: dict[str, ParallelStyle],
+        topology: Topology,
+        dtype: str,
+    ) -> None:
+        self.module = module
+        self.cap = captured
+        self.plan = plan
+        self.topo = topology
+        self.world = topology.world_size
+        self.dtype = dtype
+        self.og = OpGraph(type(module).__name__, topology, dtype, single_output=captured.single)
+        self.og.constants = dict(captured.constants)
+        self.env: dict[CNode, Any] = {}
+        self.params: dict[tuple[str, str], Value] = {}
+        self.node_path: dict[str, str] = {}  # value name -> module path of its producer
+        self.relayouts: dict[str, OpNode] = {}  # value name -> relayout node producing it
+        self.names: set[str] = set()
+        self.regions = sorted(
+            ((p, s) for p, s in plan.items() if isinstance(s, (SequenceParallel, ContextParallel))),
+            key=lambda ps: -len(ps[0]),
+        )
+
+    # -- driver -------------------------------------------------------------------------------
+    def run(self) -> OpGraph:
+        from .mapping import load_handlers
+
+        handlers = load_handlers()
+        outputs = set(self.cap.outputs)
+        for n in self.cap.nodes:
+            if n.op == "input":
+                v = Value(n.name, n.shape, self._dtype(n), None, "input")
+                self.names.add(n.name)
+                self.og.inputs.append(v)
+                self.env[n] = v
+                continue
+            if n.op == "param" or (not n.users and n not in outputs):
+                continue  # parameters are made per use; dead code never runs
+            handler = handlers.get(n.op)
+            if handler is None and n.op.startswith("custom:"):
+                handler = handlers["custom"]
+            if handler is None:
+                raise _unsupported(n)
+            if n.shape is not None:
+                self._dtype(n)
+            try:
+                self.env[n] = handler(self, n)
+            except (TypeError, IndexError, KeyError, AttributeError) as e:
+                # An argument form the handler does not know (a list where it expects an int,
+                # a missing keyword): name the op rather than fail inside mgraph.
+                raise UnsupportedOpError(
+                    f"{n.where()}: mgraph cannot map this call's arguments ({type(e).__name__}: {e})",
+                    hint="rewrite the call in a more common form, or register an op for it",
+                ) from e
+        for out in self.cap.outputs:
+            v = self.env.get(out) if isinstance(out, CNode) else None
+            if out is not None and isinstance(out, CNode) and out.op == "param":
+                v = self.value(out)
+            if not isinstance(v, Value):
+                raise UnsupportedOpError(
+                    f"{self.og.name}: output {out!r} is not a tensor computed by the module",
+                    hint="return tensors (a single one or a tuple)",
+                )
+            self.og.outputs.append(v)
+        return self.og
+
+    def _dtype(self, n: CNode) -> str:
+        name = dtype_name(n.dtype)
+        if name != self.dtype:
+            raise DTypeError(
+                f"{n.where()} is {name}, the program computes in {self.dtype}",
+                hint="cast the module and its inputs to one dtype before mg.compile",
+            )
+        return name
+
+    # -- values -------------------------------------------------------------------------------
+    def value(self, arg: Any) -> Any:
+        """The Value of a captured tensor (a parameter as stored), or the python constant."""
+        if isinstance(arg, CNode):
+            if arg.op == "param":
+                return self.param(arg)
+            return self.env[arg]
+        return arg
+
+    def tensor(self, n: CNode, arg: Any, what: str) -> Value:
+        v = self.value(arg)
+        if not isinstance(v, Value):
+            raise UnsupportedOpError(f"{n.where()}: {what} must be a tensor, got {v!r}")
+        return v
+
+    def param(self, c: CNode, transform: str = "none") -> Value:
+        """A parameter (or buffer, or lifted constant) as a free global input of the program."""
+        key = (c.fqn, transform)
+        v = self.params.get(key)
+        if v is None:
+            shape = tuple(c.shape)
+            if transform == "t":
+                shape = (shape[1], shape[0])
+            name = self.unique(c.fqn if transform == "none" else f"{c.fqn}.T")
+            self._dtype(c)
+            v = Value(
+                name, shape, self.dtype, None, "param", source=ParamSource((c.fqn,), transform)
+            )
+            self.params[key] = v
+            self.og.params.append(v)
+        return v
+
+    def stacked(
+        self, name: str, fqns: Sequence[str], shape: tuple[int, ...], transform: str = "stack_t"
+    ) -> Value:
+        """A parameter built from module tensors that are not graph inputs (leaf modules)."""
+        source = ParamSource(tuple(fqns), transform)
+        v = Value(self.unique(name), shape, self.dtype, None, "param", source=source)
+        self.og.params.append(v)
+        return v
+
+    # -- plan regions -------------------------------------------------------------------------
+    def region(self, n: CNode) -> tuple[str, ParallelStyle] | None:
+        """The innermost SequenceParallel/ContextParallel module ``n`` runs in."""
+        for path, style in self.regions:
+            if path == "" or path in n.paths:
+                return path, style
+        return None
+
+    def _inside(self, v: Value, path: str) -> bool:
+        root = v.root()
+        if root.free:
+            return False
+        produced = self.node_path.get(root.name, "")
+        return path == "" or produced == path or produced.startswith(path + ".")
+
+    def layout_in(self, v: Value, n: CNode) -> Layout | None:
+        """The layout ``n`` reads its main input ``v`` in (None: free, any layout)."""
+        region = self.region(n)
+        if region is not None and not self._inside(v, region[0]):
+            return self.region_layout(region, v.shape, n)
+        return None if v.root().free and v.layout is None else v.layout
+
+    def region_layout(self, region: tuple[str, ParallelStyle], shape: Sequence[int], n: CNode):
+        path, style = region
+        nd = len(shape)
+        if isinstance(style, SequenceParallel):
+            dim, zigzag = (style.sequence_dim if nd >= 3 else 0), False
+        else:
+            dim = style.seq_dim if style.seq_dim is not None else {3: 1, 4: 2}.get(nd, 0)
+            zigzag = self.causal(path)
+        if not -nd <= dim < nd:
+            raise UnsupportedOpError(
+                f"plan {path or '<root>'!r} {type(style).__name__}: sequence dim {dim} is out of "
+                f"range for the {nd}-D input of {n.where()}",
+                hint="set sequence_dim / seq_dim to the dim that indexes tokens",
+            )
+        layout = Layout("shard", dim % nd, zigzag)
+        check_layout(
+            shape,
+            layout,
+            self.world,
+            f"plan {path or '<root>'!r} {type(style).__name__}",
+            f"the sequence length must be a multiple of {(2 if zigzag else 1) * self.world}",
+        )
+        return canonical(shape, layout, self.world)
+
+    def causal(self, path: str) -> bool:
+        """Whether a ContextParallel module's attention is causal (then the layout zigzags)."""
+        for n in self.cap.nodes:
+            if n.op == "scaled_dot_product_attention" and (path == "" or path in n.paths):
+                if n.arg(5, "is_causal", False):
+                    return True
+        return False
+
+    # -- emitting -----------------------------------------------------------------------------
+    def unique(self, name: str) -> str:
+        base, k = name, 1
+        while name in self.names:
+            name = f"{base}_{k}"
+            k += 1
+        self.names.add(name)
+        return name
+
+    def emit(
+        self,
+        n: CNode,
+        op: str,
+        params: dict[str, Any],
+        inputs: dict[str, Value],
+        shape: Sequence[int],
+        layout: Layout,
+        *,
+        name: str | None = None,
+    ) -> Value:
+        self._check(n, op, params)
+        name = self.unique(name or n.name)
+        out = Value(
+            name,
+            tuple(shape),
+            self.dtype,
+            canonical(shape, layout, self.world),
+            "op",
+            producer=name,
+        )
+        node = OpNode(name, op, params, inputs, {"out": out}, n.path, n.target or n.op)
+        self.og.nodes.append(node)
+        self.node_path[name] = n.path
+        return out
+
+    def _check(self, n: CNode, op: str, params: dict[str, Any]) -> None:
+        """The op's own shape rules, now, so a bad size is reported with the module code."""
+        from ..ops import get_op
+
+        opdef = get_op(op)
+        full = json.loads(json.dumps({**opdef.options, **params}))
+        try:
+            opdef.check_params(self.topo, full)
+        except MgraphError as e:
+            raise type(e)(f"{n.where()}: {e.message}", hint=e.hint) from e
+
+    def relayout(self, n: CNode, x: Value, step: tuple[str, tuple[int, ...]]) -> Value:
+        """``x`` viewed or permuted (one step); free when the flat 2-D view is unchanged."""
+        out_shape = tuple(n.shape)
+        kind, arg = step
+        if kind == "permute" and _keeps_order(x.shape, arg):
+            kind, arg = "view", out_shape
+        if kind == "view" and len(out_shape) and x.shape[-1:] == out_shape[-1:]:
+            lay = (
+                None if x.layout is None else view_layout(x.shape, out_shape, x.layout, self.world)
+            )
+            if x.layout is None or lay is not None:
+                root = x.root()
+                return Value(self.unique(n.name), out_shape, self.dtype, lay, root.kind, alias_of=x)
+        step = (kind, tuple(arg))
+        prev = self.relayouts.get(x.name)
+        source = n.args[0]
+        if prev is not None and isinstance(source, CNode) and len(source.users) == 1:
+            base = prev.inputs["x"]
+            steps = [tuple(s) for s in prev.params["steps"]] + [step]
+            src = Layout.from_json(prev.params["in_layout"])
+        else:
+            prev, base, steps = None, x, [step]
+            src = x.layout if x.layout is not None else REPLICATE
+        dst = self._chain_layout(base.shape, steps, src)
+        if dst is None:
+            src = dst = REPLICATE
+        if not relayout_feasible(base.shape, steps, src, dst, self.world):
+            src = REPLICATE
+        params = {
+            "rows": flat_shape(base.shape)[0],
+            "cols": flat_shape(base.shape)[1],
+            "in_shape": list(base.shape),
+            "steps": [[k, list(a)] for k, a in steps],
+            "in_layout": src.to_json(),
+            "out_layout": dst.to_json(),
+        }
+        if prev is not None:
+            prev.params = params
+            x.shape, x.layout = out_shape, canonical(out_shape, dst, self.world)
+            return x
+        out = self.emit(n, "relayout", params, {"x": base}, out_shape, dst)
+        self.relayouts[out.name] = self.og.nodes[-1]
+        return out
+
+    def _chain_layout(self, shape, steps, layout: Layout) -> Layout | None:
+        for kind, arg in steps:
+            nxt = steps_shape(shape, [[kind, list(arg)]])
+            if kind == "view":
+                layout = view_layout(shape, nxt, layout, self.world)
+            else:
+                layout = permute_layout(shape, arg, layout, self.world)
+            if layout is None:
+                return None
+            shape = nxt
+        return canonical(shape, layout, self.world)
+
+
+def _keeps_order(shape: Sequence[int], perm: Sequence[int]) -> bool:
+    """A permute that only moves unit dims is a view."""
+    moved = [p for p in perm if shape[p] != 1]
+    return moved == sorted(moved)
+
+
+def _unsupported(n: CNode) -> UnsupportedOpError:
+    from .mapping import HANDLERS
+
+    internal = {"custom", "leaf", "alias", "lift_fresh_copy", "feature_dropout"}
+    known = sorted(k for k in HANDLERS if k not in internal and not k.startswith("_"))
+    return UnsupportedOpError(
+        f"{n.where()} has no mgraph op",
+        hint="register one with @mg.register_op (README: 'Tracing modules and custom ops') and "
+        f"call it in the module, or rewrite with supported ops: {', '.join(known)}",
+    )

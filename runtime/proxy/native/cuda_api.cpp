@@ -1,0 +1,105 @@
+// dlopen/dlsym of the CUDA runtime and driver; see cuda_api.h for why nothing is linked.
+#include "cuda_api.h"
+
+#include <dlfcn.h>
+
+#include "command.h"
+
+namespace mgraph {
+namespace {
+
+void* open_first(const std::vector<std::string>& names, std::string& tried) {
+  for (const auto& name : names) {
+    // RTLD_NOLOAD first: the process (torch) normally has the library loaded already, and
+    // using that very copy keeps one CUDA context per device.
+    void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (handle == nullptr) handle = dlopen(name.c_str(), RTLD_NOW);
+    if (handle != nullptr) return handle;
+    const char* why = dlerror();
+    tried += "\n    " + name + ": " + (why ? why : "not found");
+  }
+  return nullptr;
+}
+
+template <typename Fn>
+bool resolve(void* lib, const char* name, Fn& out, std::string& missing) {
+  out = reinterpret_cast<Fn>(dlsym(lib, name));
+  if (out == nullptr) missing += std::string(" ") + name;
+  return out != nullptr;
+}
+
+}  // namespace
+
+std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
+                          const std::vector<std::string>& driver_libs) {
+  if (loaded()) return "";
+  std::string tried;
+  runtime_ = open_first(runtime_libs, tried);
+  if (runtime_ == nullptr) return "cannot load the CUDA runtime (libcudart):" + tried;
+  driver_ = open_first(driver_libs, tried);
+  if (driver_ == nullptr) return "cannot load the CUDA driver (libcuda):" + tried;
+  std::string missing;
+  resolve(runtime_, "cudaSetDevice", set_device_, missing);
+  resolve(runtime_, "cudaStreamCreateWithFlags", stream_create_, missing);
+  resolve(runtime_, "cudaStreamDestroy", stream_destroy_, missing);
+  resolve(runtime_, "cudaStreamSynchronize", stream_synchronize_, missing);
+  resolve(runtime_, "cudaMemcpyAsync", memcpy_async_, missing);
+  resolve(runtime_, "cudaGetErrorString", error_string_, missing);
+  resolve(driver_, "cuGetErrorString", driver_error_string_, missing);
+  // CUDA 12 headers map cuStreamWriteValue32 to the _v2 symbol; older drivers export only v1.
+  stream_write_value32_ = reinterpret_cast<decltype(stream_write_value32_)>(
+      dlsym(driver_, "cuStreamWriteValue32_v2"));
+  if (stream_write_value32_ == nullptr)
+    resolve(driver_, "cuStreamWriteValue32", stream_write_value32_, missing);
+  decltype(memcpy_2d_async) copy = nullptr;
+  resolve(runtime_, "cudaMemcpy2DAsync", copy, missing);
+  if (!missing.empty()) return "CUDA libraries lack:" + missing;
+  memcpy_2d_async = copy;  // last: loaded() is true only when every symbol resolved
+  return "";
+}
+
+void CudaApi::check(Status status, const char* call) const {
+  if (status == 0) return;
+  const char* text = error_string_ ? error_string_(status) : "unknown error";
+  throw Failure{-1, std::string(call) + " failed: " + text + " (" + std::to_string(status) + ")"};
+}
+
+void CudaApi::check_driver(int status, const char* call) const {
+  if (status == 0) return;
+  const char* text = nullptr;
+  if (driver_error_string_) driver_error_string_(status, &text);
+  throw Failure{-1, std::string(call) + " failed: " + (text ? text : "unknown error") + " (" +
+                        std::to_string(status) + ")"};
+}
+
+void CudaApi::set_device(int device) const { check(set_device_(device), "cudaSetDevice"); }
+
+void* CudaApi::create_stream() const {
+  void* stream = nullptr;
+  check(stream_create_(&stream, kStreamNonBlocking), "cudaStreamCreateWithFlags");
+  return stream;
+}
+
+void CudaApi::destroy_stream(void* stream) const {
+  if (stream != nullptr) check(stream_destroy_(stream), "cudaStreamDestroy");
+}
+
+void CudaApi::synchronize(void* stream) const {
+  check(stream_synchronize_(stream), "cudaStreamSynchronize");
+}
+
+void CudaApi::copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                      size_t height, void* stream) const {
+  if (height == 1 || (width == spitch && width == dpitch)) {
+    check(memcpy_async_(dst, src, width * height, kMemcpyDefault, stream), "cudaMemcpyAsync");
+  } else {
+    check(memcpy_2d_async(dst, dpitch, src, spitch, width, height, kMemcpyDefault, stream),
+          "cudaMemcpy2DAsync");
+  }
+}
+
+void CudaApi::write_value32(void* stream, unsigned long long address, unsigned value) const {
+  check_driver(stream_write_value32_(stream, address, value, 0), "cuStreamWriteValue32");
+}
+
+}  // namespace mgraph

@@ -1,0 +1,55 @@
+// CUDA entry points the drain loop uses, resolved at RUN time with dlopen/dlsym.
+//
+// The extension is built without a CUDA toolkit (CI has gcc only), so nothing here is linked:
+// ``load`` opens the runtime (libcudart) and the driver (libcuda) that the running process
+// already uses (the Python side passes their paths, found in /proc/self/maps), and only when a
+// cuda_ipc transport is attached. Signatures are the public, stable C ABI of CUDA 12.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace mgraph {
+
+class CudaApi {
+ public:
+  // cudaMemcpyKind / cudaStreamFlags values from driver_types.h.
+  static constexpr int kMemcpyDefault = 4;
+  static constexpr unsigned kStreamNonBlocking = 1;
+
+  // "" on success, otherwise what could not be loaded.
+  std::string load(const std::vector<std::string>& runtime_libs,
+                   const std::vector<std::string>& driver_libs);
+  bool loaded() const { return memcpy_2d_async != nullptr; }
+
+  // Each throws Failure{-1, ...} naming the call when CUDA reports an error.
+  void set_device(int device) const;
+  void* create_stream() const;
+  void destroy_stream(void* stream) const;
+  void synchronize(void* stream) const;
+  void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+               size_t height, void* stream) const;
+  void write_value32(void* stream, unsigned long long address, unsigned value) const;
+
+ private:
+  using Status = int;
+  Status (*set_device_)(int) = nullptr;
+  Status (*stream_create_)(void**, unsigned) = nullptr;
+  Status (*stream_destroy_)(void*) = nullptr;
+  Status (*stream_synchronize_)(void*) = nullptr;
+  Status (*memcpy_async_)(void*, const void*, size_t, int, void*) = nullptr;
+  Status (*memcpy_2d_async)(void*, size_t, const void*, size_t, size_t, size_t, int,
+                            void*) = nullptr;
+  const char* (*error_string_)(Status) = nullptr;
+  // Driver API: CUresult cuStreamWriteValue32(CUstream, CUdeviceptr, cuuint32_t, unsigned).
+  int (*stream_write_value32_)(void*, unsigned long long, unsigned, unsigned) = nullptr;
+  int (*driver_error_string_)(int, const char**) = nullptr;
+  void* runtime_ = nullptr;
+  void* driver_ = nullptr;
+
+  void check(Status status, const char* call) const;
+  void check_driver(int status, const char* call) const;
+};
+
+}  // namespace mgraph

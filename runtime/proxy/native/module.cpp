@@ -1,0 +1,171 @@
+// pybind11 bindings of the native drain loop (module mgraph.runtime.proxy.native._drain).
+//
+// Python keeps the control plane: runtime/proxy/native/__init__.py builds a Drain over a
+// CommandFifo's tensors, lets the transport register memory and events on it, and turns errors
+// into ProxyErrors. Every call that can block (stop, wait, produce) releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <initializer_list>
+#include <thread>
+#include <utility>
+
+#include "command.h"
+#include "drain.h"
+#include "wire.h"
+
+namespace py = pybind11;
+using namespace mgraph;
+
+namespace {
+
+void add_buffer(Drain& d, int64_t rank, int place, int64_t index, uint64_t ptr, int64_t rows,
+                int64_t cols, int64_t row_bytes, int64_t itemsize, const std::string& dtype,
+                int device) {
+  RankMemory& m = d.mover.rank(rank);
+  const Place p = static_cast<Place>(place);
+  if (m.place != Place::kNone && m.place != p)
+    throw py::value_error("rank " + std::to_string(rank) + " is registered in two places");
+  if (rows < 0 || cols < 0 || itemsize <= 0 || row_bytes < cols * itemsize)
+    throw py::value_error("buffer " + std::to_string(index) + " of rank " +
+                          std::to_string(rank) + ": bad shape or stride");
+  m.place = p;
+  if (p == Place::kCuda) m.device = device;
+  m.buffers[index] = Buffer{reinterpret_cast<uint8_t*>(ptr), rows, cols, row_bytes, itemsize, dtype};
+}
+
+// The GPU's side of the FIFO protocol, for tests and benchmarks: claim a ticket with a
+// compare-and-swap on head while there is room (tail + capacity), write the body, publish the
+// header with a release store. Pushes ``count`` commands cycling through ``bodies`` (16 words
+// each; word 0 holds the opcode only). Returns how many were pushed before ``timeout_s``.
+int64_t produce(uint64_t ring_ptr, uint64_t head_ptr, uint64_t tail_ptr, int64_t capacity,
+                const std::vector<std::vector<int64_t>>& bodies, int64_t count,
+                double timeout_s) {
+  auto* ring = reinterpret_cast<int64_t*>(ring_ptr);
+  auto* head = reinterpret_cast<int64_t*>(head_ptr);
+  auto* tail = reinterpret_cast<int64_t*>(tail_ptr);
+  const double deadline = now_s() + timeout_s;
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t ticket = __atomic_load_n(head, __ATOMIC_RELAXED);
+    while (true) {
+      if (ticket - __atomic_load_n(tail, __ATOMIC_ACQUIRE) < capacity) {
+        if (__atomic_compare_exchange_n(head, &ticket, ticket + 1, false, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED))
+          break;
+        continue;  // another producer took it; ticket now holds the new head
+      }
+      if (now_s() > deadline) return i;
+      std::this_thread::yield();
+      ticket = __atomic_load_n(head, __ATOMIC_RELAXED);
+    }
+    const auto& body = bodies[static_cast<size_t>(i) % bodies.size()];
+    int64_t* slot = ring + (ticket & (capacity - 1)) * kWords;
+    for (int w = 1; w < kWords; ++w) slot[w] = body[static_cast<size_t>(w)];
+    __atomic_store_n(slot, ((ticket + 1) << 8) | (body[0] & 0xff), __ATOMIC_RELEASE);
+  }
+  return count;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_drain, m) {
+  m.doc() = "Native drain loop of the mgraph host proxy (see drain.h)";
+  m.attr("WORDS") = kWords;
+  auto table = [](std::initializer_list<std::pair<const char*, int64_t>> items) {
+    py::dict d;
+    for (const auto& [name, value] : items) d[name] = value;
+    return d;
+  };
+  m.attr("WORD_INDEX") = table({{"HEADER", kHeader}, {"TASK", kTask}, {"EPOCH", kEpoch},
+                                {"SRC_RANK", kSrcRank}, {"SRC_BUF", kSrcBuf},
+                                {"SRC_ROWS", kSrcRows}, {"SRC_COLS", kSrcCols},
+                                {"DST_RANK", kDstRank}, {"DST_BUF", kDstBuf},
+                                {"DST_ROWS", kDstRows}, {"DST_COLS", kDstCols},
+                                {"BYTES", kBytes}, {"EVENT", kEvent},
+                                {"DONE_EVENT", kDoneEvent}});
+  m.attr("OPCODES") =
+      table({{"NOP", kNop}, {"WRITE", kWrite}, {"SIGNAL", kSignal}, {"SHUTDOWN", kShutdown}});
+  m.attr("FRAME") = table({{"HEADER_WORDS", wire::kHeaderWords}, {"MAGIC", wire::kMagic},
+                           {"MAX_EVENTS", wire::kMaxEvents}, {"WRITE", wire::kWrite},
+                           {"SIGNAL", wire::kSignal}, {"FENCE", wire::kFence},
+                           {"BYE", wire::kBye}});
+  m.attr("PLACE_HOST") = int(Place::kHost);
+  m.attr("PLACE_CUDA") = int(Place::kCuda);
+  m.attr("PLACE_SOCKET") = int(Place::kSocket);
+
+  m.def("atomic_add", [](uint64_t address, int64_t delta) {
+    return __atomic_add_fetch(reinterpret_cast<int64_t*>(address), delta, __ATOMIC_ACQ_REL);
+  }, "Atomically add ``delta`` to the int64 at ``address``; returns the new value.");
+  m.def("atomic_load", [](uint64_t address) {
+    return __atomic_load_n(reinterpret_cast<int64_t*>(address), __ATOMIC_ACQUIRE);
+  });
+  m.def("produce", &produce, py::call_guard<py::gil_scoped_release>(), py::arg("ring"),
+        py::arg("head"), py::arg("tail"), py::arg("capacity"), py::arg("bodies"),
+        py::arg("count"), py::arg("timeout_s") = 10.0);
+
+  py::class_<Drain>(m, "Drain")
+      .def(py::init<uint64_t, uint64_t, uint64_t, int64_t, int, bool, double>(), py::arg("ring"),
+           py::arg("head"), py::arg("tail"), py::arg("capacity"), py::arg("batch"),
+           py::arg("coalesce"), py::arg("timeout_s"))
+      .def("add_buffer", &add_buffer, py::arg("rank"), py::arg("place"), py::arg("index"),
+           py::arg("ptr"), py::arg("rows"), py::arg("cols"), py::arg("row_bytes"),
+           py::arg("itemsize"), py::arg("dtype"), py::arg("device") = -1)
+      .def("set_host_events", [](Drain& d, int64_t rank, uint64_t ptr, int64_t n) {
+        RankMemory& r = d.mover.rank(rank);
+        r.counters = reinterpret_cast<int64_t*>(ptr);
+        r.n_events = n;
+      })
+      .def("set_cuda_flags", [](Drain& d, int64_t rank, uint64_t flags, int64_t n, uint64_t shadow) {
+        RankMemory& r = d.mover.rank(rank);
+        r.flags = flags;
+        r.shadow = reinterpret_cast<int64_t*>(shadow);
+        r.n_events = n;
+      })
+      .def("set_socket", [](Drain& d, int64_t rank, int fd, int64_t n_events) {
+        RankMemory& r = d.mover.rank(rank);
+        r.place = Place::kSocket;
+        r.fd = fd;
+        r.n_events = n_events;
+      })
+      .def("use_cuda", [](Drain& d, int device, const std::vector<std::string>& runtime_libs,
+                          const std::vector<std::string>& driver_libs) {
+        const std::string err = d.mover.cuda.load(runtime_libs, driver_libs);
+        if (!err.empty()) return err;
+        d.mover.cuda_device = device;
+        return std::string();
+      })
+      .def_property("bytes_per_s", [](const Drain& d) { return d.mover.bytes_per_s; },
+                    [](Drain& d, double v) { d.mover.bytes_per_s = v; })
+      .def_property("doorbell_fd", [](const Drain& d) { return d.mover.doorbell_fd; },
+                    [](Drain& d, int fd) { d.mover.doorbell_fd = fd; })
+      .def_readwrite("idle_sleep_us", &Drain::idle_sleep_us)
+      .def("start", &Drain::start)
+      .def("stop", &Drain::stop, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Drain::wait, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Drain::abort)
+      .def_property_readonly("running", &Drain::running)
+      .def("error", [](const Drain& d) -> py::object {
+        const DrainError e = d.error();
+        if (!e.set) return py::none();
+        return py::make_tuple(e.ticket, e.message);
+      })
+      .def("stats", [](Drain& d) {
+        py::dict s;
+        s["commands"] = d.commands.load();
+        s["batches"] = d.batches.load();
+        s["max_batch"] = d.max_batch.load();
+        s["coalesced"] = d.coalesced.load();
+        s["writes"] = d.mover.stats.writes.load();
+        s["signals"] = d.mover.stats.signals.load();
+        s["bytes"] = d.mover.stats.bytes.load();
+        return s;
+      })
+      .def("sent_to", [](const Drain& d) {
+        // Read only after the loop ended: the map belongs to the loop thread.
+        py::dict out;
+        for (const auto& [rank, sent] : d.mover.sent_to)
+          out[py::int_(rank)] = py::make_tuple(sent.first, sent.second);
+        return out;
+      });
+}

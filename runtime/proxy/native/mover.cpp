@@ -1,0 +1,259 @@
+// The data paths of the native drain loop; see mover.h.
+#include "mover.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "wire.h"
+
+namespace mgraph {
+
+double now_s() {
+  using clock = std::chrono::steady_clock;
+  return std::chrono::duration<double>(clock::now().time_since_epoch()).count();
+}
+
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw Failure{-1, message}; }
+
+const char* place_name(Place p) {
+  switch (p) {
+    case Place::kHost: return "host";
+    case Place::kCuda: return "cuda";
+    case Place::kSocket: return "socket";
+    default: return "none";
+  }
+}
+
+}  // namespace
+
+Mover::~Mover() {
+  if (stream_ != nullptr && cuda.loaded()) {
+    try {
+      cuda.destroy_stream(stream_);
+    } catch (const Failure&) {
+      // The process may be tearing CUDA down already; nothing useful to report.
+    }
+  }
+}
+
+const Buffer& Mover::check_region(int64_t rank, const Rect& r, const char* role) const {
+  auto it = ranks.find(rank);
+  if (it == ranks.end() || it->second.place == Place::kNone)
+    fail(std::string(role) + ": rank " + std::to_string(rank) + " has no registered memory");
+  auto b = it->second.buffers.find(r.buffer);
+  if (b == it->second.buffers.end())
+    fail(std::string(role) + ": rank " + std::to_string(rank) + " has no buffer " +
+         std::to_string(r.buffer));
+  const Buffer& buf = b->second;
+  if (!(0 <= r.row0 && r.row0 <= r.row1 && r.row1 <= buf.rows && 0 <= r.col0 &&
+        r.col0 <= r.col1 && r.col1 <= buf.cols))
+    fail(std::string(role) + ": region " + r.str() + " is outside rank " +
+         std::to_string(rank) + " buffer " + std::to_string(r.buffer) + " of shape (" +
+         std::to_string(buf.rows) + ", " + std::to_string(buf.cols) + ")");
+  return buf;
+}
+
+void Mover::check_event(int64_t rank, int64_t event, const char* what) const {
+  if (event < 0) return;
+  auto it = ranks.find(rank);
+  const int64_t n = it == ranks.end() ? -1 : it->second.n_events;
+  if (n < 0) fail(std::string(what) + " " + std::to_string(event) + " on rank " +
+                  std::to_string(rank) + ", which registered no events");
+  if (event >= n)
+    fail(std::string(what) + " " + std::to_string(event) + " is outside rank " +
+         std::to_string(rank) + "'s " + std::to_string(n) + " events");
+}
+
+void Mover::check_write(const Command& c) const {
+  if (c.src.numel() <= 0 || c.src.row0 > c.src.row1 || c.src.col0 > c.src.col1)
+    fail("source region " + c.src.str() + " is empty or inverted");
+  if (c.src.rows() != c.dst.rows() || c.src.cols() != c.dst.cols())
+    fail("source " + c.src.str() + " and destination " + c.dst.str() + " differ in shape");
+  const Buffer& s = check_region(c.src_rank, c.src, "source");
+  const Buffer& d = check_region(c.dst_rank, c.dst, "destination");
+  const Place sp = ranks.at(c.src_rank).place, dp = ranks.at(c.dst_rank).place;
+  if (sp != Place::kHost && sp != Place::kCuda)
+    fail("source rank " + std::to_string(c.src_rank) + " is not in this process (" +
+         place_name(sp) + ")");
+  if ((sp == Place::kCuda) != (dp == Place::kCuda))
+    fail(std::string("no path from ") + place_name(sp) + " memory to " + place_name(dp) +
+         " memory");
+  if (s.dtype != d.dtype) fail("source is " + s.dtype + " but destination is " + d.dtype);
+  if (c.bytes != c.src.numel() * s.itemsize)
+    fail("bytes=" + std::to_string(c.bytes) + " but the (" + std::to_string(c.src.rows()) +
+         ", " + std::to_string(c.src.cols()) + ") " + s.dtype + " region holds " +
+         std::to_string(c.src.numel() * s.itemsize));
+  check_event(c.dst_rank, c.event, "event");
+  check_event(c.src_rank, c.done_event, "done event");
+}
+
+void Mover::start_thread() {
+  if (cuda_device < 0) return;
+  cuda.set_device(cuda_device);
+  stream_ = cuda.create_stream();
+}
+
+void Mover::raise_local(int64_t rank, int64_t event) {
+  RankMemory& m = ranks.at(rank);
+  if (m.place == Place::kHost) {
+    // Release: the data written before this add is visible to whoever reads the new count.
+    __atomic_fetch_add(&m.counters[event], 1, __ATOMIC_RELEASE);
+    rang_ = true;
+  } else if (m.place == Place::kCuda) {
+    // The flag word holds a running count (never reset, so targets are epoch * count); the
+    // proxy is its only writer, so it can write the new value instead of adding.
+    const int64_t value = __atomic_add_fetch(&m.shadow[event], 1, __ATOMIC_RELAXED);
+    cuda.write_value32(stream_, m.flags + 4ull * static_cast<unsigned long long>(event),
+                       static_cast<unsigned>(value));
+  } else {
+    fail("cannot raise event " + std::to_string(event) + " on rank " + std::to_string(rank) +
+         " from here (" + place_name(m.place) + ")");
+  }
+}
+
+void Mover::pace(int64_t nbytes) {
+  if (bytes_per_s <= 0) return;
+  // A NIC finishes a transfer nbytes / bandwidth after the previous one ends: hold the copy
+  // until then, so the destination sees data no earlier than the emulated link would deliver.
+  const double start = std::max(now_s(), busy_until_);
+  busy_until_ = start + static_cast<double>(nbytes) / bytes_per_s;
+  while (now_s() < busy_until_) {
+    if (abort != nullptr && abort->load(std::memory_order_relaxed)) fail("aborted");
+    const double left = busy_until_ - now_s();
+    if (left > 50e-6) std::this_thread::sleep_for(std::chrono::duration<double>(left - 20e-6));
+  }
+}
+
+void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rect& dst,
+                  const std::vector<int64_t>& events, const std::vector<int64_t>& done,
+                  int64_t epoch) {
+  const Buffer& s = check_region(src_rank, src, "source");
+  const Buffer& d = check_region(dst_rank, dst, "destination");
+  const int64_t width = src.cols() * s.itemsize, nbytes = width * src.rows();
+  const uint8_t* from = s.base + src.row0 * s.row_bytes + src.col0 * s.itemsize;
+  RankMemory& dm = ranks.at(dst_rank);
+  pace(nbytes);
+  if (dm.place == Place::kHost) {
+    uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
+    if (width == s.row_bytes && width == d.row_bytes) {
+      std::memmove(to, from, static_cast<size_t>(nbytes));
+    } else {
+      for (int64_t r = 0; r < src.rows(); ++r)
+        std::memmove(to + r * d.row_bytes, from + r * s.row_bytes, static_cast<size_t>(width));
+    }
+    for (int64_t e : events) raise_local(dst_rank, e);
+  } else if (dm.place == Place::kCuda) {
+    uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
+    cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
+                 static_cast<size_t>(width), static_cast<size_t>(src.rows()), stream_);
+    for (int64_t e : events) raise_local(dst_rank, e);  // stream order: after the copy
+  } else if (dm.place == Place::kSocket) {
+    send_frame(src_rank, dst_rank, wire::kWrite, dst, events, epoch, &src);
+  } else {
+    fail("rank " + std::to_string(dst_rank) + " has no registered memory");
+  }
+  for (int64_t e : done) raise_local(src_rank, e);
+  stats.writes.fetch_add(1, std::memory_order_relaxed);
+  stats.bytes.fetch_add(nbytes, std::memory_order_relaxed);
+  auto& sent = sent_to[dst_rank];
+  sent.first += nbytes;
+  sent.second += 1;
+}
+
+void Mover::signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t epoch) {
+  auto it = ranks.find(dst_rank);
+  if (it == ranks.end() || it->second.place == Place::kNone)
+    fail("rank " + std::to_string(dst_rank) + " has no registered memory");
+  if (it->second.place == Place::kSocket) {
+    send_frame(src_rank, dst_rank, wire::kSignal, Rect{}, {event}, epoch, nullptr);
+  } else {
+    check_event(dst_rank, event, "event");
+    raise_local(dst_rank, event);
+  }
+  stats.signals.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Mover::send_frame(int64_t src_rank, int64_t dst_rank, int kind, const Rect& dst,
+                       const std::vector<int64_t>& events, int64_t epoch, const Rect* src) {
+  const int fd = ranks.at(dst_rank).fd;
+  const Buffer* s = src ? &ranks.at(src_rank).buffers.at(src->buffer) : nullptr;
+  const int64_t width = src ? src->cols() * s->itemsize : 0;
+  const int64_t nbytes = src ? width * src->rows() : 0;
+  // Events beyond one frame's limit go as extra SIGNAL frames, after the data.
+  const size_t first = std::min<size_t>(events.size(), wire::kMaxEvents);
+  std::vector<int64_t> head(wire::kHeaderWords + first);
+  head[0] = wire::word0(kind, static_cast<int>(first));
+  head[1] = epoch;
+  head[2] = src_rank;
+  head[3] = dst_rank;
+  head[4] = dst.buffer;
+  head[5] = (dst.row0 << 32) | dst.row1;
+  head[6] = (dst.col0 << 32) | dst.col1;
+  head[7] = nbytes;
+  std::copy(events.begin(), events.begin() + static_cast<long>(first), head.begin() + 8);
+  std::vector<iovec> iov;
+  iov.push_back({head.data(), head.size() * sizeof(int64_t)});
+  if (src != nullptr) {
+    const uint8_t* from = s->base + src->row0 * s->row_bytes + src->col0 * s->itemsize;
+    if (width == s->row_bytes) {
+      iov.push_back({const_cast<uint8_t*>(from), static_cast<size_t>(nbytes)});
+    } else {
+      for (int64_t r = 0; r < src->rows(); ++r)
+        iov.push_back({const_cast<uint8_t*>(from + r * s->row_bytes), static_cast<size_t>(width)});
+    }
+  }
+  size_t at = 0;  // first iovec not fully sent
+  const double deadline = now_s() + send_timeout_s;
+  while (at < iov.size()) {
+    msghdr msg{};
+    msg.msg_iov = &iov[at];
+    msg.msg_iovlen = std::min<size_t>(iov.size() - at, 1024);  // IOV_MAX
+    const ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        fail("tcp: send to rank " + std::to_string(dst_rank) + " failed: " + std::strerror(errno) +
+             " (the peer disconnected)");
+      if (abort != nullptr && abort->load(std::memory_order_relaxed)) fail("aborted");
+      if (now_s() > deadline)
+        fail("tcp: rank " + std::to_string(dst_rank) + " accepted no data for " +
+             std::to_string(send_timeout_s) + " s");
+      pollfd p{fd, POLLOUT, 0};
+      poll(&p, 1, 100);
+      continue;
+    }
+    size_t left = static_cast<size_t>(sent);
+    while (at < iov.size() && left >= iov[at].iov_len) left -= iov[at++].iov_len;
+    if (left > 0) {
+      iov[at].iov_base = static_cast<uint8_t*>(iov[at].iov_base) + left;
+      iov[at].iov_len -= left;
+    }
+  }
+  for (size_t i = first; i < events.size(); ++i)
+    send_frame(src_rank, dst_rank, wire::kSignal, Rect{}, {events[i]}, epoch, nullptr);
+}
+
+void Mover::end_batch() {
+  if (!rang_ || doorbell_fd < 0) return;
+  rang_ = false;
+  const uint64_t one = 1;
+  // eventfd: adds one; a full pipe (EAGAIN) already guarantees the reader wakes up.
+  ssize_t ignored = ::write(doorbell_fd, &one, sizeof(one));
+  (void)ignored;
+}
+
+void Mover::finish() {
+  if (stream_ != nullptr) cuda.synchronize(stream_);
+}
+
+}  // namespace mgraph

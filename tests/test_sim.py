@@ -1,0 +1,325 @@
+"""The cluster simulator: conservation, busy <= wall, hand-computed critical paths, calibration
+against GPU.md, Chrome timelines, determinism, the 2x8 timing bound, API and CLI."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+from mgraph.runtime.sim import (
+    Phase,
+    collective_times,
+    simulate,
+    sweep_comm_sms,
+    with_comm_sms,
+)
+from mgraph.runtime.sim.baselines import Stage, on_sms, pipeline
+
+import mgraph as mg
+from mgraph.builder import GraphBuilder
+from mgraph.cli import main
+from mgraph.kinds import Role
+from mgraph.scheduler import Schedule
+
+SMALL = {
+    "gemm_allreduce": dict(M=256, N=256, K=256, tile=[64, 64], chunk_bytes=32768),
+    "gemm_reduce_scatter": dict(M=256, N=256, K=256, tile=[32, 64], chunk_bytes=16384),
+    "allgather_gemm": dict(M=256, N=256, K=128, tile=[32, 32], chunk_bytes=16384),
+    "ring_attention": dict(B=1, H=2, S=256, D=32, causal=True),
+    "moe_dispatch_combine": dict(T=64, H=32, E=8, top_k=2, F=64),
+}
+
+
+def small(op: str, topology: str = "2x2") -> Schedule:
+    graph = mg.ops.get_op(op)(topology=topology, dtype=torch.bfloat16, **SMALL[op])
+    return mg.schedule(graph)
+
+
+# -- conservation ------------------------------------------------------------------------------
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("topology", ["1x2", "2x1", "2x4"])
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_conservation(op, topology, adaptive):
+    sched = small(op, topology)
+    res = simulate(sched, adaptive=adaptive)
+    graph = sched.graph
+    assert res.bytes_by_link == graph.stats().bytes_by_link
+    assert res.stats["rdma_bytes"] == sum(t.bytes for t in res.transfers)
+    assert sorted(r.task for r in res.trace.records) == list(range(len(graph.tasks)))
+    assert res.outputs == {} and res.wall_s == res.predicted_s > res.makespan_s > 0
+    for tr in res.transfers:
+        assert tr.posted <= tr.start < tr.end < tr.arrive <= res.makespan_s + 1e-12
+
+
+@pytest.mark.parametrize("op", sorted(SMALL))
+def test_busy_never_exceeds_wall(op):
+    res = simulate(small(op, "2x4"), adaptive=op == "gemm_allreduce")
+    lanes = defaultdict(list)
+    for r in res.trace.records:
+        assert 0 <= r.start <= r.end <= res.makespan_s + 1e-12, r
+        lanes[(r.rank, r.worker)].append((r.start, r.end))  # one SM: one task at a time
+    for spans in lanes.values():
+        spans.sort()
+        assert sum(e - s for s, e in spans) <= res.makespan_s + 1e-12
+        for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+            assert s1 >= e0 - 1e-12
+    for rank_busy in res.busy:
+        assert all(0 < v <= 1 + 1e-9 for v in rank_busy.values()), rank_busy
+
+
+# -- critical paths on hand graphs, one worker per role ------------------------------------------
+# Round numbers: 1 GFLOP/s and 1 GB/s per SM, so a 64x64x64 gemm takes 524.288 us.
+HW = mg.H200.model_copy(
+    update=dict(
+        name="toy", sms=4, tile_gemm_tflops=0.004, hbm_gbps=4.0, nvlink_push_gbps=2.0,
+        nvlink_push_sms=2, nvlink_gbps=100.0, rdma_gbps=1.0, rdma_latency_us=3.0,
+        proxy_command_us=5.0, rdma_chunk_us=0.5, fifo_push_us=2.0, nvlink_latency_us=10.0,
+        launch_us=0.0,
+    )
+)  # fmt: skip
+GEMM_US = 2 * 64**3 / 1e9 * 1e6  # 524.288
+TILE_BYTES = 64 * 64 * 4  # 16384: 16.384 us at 1 GB/s
+
+
+def chain(topology: str, link: Role) -> mg.TaskGraph:
+    """gemm on rank 0 -> copy to rank 1 over ``link`` -> reduce (memory bound) on rank 1."""
+    b = GraphBuilder("hand", mg.Topology.parse(topology), "float32", {})
+    x0, y0 = b.buffer("x", 0, 64, 64), b.buffer("y", 0, 64, 64)
+    y1, z1 = b.buffer("y", 1, 64, 64), b.buffer("z", 1, 64, 64)
+    g = b.task(0, Role.COMPUTE, "gemm", [x0.region(), x0.region()], [y0.region()])
+    c = b.task(0, link, "copy", [y0.region()], [y1.region()], waits=b.after(0, [g]))
+    b.task(1, Role.COMPUTE, "reduce", [y1.region()], [z1.region()], waits=b.after(1, [c]))
+    return b.finish().validate()
+
+
+def one_each(graph: mg.TaskGraph) -> Schedule:
+    return mg.schedule(graph, HW, workers={"compute": 1, "nvlink": 1, "rdma": 1})
+
+
+def test_critical_path_nvlink_chain():
+    res = simulate(one_each(chain("1x2", Role.NVLINK)), baselines=False)
+    # gemm + NVLink copy at one SM's 1 GB/s + remote flag latency + reduce (2 x 16 KiB at 1 GB/s)
+    want = GEMM_US + 16.384 + 10.0 + 32.768
+    assert res.predicted_s * 1e6 == pytest.approx(want, rel=1e-9)
+
+
+def test_critical_path_rdma_chain():
+    res = simulate(one_each(chain("2x1", Role.RDMA)), baselines=False)
+    # gemm + FIFO push + proxy command + NIC work + wire at 1 GB/s + latency + reduce
+    want = GEMM_US + 2.0 + 5.0 + 0.5 + 16.384 + 3.0 + 32.768
+    assert res.predicted_s * 1e6 == pytest.approx(want, rel=1e-9)
+    (tr,) = res.transfers
+    assert tr.bytes == TILE_BYTES and tr.end - tr.start == pytest.approx(16.384e-6)
+
+
+@pytest.mark.parametrize("workers, waves", [(1, 3), (2, 2), (3, 2)])
+def test_critical_path_join(workers, waves):
+    """Two independent gemms, then a gemm reading both: 3 gemm times on one worker, 2 on more."""
+    b = GraphBuilder("hand", mg.Topology.parse("1x1"), "float32", {})
+    x = b.buffer("x", 0, 64, 64)
+    ys = [b.buffer(f"y{i}", 0, 64, 64) for i in range(3)]
+    g1 = b.task(0, Role.COMPUTE, "gemm", [x.region(), x.region()], [ys[0].region()])
+    g2 = b.task(0, Role.COMPUTE, "gemm", [x.region(), x.region()], [ys[1].region()])
+    b.task(0, Role.COMPUTE, "gemm", [ys[0].region(), ys[1].region()], [ys[2].region()],
+           waits=b.after(0, [g1, g2]))  # fmt: skip
+    sched = mg.schedule(b.finish().validate(), HW, workers={"compute": workers})
+    assert simulate(sched).predicted_s * 1e6 == pytest.approx(waves * GEMM_US, rel=1e-9)
+
+
+def test_flows_share_the_push_rate():
+    """Two concurrent NVLink copies on two workers share the GPU's 2 GB/s issue port: 1 GB/s
+    each, as one worker alone would get; with a 1 GB/s port they take twice as long."""
+    b = GraphBuilder("hand", mg.Topology.parse("1x2"), "float32", {})
+    src = [b.buffer(f"s{i}", 0, 64, 64) for i in range(2)]
+    dst = [b.buffer(f"d{i}", 1, 64, 64) for i in range(2)]
+    for s, d in zip(src, dst, strict=True):
+        b.task(0, Role.NVLINK, "copy", [s.region()], [d.region()])
+    graph = b.finish().validate()
+    for push_gbps, want_us in ((2.0, 16.384), (1.0, 32.768)):
+        hw = HW.model_copy(update={"nvlink_push_gbps": push_gbps, "nvlink_push_sms": 1})
+        sched = mg.schedule(graph, hw, workers={"nvlink": 2})
+        hw_rate = hw.model_copy(update={"nvlink_push_sms": int(push_gbps)})  # 1 GB/s per SM
+        assert simulate(sched, hardware=hw_rate).predicted_s * 1e6 == pytest.approx(want_us)
+
+
+# -- calibration against ../shared/GPU.md (bf16, 2 GPUs of one node) -----------------------------
+def within(got_s: float, lo_ms: float, hi_ms: float | None = None, tol: float = 0.10) -> bool:
+    hi_ms = lo_ms if hi_ms is None else hi_ms
+    return lo_ms * (1 - tol) <= got_s * 1e3 <= hi_ms * (1 + tol)
+
+
+def test_calibration_gemm_allreduce():
+    graph = mg.ops.gemm_allreduce(M=8192, N=8192, K=8192, topology="1x2", dtype=torch.bfloat16)
+    res = simulate(mg.schedule(graph))  # per GPU 8192x8192x4096, as GPU.md measured
+    seq = res.baseline("sequential")
+    assert within(seq.parts["compute_s"], 0.74, 0.77)  # cuBLAS 8192x8192x4096
+    assert within(seq.parts["comm_s"], 0.52)  # NCCL all_reduce 128 MB
+    assert within(seq.time_s, 1.23)  # cuBLAS then NCCL
+    # The fused kernel cannot beat the GEMM alone, nor lose to doing things one after another.
+    assert seq.parts["compute_s"] < res.predicted_s < seq.time_s
+
+
+def test_calibration_collectives():
+    topo = mg.Topology.parse("1x2")
+    ar = collective_times("all_reduce", 64 * 2**20, topo, mg.H200)
+    assert within(min(ar.values()), 0.30)  # NCCL all_reduce 64 MB: 0.30 ms
+
+
+@pytest.mark.parametrize(
+    "op, kw, measured_ms",
+    [
+        ("gemm_reduce_scatter", dict(M=8192, N=8192, K=8192), 1.09),  # matmul + NCCL RS
+        ("allgather_gemm", dict(M=8192, N=16384, K=4096), 0.89),  # NCCL AG + matmul
+    ],
+)
+def test_calibration_sequential_baselines(op, kw, measured_ms):
+    graph = mg.ops.get_op(op)(topology="1x2", dtype=torch.bfloat16, **kw)
+    assert within(simulate(mg.schedule(graph)).baseline("sequential").time_s, measured_ms)
+
+
+def test_calibration_ring_attention():
+    """FA2 + NCCL P2P ring, overlapped, S=32768 over 2 GPUs: 54.3 ms (compute bound 49.3)."""
+    graph = mg.ops.ring_attention(B=4, H=16, S=32768, D=128, block=4096, topology="1x2",
+                                  dtype=torch.bfloat16)  # fmt: skip
+    res = simulate(mg.schedule(graph))
+    assert within(res.baseline("overlap").time_s, 54.3)
+
+
+# -- timelines, determinism, speed ---------------------------------------------------------------
+def test_chrome_timeline_is_valid(tmp_path):
+    res = simulate(small("gemm_allreduce", "2x2"))
+    path = tmp_path / "t.json"
+    res.save_timeline(path)
+    doc = json.loads(path.read_text())
+    named, spans = set(), defaultdict(list)
+    for ev in doc["traceEvents"]:
+        assert {"ph", "name", "pid"} <= set(ev)
+        if ev["ph"] == "M" and ev["name"] == "thread_name":
+            assert (ev["pid"], ev["tid"]) not in named
+            named.add((ev["pid"], ev["tid"]))
+        elif ev["ph"] == "X":
+            assert {"tid", "ts", "dur", "cat"} <= set(ev) and ev["dur"] >= 0
+            spans[(ev["pid"], ev["tid"])].append((ev["ts"], ev["ts"] + ev["dur"]))
+    assert set(spans) <= named  # every lane is named
+    lanes = {(r.rank, r.role, r.worker) for r in res.trace.records}
+    nics = {(t.src, t.dst) for t in res.transfers}
+    assert len(named) == len(lanes) + len(nics)  # one lane per rank and worker, one per NIC pair
+    for s in spans.values():  # lanes never overlap themselves
+        s.sort()
+        assert all(b[0] >= a[1] - 1e-6 for a, b in zip(s, s[1:], strict=False))
+    assert doc["otherData"]["backend"] == "sim"
+
+
+def test_deterministic_and_json_round_trip():
+    sched = small("moe_dispatch_combine", "2x4")
+    a, b = simulate(sched), simulate(Schedule.from_json(sched.to_json()))
+    assert a.predicted_s == b.predicted_s
+    assert [(r.task, r.worker, r.start, r.end) for r in a.trace.records] == [
+        (r.task, r.worker, r.start, r.end) for r in b.trace.records
+    ]
+    c, d = simulate(sched, adaptive=True), simulate(sched, adaptive=True)
+    assert c.predicted_s == d.predicted_s
+
+
+def test_2x8_gemm_allreduce_under_5s():
+    graph = mg.ops.gemm_allreduce(M=8192, N=8192, K=4096, topology="2x8", dtype=torch.bfloat16)
+    sched = mg.schedule(graph)
+    start = time.perf_counter()
+    res = simulate(sched)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 5.0, elapsed
+    assert res.bytes_by_link["rdma"] == 8192 * 8192 * 2 * 2  # D per node, 2 nodes
+    print(f"2x8 8192x8192x4096: {len(graph.tasks)} tasks simulated in {elapsed:.2f} s")
+
+
+# -- API, sweep, baselines, CLI ----------------------------------------------------------------
+def test_run_api_needs_no_inputs():
+    graph = mg.ops.gemm_allreduce(topology="2x2", **SMALL["gemm_allreduce"])
+    slow = mg.H200.model_copy(update={"rdma_gbps": 5.0})
+    fast_res = mg.run(graph, backend="sim")
+    slow_res = mg.run(graph, backend="sim", hardware=slow)
+    assert slow_res.hardware is slow and slow_res.wall_s > fast_res.wall_s
+    with pytest.raises(mg.UnknownNameError):
+        fast_res.baseline("nccl_magic")
+
+
+def test_sweep_and_comm_sms():
+    sched = small("gemm_allreduce", "1x2")
+    points = sweep_comm_sms(sched, [1, 4, 8])
+    assert [p.comm_sms for p in points] == [1, 4, 8]
+    assert points[0].predicted_s > points[1].predicted_s  # one nvlink SM is too few
+    assert with_comm_sms(sched, 8).ranks[0].workers == {"compute": 124, "nvlink": 8, "rdma": 0}
+    with pytest.raises(mg.ScheduleError):
+        with_comm_sms(sched, 132)
+
+
+def test_baseline_pipeline_rules():
+    assert on_sms([1.0] * 10, 4) == 3.0 and on_sms([3.0, 1.0, 1.0, 1.0], 2) == 3.0
+    # compute 2 s alone (3 s beside comm), comm 1 s after it: nothing overlaps.
+    assert pipeline([Stage("compute", 2, 3, -1), Stage("comm", 1, 1, 0)], [0, 1]) == 3.0
+    # Independent: for 1 s both run (compute does 1/3 of its work), then 2/3 alone at 2 s each.
+    t = pipeline([Stage("compute", 2, 3, -1), Stage("comm", 1, 1, -1)], [0, 1])
+    assert t == pytest.approx(1 + (1 - 1 / 3) * 2)
+    for op in SMALL:  # one chunk is the sequential schedule (not so for the ring's p2p steps)
+        if op != "ring_attention":
+            res = simulate(small(op, "2x2"))
+            seq = res.baseline("sequential").time_s
+            assert res.baseline("overlap").time_s <= seq * (1 + 1e-9)
+    assert Phase("compute").tiles == ()
+
+
+def test_cli_simulate(tmp_path, capsys):
+    trace, out = tmp_path / "t.json", tmp_path / "s.json"
+    argv = [
+        "simulate",
+        "--op",
+        "gemm_allreduce",
+        "--shape",
+        "256,256,256",
+        "--topology",
+        "2x2",
+        "--set",
+        "tile=[64,64]",
+        "--sweep-comm-sms",
+        "--trace",
+        str(trace),
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "fused megakernel" in text and "best static split" in text and "sequential" in text
+    doc = json.loads(out.read_text())
+    assert doc["predicted_ms"] > 0 and doc["sweep"] and json.loads(trace.read_text())
+    assert main(["simulate", "--op", "gemm_allreduce", "--shape", "256,256,256",
+                 "--topology", "2x2", "--comm-sms", "8"]) == 0  # fmt: skip
+
+
+def test_fill_what_if_and_old_profile_json():
+    sched = small("moe_dispatch_combine", "2x2")
+    full, half = simulate(sched), simulate(sched, fill=lambda task: 0.5)
+    stats = sched.graph.stats().bytes_by_link
+    assert half.bytes_by_link == {k: v / 2 for k, v in stats.items()}
+    assert half.predicted_s < full.predicted_s
+    # A profile saved before the simulator's constants existed still loads, with H200's values.
+    doc = json.loads(mg.H200.model_dump_json())
+    for key in ("launch_us", "nccl_nvlink_gbps", "grouped_gemm_tflops", "nccl_sms"):
+        del doc[key]
+    assert mg.HardwareProfile.model_validate(doc) == mg.H200
+
+
+def test_deadlocked_queues_raise():
+    """A queue that lists a consumer before its producer stalls the single worker: the simulator
+    says so (as the reference runtime's watchdog would) instead of returning a time."""
+    b = GraphBuilder("hand", mg.Topology.parse("1x1"), "float32", {})
+    x, y, z = (b.buffer(n, 0, 64, 64) for n in "xyz")
+    g1 = b.task(0, Role.COMPUTE, "gemm", [x.region(), x.region()], [y.region()])
+    b.task(0, Role.COMPUTE, "gemm", [y.region(), y.region()], [z.region()], waits=b.after(0, [g1]))
+    good = mg.schedule(b.finish().validate(), HW, workers={"compute": 1})
+    rank = good.ranks[0].model_copy(update={"queues": {"compute": [1, 0], "nvlink": [], "rdma": []}})
+    bad = Schedule(graph=good.graph, hardware=HW, policy="broken", ranks=[rank])
+    with pytest.raises(mg.ScheduleError, match="stalled after 0 of 2"):
+        simulate(bad)
