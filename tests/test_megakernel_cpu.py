@@ -106,3 +106,26 @@ def test_megakernel_under_the_interpreter_matches_torch():
     assert len(rows) == 6, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
+
+
+def test_event_scopes_are_gpu_unless_they_cross_gpus():
+    g = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x2", tile=[32, 32])
+    t = encode_rank(mg.schedule(g), 0)
+    by_name = {g.tasks[tid].name: local for local, tid in enumerate(t.local_tasks)}
+    def sig_flags(name):
+        row = t.tasks[by_name[name]]
+        return [int(t.signals[i][1]) for i in range(int(row[7]), int(row[7]) + int(row[8]))]
+    def wait_flags(name):
+        row = t.tasks[by_name[name]]
+        return [int(t.waits[i][3]) for i in range(int(row[5]), int(row[5]) + int(row[6]))]
+    push = next(n for n in by_name if n.startswith("push r0->r1"))
+    gemm_feeding_push = next(
+        g.tasks[tid].name for tid in t.local_tasks
+        if g.tasks[tid].kind == "gemm" and g.tasks[tid].writes[0][1:] == g.tasks[
+            t.local_tasks[by_name[push]]].reads[0][1:]
+    )
+    assert sig_flags(gemm_feeding_push) == [0]  # its consumer (the push) runs on this GPU
+    assert wait_flags(push) == [0]
+    assert sig_flags(push) == [1]  # raises the owner's event on the other GPU
+    reduce = next(n for n in by_name if n.startswith("node-reduce"))
+    assert 1 in wait_flags(reduce)  # waits for a peer's push: system scope

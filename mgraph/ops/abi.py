@@ -5,8 +5,9 @@ The encoder (mgraph/runtime/megakernel/encode.py) writes these int32 tables and 
 
 - tasks   [T, TASK_FIELDS]: kind id, first/number of reads, writes, waits, signals, graph task id
 - regions [R, REGION_FIELDS]: buffer slot, row0, row1, col0, col1
-- waits   [Wn, WAIT_FIELDS]: event slot, count, signals per launch (target = (epoch-1)*total+count)
-- signals [Sn]: event slot
+- waits   [Wn, WAIT_FIELDS]: event slot, count, signals per launch (target = (epoch-1)*total+count),
+  and 1 when a signaller runs on another GPU (the wait then needs system scope)
+- signals [Sn, SIGNAL_FIELDS]: event slot, and 1 when the event lives on another GPU
 - buffer tables per slot: address (int64), rows, cols (int32); event table: address (int64)
 """
 
@@ -26,13 +27,15 @@ __all__ = [
     "F_GID",
     "REGION_FIELDS",
     "WAIT_FIELDS",
+    "SIGNAL_FIELDS",
     "HAVE_TRITON",
 ]
 
 TASK_FIELDS = 10
 F_KIND, F_READ0, F_NREAD, F_WRITE0, F_NWRITE, F_WAIT0, F_NWAIT, F_SIG0, F_NSIG, F_GID = range(10)
 REGION_FIELDS = 5
-WAIT_FIELDS = 3
+WAIT_FIELDS = 4
+SIGNAL_FIELDS = 2
 
 try:  # triton is a Linux-only dependency; the CPU side of mgraph works without it
     import triton

@@ -18,7 +18,7 @@ import torch
 from mgraph.errors import ScheduleError
 from mgraph.graph import ITEMSIZE, TaskGraph
 from mgraph.kinds import KINDS, ROLES, Role
-from mgraph.ops.abi import REGION_FIELDS, TASK_FIELDS, WAIT_FIELDS
+from mgraph.ops.abi import REGION_FIELDS, SIGNAL_FIELDS, TASK_FIELDS, WAIT_FIELDS
 
 __all__ = ["Layout", "RankTables", "layout", "encode_rank", "ROLE_ALL", "ALIGN", "kind_id"]
 
@@ -64,7 +64,7 @@ class RankTables:
     tasks: torch.Tensor  # [T, TASK_FIELDS]
     regions: torch.Tensor  # [R, REGION_FIELDS]
     waits: torch.Tensor  # [Wn, WAIT_FIELDS]
-    signals: torch.Tensor  # [Sn]
+    signals: torch.Tensor  # [Sn, SIGNAL_FIELDS]
     queues: torch.Tensor  # concatenated role queues (local task indices), then the ALL queue
     qinfo: torch.Tensor  # [len(ROLES) + 1, 3]: offset, length, workers per role
     roles: torch.Tensor  # [programs]: role index of each worker program
@@ -89,9 +89,14 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
         assert single_program, "all ranks in one table set only for the single-program mode"
     rs = schedule.ranks[rank if rank is not None else 0]
     total = [0] * len(graph.events)
+    # Scope: an event only this GPU signals and waits on needs gpu-scope release/acquire; one that
+    # crosses GPUs needs sys scope, which costs a system-wide fence per signal.
+    crosses = [False] * len(graph.events)
     for t in graph.tasks:
         for e in t.signals:
             total[e] += 1
+            if graph.events[e].rank != t.rank:
+                crosses[e] = True
     order = [tid for tid in schedule.order() if rank is None or graph.tasks[tid].rank == rank]
     local = {tid: i for i, tid in enumerate(order)}
     slot_of: dict[str, int] = {}
@@ -119,9 +124,14 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
         row[3], row[4] = len(regions), len(t.writes)
         regions += [[slot(w.buffer), w.row0, w.row1, w.col0, w.col1] for w in t.writes]
         row[5], row[6] = len(waits), len(t.waits)
-        waits += [[eslot(e), c, total[e]] for e, c in t.waits]
+        waits += [
+            [eslot(e), c, total[e], int(crosses[e] or graph.events[e].rank != t.rank)]
+            for e, c in t.waits
+        ]
         row[7], row[8] = len(signals), len(t.signals)
-        signals += [eslot(e) for e in t.signals]
+        signals += [
+            [eslot(e), int(crosses[e] or graph.events[e].rank != t.rank)] for e in t.signals
+        ]
         row[9] = tid
         tasks.append(row)
 
@@ -163,7 +173,7 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
         tasks=i32(tasks, TASK_FIELDS),
         regions=i32(regions, REGION_FIELDS),
         waits=i32(waits, WAIT_FIELDS),
-        signals=i32(signals),
+        signals=i32(signals, SIGNAL_FIELDS),
         queues=i32(flat),
         qinfo=i32(qrows, 3),
         roles=i32(roles),

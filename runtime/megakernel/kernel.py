@@ -106,11 +106,14 @@ def megakernel(
         w0 = tl.load(tp + _WAIT0)
         ok = 1
         for q in range(tl.load(tp + _NWAIT)):
-            wp = waits + (w0 + q) * 3
+            wp = waits + (w0 + q) * 4
             slot = tl.load(wp)
             target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
             flag = tl.load(evaddr + slot).to(tl.pointer_type(tl.int32))
-            v = wait(flag, target, limit, abort, USE_TIMER)
+            if tl.load(wp + 3) != 0:
+                v = wait(flag, target, limit, abort, USE_TIMER, True)
+            else:
+                v = wait(flag, target, limit, abort, USE_TIMER, False)
             if v < target:
                 if ok == 1:
                     _record(err, abort, rank, pid, tl.load(tp + _GID), slot, v, target, epoch)
@@ -129,7 +132,12 @@ def megakernel(
                     copy_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
             s0 = tl.load(tp + _SIG0)
             for q in range(tl.load(tp + _NSIG)):
-                signal(tl.load(evaddr + tl.load(signals + s0 + q)).to(tl.pointer_type(tl.int32)))
+                sp = signals + (s0 + q) * 2
+                flag = tl.load(evaddr + tl.load(sp)).to(tl.pointer_type(tl.int32))
+                if tl.load(sp + 1) != 0:
+                    signal(flag, True)
+                else:
+                    signal(flag, False)
             if TRACE:
                 tl.store(trace + t * 3, t_start)
                 tl.store(trace + t * 3 + 1, now(USE_TIMER))

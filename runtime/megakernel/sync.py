@@ -1,7 +1,9 @@
 """Signal, wait and timing primitives of the megakernel: every memory-ordering rule lives here.
 
 Contracts (DESIGN: synchronisation protocol):
-- ``signal(flag)``: a CTA barrier, then ``atom.add.release.sys`` on the flag. The barrier orders
+- Scope: ``SYS`` (system) when the event crosses GPUs, else ``gpu``: a sys-scope release is a
+  system-wide fence, measured as costly as moving a 64 KiB tile over NVLink (benchmarks/NOTES.md).
+- ``signal(flag)``: a CTA barrier, then ``atom.add.release`` on the flag. The barrier orders
   every thread's earlier stores before thread 0's release; release is cumulative, so a consumer
   that acquires the new value sees all of the tile's stores, on this GPU and on peers (sys scope
   covers NVLink peers and the host proxy).
@@ -46,21 +48,33 @@ def fence_proxy_async(USE_TIMER: tl.constexpr):
 
 
 @triton.jit
-def signal(flag):
+def signal(flag, SYS: tl.constexpr):
     tl.debug_barrier()
-    tl.atomic_add(flag, 1, sem="release", scope="sys")
+    if SYS:
+        tl.atomic_add(flag, 1, sem="release", scope="sys")
+    else:
+        tl.atomic_add(flag, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def wait(flag, target, limit, abort, USE_TIMER: tl.constexpr):
-    value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+def _poll(flag, SYS: tl.constexpr):
+    if SYS:
+        v = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    else:
+        v = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+    return v
+
+
+@triton.jit
+def wait(flag, target, limit, abort, USE_TIMER: tl.constexpr, SYS: tl.constexpr = True):
+    value = _poll(flag, SYS)
     if value < target:
         start = now(USE_TIMER)
         spins = 0
         aborted = tl.load(abort, volatile=True)
         elapsed = tl.zeros((), dtype=tl.int64)
         while (value < target) & (elapsed < limit) & (aborted == 0):
-            value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            value = _poll(flag, SYS)
             aborted = tl.load(abort, volatile=True)
             spins += 1
             if USE_TIMER:
