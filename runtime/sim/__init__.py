@@ -60,7 +60,7 @@ def simulate(
     work-balance rule. ``baselines``: also model the op's sequential and kernel-level-overlap
     baselines (ops without a registered baseline get none). ``tolerance``: how far a shared
     port's split may drift before flows are re-timed (flows.py). ``fill(task)``: the fraction of
-    a transfer task's bytes that moves, a what-if for worst-case-sized buffers (default: all).
+    a task's bytes really moved or touched, a what-if for worst-case-sized buffers (default 1).
     """
     if isinstance(hardware, (str, Path)):
         hardware = HardwareProfile.load(hardware)

@@ -78,12 +78,13 @@ def port_capacities(world: int, hw: HardwareProfile) -> list[float]:
     )
 
 
-Fill = Callable[[Task], float]  # fraction of a transfer task's bytes that really moves
+Fill = Callable[[Task], float]  # fraction of a task's bytes that is really moved or touched
 
 
 def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) -> TaskModel:
-    """``fill``: a what-if for data-dependent transfers sized for the worst case (MoE blocks
-    hold capacity rows; only the routed ones need to move). None: every byte moves."""
+    """``fill``: a what-if for data-dependent tasks sized for the worst case (MoE blocks hold
+    capacity rows; only the routed ones need to move): it scales the bytes of transfers and of
+    memory-bound compute tasks (math kinds are costed by flops). None: every byte counts."""
     topo = graph.topology
     world = topo.world_size
     node = [topo.node_of(r) for r in topo.ranks]
@@ -127,7 +128,8 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
             if rate is not None:
                 m.duration[tid] = t.flops / rate
             else:
-                a, b = t.flops / tile_rate, t.bytes / hbm
+                nbytes = t.bytes if fill is None else t.bytes * fill(t)
+                a, b = t.flops / tile_rate, nbytes / hbm
                 m.duration[tid] = a if a > b else b
             continue
         # nvlink: per port, the share of the task's remote bytes that crosses it
