@@ -185,9 +185,10 @@ class Network:
             if t.role == Role.RDMA.value and t.rank in self.local
         }
         slots = 1 << max(1, (s.fifo_slots - 1).bit_length())  # a power of two
-        self.fifos = {r: CommandFifo(slots, timeout=s.watchdog_s) for r in self.local}
+        senders = sorted({rt.graph.tasks[t].rank for t in self.commands})  # ranks with RDMA work
+        self.fifos = {r: CommandFifo(slots, timeout=s.watchdog_s) for r in senders}
         self.proxies = {}
-        for r in self.local:
+        for r in senders:
             if s.proxy == "native":
                 self.proxies[r] = NativeProxy(
                     self.fifos[r],
@@ -221,8 +222,9 @@ class Network:
         self.runtime.record(task, worker, start)
 
     def finish(self, drain: bool = True) -> None:
-        """Stop the proxies (executing what is queued when ``drain``); under tcp, wait until
-        every peer's writes of this launch landed here."""
+        """Stop the proxies (executing what is queued when ``drain``); between processes, wait
+        until every peer's writes of this launch landed here, or (a failed launch) cut the tcp
+        connections so the peers fail too."""
         errors: list[BaseException] = []
         for p in self.proxies.values():
             try:
@@ -236,6 +238,8 @@ class Network:
                 errors.append(exc)
         if errors and drain:
             raise errors[0]
+        if not drain and isinstance(self.transport, TcpTransport):
+            self.transport.abort()  # the peers learn of the failure now, not at their watchdog
         if drain and self.remote:
             self.transport.fence(self.epoch, timeout=max(30.0, self.settings.watchdog_s))
 

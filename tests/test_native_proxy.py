@@ -317,3 +317,11 @@ def test_reference_runtime_on_either_proxy(proxy: str) -> None:
                 rel_err(result.outputs["out"], op.run_reference(inputs, graph.params)["out"]) < 1e-4
             )
             assert result.stats["rdma_bytes"] == graph.stats().bytes_by_link["rdma"]
+
+
+def test_an_event_tagged_with_another_launch_is_refused() -> None:
+    graph = mg.ops.gemm_allreduce(M=32, N=32, K=32, topology="2x1", tile=[16, 16])
+    with ReferenceRuntime(schedule(graph), Settings(watchdog_s=10)) as rt:
+        rt.run(mg.ops.get_op(graph.op).random_inputs(graph))
+        with pytest.raises(ProxyError, match="tagged with launch 7 during launch 1"):
+            rt.network._raise(1, 0, 7)  # what a transport calls for an arriving event

@@ -84,9 +84,17 @@ def _lower(
     ks = K // world
 
     gemms: list[dict[Tile, Task]] = []
+    slots = partition(tiles, topo.gpus_per_node)  # the node-reduce owners' slots
     for r in topo.ranks:
         row: dict[Tile, Task] = {}
-        for t in grouped(tiles):  # emission order = queue order among equals: L2-friendly
+        # Emission order is queue order among equals. Rank r starts with the slot of the next
+        # GPU of its node, so the first pushes of a node's G GPUs go to G different owners (all
+        # starting at slot 0 made them incast on GPU 0: the simulator's finding), and each slot
+        # in grouped order for L2 reuse.
+        local = topo.local_of(r)
+        order = [t for i in range(1, len(slots) + 1)
+                 for t in grouped(slots[(local + i) % len(slots)])]
+        for t in order:
             row[t] = b.task(
                 r,
                 Role.COMPUTE,

@@ -394,6 +394,9 @@ class TcpTransport(Transport):
 
     # -- native path ------------------------------------------------------------------------
     def attach_native(self, drain: object, rank: int, counters: dict[int, torch.Tensor]) -> None:
+        """Local ranks by memmove; remote ones by frames the native loop writes on ``rank``'s
+        sockets. While that loop runs it is the only sender on them (Python sends FENCE and BYE
+        only after the proxies stopped), so frames never interleave."""
         from .native import add_tensor, dtype_name, load
 
         native = load()
@@ -422,6 +425,22 @@ class TcpTransport(Transport):
                     item,
                     dtype_name(dtype),
                 )
+
+    def abort(self) -> None:
+        """Cut every connection without a goodbye (a failed launch): each peer's receiver sees a
+        lost connection at once and fails its launch too, instead of running into a watchdog."""
+        with self._cond:
+            if self.error is None:
+                self.error = ProxyError(
+                    "tcp: this transport was aborted after a failed launch",
+                    hint="create a new runtime (and transport) in every process",
+                )
+            self._cond.notify_all()
+        self.closed = True
+        for conn in self.conns.values():
+            self._sever(conn)
+            conn.sock.close()
+        self._switchboard.close()
 
     def close(self) -> None:
         if self.closed:

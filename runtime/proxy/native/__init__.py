@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -234,9 +235,13 @@ class NativeProxy:
 
     # -- errors -----------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._drain.wait(0.25):
+        # Polls from Python rather than blocking in Drain.wait(): a daemon thread parked in C++
+        # with the GIL released is killed by pthread_exit when it wakes during interpreter
+        # shutdown, and unwinding through C++ frames then aborts the process.
+        while self._drain.running:
             if self._stopped:
                 return
+            time.sleep(0.02)
         try:
             self.check()
         except ProxyError as err:
