@@ -15,7 +15,7 @@ from .graph import ITEMSIZE, Binding, Buffer, Event, Region, Task, TaskGraph, Te
 from .kinds import KINDS, Role
 from .topology import Topology
 
-__all__ = ["GraphBuilder", "split", "pick_tile", "shard_range", "piece"]
+__all__ = ["GraphBuilder", "split", "pick_tile", "shard_range", "piece", "require_divisible"]
 
 
 def split(size: int, tile: int) -> list[tuple[int, int]]:
@@ -35,6 +35,16 @@ def piece(shape: Sequence[int], **ranges: tuple[int, int]) -> tuple[tuple[int, i
     for key, rng in ranges.items():
         out[int(key.removeprefix("d"))] = rng
     return tuple(out)
+
+
+def require_divisible(op: str, dim: str, size: int, parts: int, why: str) -> None:
+    """ShapeError unless ``size`` splits into ``parts`` equal shards; ``why`` says what is sharded
+    (e.g. "a and b are sharded along K over all ranks")."""
+    if size % parts:
+        raise ShapeError(
+            f"{op}: {dim}={size} is not divisible by the world size {parts}",
+            hint=f"{why}: choose {dim} as a multiple of {parts}",
+        )
 
 
 def pick_tile(op: str, dim: str, size: int, preferred: int, *, multiple_of: int = 1) -> int:

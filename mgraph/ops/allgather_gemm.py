@@ -22,10 +22,8 @@ fast), then the remote shards by node (n+1, n+2, ...), the rail peer's shard fir
 
 from __future__ import annotations
 
-import torch
 
-from ..builder import GraphBuilder, piece, shard_range
-from ..errors import ShapeError
+from ..builder import GraphBuilder, piece, shard_range, require_divisible
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
@@ -38,6 +36,7 @@ from .collectives import (
     unique_tasks,
 )
 from .registry import OpDef
+from .tiles import matmul_reference
 
 OP = "allgather_gemm"
 allgather_gemm = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
@@ -63,23 +62,13 @@ def _shapes(
     **_: object,
 ) -> dict[str, tuple]:
     world = topology.world_size
-    if M % world:
-        raise ShapeError(
-            f"{OP}: M={M} is not divisible by the world size {world}",
-            hint=f"a is sharded along M over all ranks: choose M as a multiple of {world}",
-        )
-    if N % world:
-        raise ShapeError(
-            f"{OP}: N={N} is not divisible by the world size {world}",
-            hint=f"b and out are sharded along N over all ranks: choose N as a multiple of {world}",
-        )
+    require_divisible(OP, "M", M, world, "a is sharded along M over all ranks")
+    require_divisible(OP, "N", N, world, "b and out are sharded along N over all ranks")
     _tile_sizes(topology, M, N, list(check_options(OP, tile, chunk_bytes)))
     return {"a": (M, K), "b": (K, N), "out": (M, N)}
 
 
-@allgather_gemm.reference
-def _reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
-    return {"out": (a.float() @ b.float()).to(a.dtype)}
+allgather_gemm.reference(matmul_reference)
 
 
 @allgather_gemm.lower

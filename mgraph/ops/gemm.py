@@ -4,31 +4,24 @@ and the smallest graph every backend must run."""
 
 from __future__ import annotations
 
-import torch
 
-from ..builder import GraphBuilder, pick_tile, piece, shard_range
-from ..errors import ShapeError
+from ..builder import GraphBuilder, pick_tile, piece, shard_range, require_divisible
 from ..kinds import Role, TaskKind
 from ..topology import Topology
 from .collectives import grouped, tile_grid, tile_region
 from .registry import OpDef
+from .tiles import matmul_reference
 
 gemm = OpDef("gemm", dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
 
 
 @gemm.shapes
 def _shapes(topology: Topology, M: int, N: int, K: int, **_: object) -> dict[str, tuple]:
-    if M % topology.world_size:
-        raise ShapeError(
-            f"gemm: M={M} is not divisible by the world size {topology.world_size}",
-            hint=f"M is sharded over all ranks: choose a multiple of {topology.world_size}",
-        )
+    require_divisible("gemm", "M", M, topology.world_size, "a and out are sharded along M")
     return {"a": (M, K), "b": (K, N), "out": (M, N)}
 
 
-@gemm.reference
-def _reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
-    return {"out": (a.float() @ b.float()).to(a.dtype)}
+gemm.reference(matmul_reference)
 
 
 @gemm.lower

@@ -18,10 +18,8 @@ and the node stages after, moving G times more over RDMA: the baseline the desig
 
 from __future__ import annotations
 
-import torch
 
-from ..builder import GraphBuilder, pick_tile, piece, shard_range
-from ..errors import ShapeError
+from ..builder import GraphBuilder, pick_tile, piece, shard_range, require_divisible
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
@@ -37,6 +35,7 @@ from .collectives import (
     unique_tasks,
 )
 from .registry import OpDef
+from .tiles import matmul_reference
 
 gemm_allreduce = OpDef("gemm_allreduce", dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
 
@@ -46,17 +45,11 @@ GEMM, REDUCE, COPY = TaskKind.GEMM.value, TaskKind.REDUCE.value, TaskKind.COPY.v
 @gemm_allreduce.shapes
 def _shapes(topology: Topology, M: int, N: int, K: int, **_: object) -> dict[str, tuple]:
     world = topology.world_size
-    if K % world:
-        raise ShapeError(
-            f"gemm_allreduce: K={K} is not divisible by the world size {world}",
-            hint=f"K is sharded over all ranks: choose K as a multiple of {world}",
-        )
+    require_divisible("gemm_allreduce", "K", K, world, "a and b are sharded along K")
     return {"a": (M, K), "b": (K, N), "out": (M, N)}
 
 
-@gemm_allreduce.reference
-def _reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
-    return {"out": (a.float() @ b.float()).to(a.dtype)}
+gemm_allreduce.reference(matmul_reference)
 
 
 @gemm_allreduce.lower

@@ -24,10 +24,8 @@ interleaved tile by tile, so all G node reducers get work at once.
 
 from __future__ import annotations
 
-import torch
 
-from ..builder import GraphBuilder, pick_tile, piece, shard_range
-from ..errors import ShapeError
+from ..builder import GraphBuilder, pick_tile, piece, shard_range, require_divisible
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
@@ -45,6 +43,7 @@ from .collectives import (
     unique_tasks,
 )
 from .registry import OpDef
+from .tiles import matmul_reference
 
 OP = "gemm_reduce_scatter"
 gemm_reduce_scatter = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
@@ -70,23 +69,13 @@ def _shapes(
     **_: object,
 ) -> dict[str, tuple]:
     world = topology.world_size
-    if K % world:
-        raise ShapeError(
-            f"{OP}: K={K} is not divisible by the world size {world}",
-            hint=f"a and b are sharded along K over all ranks: choose K as a multiple of {world}",
-        )
-    if M % world:
-        raise ShapeError(
-            f"{OP}: M={M} is not divisible by the world size {world}",
-            hint=f"the output is scattered along M over all ranks: choose M as a multiple of {world}",
-        )
+    require_divisible(OP, "K", K, world, "a and b are sharded along K over all ranks")
+    require_divisible(OP, "M", M, world, "the output is scattered along M over all ranks")
     _tile_sizes(topology, M, N, list(check_options(OP, tile, chunk_bytes)))
     return {"a": (M, K), "b": (K, N), "out": (M, N)}
 
 
-@gemm_reduce_scatter.reference
-def _reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
-    return {"out": (a.float() @ b.float()).to(a.dtype)}
+gemm_reduce_scatter.reference(matmul_reference)
 
 
 @gemm_reduce_scatter.lower

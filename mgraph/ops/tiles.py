@@ -18,6 +18,11 @@ from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
 if HAVE_TRITON:
     from .abi import buffer_base, load_region
 
+def matmul_reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
+    """The meaning of every GEMM-based fused op on GLOBAL tensors: out = a @ b, fp32 accumulate."""
+    return {"out": (a.float() @ b.float()).to(a.dtype)}
+
+
 GEMM = kind_spec(TaskKind.GEMM)
 REDUCE = kind_spec(TaskKind.REDUCE)
 COPY = kind_spec(TaskKind.COPY)
