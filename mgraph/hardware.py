@@ -46,6 +46,13 @@ class HardwareProfile(BaseModel):
     nccl_nvlink_step_us: float = Field(3.4, ge=0, description="NCCL latency per NVLink step")
     nccl_net_step_us: float = Field(9.6, ge=0, description="NCCL latency per network step")
     nccl_sms: int = Field(16, ge=0, description="SMs NCCL kernels occupy while they run")
+    # -- the megakernel as measured (benchmarks/NOTES.md); the scheduler's partition uses them --
+    nvlink_task_gbps: float = Field(
+        3.0, gt=0, description="bytes/s one megakernel NVLink worker moves in per-tile tasks"
+    )
+    nvlink_max_sms: int = Field(
+        32, gt=0, description="most SMs the static partition gives NVLink tasks"
+    )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
@@ -88,4 +95,7 @@ H200 = HardwareProfile(
     nccl_nvlink_step_us=3.4,  # NCCL tuning.cc: ring/Simple latency per step over NVLink
     nccl_net_step_us=9.6,  # NCCL tuning.cc: ring/Simple latency per step over the network
     nccl_sms=16,  # estimate: NCCL runs 16 channels (one CTA = one SM each) on NVLink nodes
+    nvlink_task_gbps=3.0,  # bench_tp v3/v4 (2x H200): ~2.5-3 GB/s per NVLink worker at 32
+    # workers with per-tile push tasks (sync per 64 KiB tile), far below GPU.md's 17 GB/s bulk push
+    nvlink_max_sms=32,  # bench_tp v1-v4: fused GEMM+AR/RS times fall up to 24-32 NVLink workers
 )

@@ -194,7 +194,7 @@ def test_invalid_arguments(kw):
 # -- the static partition ----------------------------------------------------------------------
 def test_static_partition_follows_the_rule():
     g = mg.ops.gemm_allreduce(M=64, N=128, K=64, topology="2x2", tile=[32, 32], chunk_bytes=4096)
-    hw = mg.H200.model_copy(update={"nvlink_push_sms": 200})  # no cap: the rule alone
+    hw = mg.H200.model_copy(update={"nvlink_max_sms": 200})  # no cap: the rule alone
     part = static_partition(g, hw)
     work = role_work(g, task_costs(g, hw))
     for rank, workers in part.items():
@@ -207,7 +207,7 @@ def test_static_partition_follows_the_rule():
 def test_static_partition_caps_and_tiny_chips():
     g = mg.ops.gemm_allreduce(M=64, N=128, K=64, topology="2x2", tile=[32, 32], chunk_bytes=4096)
     for w in static_partition(g, mg.H200).values():
-        assert w["nvlink"] <= mg.H200.nvlink_push_sms and w["rdma"] == 1
+        assert w["nvlink"] <= mg.H200.nvlink_max_sms and w["rdma"] == 1
         assert sum(w.values()) == mg.H200.sms
     tiny = mg.H200.model_copy(update={"sms": 3})
     assert all(

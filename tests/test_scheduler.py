@@ -368,7 +368,7 @@ def test_static_partition_h200():
     s = mg.schedule(g)
     for rs in s.ranks:
         assert rs.workers["rdma"] == 1
-        assert 1 <= rs.workers["nvlink"] <= mg.H200.nvlink_push_sms
+        assert 1 <= rs.workers["nvlink"] <= mg.H200.nvlink_max_sms
         assert sum(rs.workers.values()) == mg.H200.sms  # nobody idles while compute has work
     one_node = mg.schedule(build("gemm_allreduce", "1x2"))
     assert all(rs.workers["rdma"] == 0 for rs in one_node.ranks)

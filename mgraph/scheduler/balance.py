@@ -130,7 +130,7 @@ def static_partition(
 
     rdma gets one worker when it has tasks (it only pushes proxy commands); compute and nvlink
     split the remaining SMs by ``balance_workers`` with C = mean estimated cost per task, and
-    nvlink keeps at most ``hardware.nvlink_push_sms`` (more do not push faster).
+    nvlink keeps at most ``hardware.nvlink_max_sms`` (measured: more stop paying off).
     """
     if costs is None:
         costs = task_costs(graph, hardware)
@@ -158,7 +158,7 @@ def static_partition(
                 comm_remaining=n_nvl,
                 comm_cost=w_nvl / n_nvl if n_nvl else 0.0,
             )
-            nvlink = min(nvlink, hardware.nvlink_push_sms)
+            nvlink = min(nvlink, hardware.nvlink_max_sms)
         compute = pool - nvlink if n_comp else 0
         out[rank] = {_COMPUTE: compute, _NVLINK: nvlink, _RDMA: rdma}
     return out

@@ -17,6 +17,7 @@ __all__ = [
     "compute_rate_per_sm",
     "hbm_rate_per_sm",
     "nvlink_rate_per_sm",
+    "nvlink_task_rate",
     "task_cost",
     "task_costs",
     "role_work",
@@ -40,6 +41,12 @@ def nvlink_rate_per_sm(hw: HardwareProfile) -> float:
     return hw.nvlink_push_gbps * 1e9 / hw.nvlink_push_sms
 
 
+def nvlink_task_rate(hw: HardwareProfile) -> float:
+    """Bytes/s one megakernel NVLink worker moves through its tasks, as measured (per-tile tasks
+    pay a wait and a system-scope signal each): what the SM partition plans with."""
+    return hw.nvlink_task_gbps * 1e9
+
+
 def task_cost(task: Task, hw: HardwareProfile) -> float:
     """Seconds one worker of the task's role spends on it (rdma: until the data has landed)."""
     if task.role == _COMPUTE:
@@ -47,7 +54,7 @@ def task_cost(task: Task, hw: HardwareProfile) -> float:
         # copy: few flops, many bytes) from looking free.
         return max(task.flops / compute_rate_per_sm(hw), task.bytes / hbm_rate_per_sm(hw))
     if task.role == _NVLINK:
-        return task.bytes / nvlink_rate_per_sm(hw)
+        return task.bytes / nvlink_task_rate(hw)
     # An rdma worker only pushes a command; the transfer itself is the NIC's and the proxy's.
     # For the critical path it is what delays the consumer: proxy + wire + latency. Task.bytes
     # counts both ends of the copy, the wire carries one.
@@ -59,7 +66,7 @@ def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
     """``task_cost`` of every task, indexed by task id."""
     comp = compute_rate_per_sm(hw)
     hbm = hbm_rate_per_sm(hw)
-    nvl = nvlink_rate_per_sm(hw)
+    nvl = nvlink_task_rate(hw)
     rdma_fixed = (hw.proxy_command_us + hw.rdma_latency_us) * 1e-6
     rdma_rate = 2 * hw.rdma_gbps * 1e9
     out = [0.0] * len(graph.tasks)
