@@ -156,3 +156,45 @@ def test_trace_exports_chrome_json(tmp_path):
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(spans) == len(graph.tasks)
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mt=st.integers(1, 3), nt=st.integers(1, 3), kw=st.integers(1, 3), seed=st.integers(0, 99),
+    topology=st.sampled_from(["1x2", "2x1", "2x2"]),
+)
+def test_gemm_reduce_scatter_drawn_shapes(mt, nt, kw, seed, topology):
+    world = mg.Topology.parse(topology).world_size
+    graph = mg.ops.gemm_reduce_scatter(
+        M=world * 8 * mt, N=8 * nt * 3, K=world * kw, topology=topology, tile=[8, 8],
+        chunk_bytes=512,
+    )
+    run_and_check(graph, seed=seed)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mt=st.integers(1, 3), nt=st.integers(1, 3), k=st.integers(1, 24), seed=st.integers(0, 99),
+    topology=st.sampled_from(["1x2", "2x1", "2x2"]),
+)
+def test_allgather_gemm_drawn_shapes(mt, nt, k, seed, topology):
+    world = mg.Topology.parse(topology).world_size
+    graph = mg.ops.allgather_gemm(
+        M=world * 8 * mt, N=world * 8 * nt, K=k, topology=topology, tile=[8, 8], chunk_bytes=512,
+    )
+    run_and_check(graph, seed=seed)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tokens=st.integers(1, 3), experts=st.integers(1, 3), top_k=st.integers(1, 3),
+    hidden=st.sampled_from([8, 24]), seed=st.integers(0, 99),
+    topology=st.sampled_from(["1x2", "2x1", "2x2"]),
+)
+def test_moe_drawn_shapes(tokens, experts, top_k, hidden, seed, topology):
+    world = mg.Topology.parse(topology).world_size
+    E = world * experts
+    graph = mg.ops.moe_dispatch_combine(
+        T=world * 8 * tokens, H=hidden, E=E, top_k=min(top_k, E), F=16, topology=topology,
+    )
+    run_and_check(graph, seed=seed)
