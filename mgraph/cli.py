@@ -161,7 +161,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
     table = Table(title="fused ops")
     for col in ("op", "dims (--shape order)", "inputs", "outputs", "options"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col == "op")
     for name in ops.op_names():
         op = ops.get_op(name)
         table.add_row(
@@ -247,11 +247,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     rows = run_demo(args.topology, args.out)
     table = Table(title=f"fused ops on {args.topology} (fp32)")
-    for col in ("op", "tasks", "nvlink bytes", "rdma bytes", "wall", "rel err", "ok"):
+    for col in ("op", "tasks", "nvlink", "rdma", "ms", "rel err", "ok"):
         table.add_column(col, justify="left" if col == "op" else "right", no_wrap=True)
     for r in rows:
         table.add_row(r.op, str(r.tasks), human_bytes(r.nvlink_bytes), human_bytes(r.rdma_bytes),
-                      f"{r.wall_s * 1e3:.0f} ms", f"{r.rel_err:.1e}",
+                      f"{r.wall_s * 1e3:.0f}", f"{r.rel_err:.1e}",
                       "[green]ok[/]" if r.ok else "[red]FAILED[/]")
     console.print(table)
     console.print(f"timelines in {args.out}/ (Chrome/Perfetto JSON); total "
