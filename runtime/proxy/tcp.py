@@ -161,19 +161,7 @@ class TcpTransport(Transport):
     def check_region(self, rank: int, rect: Rect) -> torch.dtype:
         if rank in self.memory or rank not in self.remote:
             return super().check_region(rank, rect)
-        buf = self.remote[rank].get(rect.buffer)
-        if buf is None:
-            raise ProxyError(
-                f"tcp: rank {rank} has no buffer {rect.buffer}",
-                hint=f"rank {rank}'s buffers: {sorted(self.remote[rank])}",
-            )
-        rows, cols, dtype = buf
-        if not (0 <= rect.row0 <= rect.row1 <= rows and 0 <= rect.col0 <= rect.col1 <= cols):
-            raise ProxyError(
-                f"tcp: region {rect} is outside rank {rank} buffer {rect.buffer} "
-                f"of shape ({rows}, {cols})"
-            )
-        return dtype
+        return self.check_remote_region(rank, rect, self.remote[rank])
 
     # -- the data path ----------------------------------------------------------------------
     def _conn(self, src_rank: int, dst_rank: int, what: str) -> _Conn:

@@ -91,6 +91,25 @@ class Transport(ABC):
         memory is remote overrides this with the shapes exchanged at connect time."""
         return self.view(rank, rect).dtype
 
+    def check_remote_region(
+        self, rank: int, rect: Rect, shapes: dict[int, tuple[int, int, torch.dtype]]
+    ) -> torch.dtype:
+        """``check_region`` for a peer whose buffers this process only knows by the
+        (rows, cols, dtype) exchanged at connect time: a proxy never writes outside them."""
+        buf = shapes.get(rect.buffer)
+        if buf is None:
+            raise ProxyError(
+                f"{self.name}: rank {rank} has no buffer {rect.buffer}",
+                hint=f"rank {rank}'s buffers: {sorted(shapes)}",
+            )
+        rows, cols, dtype = buf
+        if not (0 <= rect.row0 <= rect.row1 <= rows and 0 <= rect.col0 <= rect.col1 <= cols):
+            raise ProxyError(
+                f"{self.name}: region {rect} is outside rank {rank} buffer {rect.buffer} "
+                f"of shape ({rows}, {cols})"
+            )
+        return dtype
+
     def node_of(self, rank: int) -> int:
         return rank if self.topology is None else self.topology.node_of(rank)
 

@@ -178,16 +178,8 @@ class VerbsTransport(Transport):
     def check_region(self, rank: int, rect: Rect) -> torch.dtype:
         if rank in self.memory or rank not in self.remote:
             return super().check_region(rank, rect)
-        buf = self.remote[rank].get(rect.buffer)
-        if buf is None:
-            raise ProxyError(f"verbs: rank {rank} has no buffer {rect.buffer}")
-        _, _, rows, cols, dtype, _ = buf
-        if not (0 <= rect.row0 <= rect.row1 <= rows and 0 <= rect.col0 <= rect.col1 <= cols):
-            raise ProxyError(
-                f"verbs: region {rect} is outside rank {rank} buffer {rect.buffer} "
-                f"of shape ({rows}, {cols})"
-            )
-        return dtype
+        shapes = {i: (b[2], b[3], b[4]) for i, b in self.remote[rank].items()}
+        return self.check_remote_region(rank, rect, shapes)
 
     # -- the data path ----------------------------------------------------------------------
     def _conn(self, src: int, dst: int, what: str) -> QueuePair:
