@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from mgraph.runtime.proxy import (
     Command,
     CommandFifo,
@@ -37,7 +38,6 @@ from mgraph.runtime.proxy import (
 )
 from mgraph.runtime.proxy.command import encode
 from mgraph.runtime.proxy.native import load
-
 from mgraph.topology import Topology
 
 EVENTS = 1024

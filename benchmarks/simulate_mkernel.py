@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mgraph.runtime.sim import collective_times, simulate, sweep_comm_sms
 
 import mgraph as mg
+from mgraph.runtime.sim import collective_times, simulate, sweep_comm_sms
 
 TOPOLOGY = "2x8"
 PROFILE = mg.H200.model_copy(

@@ -76,7 +76,7 @@ def build_from_args(args: argparse.Namespace) -> tuple[TaskGraph, float]:
                 f"--shape {args.shape!r} has {len(sizes)} sizes; {op.name} takes "
                 f"{len(op.dims)}: {','.join(op.dims)}"
             )
-        for dim, s in zip(op.dims, sizes):
+        for dim, s in zip(op.dims, sizes, strict=True):
             try:
                 params[dim] = int(s)
             except ValueError:

@@ -98,7 +98,7 @@ def gather_outputs(
             joined_shape = list(shapes[0])
             joined_shape[buf.binding.cat_dim] = sum(sizes)
             parts = data.reshape(joined_shape).split(sizes, dim=buf.binding.cat_dim)
-            for p, part in zip(buf.binding.pieces, parts):
+            for p, part in zip(buf.binding.pieces, parts, strict=True):
                 index = tuple(slice(lo, hi) for lo, hi in p)
                 if covered[index].all():
                     if not torch.equal(result[index], part):

@@ -43,7 +43,7 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
         dist.barrier()
         queue.put((rank, worst, None))
         dist.destroy_process_group()
-    except BaseException as exc:  # reported to the parent test
+    except BaseException:  # reported to the parent test
         import traceback
 
         queue.put((rank, None, traceback.format_exc()))

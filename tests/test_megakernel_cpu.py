@@ -32,7 +32,7 @@ def test_layout_is_aligned_and_disjoint():
             (lay.offset[b.id], lay.offset[b.id] + b.nbytes) for b in g.buffers.values() if b.rank == r
         )
         assert all(s % ALIGN == 0 for s, _ in spans)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
         assert spans[-1][1] <= lay.arena_bytes
     per_rank = [sum(1 for e in g.events if e.rank == r) for r in range(2)]
     assert lay.flag_count == max(per_rank)

@@ -2,12 +2,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOPOLOGIES, check_graph, rel_err, written_once
-from mgraph.runtime import run_sequential
 
 import mgraph as mg
+from helpers import TOPOLOGIES, check_graph, rel_err, written_once
 from mgraph.graph import Task
 from mgraph.kinds import kind_spec
+from mgraph.runtime import run_sequential
 
 OP = "moe_dispatch_combine"
 

@@ -9,14 +9,14 @@ import time
 
 import pytest
 import torch
+
+import mgraph as mg
 from helpers import rel_err
+from mgraph.errors import ProxyError
 from mgraph.runtime.proxy import Command, CommandFifo, InProcessTransport, Opcode, Rect, Word, wire
 from mgraph.runtime.proxy.command import encode
 from mgraph.runtime.proxy.native import NativeProxy, load
 from mgraph.runtime.reference import ReferenceRuntime
-
-import mgraph as mg
-from mgraph.errors import ProxyError
 from mgraph.scheduler import schedule
 from mgraph.settings import Settings
 from mgraph.topology import Topology

@@ -3,8 +3,9 @@ mgraph.runtime), so a new subpackage missing from the list installs without its 
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

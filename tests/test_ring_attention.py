@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import TOPOLOGIES, check_graph, written_once
 
 import mgraph as mg
+from helpers import TOPOLOGIES, check_graph, written_once
 from mgraph.graph import Task
 from mgraph.kinds import TaskKind, kind_spec
 

@@ -6,14 +6,14 @@ import time
 import networkx as nx
 import pytest
 import torch
-from helpers import TOPOLOGIES, rel_err
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mgraph.runtime import allocate, gather_outputs, region_view, shard_inputs
 
 import mgraph as mg
+from helpers import TOPOLOGIES, rel_err
 from mgraph.builder import GraphBuilder
 from mgraph.kinds import KINDS, Role
+from mgraph.runtime import allocate, gather_outputs, region_view, shard_inputs
 from mgraph.scheduler import (
     POLICIES,
     RankSchedule,

@@ -9,6 +9,11 @@ from collections import defaultdict
 
 import pytest
 import torch
+
+import mgraph as mg
+from mgraph.builder import GraphBuilder
+from mgraph.cli import main
+from mgraph.kinds import Role
 from mgraph.runtime.sim import (
     Phase,
     collective_times,
@@ -17,11 +22,6 @@ from mgraph.runtime.sim import (
     with_comm_sms,
 )
 from mgraph.runtime.sim.baselines import Stage, on_sms, pipeline
-
-import mgraph as mg
-from mgraph.builder import GraphBuilder
-from mgraph.cli import main
-from mgraph.kinds import Role
 from mgraph.scheduler import Schedule
 
 SMALL = {

@@ -14,11 +14,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from mgraph.runtime.proxy import Command, CommandFifo, NativeProxy, Proxy, Rect, TcpTransport
-from mgraph.runtime.proxy.wire import WRITE
 
 import mgraph as mg
 from mgraph.errors import ProxyError
+from mgraph.runtime.proxy import Command, CommandFifo, NativeProxy, Proxy, Rect, TcpTransport
+from mgraph.runtime.proxy.wire import WRITE
 from mgraph.topology import Topology
 
 ROWS, COLS, EVENTS = 32, 64, 16
@@ -156,7 +156,6 @@ def _node(node: int, port: int, proxy: str, fault: str, results) -> None:
     torch.set_num_threads(1)
     from helpers import rel_err
     from mgraph.runtime.reference import ReferenceRuntime
-
     from mgraph.scheduler import schedule
     from mgraph.settings import Settings
 

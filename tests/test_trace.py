@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import rel_err
-from mgraph.runtime import run_sequential
 
 import mgraph as mg
+from helpers import rel_err
 from mgraph.graph import TaskGraph
+from mgraph.runtime import run_sequential
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

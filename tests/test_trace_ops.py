@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import check_graph, rel_err
 
 import mgraph as mg
+from helpers import check_graph, rel_err
 from mgraph.layout import (
     REPLICATE,
     ROWS,

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from mgraph.runtime.proxy import Command, CommandFifo, Proxy, Rect
 
 from mgraph.errors import ProxyError, RdmaUnavailableError
+from mgraph.runtime.proxy import Command, CommandFifo, Proxy, Rect
 from mgraph.topology import Topology
 
 ROWS, COLS, EVENTS = 16, 32, 8

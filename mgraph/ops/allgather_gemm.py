@@ -22,8 +22,7 @@ fast), then the remote shards by node (n+1, n+2, ...), the rail peer's shard fir
 
 from __future__ import annotations
 
-
-from ..builder import GraphBuilder, piece, shard_range, require_divisible
+from ..builder import GraphBuilder, piece, require_divisible, shard_range
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology

@@ -8,7 +8,6 @@ then moves one rectangle per command instead of one tile.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-
 from typing import TYPE_CHECKING
 
 from ..errors import ShapeError

@@ -4,8 +4,7 @@ and the smallest graph every backend must run."""
 
 from __future__ import annotations
 
-
-from ..builder import GraphBuilder, pick_tile, piece, shard_range, require_divisible
+from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
 from ..kinds import Role, TaskKind
 from ..topology import Topology
 from .collectives import grouped, tile_grid, tile_region

@@ -18,8 +18,7 @@ and the node stages after, moving G times more over RDMA: the baseline the desig
 
 from __future__ import annotations
 
-
-from ..builder import GraphBuilder, pick_tile, piece, shard_range, require_divisible
+from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology

@@ -24,8 +24,7 @@ interleaved tile by tile, so all G node reducers get work at once.
 
 from __future__ import annotations
 
-
-from ..builder import GraphBuilder, pick_tile, piece, shard_range, require_divisible
+from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology

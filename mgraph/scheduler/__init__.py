@@ -21,8 +21,8 @@ from .balance import DAMPING, balance_workers, static_partition
 from .batches import proxy_batches
 from .checks import check_batches, check_queues, check_schedule, check_workers
 from .costmodel import role_work, task_cost, task_costs
-from .policies import POLICIES, Policy, PolicyInput, get_policy, policy_input, register_policy
 from .model import RankSchedule, Schedule
+from .policies import POLICIES, Policy, PolicyInput, get_policy, policy_input, register_policy
 
 __all__ = [
     "schedule",

@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from mgraph.ops import tiles
-from mgraph.ops.abi import buffer_base
-from mgraph.ops.abi import F_GID, F_KIND, F_NSIG, F_NWAIT, F_SIG0, F_WAIT0, TASK_FIELDS
+from mgraph.ops.abi import F_GID, F_KIND, F_NSIG, F_NWAIT, F_SIG0, F_WAIT0, TASK_FIELDS, buffer_base
 
 from .sync import now, signal, wait
 
