@@ -103,7 +103,6 @@ class TcpTransport(Transport):
         self.on_error = on_error
         self.error: ProxyError | None = None
         self.conns: dict[tuple[int, int], _Conn] = {}  # (local rank, remote rank)
-        self.local_pairs: set[frozenset[int]] = set()
         self.remote: dict[int, dict[int, tuple[int, int, torch.dtype]]] = {}
         self.remote_events: dict[int, int] = {}
         self.events: dict[int, int] = {}
@@ -176,9 +175,6 @@ class TcpTransport(Transport):
             )
         return conn
 
-    def _is_local(self, src_rank: int, dst_rank: int) -> bool:
-        return src_rank == dst_rank or frozenset((src_rank, dst_rank)) in self.local_pairs
-
     def _complete(self, src_rank: int) -> int:
         with self._cond:
             work = self._next_id
@@ -196,11 +192,8 @@ class TcpTransport(Transport):
         epoch: int = 0,
     ) -> int:
         nbytes = src.numel() * src.element_size()
-        if self._is_local(src_rank, dst_rank):
-            self._check_open("write")
-            self.view(dst_rank, dst).copy_(src)
-            for e in events:
-                self.raise_event(dst_rank, e, epoch)
+        if self.is_local(src_rank, dst_rank):
+            self.deliver_locally(dst_rank, dst, src, events, epoch, "write")
         else:
             conn = self._conn(src_rank, dst_rank, "write")
             dtype = self.check_region(dst_rank, dst)
@@ -215,9 +208,8 @@ class TcpTransport(Transport):
         return self._complete(src_rank)
 
     def signal(self, src_rank: int, dst_rank: int, event: int, epoch: int = 0) -> int:
-        if self._is_local(src_rank, dst_rank):
-            self._check_open("signal")
-            self.raise_event(dst_rank, event, epoch)
+        if self.is_local(src_rank, dst_rank):
+            self.deliver_locally(dst_rank, None, None, [event], epoch, "signal")
         else:
             conn = self._conn(src_rank, dst_rank, "signal")
             self._send(conn, SIGNAL, dst_rank, NO_RECT, [event], epoch, None)

@@ -46,6 +46,8 @@ class Transport(ABC):
         self.writes = 0
         self.signals = 0
         self.closed = False
+        # rank pairs that share this process; network transports fill it in connect()
+        self.local_pairs: set[frozenset[int]] = set()
         self.epoch = 0
         self._stats_lock = threading.Lock()
 
@@ -109,6 +111,23 @@ class Transport(ABC):
                 f"of shape ({rows}, {cols})"
             )
         return dtype
+
+    # -- ranks of this process ---------------------------------------------------------------
+    def is_local(self, src_rank: int, dst_rank: int) -> bool:
+        """Both ranks live in this process (``local_pairs``, filled by ``connect``): a write
+        between them is a plain copy, no wire."""
+        return src_rank == dst_rank or frozenset((src_rank, dst_rank)) in self.local_pairs
+
+    def deliver_locally(
+        self, dst_rank: int, dst: Rect | None, src: torch.Tensor | None, events: Sequence[int],
+        epoch: int, what: str,
+    ) -> None:
+        """Copy ``src`` into ``dst`` (if given) and raise ``events``, all in this process."""
+        self._check_open(what)
+        if dst is not None:
+            self.view(dst_rank, dst).copy_(src)
+        for event in events:
+            self.raise_event(dst_rank, event, epoch)
 
     def node_of(self, rank: int) -> int:
         return rank if self.topology is None else self.topology.node_of(rank)

@@ -92,7 +92,6 @@ class VerbsTransport(Transport):
         self.remote: dict[int, dict[int, tuple[int, int, int, int, torch.dtype, int]]] = {}
         self.qps: dict[tuple[int, int], QueuePair] = {}
         self.by_qp_num: dict[int, QueuePair] = {}
-        self.local_pairs: set[frozenset[int]] = set()
         self._scratch = torch.zeros(8, dtype=torch.int64)  # the SGE of zero-length writes
         self._scratch_mr = self.nic.register(self._scratch)
         self._lock = threading.Condition()
@@ -284,11 +283,8 @@ class VerbsTransport(Transport):
         epoch: int = 0,
     ) -> int:
         work = self._work_id(src_rank)
-        if src_rank == dst_rank or frozenset((src_rank, dst_rank)) in self.local_pairs:
-            self._check_open("write")
-            self.view(dst_rank, dst).copy_(src)
-            for ev in events:
-                self.raise_event(dst_rank, ev, epoch)
+        if self.is_local(src_rank, dst_rank):
+            self.deliver_locally(dst_rank, dst, src, events, epoch, "write")
             self._finish(work)
         else:
             conn = self._conn(src_rank, dst_rank, "write")
@@ -346,9 +342,8 @@ class VerbsTransport(Transport):
 
     def signal(self, src_rank: int, dst_rank: int, event: int, epoch: int = 0) -> int:
         work = self._work_id(src_rank)
-        if src_rank == dst_rank or frozenset((src_rank, dst_rank)) in self.local_pairs:
-            self._check_open("signal")
-            self.raise_event(dst_rank, event, epoch)
+        if self.is_local(src_rank, dst_rank):
+            self.deliver_locally(dst_rank, None, None, [event], epoch, "signal")
             self._finish(work)
         else:
             self._raise_remote(self._conn(src_rank, dst_rank, "signal"), [event], epoch, work)
