@@ -19,7 +19,8 @@ def setup(rank: int, world: int, port: int) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
 
 
-def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunches: int, queue) -> None:
+def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunches: int, queue,
+             topology: str | None = None, nic_gbps: float = 0.0) -> None:
     try:
         setup(rank, world, port)
         import torch
@@ -27,10 +28,11 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
 
         import mgraph as mg
         from mgraph.runtime.megakernel import TritonRuntime, local_shards
+        from mgraph.settings import Settings
 
         op = mg.ops.get_op(op_name)
-        graph = op(topology=f"1x{world}", dtype=torch.bfloat16, **kw)
-        rt = TritonRuntime(mg.schedule(graph))
+        graph = op(topology=topology or f"1x{world}", dtype=torch.bfloat16, **kw)
+        rt = TritonRuntime(mg.schedule(graph), settings=Settings(nic_gbps=nic_gbps))
         worst = 0.0
         for i in range(relaunches):
             inputs = op.random_inputs(graph, seed=i)  # same seed on every rank: same global data
@@ -40,6 +42,7 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
             want = _local_reference(graph, rank, want_global)
             err = ((got - want).norm() / want.norm()).item()
             worst = max(worst, err)
+        rt.close()  # multi-node graphs: stops the rank's host proxy
         dist.barrier()
         queue.put((rank, worst, None))
         dist.destroy_process_group()

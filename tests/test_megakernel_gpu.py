@@ -59,7 +59,7 @@ def test_indivisible_shapes_are_clean_errors():
         mg.ops.gemm(M=1000, N=1024, K=512, topology="1x1", dtype=torch.bfloat16)
 
 
-def _spawn(op, kw, relaunches=3, world=2):
+def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0):
     import torch.multiprocessing as mp
 
     import gpu_workers
@@ -67,7 +67,8 @@ def _spawn(op, kw, relaunches=3, world=2):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = random.randint(20000, 40000)
-    procs = [ctx.Process(target=gpu_workers.check_op, args=(r, world, port, op, kw, relaunches, queue))
+    procs = [ctx.Process(target=gpu_workers.check_op, args=(r, world, port, op, kw, relaunches, queue,
+                                                               topology, nic_gbps))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -96,3 +97,24 @@ def test_two_gpus_match_torch(op, kw):
 @pytest.mark.multi_gpu(2)
 def test_two_gpus_100_relaunches():
     _spawn("gemm_allreduce", dict(M=1024, N=1024, K=1024), relaunches=100)
+
+
+# Two emulated nodes of one GPU each: the inter-node legs go GPU -> pinned FIFO -> native proxy
+# -> copy engine into the peer (cuda_ipc), with and without a 50 GB/s NIC cap.
+@pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize(
+    "op, kw, nic",
+    [
+        ("gemm_allreduce", dict(M=4096, N=4096, K=2048), 0.0),
+        ("gemm_allreduce", dict(M=1024, N=768, K=1024, tile=[128, 128]), 50.0),
+        ("allgather_gemm", dict(M=4096, N=4096, K=2048), 0.0),
+        ("gemm_reduce_scatter", dict(M=4096, N=4096, K=2048), 50.0),
+    ],
+)
+def test_two_emulated_nodes_match_torch(op, kw, nic):
+    _spawn(op, kw, topology="2x1", nic_gbps=nic)
+
+
+@pytest.mark.multi_gpu(2)
+def test_two_emulated_nodes_100_relaunches():
+    _spawn("gemm_allreduce", dict(M=1024, N=1024, K=1024), relaunches=100, topology="2x1")

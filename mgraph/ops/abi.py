@@ -3,7 +3,8 @@
 The encoder (mgraph/runtime/megakernel/encode.py) writes these int32 tables and the tile bodies
 (in each op's file) read them, so both sides import the field indices from here.
 
-- tasks   [T, TASK_FIELDS]: kind id, first/number of reads, writes, waits, signals, graph task id
+- tasks   [T, TASK_FIELDS]: kind id, first/number of reads, writes, waits, signals, graph task id,
+  first/number of FIFO commands (rdma tasks: the rows of the command table the worker pushes)
 - regions [R, REGION_FIELDS]: buffer slot, row0, row1, col0, col1
 - waits   [Wn, WAIT_FIELDS]: event slot, count, signals per launch (target = (epoch-1)*total+count),
   and 1 when a signaller runs on another GPU (the wait then needs system scope)
@@ -25,14 +26,17 @@ __all__ = [
     "F_SIG0",
     "F_NSIG",
     "F_GID",
+    "F_CMD0",
+    "F_NCMD",
     "REGION_FIELDS",
     "WAIT_FIELDS",
     "SIGNAL_FIELDS",
     "HAVE_TRITON",
 ]
 
-TASK_FIELDS = 10
+TASK_FIELDS = 12
 F_KIND, F_READ0, F_NREAD, F_WRITE0, F_NWRITE, F_WAIT0, F_NWAIT, F_SIG0, F_NSIG, F_GID = range(10)
+F_CMD0, F_NCMD = 10, 11
 REGION_FIELDS = 5
 WAIT_FIELDS = 4
 SIGNAL_FIELDS = 2

@@ -7,6 +7,10 @@ each event an index in its rank's flag array; the runtime adds the ranks' base a
 Worker programs: compute first, then nvlink, then rdma, as the schedule's SM partition says. A
 single program with role ALL runs the rank's whole queue in one global order: that is how the
 Triton interpreter (which runs programs one after another) executes a schedule on the CPU.
+
+Multi-node graphs (netplan.py): an rdma task becomes a PUSH of its precomputed FIFO commands
+(int64 rows of ``cmds``; the kernel patches in the epoch and the header) and signals nothing
+itself: the proxies raise its events in net words, which waiters add to the event's GPU word.
 """
 
 from __future__ import annotations
@@ -18,11 +22,17 @@ import torch
 from mgraph.errors import ScheduleError
 from mgraph.graph import ITEMSIZE, TaskGraph
 from mgraph.kinds import KINDS, ROLES, Role
-from mgraph.ops.abi import REGION_FIELDS, SIGNAL_FIELDS, TASK_FIELDS, WAIT_FIELDS
+from mgraph.ops.abi import F_CMD0, F_NCMD, REGION_FIELDS, SIGNAL_FIELDS, TASK_FIELDS, WAIT_FIELDS
+from mgraph.runtime.proxy.command import WORDS, encode
 
-__all__ = ["Layout", "RankTables", "layout", "encode_rank", "ROLE_ALL", "ALIGN", "kind_id"]
+from .netplan import NetPlan, net_plan
+
+__all__ = [
+    "Layout", "RankTables", "layout", "encode_rank", "ROLE_ALL", "ALIGN", "kind_id", "PUSH_ID",
+]
 
 ROLE_ALL = len(ROLES)  # role index of a program that serves every queue (interpreter mode)
+PUSH_ID = len(KINDS)  # the kind id of an rdma task: push its FIFO commands (not a tile body)
 ALIGN = 256  # bytes: TMA needs 16-byte aligned bases; 256 keeps every tile row-aligned too
 
 
@@ -39,6 +49,18 @@ class Layout:
     arena_bytes: int  # the largest rank's arena (symmetric allocations are equal-sized)
     event_index: list[int]  # event id -> index in its rank's flag array
     flag_count: int  # the largest rank's number of events
+    net: NetPlan | None = None  # multi-node graphs: commands and the proxies' net words
+
+    @property
+    def net_base(self) -> int:
+        """Index of the first net word in a rank's flag array (after the events and the node
+        barrier's start flag)."""
+        return self.flag_count + 1
+
+    @property
+    def flag_words(self) -> int:
+        """int32 words of every rank's flag array: events, start flag, net words."""
+        return self.net_base + (self.net.count if self.net is not None else 0)
 
 
 def layout(graph: TaskGraph) -> Layout:
@@ -53,7 +75,9 @@ def layout(graph: TaskGraph) -> Layout:
     for ev in graph.events:
         index.append(count[ev.rank])
         count[ev.rank] += 1
-    return Layout(offset, max(max(used), ALIGN), index, max(max(count), 1))
+    has_rdma = any(t.role == Role.RDMA.value for t in graph.tasks)
+    net = net_plan(graph) if has_rdma else None
+    return Layout(offset, max(max(used), ALIGN), index, max(max(count), 1), net)
 
 
 @dataclass
@@ -74,16 +98,26 @@ class RankTables:
     kinds: set[str] = field(default_factory=set)
     a0_slot: int = 0  # the most used GEMM A buffer slot (its descriptor is built once per launch)
     b0_slot: int = 0  # likewise for B
+    # Multi-node only (see netplan.py); word indices are relative to a rank's net region.
+    cmds: torch.Tensor | None = None  # [C, 16] int64: start SIGNALs first, then tasks' commands
+    start_cmds: int = 0  # the first rows of cmds: pushed by program 0 at entry
+    event_net: list[tuple[int, int, int]] = field(default_factory=list)  # per event slot: rank,
+    # first net word, number of net words (0: the proxy never raises it)
+    exits: list[tuple[int, int, int]] = field(default_factory=list)  # rank, word, per launch
+    starts: list[tuple[int, int]] = field(default_factory=list)  # rank, word: wait for epoch
 
     @property
     def programs(self) -> int:
         return int(self.roles.numel())
 
 
-def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> RankTables:
+def encode_rank(
+    schedule, rank: int | None, *, single_program: bool = False, net: NetPlan | None = None
+) -> RankTables:
     """Tables for ``rank``. ``single_program`` gives one ALL-role program (interpreter mode);
     ``rank=None`` encodes every rank's tasks for that one program, in the schedule's global
-    order (the interpreter runs programs one by one, so it cannot spin across ranks)."""
+    order (the interpreter runs programs one by one, so it cannot spin across ranks). ``net``:
+    the graph's network plan when the caller has one (``layout(graph).net``)."""
     graph: TaskGraph = schedule.graph
     if rank is None:
         assert single_program, "all ranks in one table set only for the single-program mode"
@@ -113,11 +147,33 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
             ev_slot[event] = len(ev_slot)
         return ev_slot[event]
 
+    if net is None and any(t.role == Role.RDMA.value for t in graph.tasks):
+        net = net_plan(graph)
+    cmd_rows: list[list[int]] = []
+    start_cmds = 0
+    if net is not None and rank is not None:
+        cmd_rows += [_cmd_row(c) for c in net.start_commands(rank)]
+        start_cmds = len(cmd_rows)
     kinds = set()
     for tid in order:
         t = graph.tasks[tid]
-        kinds.add(t.kind)
         row = [0] * TASK_FIELDS
+        if t.role == Role.RDMA.value:
+            kinds.add("push")
+            row[0] = PUSH_ID
+            row[F_CMD0] = len(cmd_rows)
+            cmd_rows += [_cmd_row(c) for c in net.commands[tid]]
+            row[F_NCMD] = len(cmd_rows) - row[F_CMD0]
+            row[5], row[6] = len(waits), len(t.waits)
+            waits += [
+                [eslot(e), c, total[e], int(crosses[e] or graph.events[e].rank != t.rank)]
+                for e, c in t.waits
+            ]
+            row[7], row[8] = len(signals), 0  # the proxies raise its events
+            row[9] = tid
+            tasks.append(row)
+            continue
+        kinds.add(t.kind)
         row[0] = kind_id(t.kind)
         row[1], row[2] = len(regions), len(t.reads)
         regions += [[slot(r.buffer), r.row0, r.row1, r.col0, r.col1] for r in t.reads]
@@ -149,11 +205,18 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
         roles = [ROLE_ALL]
     else:
         roles = [i for i, role in enumerate(ROLES) for _ in range(qrows[i][2])]
-    if Role.RDMA.value in {graph.tasks[t].role for t in order} and not single_program:
-        raise ScheduleError(
-            f"rank {rank}: the triton backend does not run rdma tasks yet",
-            hint="multi-node graphs run on backend='reference'; the GPU proxy path is issue 6",
-        )
+    event_net, exits, starts = [], [], []
+    if net is not None:
+        for e in ev_slot:
+            first, n = net.event_words.get(e, (0, 0))
+            event_net.append((graph.events[e].rank, first, n))
+        for r in [rank] if rank is not None else graph.topology.ranks:
+            # start words are waited for at entry (and never raised in single-program mode)
+            exits += [
+                (r, w, net.per_launch[r][w]) for key, w in net.words[r].items() if key[0] != "start"
+            ]
+        if rank is not None:
+            starts = [(rank, net.words[rank][("start", q)]) for q in net.peers[rank]]
 
     def i32(rows, width=None):
         if not rows:
@@ -183,4 +246,18 @@ def encode_rank(schedule, rank: int | None, *, single_program: bool = False) -> 
         kinds=kinds,
         a0_slot=max(a_use, key=a_use.get) if a_use else 0,
         b0_slot=max(b_use, key=b_use.get) if b_use else 0,
+        cmds=torch.tensor(cmd_rows, dtype=torch.int64) if cmd_rows else None,
+        start_cmds=start_cmds,
+        event_net=event_net,
+        exits=exits,
+        starts=starts,
     )
+
+
+def _cmd_row(cmd) -> list[int]:
+    """A command's 16 words as the kernel reads them: word 0 holds only the opcode (the kernel
+    writes the header with the ticket's sequence number)."""
+    words = encode(cmd, 1)
+    words[0] = int(cmd.opcode)
+    assert len(words) == WORDS
+    return words

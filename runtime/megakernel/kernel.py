@@ -14,6 +14,14 @@ peer is still reading from the previous launch.
 
 A wait that times out (or sees the abort flag) records (rank, program, task, event slot, value,
 target) in ``err`` (first error wins), raises the abort flag, and the program stops taking tasks.
+
+Multi-node graphs (HAS_NET, netplan.py): an rdma task's worker pushes the task's FIFO commands
+into pinned host memory (hostfifo.py) for the rank's proxy; events the proxies raise are summed
+from net words; program 0 also pushes a start SIGNAL to every remote peer and waits for theirs
+before the go, and after its queue waits until every net word of the rank reached its count for
+this launch (all sends done, all arrivals landed). Error records use task -1 for the node
+barrier, -3 for a remote start (slot: index), -2 for the exit wait (slot: index), and slot -2
+for a push that found the FIFO full (value: ticket, target: tail seen).
 """
 
 from __future__ import annotations
@@ -22,9 +30,21 @@ import triton
 import triton.language as tl
 
 from mgraph.ops import tiles
-from mgraph.ops.abi import F_GID, F_KIND, F_NSIG, F_NWAIT, F_SIG0, F_WAIT0, TASK_FIELDS, buffer_base
+from mgraph.ops.abi import (
+    F_CMD0,
+    F_GID,
+    F_KIND,
+    F_NCMD,
+    F_NSIG,
+    F_NWAIT,
+    F_SIG0,
+    F_WAIT0,
+    TASK_FIELDS,
+    buffer_base,
+)
 
-from .sync import now, signal, wait
+from .hostfifo import CMD_WORDS, push
+from .sync import now, signal, wait, wait_sum
 
 __all__ = ["megakernel", "ERR_FIELDS"]
 
@@ -33,6 +53,7 @@ ERR_FIELDS = 8  # flag, rank, program, task, event slot, value, target, epoch
 # jit code may only read globals that are constexpr objects
 _GID, _KIND, _NSIG, _NWAIT = tl.constexpr(F_GID), tl.constexpr(F_KIND), tl.constexpr(F_NSIG), tl.constexpr(F_NWAIT)
 _SIG0, _WAIT0, _FIELDS = tl.constexpr(F_SIG0), tl.constexpr(F_WAIT0), tl.constexpr(TASK_FIELDS)
+_CMD0, _NCMD = tl.constexpr(F_CMD0), tl.constexpr(F_NCMD)
 
 gemm_tile = tiles.GEMM.triton_body
 reduce_tile = tiles.REDUCE.triton_body
@@ -41,17 +62,42 @@ copy_tile = tiles.COPY.triton_body
 
 @triton.jit
 def _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort, err, rank,
-                   USE_TIMER: tl.constexpr):
+                   ring, dhead, tail, capacity, cmds, start_cmds, startaddr,
+                   USE_TIMER: tl.constexpr, HAS_NET: tl.constexpr):
     if pid == 0:
         for p in range(npeers):
             peer = tl.load(peer_flags + p).to(tl.pointer_type(tl.int32))
             tl.atomic_add(peer, 1, sem="release", scope="sys")
+        if HAS_NET:  # remote peers hear of our start through our proxy
+            for c in range(start_cmds):
+                ticket, seen = push(ring, dhead, tail, capacity, cmds + c * CMD_WORDS, epoch,
+                                    limit, abort, USE_TIMER)
+                if ticket - seen >= capacity:
+                    _record(err, abort, rank, pid, -3, -2, ticket, seen, epoch)
         target = epoch * npeers
         v = wait(start_flags, target, limit, abort, USE_TIMER)
         if v < target:
             _record(err, abort, rank, pid, -1, -1, v, target, epoch)
+        if HAS_NET:
+            for s in range(start_cmds):
+                flag = tl.load(startaddr + s).to(tl.pointer_type(tl.int32))
+                v = wait(flag, epoch, limit, abort, USE_TIMER, True)
+                if v < epoch:
+                    _record(err, abort, rank, pid, -3, s, v, epoch, epoch)
         tl.atomic_xchg(go, epoch, sem="release", scope="gpu")
     v = wait(go, epoch, limit, abort, USE_TIMER)
+
+
+@triton.jit
+def _exit_wait(pid, exitaddr, exitcount, nexit, epoch, limit, abort, err, rank,
+               USE_TIMER: tl.constexpr):
+    if pid == 0:
+        for x in range(nexit):
+            flag = tl.load(exitaddr + x).to(tl.pointer_type(tl.int32))
+            target = epoch * tl.load(exitcount + x)
+            v = wait(flag, target, limit, abort, USE_TIMER, True)
+            if v < target:
+                _record(err, abort, rank, pid, -2, x, v, target, epoch)
 
 
 @triton.jit
@@ -73,16 +119,20 @@ def megakernel(
     tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
     queues, qinfo, roles, heads, epoch, rank, limit, err, abort, go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
+    ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netn,
+    exitaddr, exitcount, nexit,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
     GEMM_ID: tl.constexpr, REDUCE_ID: tl.constexpr, COPY_ID: tl.constexpr,
     HAS_GEMM: tl.constexpr, HAS_REDUCE: tl.constexpr, HAS_COPY: tl.constexpr,
     USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
+    PUSH_ID: tl.constexpr, HAS_NET: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if BARRIER:
         _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort, err, rank,
-                       USE_TIMER)
+                       ring, dhead, tail, capacity, cmds, start_cmds, startaddr, USE_TIMER,
+                       HAS_NET)
     if HAS_GEMM:  # the rank's usual A and B: one descriptor each per launch, not per tile
         a_cols = tl.load(bufcols + a0_slot)
         ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),
@@ -109,7 +159,13 @@ def megakernel(
             slot = tl.load(wp)
             target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
             flag = tl.load(evaddr + slot).to(tl.pointer_type(tl.int32))
-            if tl.load(wp + 3) != 0:
+            nnet = 0
+            if HAS_NET:
+                nnet = tl.load(netn + slot)
+            if nnet > 0:
+                net = tl.load(netaddr + slot).to(tl.pointer_type(tl.int32))
+                v = wait_sum(flag, net, nnet, target, limit, abort, USE_TIMER, True)
+            elif tl.load(wp + 3) != 0:
                 v = wait(flag, target, limit, abort, USE_TIMER, True)
             else:
                 v = wait(flag, target, limit, abort, USE_TIMER, False)
@@ -129,6 +185,15 @@ def megakernel(
             if HAS_COPY:
                 if kind == COPY_ID:
                     copy_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
+            if HAS_NET:
+                if kind == PUSH_ID:
+                    c0 = tl.load(tp + _CMD0)
+                    for c in range(tl.load(tp + _NCMD)):
+                        ticket, seen = push(ring, dhead, tail, capacity, cmds + (c0 + c) * CMD_WORDS,
+                                            epoch, limit, abort, USE_TIMER)
+                        if ticket - seen >= capacity:
+                            _record(err, abort, rank, pid, tl.load(tp + _GID), -2, ticket, seen,
+                                    epoch)
             s0 = tl.load(tp + _SIG0)
             for q in range(tl.load(tp + _NSIG)):
                 sp = signals + (s0 + q) * 2
@@ -143,3 +208,5 @@ def megakernel(
                 tl.store(trace + t * 3 + 2, pid)
         i = tl.atomic_add(head, 1) - base
         stop = tl.load(abort, volatile=True)
+    if HAS_NET:
+        _exit_wait(pid, exitaddr, exitcount, nexit, epoch, limit, abort, err, rank, USE_TIMER)

@@ -10,6 +10,10 @@ Use: SPMD under torchrun (one process per GPU, torch.distributed initialised; ``
 returns the rank's LOCAL shards, as DTensor local tensors), or a 1-rank graph on one GPU with
 GLOBAL tensors. On the CPU, ``interpret=True`` runs the same kernel in Triton's interpreter with
 one all-roles program (TRITON_INTERPRET=1 must be set before triton is imported).
+
+Multi-node graphs (several nodes; GPUs of one host emulate them) add the network (net.py): a
+command FIFO in pinned host memory and a native host proxy per rank, which the runtime owns
+until ``close()``. The flag array then holds the proxies' net words after the events.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from mgraph.settings import Settings
 
 from ..memory import check_inputs, gather_outputs
 from ..trace import TaskRecord, Trace
-from .encode import RankTables, encode_rank, kind_id, layout
+from .encode import PUSH_ID, RankTables, encode_rank, kind_id, layout
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
@@ -106,12 +110,19 @@ class TritonRuntime:
                 "cuda", torch.cuda.current_device()
             )
         self.layout = layout(graph)
-        self.tables: RankTables = encode_rank(schedule, self.rank, single_program=interpret)
+        self.tables: RankTables = encode_rank(
+            schedule, self.rank, single_program=interpret, net=self.layout.net
+        )
         self.mine = set(graph.topology.ranks) if self.rank is None else {self.rank}
-        self._allocate()
-        self._upload()
         self.epoch = 0
         self.failed: MgraphError | None = None
+        self.net = None
+        self._allocate()
+        self._upload()
+        if self.layout.net is not None:
+            from .net import KernelNet
+
+            self.net = KernelNet(self)
 
     # -- set-up -------------------------------------------------------------------------------
     @staticmethod
@@ -125,11 +136,6 @@ class TritonRuntime:
         dtypes = {b.dtype for b in graph.buffers.values()}
         if len(dtypes) != 1:
             raise DTypeError(f"{graph.op}: backend='triton' needs one dtype, graph has {dtypes}")
-        if graph.topology.nodes > 1:
-            raise ScheduleError(
-                f"{graph.op}: backend='triton' runs one node for now (topology {graph.topology})",
-                hint="multi-node graphs need the GPU proxy path; use backend='reference'",
-            )
         for b in graph.buffers.values():
             if (b.cols * ITEMSIZE[b.dtype]) % 16:
                 raise ScheduleError(
@@ -165,15 +171,16 @@ class TritonRuntime:
             self.arena = symm_mem.empty(lay.arena_bytes, dtype=torch.uint8, device=dev)
             arena_h = symm_mem.rendezvous(self.arena, group)
             # Our own flag buffer: torch's signal pad belongs to torch's collectives (GPU.md).
-            self.flags = symm_mem.empty(lay.flag_count + 1, dtype=torch.int32, device=dev)
+            self.flags = symm_mem.empty(lay.flag_words, dtype=torch.int32, device=dev)
             flags_h = symm_mem.rendezvous(self.flags, group)
+            self.arena_handle, self.flags_handle = arena_h, flags_h
             self.flags.zero_()
             torch.cuda.synchronize(dev)
             dist.barrier()
             arena_ptrs, flag_ptrs = list(arena_h.buffer_ptrs), list(flags_h.buffer_ptrs)
         else:
             self.arena = torch.zeros(lay.arena_bytes, dtype=torch.uint8, device=dev)
-            self.flags = torch.zeros(lay.flag_count + 1, dtype=torch.int32, device=dev)
+            self.flags = torch.zeros(lay.flag_words, dtype=torch.int32, device=dev)
             arena_ptrs, flag_ptrs = [self.arena.data_ptr()], [self.flags.data_ptr()]
         self.views: dict[str, torch.Tensor] = {}
         for buf in graph.buffers.values():
@@ -205,7 +212,18 @@ class TritonRuntime:
         self.peer_flags = torch.tensor(
             [flag_ptrs[p] + 4 * lay.flag_count for p in peers] or [0], dtype=torch.int64
         )
-        self.start_flag = self.flags[lay.flag_count :]
+        self.start_flag = self.flags[lay.flag_count : lay.flag_count + 1]
+        # The network's tables: where the proxies' net words live (absolute addresses).
+        def word(rank: int, index: int) -> int:
+            return flag_ptrs[rank] + 4 * (lay.net_base + index)
+
+        self.netaddr = torch.tensor(
+            [word(r, first) for r, first, _ in t.event_net] or [0], dtype=torch.int64
+        )
+        self.netn = torch.tensor([n for _, _, n in t.event_net] or [0], dtype=torch.int32)
+        self.exitaddr = torch.tensor([word(r, w) for r, w, _ in t.exits] or [0], dtype=torch.int64)
+        self.exitcount = torch.tensor([n for _, _, n in t.exits] or [0], dtype=torch.int32)
+        self.startaddr = torch.tensor([word(r, w) for r, w in t.starts] or [0], dtype=torch.int64)
 
     def _upload(self) -> None:
         dev, t = self.device, self.tables
@@ -215,7 +233,9 @@ class TritonRuntime:
                 tasks=t.tasks, regions=t.regions, waits=t.waits, signals=t.signals,
                 queues=t.queues, qinfo=t.qinfo, roles=t.roles, bufaddr=self.bufaddr,
                 bufrows=self.bufrows, bufcols=self.bufcols, evaddr=self.evaddr,
-                peer_flags=self.peer_flags,
+                peer_flags=self.peer_flags, netaddr=self.netaddr, netn=self.netn,
+                exitaddr=self.exitaddr, exitcount=self.exitcount, startaddr=self.startaddr,
+                cmds=t.cmds if t.cmds is not None else torch.zeros(1, 16, dtype=torch.int64),
             ).items()
         }
         self.d["heads"] = torch.zeros(len(ROLES) + 1, dtype=torch.int32, device=dev)
@@ -271,38 +291,80 @@ class TritonRuntime:
                 if buf.rank in self.mine and buf.role != "input":
                     self.views[buf.id].fill_(float("nan"))
         self.epoch += 1
-        d, kinds = self.d, self.tables.kinds
+        d, kinds, t, net = self.d, self.tables.kinds, self.tables, self.net
         limit = int(self.settings.watchdog_s * 1e9) if not self.interpret else 1_000_000
+        if net is not None:
+            fifo = (net.fifo.ring, net.dhead, net.fifo.tail, net.fifo.capacity)
+        else:
+            fifo = (d["exitaddr"], d["exitaddr"], d["exitaddr"], 1)  # unused: HAS_NET is off
         megakernel[(self.tables.programs,)](
             d["tasks"], d["regions"], d["waits"], d["signals"], d["bufaddr"], d["bufrows"],
             d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
             self.epoch, -1 if self.rank is None else self.rank, limit, d["err"], d["abort"], d["go"], self.start_flag,
             d["peer_flags"], self.npeers, d["trace"], self.tables.a0_slot, self.tables.b0_slot,
+            *fifo, d["cmds"], t.start_cmds, d["startaddr"], d["netaddr"], d["netn"],
+            d["exitaddr"], d["exitcount"], len(t.exits),
             DT=_tl_dtype(self.graph.dtype), BM=self.bm, BN=self.bn, BK=BK, RB_M=RB_M, RB_N=RB_N,
             GEMM_ID=kind_id("gemm"), REDUCE_ID=kind_id("reduce"), COPY_ID=kind_id("copy"),
             HAS_GEMM="gemm" in kinds, HAS_REDUCE="reduce" in kinds, HAS_COPY="copy" in kinds,
             USE_TIMER=not self.interpret, TRACE=self.trace_enabled,
-            BARRIER=self.npeers > 0,
+            BARRIER=self.npeers > 0 or t.start_cmds > 0,
+            PUSH_ID=PUSH_ID, HAS_NET=net is not None,
             num_warps=8, num_stages=3,
         )
 
     def check(self) -> None:
-        """Raise the kernel's watchdog record, if any (synchronises)."""
+        """Raise the proxy's error or the kernel's watchdog record, if any (synchronises)."""
         err = self.d["err"].cpu().tolist()
+        if self.net is not None:
+            try:
+                self.net.check()
+            except MgraphError as exc:  # the root cause: the kernel's waits only timed out
+                self.failed = exc
+                raise
         if err[0]:
             _, rank, pid, task, slot, value, target, epoch = err
-            if task < 0:
-                what = "the entry barrier (peers' start flags)"
-            else:
-                t = self.graph.tasks[task]
-                ev = self.graph.events[self.tables.event_slots[slot]]
-                what = f"task {t.name!r} waiting for event {ev.name!r} (rank {ev.rank})"
             self.failed = WatchdogTimeout(
-                f"watchdog (triton): rank {rank}, program {pid}: {what}: value {value}, target "
-                f"{target}, epoch {epoch}, after {self.settings.watchdog_s:g} s",
+                f"watchdog (triton): rank {rank}, program {pid}: {self._what(task, slot)}: "
+                f"value {value}, target {target}, epoch {epoch}, after "
+                f"{self.settings.watchdog_s:g} s",
                 hint="a signal is missing or a peer never launched; rebuild the runtime to retry",
             )
             raise self.failed
+
+    def _what(self, task: int, slot: int) -> str:
+        """What a kernel error record waited for, in words (kernel.py lists the codes)."""
+        t, plan = self.tables, self.layout.net
+        if task == -1:
+            return "the entry barrier (node peers' start flags)"
+        if task == -3:
+            if slot == -2:
+                return "pushing a start SIGNAL: the command FIFO stayed full (value: ticket, " \
+                    "target: the proxy's tail)"
+            rank, word = t.starts[slot]
+            return f"the entry barrier: {plan.describe(rank, word)} (a remote peer's start)"
+        if task == -2:
+            rank, word, _ = t.exits[slot]
+            return f"the end-of-launch wait for net word {plan.describe(rank, word)} on rank {rank}"
+        name = self.graph.tasks[task].name
+        if slot == -2:
+            return f"task {name!r} pushing a command: the FIFO stayed full (value: ticket, " \
+                "target: the proxy's tail; is the proxy draining?)"
+        ev = self.graph.events[t.event_slots[slot]]
+        return f"task {name!r} waiting for event {ev.name!r} (rank {ev.rank})"
+
+    def close(self) -> None:
+        """Stop the network's proxy (multi-node graphs); the runtime cannot launch after."""
+        if self.net is not None:
+            self.net.close()
+            if self.failed is None:
+                self.failed = MgraphError(f"{self.graph.op}: this runtime was closed")
+
+    def __enter__(self) -> TritonRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(self, inputs: dict[str, torch.Tensor], *, poison: bool = True):
         from mgraph.runtime.reference import RunResult
@@ -348,7 +410,7 @@ class _SharedMemory:
         lay = layout(graph)
         ranks = graph.topology.ranks
         self.arenas = [torch.zeros(lay.arena_bytes, dtype=torch.uint8, device=device) for _ in ranks]
-        self.flags = [torch.zeros(lay.flag_count + 1, dtype=torch.int32, device=device) for _ in ranks]
+        self.flags = [torch.zeros(lay.flag_words, dtype=torch.int32, device=device) for _ in ranks]
 
 
 def run_in_process(
@@ -361,8 +423,11 @@ def run_in_process(
     shared = _SharedMemory(schedule.graph, torch.device("cpu"))
     rt = TritonRuntime(schedule, rank=None, interpret=True, shared=shared, settings=settings)
     result = None
-    for _ in range(launches):
-        result = rt.run(inputs)
+    try:
+        for _ in range(launches):
+            result = rt.run(inputs)
+    finally:
+        rt.close()
     assert result is not None
     return result.outputs
 

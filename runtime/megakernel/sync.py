@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["now", "signal", "wait", "fence_proxy_async"]
+__all__ = ["now", "signal", "wait", "wait_sum", "fence_proxy_async"]
 
 
 @triton.jit
@@ -75,6 +75,35 @@ def wait(flag, target, limit, abort, USE_TIMER: tl.constexpr, SYS: tl.constexpr 
         elapsed = tl.zeros((), dtype=tl.int64)
         while (value < target) & (elapsed < limit) & (aborted == 0):
             value = _poll(flag, SYS)
+            aborted = tl.load(abort, volatile=True)
+            spins += 1
+            if USE_TIMER:
+                elapsed = now(USE_TIMER) - start
+            else:
+                elapsed = spins.to(tl.int64)
+    return value
+
+
+@triton.jit
+def _poll_sum(flag, net, nnet, SYS: tl.constexpr):
+    v = _poll(flag, SYS)
+    for j in range(nnet):
+        v += _poll(net + j, True)  # raised by a host proxy through the copy engine: sys scope
+    return v
+
+
+@triton.jit
+def wait_sum(flag, net, nnet, target, limit, abort, USE_TIMER: tl.constexpr, SYS: tl.constexpr):
+    """``wait`` for an event whose count is its GPU word plus ``nnet`` net words that host
+    proxies raise (runtime/megakernel/netplan.py)."""
+    value = _poll_sum(flag, net, nnet, SYS)
+    if value < target:
+        start = now(USE_TIMER)
+        spins = 0
+        aborted = tl.load(abort, volatile=True)
+        elapsed = tl.zeros((), dtype=tl.int64)
+        while (value < target) & (elapsed < limit) & (aborted == 0):
+            value = _poll_sum(flag, net, nnet, SYS)
             aborted = tl.load(abort, volatile=True)
             spins += 1
             if USE_TIMER:

@@ -1,0 +1,166 @@
+"""What the megakernel's RDMA workers push, and the flag words the host proxies raise.
+
+Pure Python over the graph: every rank computes the same plan, so a command's buffer indices and
+event words mean the same thing in the pushing process and in the peer's memory.
+
+Net words. A GPU event counter may be signalled both by tiles on GPUs (atomic adds) and by a
+host proxy, which cannot add: it writes a running count with a copy-engine memory operation
+(cuStreamWriteValue32, ordered after the data copy). So the proxy never touches an event's GPU
+word. Instead each rank has a region of "net words" after its event flags, each with exactly ONE
+writing proxy, and a waiter sums the event's GPU word and its net words. The words are, per rank:
+
+- ``("event", e, src)``: event ``e`` of this rank as raised by rank ``src``'s proxy (an event's
+  words are consecutive, so a waiter sums a range);
+- ``("arrive", src)``: WRITEs from ``src`` whose task signals nothing here: the kernel still
+  waits for them at exit, so no launch ends with data in flight into it;
+- ``("sent",)``: this rank's WRITEs that completed (the source may be overwritten);
+- ``("start", src)``: ``src`` started this launch. Before any task, a rank waits for the start
+  of every remote peer it exchanges data with: a peer that started launch k has finished reading
+  what launch k-1 left in its buffers, so writes of launch k may land.
+
+Every word's raises per launch are known here (``per_launch``), so targets are epoch-tagged like
+GPU events and, at exit, one program waits until every net word of its rank reached
+``epoch * per_launch``: when the kernel ends, all of its sends completed and all data bound for
+it arrived.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mgraph.errors import ScheduleError
+from mgraph.graph import Task, TaskGraph
+from mgraph.kinds import Role
+from mgraph.runtime.proxy.command import Command, Rect
+
+__all__ = ["NetPlan", "net_plan"]
+
+Key = tuple
+
+
+@dataclass
+class NetPlan:
+    """See the module docstring. Commands carry epoch 0; the kernel patches the launch's."""
+
+    words: list[dict[Key, int]]  # per rank: key -> net word index
+    per_launch: list[list[int]]  # per rank: raises per launch of each word
+    commands: dict[int, list[Command]]  # rdma task id -> its commands, in push order
+    peers: list[list[int]]  # per rank: remote ranks it exchanges data with
+    buffer_index: dict[str, int]  # buffer id -> index in its rank's registered memory
+    event_words: dict[int, tuple[int, int]] = field(default_factory=dict)  # event -> (first, n)
+
+    @property
+    def count(self) -> int:
+        """Net words of the rank with the most (every rank allocates this many)."""
+        return max((len(w) for w in self.words), default=0)
+
+    def start_commands(self, rank: int) -> list[Command]:
+        return [
+            Command.signal(rank, q, self.words[q][("start", rank)]) for q in self.peers[rank]
+        ]
+
+    def describe(self, rank: int, word: int) -> str:
+        """The key of net word ``word`` on ``rank``, for error messages."""
+        for key, index in self.words[rank].items():
+            if index == word:
+                return " ".join(str(k) for k in key)
+        return f"word {word}"
+
+
+def _endpoints(graph: TaskGraph, t: Task) -> tuple[int, list[int], list[int]]:
+    if len(t.reads) != 1 or len(t.writes) != 1:
+        raise ScheduleError(
+            f"{graph.op}: rdma task {t.name!r} reads {len(t.reads)} and writes {len(t.writes)} "
+            "regions; a network transfer moves one region into one region",
+        )
+    dst = graph.buffers[t.writes[0].buffer].rank
+    dst_events = [e for e in t.signals if graph.events[e].rank == dst]
+    src_events = [e for e in t.signals if graph.events[e].rank == t.rank]
+    other = [e for e in t.signals if graph.events[e].rank not in (dst, t.rank)]
+    if other:
+        ev = graph.events[other[0]]
+        raise ScheduleError(
+            f"{graph.op}: rdma task {t.name!r} (rank {t.rank} -> {dst}) signals event "
+            f"{ev.name!r} on rank {ev.rank}, a third rank",
+            hint="a transfer raises events on its destination or its source only",
+        )
+    return dst, dst_events, src_events
+
+
+def net_plan(graph: TaskGraph) -> NetPlan:
+    ranks = graph.topology.world_size
+    rdma = [t for t in graph.tasks if t.role == Role.RDMA.value]
+    index: dict[str, int] = {}
+    per_rank = [0] * ranks
+    for buf in graph.buffers.values():  # graph order, the same in every process
+        index[buf.id] = per_rank[buf.rank]
+        per_rank[buf.rank] += 1
+
+    # Raises per launch of every key, by rank.
+    raises: list[dict[Key, int]] = [{} for _ in range(ranks)]
+    peers: list[set[int]] = [set() for _ in range(ranks)]
+
+    def bump(rank: int, key: Key) -> None:
+        raises[rank][key] = raises[rank].get(key, 0) + 1
+
+    ends = {}
+    for t in rdma:
+        dst, dst_events, src_events = _endpoints(graph, t)
+        ends[t.id] = dst, dst_events, src_events
+        if dst != t.rank:
+            peers[t.rank].add(dst)
+            peers[dst].add(t.rank)
+        for e in dst_events:
+            bump(dst, ("event", e, t.rank))
+        if not dst_events:
+            bump(dst, ("arrive", t.rank))
+        for e in src_events:
+            bump(t.rank, ("event", e, t.rank))
+        if not src_events:
+            bump(t.rank, ("sent",))
+    for r in range(ranks):
+        for q in peers[r]:
+            bump(r, ("start", q))
+
+    # Word indices: an event's words first and consecutive, then the others.
+    words: list[dict[Key, int]] = [{} for _ in range(ranks)]
+    event_words: dict[int, tuple[int, int]] = {}
+    for r in range(ranks):
+        keys = sorted(raises[r], key=lambda k: (k[0] != "event", k[0], k[1:]))
+        for key in keys:
+            words[r][key] = len(words[r])
+        for key in keys:
+            if key[0] == "event":
+                first, n = event_words.get(key[1], (words[r][key], 0))
+                event_words[key[1]] = (first, n + 1)
+    per_launch = [[raises[r][k] for k in words[r]] for r in range(ranks)]
+
+    commands: dict[int, list[Command]] = {}
+    for t in rdma:
+        dst, dst_events, src_events = ends[t.id]
+        src, dreg = t.reads[0], t.writes[0]
+        arrive = ("event", dst_events[0], t.rank) if dst_events else ("arrive", t.rank)
+        done = ("event", src_events[0], t.rank) if src_events else ("sent",)
+        cmds = [
+            Command.write(
+                t.rank,
+                Rect(index[src.buffer], src.row0, src.row1, src.col0, src.col1),
+                dst,
+                Rect(index[dreg.buffer], dreg.row0, dreg.row1, dreg.col0, dreg.col1),
+                bytes=graph.region_bytes(src),
+                event=words[dst][arrive],
+                done_event=words[t.rank][done],
+                task=t.id,
+            )
+        ]
+        # Further events: SIGNALs, which the proxy executes after the write (stream order).
+        cmds += [
+            Command.signal(t.rank, dst, words[dst][("event", e, t.rank)], task=t.id)
+            for e in dst_events[1:]
+        ]
+        cmds += [
+            Command.signal(t.rank, t.rank, words[t.rank][("event", e, t.rank)], task=t.id)
+            for e in src_events[1:]
+        ]
+        commands[t.id] = cmds
+    return NetPlan(words, per_launch, commands, [sorted(p) for p in peers], index, event_words)
