@@ -29,9 +29,69 @@ CASES = {
 }
 
 
+def network_epochs() -> None:
+    """2x1 GEMM+AR relaunched on ONE runtime: the proxy and its net words live across launches,
+    targets are epoch-tagged, and every launch's commands are executed exactly once."""
+    from mgraph.runtime.megakernel.runtime import _SharedMemory
+
+    op = mg.ops.get_op("gemm_allreduce")
+    graph = op(topology="2x1", M=64, N=64, K=128, tile=[32, 32], chunk_bytes=4096)
+    sched = mg.schedule(graph)
+    rt = TritonRuntime(sched, rank=None, interpret=True, shared=_SharedMemory(graph, torch.device("cpu")))
+    errs = []
+    for launch in range(4):
+        inputs = op.random_inputs(graph, seed=10 + launch)
+        want = op.run_reference(inputs, graph.params)["out"]
+        got = rt.run(inputs).outputs["out"]
+        errs.append(((got - want).norm() / want.norm()).item())
+    plan, lay = rt.layout.net, rt.layout
+    words = {
+        str(r): rt.shared.flags[r][lay.net_base : lay.net_base + len(plan.words[r])].tolist()
+        for r in graph.topology.ranks
+    }
+    stats = rt.net.proxy.stats
+    rt.close()
+    print(json.dumps({
+        "case": "network-epochs", "errors": errs, "epochs": rt.epoch, "words": words,
+        "per_launch": {str(r): plan.per_launch[r] for r in graph.topology.ranks},
+        "starts": {str(r): [plan.words[r][k] for k in plan.words[r] if k[0] == "start"]
+                   for r in graph.topology.ranks},
+        "commands": stats.commands,
+        "per_launch_commands": sum(len(c) for c in plan.commands.values()),
+    }), flush=True)
+
+
+def network_bad_command() -> None:
+    """A command the proxy must refuse (a destination buffer that does not exist): the proxy
+    stops, aborts the kernel's waits at once, and the runtime raises the proxy's error, which
+    names the command, instead of a watchdog timeout or a wrong answer."""
+    from mgraph.runtime.megakernel.runtime import _SharedMemory
+    from mgraph.runtime.proxy.command import Word
+
+    op = mg.ops.get_op("gemm_allreduce")
+    graph = op(topology="2x1", M=64, N=64, K=128, tile=[32, 32], chunk_bytes=4096)
+    rt = TritonRuntime(mg.schedule(graph), rank=None, interpret=True,
+                       shared=_SharedMemory(graph, torch.device("cpu")))
+    rt.d["cmds"][0, Word.DST_BUF] = 999
+    try:
+        rt.run(op.random_inputs(graph, seed=0))
+        outcome, message = "no error", ""
+    except mg.MgraphError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    rt.close()
+    print(json.dumps({"case": "network-bad-command", "errors": [0.0], "outcome": outcome,
+                      "message": message}), flush=True)
+
+
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     for name in names:
+        if name == "network-epochs":
+            network_epochs()
+            continue
+        if name == "network-bad-command":
+            network_bad_command()
+            continue
         op_name, topo, kw = CASES[name]
         op = mg.ops.get_op(op_name)
         graph = op(topology=topo, **kw)
@@ -50,4 +110,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(CASES))
+    main(sys.argv[1:] or [*CASES, "network-epochs", "network-bad-command"])

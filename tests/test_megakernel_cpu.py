@@ -100,9 +100,21 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 6, proc.stdout
+    assert len(rows) == 12, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
+    # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at
+    # epochs x its raises per launch (start words are not used by the single program), and the
+    # proxy executed each launch's commands exactly once.
+    net = next(r for r in rows if r["case"] == "network-epochs")
+    for rank, words in net["words"].items():
+        for w, (value, per) in enumerate(zip(words, net["per_launch"][rank], strict=True)):
+            assert value == (0 if w in net["starts"][rank] else net["epochs"] * per), (rank, w)
+    assert net["commands"] == net["epochs"] * net["per_launch_commands"]
+    # A command the proxy refuses surfaces as the proxy's error, naming the command.
+    bad = next(r for r in rows if r["case"] == "network-bad-command")
+    assert bad["outcome"] == "ProxyError", bad
+    assert "buf999" in bad["message"] and "has no buffer 999" in bad["message"], bad
 
 
 def test_event_scopes_are_gpu_unless_they_cross_gpus():
