@@ -95,6 +95,25 @@ def test_bad_commands_name_the_problem() -> None:
         CommandFifo(12)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_pinned_fifo_needs_cuda() -> None:
+    with pytest.raises(ProxyError, match=r"pinned=True needs CUDA") as info:
+        CommandFifo(8, pinned=True)
+    assert "pinned=False" in str(info.value.hint)
+    assert CommandFifo(8, pinned=False).pinned is False  # the default path is untouched
+    with pytest.raises(ProxyError, match="not a power of two"):  # checked first, as before
+        CommandFifo(12, pinned=True)
+
+
+@pytest.mark.gpu
+def test_pinned_fifo_is_page_locked_and_works() -> None:
+    fifo = CommandFifo(8, pinned=True)
+    assert fifo.pinned and all(t.is_pinned() for t in (fifo.ring, fifo.head, fifo.tail))
+    for i in range(20):  # wraps around: the ctypes views address the pinned storage
+        fifo.push(_signal(i))
+        assert fifo.pop(1) == [(i, _signal(i))]
+
+
 def _signal(i: int, producer: int = 0) -> Command:
     return Command.signal(producer, 1, event=i % 1000, epoch=i, task=producer)
 

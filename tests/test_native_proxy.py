@@ -3,6 +3,7 @@ wrap-around and back-pressure, epochs, rejected commands, pacing, and the runtim
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -325,3 +326,274 @@ def test_an_event_tagged_with_another_launch_is_refused() -> None:
         rt.run(mg.ops.get_op(graph.op).random_inputs(graph))
         with pytest.raises(ProxyError, match="tagged with launch 7 during launch 1"):
             rt.network._raise(1, 0, 7)  # what a transport calls for an arriving event
+
+
+# -- int32 host flag words ---------------------------------------------------------------------
+FLAGS = 16
+
+
+def flag_world(topology: str = "2x1") -> tuple[World, dict[int, torch.Tensor]]:
+    """A World whose ranks raise their events on int32 flag words instead of the counters."""
+    w = World(topology)
+    flags = {r: torch.zeros(FLAGS, dtype=torch.int32) for r in w.topology.ranks}
+    for r, f in flags.items():
+        w.transport.register_flags(r, f)
+    return w, flags
+
+
+def produce(fifo: CommandFifo, cmds: list[Command], count: int | None = None) -> int:
+    """Push ``cmds`` through the native producer (the GPU's protocol), cycling to ``count``."""
+    bodies = [encode(c, 1) for c in cmds]
+    ptrs = (fifo.ring.data_ptr(), fifo.head.data_ptr(), fifo.tail.data_ptr(), fifo.capacity)
+    return native.produce(*ptrs, bodies, len(cmds) if count is None else count)
+
+
+def test_repeated_flag_words_are_raised_once_per_batch_with_exact_counts() -> None:
+    w, flags = flag_world()
+    tiles = rows(16)
+    # One batch of 8, pushed twice: tiles 0, 2, 4, ... (never adjacent: no coalescing) raising
+    # word 3 four times, 5 twice, 4 twice, and the source's done word 1 twice.
+    batch = [
+        write(0, tiles[0], 1, tiles[0]._replace(buffer=1), event=3, done_event=1),
+        Command.signal(0, 1, 3),
+        write(0, tiles[2], 1, tiles[2]._replace(buffer=1), event=3),
+        Command.signal(0, 1, 5),
+        write(0, tiles[4], 1, tiles[4]._replace(buffer=1), event=4),
+        Command.signal(0, 1, 3),
+        write(0, tiles[6], 1, tiles[6]._replace(buffer=1), event=4, done_event=1),
+        Command.signal(0, 1, 5),
+    ]
+    fifo = CommandFifo(16)
+    assert produce(fifo, batch, 16) == 16  # queued before the loop starts: two full batches
+    proxy = w.proxy(fifo, 0, batch=8)
+    proxy.stop()
+    want = torch.zeros(FLAGS, dtype=torch.int32)
+    want[3], want[4], want[5] = 8, 4, 4
+    assert torch.equal(flags[1], want)
+    assert flags[0].tolist() == [0, 4] + [0] * (FLAGS - 2)
+    for t in tiles[0:8:2]:
+        assert torch.equal(w.region(1, t._replace(buffer=1)), w.region(0, t))
+    s = proxy.loop_stats()
+    assert (s["commands"], s["batches"], s["writes"], s["signals"]) == (16, 2, 8, 8)
+    assert s["events"] == 20 and s["raises"] == 8  # 4 distinct words a batch
+    assert not any(c.any() for c in w.counters.values())  # flags replaced the counters
+
+
+def test_a_word_goes_out_once_its_last_write_of_the_batch_landed_not_at_batch_end() -> None:
+    w, flags = flag_world()
+    tiles = rows(16)
+    fifo = CommandFifo(16)
+    # Two batches of 8 paced writes (10 ms each); each word counts 4 consecutive tiles.
+    produce(fifo, [write(0, t, 1, t._replace(buffer=1), event=i // 4) for i, t in enumerate(tiles)])
+
+    def landed(k: int) -> bool:
+        return torch.equal(w.region(1, tiles[k]._replace(buffer=1)), w.region(0, tiles[k]))
+
+    early: list[bool] = []  # word 0 complete while its batch's last tile was not yet written
+    wrong: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:  # a consumer: a count c means the first c tiles of its word landed
+        while not done.is_set():
+            counts = flags[1][:4].tolist()
+            early.append(counts[0] == 4 and not landed(7))
+            wrong.extend(
+                f"word {word} at {c} before tile {4 * word + k}"
+                for word, c in enumerate(counts)
+                for k in range(c)
+                if not landed(4 * word + k)
+            )
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    proxy = w.proxy(fifo, 0, batch=8, coalesce=False, bandwidth=2 * COLS * 4 / 0.01)
+    proxy.stop()
+    done.set()
+    watcher.join()
+    assert wrong == [] and any(early)
+    assert flags[1][:4].tolist() == [4, 4, 4, 4] and not flags[1][4:].any()
+    s = proxy.loop_stats()
+    assert (s["batches"], s["writes"], s["events"], s["raises"]) == (2, 16, 16, 4)
+
+
+def test_flag_event_out_of_range_names_the_command() -> None:
+    w, flags = flag_world()
+    fifo = CommandFifo(8)
+    t = rows(2)
+    # The first signal's word is raised again after the bad command, so its raise is still
+    # pending when the batch fails: it must go out anyway (the signal was executed).
+    produce(
+        fifo,
+        [
+            Command.signal(0, 1, 2),
+            write(0, t[0], 1, t[0]._replace(buffer=1), event=FLAGS, task=77),
+            Command.signal(0, 1, 2),
+        ],
+    )
+    with pytest.raises(ProxyError, match=rf"event {FLAGS} is outside rank 1's {FLAGS} events") as e:
+        w.proxy(fifo, 0).stop()
+    assert "command #1 (WRITE" in str(e.value) and "task 77" in str(e.value)
+    assert flags[1].tolist() == [0, 0, 1] + [0] * (FLAGS - 3)
+    assert not torch.equal(w.region(1, t[0]._replace(buffer=1)), w.region(0, t[0]))
+    assert fifo.tail_value == 1
+
+
+def test_flags_ring_the_doorbell() -> None:
+    w, flags = flag_world()
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    try:
+        fifo = CommandFifo(8)
+        fifo.push(Command.signal(0, 1, 6))
+        w.proxy(fifo, 0, doorbell_fd=write_fd).stop()
+        assert flags[1][6] == 1 and len(os.read(read_fd, 64)) >= 8
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def test_set_host_flags_refuses_bad_words() -> None:
+    fifo = CommandFifo(8)
+    drain = native.Drain(
+        fifo.ring.data_ptr(), fifo.head.data_ptr(), fifo.tail.data_ptr(), 8, 8, True, 1.0
+    )
+    words = torch.zeros(4, dtype=torch.int32)
+    drain.set_host_flags(0, words.data_ptr(), 4)
+    with pytest.raises(ValueError, match="aligned to 4 bytes"):
+        drain.set_host_flags(0, words.data_ptr() + 2, 3)
+    with pytest.raises(ValueError, match="n >= 0"):
+        drain.set_host_flags(0, words.data_ptr(), -1)
+    with pytest.raises(ValueError, match="non-null"):
+        drain.set_host_flags(0, 0, 4)
+
+
+def test_register_flags_validates_the_tensor() -> None:
+    w = World("2x1")
+    for bad in (
+        torch.zeros(4, dtype=torch.int64),
+        torch.zeros(2, 2, dtype=torch.int32),
+        torch.zeros(8, dtype=torch.int32)[::2],
+        [0, 0, 0],
+    ):
+        with pytest.raises(ProxyError, match="1-D contiguous int32 CPU tensor"):
+            w.transport.register_flags(0, bad)
+
+
+# -- idle_sleep_us = 0 -------------------------------------------------------------------------
+def test_idle_sleep_zero_never_sleeps_yet_reacts_and_lets_others_run() -> None:
+    w, flags = flag_world()
+    fifo = CommandFifo(8)
+    with pytest.raises(ProxyError, match="idle_sleep_us must be an int >= 0"):
+        w.proxy(fifo, 0, idle_sleep_us=-1)
+    with w.proxy(fifo, 0, idle_sleep_us=0) as proxy:
+        assert proxy._drain.idle_sleep_us == 0
+        spins = 0
+        deadline = time.perf_counter() + 0.1
+        while time.perf_counter() < deadline:  # this thread still runs while the loop idles
+            spins += 1
+        assert spins > 1000
+        fifo.push(Command.signal(0, 1, 0))
+        deadline = time.monotonic() + 2
+        while flags[1][0] == 0 and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        assert flags[1][0] == 1
+
+
+# -- cuda_ipc: memory symmetric memory already mapped -------------------------------------------
+class NoStore:
+    """A store that fails the test if touched: mapped memory exchanges no handles."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"the store was used ({name})")
+
+
+class RecordingDrain:
+    def __init__(self) -> None:
+        self.buffers: list[tuple[int, int, int, int]] = []  # rank, place, index, rows
+        self.flags: list[tuple[int, int]] = []  # rank, n
+
+    def use_cuda(self, device: int, runtime_libs: list[str], driver_libs: list[str]) -> str:
+        return ""
+
+    def add_buffer(self, rank, place, index, ptr, rows, *rest) -> None:  # noqa: ANN001
+        self.buffers.append((rank, place, index, rows))
+
+    def set_cuda_flags(self, rank: int, flags: int, n: int, shadow: int) -> None:
+        self.flags.append((rank, n))
+
+
+def cuda_ipc_on_cpu(monkeypatch):  # noqa: ANN001, ANN201
+    """A CudaIpcTransport on this CPU machine: only its constructor asks for CUDA."""
+    from mgraph.runtime.proxy import CudaIpcTransport
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return CudaIpcTransport(NoStore(), {0: 0})
+
+
+def test_register_mapped_validates_before_any_cuda_call(monkeypatch) -> None:
+    t = cuda_ipc_on_cpu(monkeypatch)
+    with pytest.raises(ProxyError, match="rank 1 buffer 0 is on cpu, not a CUDA device"):
+        t.register_mapped(1, {0: torch.zeros(2, 2)}, None)
+    with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor or None"):
+        t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int32))  # host memory
+    with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor or None"):
+        t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int64))
+    assert t.memory == {} and t.mapped == set()
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_mapped_ranks_connect_and_attach_without_the_store(monkeypatch) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t = cuda_ipc_on_cpu(monkeypatch)
+    try:  # CUDA tensors without a GPU: metadata only, which is all these paths may touch
+        with FakeTensorMode():
+            own = {0: torch.empty(8, 16, device="cuda:0"), 1: torch.empty(4, 16, device="cuda:0")}
+            peer = {0: torch.empty(8, 16, device="cuda:0")}  # a peer's, on the local device
+            own_flags = torch.empty(32, dtype=torch.int32, device="cuda:0")
+            peer_flags = torch.empty(16, dtype=torch.int32, device="cuda:0")
+        own[0].data_ptr()  # attach_native reads addresses (fake ones are 0)
+    except Exception as exc:
+        pytest.skip(f"this torch makes no fake CUDA tensors with addresses: {exc}")
+    t.register_mapped(0, own, own_flags)
+    t.register_mapped(5, peer, peer_flags)
+    t.register_mapped(6, peer, None)  # not connected to 0: not attached
+    t.connect(0, 5)  # NoStore fails the test if connect reaches for IPC handles
+    assert t.mapped == {0, 5, 6} and t.connections == {frozenset((0, 5))}
+    assert set(t.flags) == {0, 5} and t.shadow[5].tolist() == [0] * 16
+    drain = RecordingDrain()
+    t.attach_native(drain, 0, {})
+    cuda = native.PLACE_CUDA
+    assert sorted(drain.buffers) == [(0, cuda, 0, 8), (0, cuda, 1, 4), (5, cuda, 0, 8)]
+    assert sorted(drain.flags) == [(0, 32), (5, 16)]
+
+
+@pytest.mark.gpu
+def test_mapped_cuda_memory_end_to_end_with_merged_flag_writes() -> None:
+    """One GPU: rank 0's memory and a stand-in 'peer' rank 1 (tensors on the same device),
+    both register_mapped; repeated words go out as one cuStreamWriteValue32 of the total."""
+    from mgraph.runtime.proxy import CudaIpcTransport
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randn(ROWS, COLS, device="cuda", generator=gen)
+    dst = torch.zeros(ROWS, COLS, device="cuda")
+    flags = {r: torch.zeros(FLAGS, dtype=torch.int32, device="cuda") for r in (0, 1)}
+    t = CudaIpcTransport(NoStore(), {0: torch.cuda.current_device()})
+    t.register_mapped(0, {0: src}, flags[0])
+    t.register_mapped(1, {1: dst}, flags[1])
+    t.connect(0, 1)
+    tiles = rows(16)
+    cmds = [write(0, x, 1, x._replace(buffer=1), event=i // 4, done_event=9) for i, x in
+            enumerate(tiles)] + [Command.signal(0, 1, 4)] * 4  # fmt: skip
+    fifo = CommandFifo(32)
+    produce(fifo, cmds)
+    torch.cuda.synchronize()
+    proxy = NativeProxy(fifo, t, 8, rank=0, idle_sleep_us=0)
+    proxy.stop()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
+    assert flags[1][:5].tolist() == [4, 4, 4, 4, 4] and flags[0][9] == 16
+    s = proxy.loop_stats()
+    assert (s["events"], s["raises"]) == (36, 7)  # 3 words a tile batch, 1 for the signals
+    assert t.shadow[1][:5].tolist() == [4] * 5  # the host mirror matches what the GPU holds

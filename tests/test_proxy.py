@@ -334,3 +334,24 @@ def test_bytes_mismatch_and_callback_errors_are_wrapped() -> None:
     fifo.push(Command.signal(0, 1, event=5, task=11))
     with pytest.raises(ProxyError, match=r"command #0 \(SIGNAL .*task 11\) failed: KeyError"):
         Proxy(fifo, t).stop()
+
+
+# -- int32 flag words --------------------------------------------------------------------------
+def test_registered_int32_flags_replace_the_callback() -> None:
+    w = World("2x1")
+    flags = torch.zeros(8, dtype=torch.int32)
+    w.transport.register_flags(1, flags)  # rank 1 only: rank 0 keeps the callback
+    a, b, c = row_tiles(3)
+    fifo = CommandFifo(16)
+    fifo.push(w.write(0, a, 1, a, event=2, done_event=5))  # done event on rank 0: the callback
+    fifo.push(w.write(0, c, 1, c, event=2))  # not adjacent to a: its own write
+    fifo.push(Command.signal(0, 1, event=7))
+    fifo.push(w.write(1, b, 0, b, event=3, done_event=2))  # done event on rank 1: a flag
+    Proxy(fifo, w.transport).stop()
+    assert flags.tolist() == [0, 0, 3, 0, 0, 0, 0, 1]
+    assert sorted(w.raised) == [(0, 3, 0), (0, 5, 0)]
+    assert torch.equal(w.region(1, a), w.region(0, a))
+    with pytest.raises(ProxyError, match="event 8 is outside rank 1's 8 flag words"):
+        w.transport.signal(0, 1, event=8)
+    with pytest.raises(ProxyError, match="1-D contiguous int32 CPU tensor, got torch.int64"):
+        w.transport.register_flags(0, torch.zeros(8, dtype=torch.int64))

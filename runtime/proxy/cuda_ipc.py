@@ -5,6 +5,8 @@ CUDA tensors. Python keeps the control plane: ``register`` publishes a rank's bu
 ``register_flags`` its event flag words through the torch.distributed store as CUDA IPC handles
 (torch's own ``reduce_tensor``: handle, offset and size of the allocation); ``connect(rank,
 peer)`` opens the peer's handles (cudaIpcOpenMemHandle), mapping its buffers and flags here.
+Memory that torch symmetric memory already mapped into this process is registered directly
+instead (``register_mapped``): no handles are exchanged for it.
 
 The data path is the native drain loop (``attach_native``): cudaMemcpy2DAsync on the proxy's
 own stream from the local buffer into the mapped peer buffer (the copy engine, no SM), then
@@ -83,6 +85,7 @@ class CudaIpcTransport(Transport):
         self.flags: dict[int, torch.Tensor] = {}  # rank -> int32 flag words (own or mapped)
         self.shadow: dict[int, torch.Tensor] = {}  # rank -> int64 host copy of its flag words
         self.connections: set[frozenset[int]] = set()
+        self.mapped: set[int] = set()  # ranks registered with register_mapped
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pending: dict[int, list[tuple[int, torch.cuda.Event]]] = {}
         self._next_id = 0
@@ -120,6 +123,61 @@ class CudaIpcTransport(Transport):
         self.shadow[rank] = torch.zeros(flags.numel(), dtype=torch.int64)
         self.store.set(f"{self.prefix}/flags/{rank}", pickle.dumps(reduce_tensor(flags)))
 
+    def register_mapped(
+        self, rank: int, buffers: dict[int, torch.Tensor], flags: torch.Tensor | None
+    ) -> None:
+        """Register memory of ``rank`` that this process can already address: its own GPU's,
+        or a peer's that torch symmetric memory mapped here (``symm_mem.rendezvous(t)
+        .get_buffer(peer, ...)``: a tensor on the LOCAL device index that points at the peer's
+        memory). ``buffers`` are 2-D CUDA tensors on any device; ``flags`` is the rank's net
+        flag words (1-D int32 CUDA tensor, zero when the first event is raised) or None.
+
+        Why this path exists: the rendezvous has already done the mapping (it exchanged the
+        handles and opened them, for every rank, once), so opening IPC handles again would only
+        map the same memory twice. And ``register`` cannot share such memory at all: it
+        publishes handles with torch's ``reduce_tensor``, which works for caching-allocator
+        blocks only, and symmetric-memory allocations do not come from the caching allocator.
+
+        Nothing is published to or read from the store: once ``rank`` and ``peer`` are both
+        registered this way, ``connect(rank, peer)`` only records the pair, and
+        ``attach_native`` describes both ranks' buffers and flags to the drain loop. The flag
+        words' running counts start from zero in a new host shadow, so each word must have ONE
+        writing proxy and a rank is registered once per lifetime of its flags.
+        """
+        self._check_open("register_mapped")
+        for index, t in buffers.items():
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+                where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ProxyError(
+                    f"cuda_ipc: rank {rank} buffer {index} is on {where}, not a CUDA device",
+                    hint="register_mapped takes GPU memory this process can address; "
+                    "host memory belongs to the inprocess or tcp transport",
+                )
+        if flags is not None and not (
+            isinstance(flags, torch.Tensor)
+            and flags.dtype == torch.int32
+            and flags.dim() == 1
+            and flags.is_contiguous()
+            and flags.device.type == "cuda"
+        ):
+            what = type(flags).__name__
+            if isinstance(flags, torch.Tensor):
+                layout = "contiguous" if flags.is_contiguous() else "not contiguous"
+                what = f"{flags.dtype} {tuple(flags.shape)} on {flags.device}, {layout}"
+            raise ProxyError(
+                f"cuda_ipc: rank {rank}'s flags must be a 1-D contiguous int32 CUDA tensor or "
+                f"None, got {what}",
+                hint="pass the rank's net flag words, e.g. flags[lo:hi] of its symmetric flags",
+            )
+        Transport.register(self, rank, buffers)  # shape checks only: no handles published
+        self.mapped.add(rank)
+        if flags is None:
+            self.flags.pop(rank, None)
+            self.shadow.pop(rank, None)
+        else:
+            self.flags[rank] = flags
+            self.shadow[rank] = torch.zeros(flags.numel(), dtype=torch.int64)
+
     def _device(self, rank: int) -> int:
         if rank not in self.devices:
             raise ProxyError(
@@ -128,11 +186,13 @@ class CudaIpcTransport(Transport):
         return self.devices[rank]
 
     def connect(self, rank: int, peer: int) -> None:
-        """Map ``peer``'s buffers and flags into this process (a no-op when it is local)."""
+        """Map ``peer``'s buffers and flags into this process through the store's IPC
+        handles; only the pair is recorded when ``peer`` is local or was ``register_mapped``."""
         self._check_open("connect")
-        device = self._device(rank)
-        if peer not in self.devices and peer not in self.memory:
-            with torch.cuda.device(device):
+        if rank not in self.mapped:
+            self._device(rank)  # a rank this process holds
+        if peer not in self.devices and peer not in self.memory and peer not in self.mapped:
+            with torch.cuda.device(self._device(rank)):
                 handles = pickle.loads(
                     store_get(
                         self.store,

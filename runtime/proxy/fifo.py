@@ -71,10 +71,14 @@ class CommandFifo:
     """A ring of ``capacity`` commands (a power of two). ``push`` from any thread; exactly one
     consumer calls ``peek``/``release`` (or ``pop``).
 
-    ``timeout`` bounds how long a producer waits for space before ProxyError.
+    ``timeout`` bounds how long a producer waits for space before ProxyError. ``pinned``
+    allocates the three tensors in page-locked host memory, which a GPU kernel can read and
+    write through unified addressing (the megakernel pushes its commands itself); it needs CUDA.
     """
 
-    def __init__(self, capacity: int = 1024, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self, capacity: int = 1024, *, timeout: float = 10.0, pinned: bool = False
+    ) -> None:
         if not isinstance(capacity, int) or capacity < 1 or capacity & (capacity - 1):
             raise ProxyError(
                 f"fifo: capacity {capacity!r} is not a power of two",
@@ -82,12 +86,19 @@ class CommandFifo:
             )
         if timeout <= 0:
             raise ProxyError(f"fifo: timeout must be positive, got {timeout}")
+        if pinned and not torch.cuda.is_available():
+            raise ProxyError(
+                "fifo: pinned=True needs CUDA (page-locked memory is for a GPU to reach), but "
+                "torch.cuda is not available in this process",
+                hint="use pinned=False on a CPU-only machine: the proxy drains either kind",
+            )
         self.capacity = capacity
         self.mask = capacity - 1
         self.timeout = timeout
-        self.ring = torch.zeros((capacity, WORDS), dtype=torch.int64)
-        self.head = torch.zeros(1, dtype=torch.int64)
-        self.tail = torch.zeros(1, dtype=torch.int64)
+        self.pinned = pinned
+        self.ring = torch.zeros((capacity, WORDS), dtype=torch.int64, pin_memory=pinned)
+        self.head = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        self.tail = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
         self._ring = _words(self.ring)
         self._head = _words(self.head)
         self._tail = _words(self.tail)

@@ -12,9 +12,12 @@ transport to describe its memory to it (``Transport.attach_native``), watches fo
 turns them into ProxyErrors that name the command, exactly like ``Proxy``.
 
 Events raised for CPU memory are atomic adds on int64 counter arrays the runtime registers per
-rank (``counters``), with an optional doorbell fd written once per batch so the runtime's
-waiters wake without polling. A callback into Python per batch was rejected: the loop would
-wait for the GIL, up to ``sys.getswitchinterval()`` (5 ms) behind busy worker threads.
+rank (``counters``), or on int32 flag words a transport registered instead (a Triton-interpreted
+megakernel's flags: ``InProcessTransport.register_flags``), with an optional doorbell fd written
+once per batch so the runtime's waiters wake without polling. A callback into Python per batch
+was rejected: the loop would wait for the GIL, up to ``sys.getswitchinterval()`` (5 ms) behind
+busy worker threads. A word that several commands of one batch raise is updated once, by the
+total (mover.h says why, and which order is kept).
 
 If the extension was not built, ``load()`` raises a ProxyError saying how to build it; the
 Python ``Proxy`` stays available, but only when asked for (``Settings(proxy="python")``).
@@ -108,6 +111,9 @@ class NativeProxy:
     batch that raised such an event. ``on_error`` is called (from a watcher thread) with the
     ProxyError as soon as the loop fails, so a runtime can abort its waits at once.
     ``bandwidth`` (bytes/s, 0: none) paces writes like a NIC of that speed.
+    ``idle_sleep_us`` is the longest sleep between polls of an empty ring; 0 never sleeps (the
+    loop spins, then yields its core to any runnable thread): for a GPU's proxy, which must see
+    a command within microseconds, at the cost of keeping one core busy.
     """
 
     def __init__(
@@ -128,6 +134,11 @@ class NativeProxy:
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
+        if not isinstance(idle_sleep_us, int) or idle_sleep_us < 0:
+            raise ProxyError(
+                f"proxy {name}: idle_sleep_us must be an int >= 0, got {idle_sleep_us!r}",
+                hint="0 never sleeps (a GPU's proxy); 200 suits a CPU runtime",
+            )
         native = load()
         for r, t in (counters or {}).items():
             if t.dtype != torch.int64 or t.dim() != 1 or not t.is_contiguous():
@@ -223,6 +234,12 @@ class NativeProxy:
             signals=s["signals"],
             bytes=s["bytes"],
         )
+
+    def loop_stats(self) -> dict[str, int]:
+        """The loop's own counters: ``stats``' fields plus ``events`` (event raises the
+        commands asked for on this process's ranks) and ``raises`` (word updates made for them
+        once repeats within a batch were merged; ``raises <= events``)."""
+        return dict(self._drain.stats())
 
     def __enter__(self) -> NativeProxy:
         return self.start()

@@ -17,10 +17,13 @@ inline void cpu_relax() {
 }
 
 // Spin briefly (a command usually follows another within microseconds), then sleep in growing
-// steps so an idle proxy does not take a core from the runtime's workers.
+// steps so an idle proxy does not take a core from the runtime's workers. ``max_sleep_us`` 0
+// never sleeps: past the spins it only yields, so a GPU's command is seen within microseconds
+// (a sleep costs at least the kernel's timer slack, ~50 us) while a runnable thread of the
+// runtime still gets the core. sleep_for(0) would be a bare syscall loop, hence the yield.
 class Backoff {
  public:
-  explicit Backoff(int max_sleep_us) : max_sleep_us_(max_sleep_us) {}
+  explicit Backoff(int max_sleep_us) : max_sleep_us_(std::max(max_sleep_us, 0)) {}
   void reset() {
     spins_ = 0;
     sleep_us_ = 1;
@@ -29,8 +32,8 @@ class Backoff {
     if (spins_ < 256) {
       ++spins_;
       cpu_relax();
-    } else if (spins_ < 272) {
-      ++spins_;
+    } else if (spins_ < 272 || max_sleep_us_ == 0) {
+      spins_ = std::min(spins_ + 1, 272);
       std::this_thread::yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
@@ -136,16 +139,16 @@ void Drain::run() {
         if (n > 0) execute(n);
       } catch (const Failure& f) {
         const int index = f.index < 0 ? 0 : f.index;
+        err = {true, cmds_[static_cast<size_t>(index)].ticket, f.message};
+        mover.end_batch();  // the events of the commands before it
         release(index);  // the commands before it are done; the failing one stays at the tail
         commands.fetch_add(index);
-        mover.end_batch();
-        err = {true, cmds_[static_cast<size_t>(index)].ticket, f.message};
         break;
       }
       if (n > 0) {
+        mover.end_batch();  // events first: a freed slot means its command's events are out
         release(n);
         commands.fetch_add(n);
-        mover.end_batch();
         backoff.reset();
         continue;
       }
@@ -228,6 +231,7 @@ bool Drain::extends(Group& g, const Command& c) const {
 void Drain::send(const Group& g) {
   try {
     mover.write(g.cmd.src_rank, g.src, g.cmd.dst_rank, g.dst, g.events, g.done, g.cmd.epoch);
+    mover.raise_ready(g.first + g.count - 1);  // the group is consecutive commands
   } catch (const Failure& f) {
     throw Failure{g.first, f.message};
   }
@@ -235,6 +239,7 @@ void Drain::send(const Group& g) {
 }
 
 void Drain::execute(int n) {
+  mover.begin_batch(cmds_, n);
   Group group;
   bool open = false;
   for (int i = 0; i < n; ++i) {
@@ -263,6 +268,7 @@ void Drain::execute(int n) {
         try {
           if (c.event < 0) throw Failure{i, "a SIGNAL needs an event id >= 0"};
           mover.signal(c.src_rank, c.dst_rank, c.event, c.epoch);
+          mover.raise_ready(i);
         } catch (const Failure& f) {
           throw Failure{i, f.message};
         }

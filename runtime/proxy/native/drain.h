@@ -5,8 +5,9 @@
 // slot, advance ``tail`` with a release store) and executes what it finds the way
 // runtime/proxy/proxy.py does: up to ``batch`` commands per round, neighbouring WRITEs that
 // continue each other's rectangles the same way in source and destination merged into one
-// transfer, every event still raised. A command that cannot be executed stops the loop and stays
-// at the tail; ``error()`` says which and why.
+// transfer, every event still raised (a word raised several times in one batch gets one update
+// adding the total: mover.h). A command that cannot be executed stops the loop and stays at the
+// tail; ``error()`` says which and why.
 #pragma once
 
 #include <atomic>
@@ -37,7 +38,9 @@ class Drain {
   Drain& operator=(const Drain&) = delete;
 
   Mover mover;
-  int idle_sleep_us = 200;  // longest sleep between empty polls
+  // Longest sleep between empty polls, read when the loop starts. 0: never sleep, only spin and
+  // yield (a GPU's proxy, which must see a command within microseconds, at the cost of a core).
+  int idle_sleep_us = 200;
 
   void start();
   bool stop(double timeout_s);   // drain what is queued, then end; false if still running

@@ -35,6 +35,15 @@ void add_buffer(Drain& d, int64_t rank, int place, int64_t index, uint64_t ptr, 
   m.buffers[index] = Buffer{reinterpret_cast<uint8_t*>(ptr), rows, cols, row_bytes, itemsize, dtype};
 }
 
+// Event words are read and atomically added by the loop: refuse what would fault or tear.
+void check_words(int64_t rank, uint64_t ptr, int64_t n, size_t size) {
+  if (n < 0 || (n > 0 && ptr == 0) || ptr % size != 0)
+    throw py::value_error("event words of rank " + std::to_string(rank) + ": " +
+                          std::to_string(n) + " words at address " + std::to_string(ptr) +
+                          " (need n >= 0 and a non-null address aligned to " +
+                          std::to_string(size) + " bytes)");
+}
+
 // The GPU's side of the FIFO protocol, for tests and benchmarks: claim a ticket with a
 // compare-and-swap on head while there is room (tail + capacity), write the body, publish the
 // header with a release store. Pushes ``count`` commands cycling through ``bodies`` (16 words
@@ -112,10 +121,21 @@ PYBIND11_MODULE(_drain, m) {
            py::arg("ptr"), py::arg("rows"), py::arg("cols"), py::arg("row_bytes"),
            py::arg("itemsize"), py::arg("dtype"), py::arg("device") = -1)
       .def("set_host_events", [](Drain& d, int64_t rank, uint64_t ptr, int64_t n) {
+        check_words(rank, ptr, n, sizeof(int64_t));
         RankMemory& r = d.mover.rank(rank);
         r.counters = reinterpret_cast<int64_t*>(ptr);
+        r.host_flags = nullptr;
         r.n_events = n;
       })
+      .def("set_host_flags", [](Drain& d, int64_t rank, uint64_t ptr, int64_t n) {
+        check_words(rank, ptr, n, sizeof(int32_t));
+        RankMemory& r = d.mover.rank(rank);
+        r.host_flags = reinterpret_cast<int32_t*>(ptr);
+        r.counters = nullptr;
+        r.n_events = n;
+      }, py::arg("rank"), py::arg("ptr"), py::arg("n"),
+      "``rank``'s events are the ``n`` int32 words at ``ptr`` (host memory, e.g. a Triton-"
+      "interpreted megakernel's flags): raising event e by k is an atomic release add of k.")
       .def("set_cuda_flags", [](Drain& d, int64_t rank, uint64_t flags, int64_t n, uint64_t shadow) {
         RankMemory& r = d.mover.rank(rank);
         r.flags = flags;
@@ -139,7 +159,13 @@ PYBIND11_MODULE(_drain, m) {
                     [](Drain& d, double v) { d.mover.bytes_per_s = v; })
       .def_property("doorbell_fd", [](const Drain& d) { return d.mover.doorbell_fd; },
                     [](Drain& d, int fd) { d.mover.doorbell_fd = fd; })
-      .def_readwrite("idle_sleep_us", &Drain::idle_sleep_us)
+      .def_property("idle_sleep_us", [](const Drain& d) { return d.idle_sleep_us; },
+                    [](Drain& d, int us) {
+                      if (us < 0)
+                        throw py::value_error("idle_sleep_us must be >= 0 (0: never sleep), got " +
+                                              std::to_string(us));
+                      d.idle_sleep_us = us;
+                    })
       .def("start", &Drain::start)
       .def("stop", &Drain::stop, py::call_guard<py::gil_scoped_release>())
       .def("wait", &Drain::wait, py::call_guard<py::gil_scoped_release>())
@@ -159,6 +185,8 @@ PYBIND11_MODULE(_drain, m) {
         s["writes"] = d.mover.stats.writes.load();
         s["signals"] = d.mover.stats.signals.load();
         s["bytes"] = d.mover.stats.bytes.load();
+        s["events"] = d.mover.stats.events.load();
+        s["raises"] = d.mover.stats.raises.load();
         return s;
       })
       .def("sent_to", [](const Drain& d) {

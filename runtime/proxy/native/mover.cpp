@@ -103,22 +103,66 @@ void Mover::start_thread() {
   stream_ = cuda.create_stream();
 }
 
-void Mover::raise_local(int64_t rank, int64_t event) {
-  RankMemory& m = ranks.at(rank);
+void Mover::begin_batch(const std::vector<Command>& cmds, int n) {
+  last_use_.clear();
+  for (int i = 0; i < n; ++i) {
+    const Command& c = cmds[static_cast<size_t>(i)];
+    if (c.opcode != kWrite && c.opcode != kSignal) continue;
+    if (c.event >= 0) last_use_[EventKey{c.dst_rank, c.event}] = i;
+    if (c.opcode == kWrite && c.done_event >= 0) last_use_[EventKey{c.src_rank, c.done_event}] = i;
+  }
+}
+
+void Mover::defer_raise(int64_t rank, int64_t event) {
+  const RankMemory& m = ranks.at(rank);
+  const bool host = m.place == Place::kHost && (m.counters != nullptr || m.host_flags != nullptr);
+  const bool cuda = m.place == Place::kCuda && m.shadow != nullptr;
+  if (!host && !cuda)
+    fail("cannot raise event " + std::to_string(event) + " on rank " + std::to_string(rank) +
+         " from here (" + place_name(m.place) + " memory without matching event words)");
+  const EventKey key{rank, event};
+  auto [at, fresh] = pending_at_.try_emplace(key, pending_.size());
+  // A word raised again after it went out this batch (not foreseen by begin_batch) starts anew.
+  if (!fresh && at->second < emitted_) {
+    at->second = pending_.size();
+    fresh = true;
+  }
+  if (fresh) {
+    pending_.push_back(PendingRaise{key, 1});
+  } else {
+    pending_[at->second].count += 1;
+  }
+}
+
+void Mover::raise_ready(int done_upto) {
+  while (emitted_ < pending_.size()) {
+    const PendingRaise& p = pending_[emitted_];
+    auto last = last_use_.find(p.key);
+    if (last != last_use_.end() && last->second > done_upto) return;  // more of it to come
+    ++emitted_;  // first: a failing raise is not retried (it would count twice on the GPU)
+    raise_now(p.key, p.count);
+  }
+}
+
+void Mover::raise_now(const EventKey& key, int64_t count) {
+  RankMemory& m = ranks.at(key.rank);
   if (m.place == Place::kHost) {
     // Release: the data written before this add is visible to whoever reads the new count.
-    __atomic_fetch_add(&m.counters[event], 1, __ATOMIC_RELEASE);
+    if (m.host_flags != nullptr) {
+      __atomic_fetch_add(m.host_flags + key.event, static_cast<int32_t>(count), __ATOMIC_RELEASE);
+    } else {
+      __atomic_fetch_add(m.counters + key.event, count, __ATOMIC_RELEASE);
+    }
     rang_ = true;
-  } else if (m.place == Place::kCuda) {
+  } else {
     // The flag word holds a running count (never reset, so targets are epoch * count); the
     // proxy is its only writer, so it can write the new value instead of adding.
-    const int64_t value = __atomic_add_fetch(&m.shadow[event], 1, __ATOMIC_RELAXED);
-    cuda.write_value32(stream_, m.flags + 4ull * static_cast<unsigned long long>(event),
+    const int64_t value = __atomic_add_fetch(&m.shadow[key.event], count, __ATOMIC_RELAXED);
+    cuda.write_value32(stream_, m.flags + 4ull * static_cast<unsigned long long>(key.event),
                        static_cast<unsigned>(value));
-  } else {
-    fail("cannot raise event " + std::to_string(event) + " on rank " + std::to_string(rank) +
-         " from here (" + place_name(m.place) + ")");
   }
+  stats.raises.fetch_add(1, std::memory_order_relaxed);
+  stats.events.fetch_add(count, std::memory_order_relaxed);
 }
 
 void Mover::pace(int64_t nbytes) {
@@ -151,18 +195,18 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
       for (int64_t r = 0; r < src.rows(); ++r)
         std::memmove(to + r * d.row_bytes, from + r * s.row_bytes, static_cast<size_t>(width));
     }
-    for (int64_t e : events) raise_local(dst_rank, e);
+    for (int64_t e : events) defer_raise(dst_rank, e);
   } else if (dm.place == Place::kCuda) {
     uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
     cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
                  static_cast<size_t>(width), static_cast<size_t>(src.rows()), stream_);
-    for (int64_t e : events) raise_local(dst_rank, e);  // stream order: after the copy
+    for (int64_t e : events) defer_raise(dst_rank, e);  // stream order: after the copy
   } else if (dm.place == Place::kSocket) {
     send_frame(src_rank, dst_rank, wire::kWrite, dst, events, epoch, &src);
   } else {
     fail("rank " + std::to_string(dst_rank) + " has no registered memory");
   }
-  for (int64_t e : done) raise_local(src_rank, e);
+  for (int64_t e : done) defer_raise(src_rank, e);
   stats.writes.fetch_add(1, std::memory_order_relaxed);
   stats.bytes.fetch_add(nbytes, std::memory_order_relaxed);
   auto& sent = sent_to[dst_rank];
@@ -178,7 +222,7 @@ void Mover::signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t ep
     send_frame(src_rank, dst_rank, wire::kSignal, Rect{}, {event}, epoch, nullptr);
   } else {
     check_event(dst_rank, event, "event");
-    raise_local(dst_rank, event);
+    defer_raise(dst_rank, event);
   }
   stats.signals.fetch_add(1, std::memory_order_relaxed);
 }
@@ -244,6 +288,13 @@ void Mover::send_frame(int64_t src_rank, int64_t dst_rank, int kind, const Rect&
 }
 
 void Mover::end_batch() {
+  // Normally raise_ready already raised everything; after a failure, the raises of the commands
+  // that did execute are still owed. Cleared first so a failing raise leaves no stale batch.
+  std::vector<PendingRaise> left(pending_.begin() + static_cast<long>(emitted_), pending_.end());
+  pending_.clear();
+  pending_at_.clear();
+  emitted_ = 0;
+  for (const PendingRaise& p : left) raise_now(p.key, p.count);
   if (!rang_ || doorbell_fd < 0) return;
   rang_ = false;
   const uint64_t one = 1;

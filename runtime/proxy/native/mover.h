@@ -3,17 +3,27 @@
 // A ``Mover`` knows, for every rank a proxy can reach, where that rank's memory is seen from
 // this process and how its events are raised:
 //   host   - CPU memory in this process: memmove, events are atomic adds on an int64 counter
-//            array the runtime reads (the reference runtime's Counters);
+//            array the runtime reads (the reference runtime's Counters), or on int32 "net flag
+//            words" (a Triton-interpreted megakernel's flag arrays);
 //   cuda   - GPU memory (own or CUDA-IPC-mapped peer): cudaMemcpy2DAsync on the proxy's stream,
 //            events are cuStreamWriteValue32 stores of a running count (no SM involved);
 //   socket - a peer process reached over a connected TCP socket: one frame per write (header,
 //            event ids, payload; runtime/proxy/tcp.py receives it), shapes only are known here.
 // Every region is bounds-checked against the registered shape before a byte moves, so a bad
 // command is rejected instead of writing outside a buffer.
+//
+// Raising is merged per batch: a word that several commands of one batch raise (coalesced
+// tiles, or chunks of one tile that each count on the same word) gets ONE update adding the
+// total, because on the GPU each update is a cuStreamWriteValue32 driver call. A word is raised
+// as soon as the last command of the batch that raises it has executed (its data is in place or,
+// for cuda, ahead of the update in stream order), and words are raised in the order their first
+// raise appeared, so "seeing word B means an earlier-raised word A is visible" still holds. In a
+// batch where no word repeats, every word goes out exactly when it did before merging existed.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -36,7 +46,8 @@ struct RankMemory {
   Place place = Place::kNone;
   std::unordered_map<int64_t, Buffer> buffers;
   int64_t n_events = -1;        // -1: events not registered
-  int64_t* counters = nullptr;  // host: event words
+  int64_t* counters = nullptr;  // host: int64 event words
+  int32_t* host_flags = nullptr;  // host: int32 net flag words (used instead of counters)
   unsigned long long flags = 0; // cuda: device address of uint32 flag words
   int64_t* shadow = nullptr;    // cuda: host copy of each flag word (one writer per word)
   int fd = -1;                  // socket
@@ -44,7 +55,21 @@ struct RankMemory {
 };
 
 struct MoverStats {
-  std::atomic<int64_t> writes{0}, signals{0}, bytes{0};
+  // events: raises commands asked for on this process's ranks; raises: word updates made for
+  // them after merging repeats within a batch (raises <= events).
+  std::atomic<int64_t> writes{0}, signals{0}, bytes{0}, events{0}, raises{0};
+};
+
+struct EventKey {
+  int64_t rank, event;
+  bool operator==(const EventKey& o) const { return rank == o.rank && event == o.event; }
+};
+
+struct EventKeyHash {
+  size_t operator()(const EventKey& k) const {
+    const uint64_t mixed = static_cast<uint64_t>(k.rank) * 0x9E3779B97F4A7C15ull;  // unsigned: wraps
+    return std::hash<uint64_t>()(mixed ^ static_cast<uint64_t>(k.event));
+  }
 };
 
 class Mover {
@@ -65,20 +90,35 @@ class Mover {
   void check_write(const Command& c) const;
   void check_event(int64_t rank, int64_t event, const char* what) const;
 
+  // The batch's commands ``cmds[0..n)``, before any executes: where each word is last raised.
+  void begin_batch(const std::vector<Command>& cmds, int n);
   void write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rect& dst,
              const std::vector<int64_t>& events, const std::vector<int64_t>& done, int64_t epoch);
   void signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t epoch);
+  // Commands up to index ``done_upto`` of the batch have executed: raise what is complete.
+  void raise_ready(int done_upto);
   void start_thread();   // in the drain thread: CUDA device and stream
-  void end_batch();      // ring the doorbell if host events were raised
+  void end_batch();      // raise what is left (a failed batch), ring the doorbell if host rang
   void finish();         // wait for queued GPU work
   ~Mover();
 
  private:
+  struct PendingRaise {
+    EventKey key;
+    int64_t count;
+  };
+
   void* stream_ = nullptr;
   bool rang_ = false;
   double busy_until_ = 0;
+  // This batch's raises, in the order each word was first raised; [0, emitted_) are done.
+  std::vector<PendingRaise> pending_;
+  size_t emitted_ = 0;
+  std::unordered_map<EventKey, size_t, EventKeyHash> pending_at_;  // word -> index in pending_
+  std::unordered_map<EventKey, int, EventKeyHash> last_use_;       // word -> last command index
 
-  void raise_local(int64_t rank, int64_t event);
+  void defer_raise(int64_t rank, int64_t event);
+  void raise_now(const EventKey& key, int64_t count);
   void pace(int64_t nbytes);
   void send_frame(int64_t src_rank, int64_t dst_rank, int kind, const Rect& dst,
                   const std::vector<int64_t>& events, int64_t epoch, const Rect* src);
