@@ -1,0 +1,77 @@
+"""benchmarks/bench_proxy.py's harness on the CPU: the same producer and consumer kernels under
+Triton's interpreter, pushing through the native proxy into host memory (a subprocess, since
+TRITON_INTERPRET must be set before triton is imported). Timings mean nothing here; the rows'
+shape, their correctness checks and their counts do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mgraph.runtime.proxy import native
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_proxy.py"
+FIELDS = {
+    "bench": str, "kind": str, "chunk_bytes": int, "commands": int, "cap_gbps": (int, float),
+    "path": str, "producers": int, "ms": float, "commands_per_s": int, "gb_per_s": float,
+    "ok": bool, "batches": int, "n_watch": int,
+}  # fmt: skip
+LATENCY = ("latency_us_median", "latency_us_p10", "latency_us_p90")
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="the native proxy extension is not built (pip install -e .)"
+)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("bench_proxy")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (out / "bench_proxy.md").read_text()
+    assert table.startswith("| bench |") and "meaningless" in table
+    return json.loads((out / "bench_proxy.json").read_text())
+
+
+def test_rows_are_well_formed_and_correct(rows: list[dict]) -> None:
+    for row in rows:
+        for key, kind in FIELDS.items():
+            assert isinstance(row[key], kind), (key, row)
+        assert row["ok"] is True and row["error"] is None, row
+        assert row["path"] == "cpu-interpreter" and "meaningless" in row["timing"], row
+        assert row["commands"] > 0 and row["ms"] > 0 and row["commands_per_s"] > 0, row
+        if row["bench"] == "latency":
+            assert all(row[k] is not None for k in (*LATENCY, "roundtrip_us_median")), row
+        else:
+            assert all(row[k] is None for k in LATENCY), row
+
+
+def test_every_bench_ran(rows: list[dict]) -> None:
+    got = {(r["bench"], r["kind"], r["cap_gbps"]) for r in rows}
+    assert {("drain", k, 0) for k in ("nop", "signal", "write")} <= got
+    assert ("latency", "write", 0) in got
+    assert {("bandwidth", "write", cap) for cap in (0, 50)} <= got
+    assert len({r["chunk_bytes"] for r in rows if r["bench"] == "bandwidth"}) >= 2
+
+
+def test_counts_are_consistent(rows: list[dict]) -> None:
+    for row in rows:
+        n = row["commands"]
+        # The proxy drained every command in batches of at most 32 (its batch size).
+        assert -(-n // 32) <= row["batches"] <= n, row
+        if row["bench"] == "latency":  # one command in flight: each watched, one producer
+            assert row["producers"] == 1 and row["n_watch"] == n, row
+        elif row["kind"] == "nop":  # only each producer's last command raises a flag
+            assert row["n_watch"] == row["producers"], row
+        else:  # one watch per flag word: its final count
+            assert row["n_watch"] == min(n, 1024), row
+        if row["kind"] != "write":
+            assert row["chunk_bytes"] == 0 and row["gb_per_s"] == 0, row
+        assert n > 16, row  # the CPU's ring holds 16: every run wraps it
