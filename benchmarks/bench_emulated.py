@@ -182,6 +182,8 @@ class HostExchange:
         from mgraph.runtime.proxy import CommandFifo, CudaIpcTransport, NativeProxy
 
         self.rank, self.timeout, self.epoch = dist.get_rank(), timeout, 0
+        from mgraph.settings import Settings
+
         self.peer = 1 - self.rank
         device = torch.device("cuda", torch.cuda.current_device())
         group = dist.group.WORLD.group_name
@@ -202,7 +204,9 @@ class HostExchange:
         self.fifo = CommandFifo(fifo_capacity(len(self.rects)), timeout=timeout, pinned=True)
         self.proxy = NativeProxy(self.fifo, self.transport, batch, rank=self.rank,
                                  name=f"sequential-rank{self.rank}", timeout=timeout,
-                                 bandwidth=cap * 1e9, idle_sleep_us=0).start()  # fmt: skip
+                                 bandwidth=cap * 1e9, idle_sleep_us=0,
+                                 flag_copy=Settings.from_env().gpu_flags == "copy",  # as fused
+                                 ).start()  # fmt: skip
         self.names = [
             f"flag word {ARRIVED} (chunks from rank {self.peer} arrived on rank {self.rank})",
             f"flag word {SENT} (rank {self.rank}'s own sends done)",

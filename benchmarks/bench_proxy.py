@@ -113,6 +113,7 @@ class Case:
     cap_gbps: float
     path: str  # gpu0->gpu1 | loopback | cpu-interpreter
     producers: int = 8
+    flags: str = "copy"  # how the proxy raises GPU flags: copy-engine copy | stream memop
 
 
 class Rig:
@@ -210,7 +211,8 @@ def run_case(case: Case, rig: Rig) -> dict:
     # coalesce=False: each command is one transfer, so the chunk size is what gets measured.
     # idle_sleep_us=0: the loop spins, as a GPU's proxy must to see a push within microseconds.
     proxy = NativeProxy(fifo, transport, 32, rank=0, timeout=30, coalesce=False,
-                        bandwidth=case.cap_gbps * 1e9, idle_sleep_us=0)  # fmt: skip
+                        bandwidth=case.cap_gbps * 1e9, idle_sleep_us=0,
+                        flag_copy=case.flags == "copy")  # fmt: skip
 
     def full(size: int, dtype: torch.dtype, dev: torch.device, fill: int = 0) -> torch.Tensor:
         return torch.full((size,), fill, dtype=dtype, device=dev)
@@ -328,7 +330,7 @@ def _launch(producer, consumer, n, n_watch, asm, devices, deadline, proxy) -> fl
     return time.perf_counter() - start
 
 
-def plan(rig: Rig, quick: bool, two_gpus: bool) -> list[Case]:
+def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",)) -> list[Case]:
     far = "cpu-interpreter" if rig.cpu else ("gpu0->gpu1" if two_gpus else "loopback")
     near = "cpu-interpreter" if rig.cpu else "loopback"
     if rig.cpu:  # GPU sizes / 256; counts just big enough to wrap the 16-slot ring
@@ -341,13 +343,15 @@ def plan(rig: Rig, quick: bool, two_gpus: bool) -> list[Case]:
         drain_chunk, lat_chunks = 64 * KiB, [4 * KiB, 64 * KiB]
         chunks = [256 * KiB] if quick else [64 * KiB, 256 * KiB, MiB]
         budget = (0.05 if quick else 0.2) * 50e9  # bytes: ~0.2 s at the 50 GB/s cap
-        bw = {c: int(min(200_000, max(64, budget // c))) for c in chunks}
-    cases = [Case("drain", kind, drain_chunk if kind == "write" else 0, n, 0, far, nprog)
-             for kind in ("nop", "signal", "write")]  # fmt: skip
-    cases += [Case("latency", "write", c, lat, 0, p, 1)
-              for p in dict.fromkeys([near, far]) for c in lat_chunks]  # fmt: skip
-    cases += [Case("bandwidth", "write", c, bw[c], cap, far, nprog)
-              for c in chunks for cap in (0, 50)]  # fmt: skip
+        bw = {c: int(min(20_000, max(64, budget // c))) for c in chunks}
+    cases = [Case("drain", "nop", 0, n, 0, far, nprog)]
+    for fl in flag_modes:
+        cases += [Case("drain", kind, drain_chunk if kind == "write" else 0, n, 0, far, nprog,
+                       fl) for kind in ("signal", "write")]  # fmt: skip
+        cases += [Case("latency", "write", c, lat, 0, p, 1, fl)
+                  for p in dict.fromkeys([near, far]) for c in lat_chunks]  # fmt: skip
+        cases += [Case("bandwidth", "write", c, bw[c], cap, far, nprog, fl)
+                  for c in chunks for cap in (0, 50)]  # fmt: skip
     return cases
 
 
@@ -374,10 +378,11 @@ def target(row: dict, cpu: bool) -> str:
 
 
 def table(rows: list[dict], cpu: bool) -> str:
-    lines = ["| bench | kind | path | chunk | cap GB/s | cmds | ms | k cmd/s | GB/s | "
-             "lat p10 / med / p90 us | target |", "|---" * 11 + "|"]  # fmt: skip
+    lines = ["| bench | kind | flags | path | chunk | cap GB/s | cmds | ms | k cmd/s | GB/s | "
+             "lat p10 / med / p90 us | target |", "|---" * 12 + "|"]  # fmt: skip
     for r in rows:
-        head = f"| {r['bench']} | {r['kind']} | {r['path']} | {r['chunk_bytes']} | " \
+        flags = r["flags"] if r["kind"] != "nop" else "-"
+        head = f"| {r['bench']} | {r['kind']} | {flags} | {r['path']} | {r['chunk_bytes']} | " \
                f"{r['cap_gbps'] or '-'} | {r['commands']} |"  # fmt: skip
         if not r["ok"]:
             lines.append(f"{head} ERROR: {r['error']} | | | | |")
@@ -395,6 +400,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for bench_proxy.json / .md")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and commands")
     parser.add_argument("--cpu", action="store_true", help="Triton interpreter, host memory")
+    parser.add_argument("--gpu-flags", nargs="+", default=["copy", "memop"],
+                        choices=["copy", "memop"], help="how the proxy raises GPU flag words")
     args = parser.parse_args()
     rig = Rig(args.cpu)
     if not args.cpu and not torch.cuda.is_available():
@@ -405,7 +412,8 @@ def main() -> None:
     if two_gpus:  # the proxy's GPU0 stream writes GPU1 memory: peer access, enabled by torch
         torch.ones(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))
     rows = []
-    for case in plan(rig, args.quick, two_gpus):
+    modes = ["copy"] if args.cpu else args.gpu_flags  # host flags have one mode
+    for case in plan(rig, args.quick, two_gpus, modes):
         if case.bench == "drain" and not args.cpu:
             case = calibrate(case, rig, 0.05 if args.quick else 0.2)
         row = run_case(case, rig)

@@ -34,6 +34,10 @@ class Settings(BaseModel):
     nic_gbps: float = Field(
         0.0, ge=0, description="native proxy: pace writes like a NIC of this many GB/s (0: off)"
     )
+    gpu_flags: Literal["copy", "memop"] = Field(
+        "copy", description="how the native proxy raises GPU flag words: a copy-engine copy from "
+        "pinned memory, or cuStreamWriteValue32 (slower while persistent kernels run)",
+    )
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -46,6 +50,7 @@ class Settings(BaseModel):
             "transport": os.environ.get("MGRAPH_TRANSPORT"),
             "tcp_host": os.environ.get("MGRAPH_TCP_HOST"),
             "nic_gbps": os.environ.get("MGRAPH_NIC_GBPS"),
+            "gpu_flags": os.environ.get("MGRAPH_GPU_FLAGS"),
         }
         values = {k: v for k, v in env.items() if v is not None}
         values.update({k: v for k, v in overrides.items() if v is not None})

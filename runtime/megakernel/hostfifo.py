@@ -79,7 +79,8 @@ def push(ring, dhead, tail, capacity, row, epoch, limit, abort, ASM: tl.constexp
     if ticket - done < capacity:
         offs = tl.arange(0, CMD_WORDS)
         body = tl.load(row + offs)
-        body = tl.where(offs == _EPOCH_WORD, epoch.to(tl.int64), body)
+        # epoch may arrive as a constexpr (Triton specialises an int argument equal to 1)
+        body = tl.where(offs == _EPOCH_WORD, tl.zeros((), dtype=tl.int64) + epoch, body)
         slot = ring + (ticket & (capacity - 1)) * CMD_WORDS
         tl.store(slot + offs, body, mask=offs > 0)
         tl.debug_barrier()

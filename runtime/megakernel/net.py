@@ -78,6 +78,7 @@ class KernelNet:
             on_error=self._failed,
             bandwidth=settings.nic_gbps * 1e9,
             idle_sleep_us=0 if gpu else 200,
+            flag_copy=settings.gpu_flags == "copy",
         )
         self.proxy.start()
         self.closed = False

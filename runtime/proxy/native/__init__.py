@@ -110,7 +110,9 @@ class NativeProxy:
     array its events live in (see the module docstring); ``doorbell_fd`` is written after every
     batch that raised such an event. ``on_error`` is called (from a watcher thread) with the
     ProxyError as soon as the loop fails, so a runtime can abort its waits at once.
-    ``bandwidth`` (bytes/s, 0: none) paces writes like a NIC of that speed.
+    ``bandwidth`` (bytes/s, 0: none) paces writes like a NIC of that speed. ``flag_copy``: GPU
+    flag words are written by a copy-engine copy from pinned memory instead of a stream memory
+    operation (mover.h says why; benchmarks/NOTES.md has the measurement).
     ``idle_sleep_us`` is the longest sleep between polls of an empty ring; 0 never sleeps (the
     loop spins, then yields its core to any runnable thread): for a GPU's proxy, which must see
     a command within microseconds, at the cost of keeping one core busy.
@@ -131,6 +133,7 @@ class NativeProxy:
         doorbell_fd: int = -1,
         bandwidth: float = 0.0,
         idle_sleep_us: int = 200,
+        flag_copy: bool = False,
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
@@ -162,6 +165,7 @@ class NativeProxy:
         self._drain.doorbell_fd = doorbell_fd
         self._drain.bytes_per_s = float(bandwidth)
         self._drain.idle_sleep_us = idle_sleep_us
+        self._drain.flag_copy = bool(flag_copy)  # read when the loop starts (cuda flags only)
         # Keep what the loop points into alive as long as the loop.
         self._keep = (fifo, dict(counters or {}))
         transport.attach_native(self._drain, rank, dict(counters or {}))

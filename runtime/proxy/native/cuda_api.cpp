@@ -46,6 +46,12 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
   resolve(runtime_, "cudaMemcpyAsync", memcpy_async_, missing);
   resolve(runtime_, "cudaGetErrorString", error_string_, missing);
   resolve(driver_, "cuGetErrorString", driver_error_string_, missing);
+  resolve(runtime_, "cudaHostAlloc", host_alloc_, missing);
+  resolve(runtime_, "cudaFreeHost", free_host_, missing);
+  resolve(runtime_, "cudaEventCreateWithFlags", event_create_, missing);
+  resolve(runtime_, "cudaEventDestroy", event_destroy_, missing);
+  resolve(runtime_, "cudaEventRecord", event_record_, missing);
+  resolve(runtime_, "cudaEventSynchronize", event_synchronize_, missing);
   // CUDA 12 headers map cuStreamWriteValue32 to the _v2 symbol; older drivers export only v1.
   stream_write_value32_ = reinterpret_cast<decltype(stream_write_value32_)>(
       dlsym(driver_, "cuStreamWriteValue32_v2"));
@@ -100,6 +106,40 @@ void CudaApi::copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, 
 
 void CudaApi::write_value32(void* stream, unsigned long long address, unsigned value) const {
   check_driver(stream_write_value32_(stream, address, value, 0), "cuStreamWriteValue32");
+}
+
+
+
+void* CudaApi::host_alloc(size_t bytes) const {
+  void* ptr = nullptr;
+  check(host_alloc_(&ptr, bytes, 0), "cudaHostAlloc");  // cudaHostAllocDefault: pinned, UVA
+  return ptr;
+}
+
+void CudaApi::free_host(void* ptr) const {
+  if (ptr != nullptr) check(free_host_(ptr), "cudaFreeHost");
+}
+
+void* CudaApi::create_event() const {
+  void* event = nullptr;
+  check(event_create_(&event, 2), "cudaEventCreateWithFlags");  // cudaEventDisableTiming
+  return event;
+}
+
+void CudaApi::destroy_event(void* event) const {
+  if (event != nullptr) check(event_destroy_(event), "cudaEventDestroy");
+}
+
+void CudaApi::record(void* event, void* stream) const {
+  check(event_record_(event, stream), "cudaEventRecord");
+}
+
+void CudaApi::wait_event(void* event) const {
+  check(event_synchronize_(event), "cudaEventSynchronize");
+}
+
+void CudaApi::copy(void* dst, const void* src, size_t bytes, void* stream) const {
+  check(memcpy_async_(dst, src, bytes, kMemcpyDefault, stream), "cudaMemcpyAsync");
 }
 
 }  // namespace mgraph

@@ -31,6 +31,14 @@ class CudaApi {
   void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                size_t height, void* stream) const;
   void write_value32(void* stream, unsigned long long address, unsigned value) const;
+  // For flags written by the copy engine from pinned host memory (Mover::flag_copy).
+  void* host_alloc(size_t bytes) const;
+  void free_host(void* ptr) const;
+  void* create_event() const;
+  void destroy_event(void* event) const;
+  void record(void* event, void* stream) const;
+  void wait_event(void* event) const;
+  void copy(void* dst, const void* src, size_t bytes, void* stream) const;
 
  private:
   using Status = int;
@@ -45,6 +53,12 @@ class CudaApi {
   // Driver API: CUresult cuStreamWriteValue32(CUstream, CUdeviceptr, cuuint32_t, unsigned).
   int (*stream_write_value32_)(void*, unsigned long long, unsigned, unsigned) = nullptr;
   int (*driver_error_string_)(int, const char**) = nullptr;
+  Status (*host_alloc_)(void**, size_t, unsigned) = nullptr;
+  Status (*free_host_)(void*) = nullptr;
+  Status (*event_create_)(void**, unsigned) = nullptr;
+  Status (*event_destroy_)(void*) = nullptr;
+  Status (*event_record_)(void*, void*) = nullptr;
+  Status (*event_synchronize_)(void*) = nullptr;
   void* runtime_ = nullptr;
   void* driver_ = nullptr;
 

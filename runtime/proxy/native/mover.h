@@ -80,6 +80,10 @@ class Mover {
   double bytes_per_s = 0;       // > 0: pace writes like a NIC of that bandwidth
   double send_timeout_s = 10;   // a socket that accepts nothing for this long is an error
   int doorbell_fd = -1;         // written after a batch that raised host events
+  // cuda flags: false writes each new count with cuStreamWriteValue32 (a stream memory op with
+  // a system-wide fence); true copies it with the copy engine from a pinned staging word,
+  // ordered after the data copy by the stream (see raise_now for why both exist).
+  bool flag_copy = false;
   const std::atomic<bool>* abort = nullptr;
   MoverStats stats;
   // By destination rank: (bytes, writes), for the transport's per-link counters.
@@ -109,6 +113,13 @@ class Mover {
   };
 
   void* stream_ = nullptr;
+  // flag_copy: a ring of pinned staging words; a word is reused only after the event recorded
+  // behind its region's last copy (one lap ago) completed, so no copy reads a newer count.
+  static constexpr size_t kStageWords = 1 << 16, kRegionWords = 1 << 10;
+  uint32_t* stage_ = nullptr;
+  size_t stage_next_ = 0;
+  std::vector<void*> marks_;
+  std::vector<bool> marked_;
   bool rang_ = false;
   double busy_until_ = 0;
   // This batch's raises, in the order each word was first raised; [0, emitted_) are done.
