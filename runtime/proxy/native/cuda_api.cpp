@@ -52,6 +52,10 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
   resolve(runtime_, "cudaEventDestroy", event_destroy_, missing);
   resolve(runtime_, "cudaEventRecord", event_record_, missing);
   resolve(runtime_, "cudaEventSynchronize", event_synchronize_, missing);
+  resolve(runtime_, "cudaGetDeviceCount", device_count_, missing);
+  resolve(runtime_, "cudaDeviceCanAccessPeer", can_access_peer_, missing);
+  resolve(runtime_, "cudaDeviceEnablePeerAccess", enable_peer_, missing);
+  resolve(runtime_, "cudaGetLastError", last_error_, missing);
   // CUDA 12 headers map cuStreamWriteValue32 to the _v2 symbol; older drivers export only v1.
   stream_write_value32_ = reinterpret_cast<decltype(stream_write_value32_)>(
       dlsym(driver_, "cuStreamWriteValue32_v2"));
@@ -140,6 +144,26 @@ void CudaApi::wait_event(void* event) const {
 
 void CudaApi::copy(void* dst, const void* src, size_t bytes, void* stream) const {
   check(memcpy_async_(dst, src, bytes, kMemcpyDefault, stream), "cudaMemcpyAsync");
+}
+
+int CudaApi::enable_peers(int device) const {
+  constexpr Status kAlreadyEnabled = 704;  // cudaErrorPeerAccessAlreadyEnabled
+  int count = 0, enabled = 0;
+  check(device_count_(&count), "cudaGetDeviceCount");
+  for (int peer = 0; peer < count; ++peer) {
+    if (peer == device) continue;
+    int can = 0;
+    check(can_access_peer_(&can, device, peer), "cudaDeviceCanAccessPeer");
+    if (!can) continue;
+    const Status status = enable_peer_(peer, 0);  // for the current device (``device``)
+    if (status == kAlreadyEnabled) {
+      last_error_();  // clear it: not an error for us
+      continue;
+    }
+    check(status, "cudaDeviceEnablePeerAccess");
+    ++enabled;
+  }
+  return enabled;
 }
 
 }  // namespace mgraph

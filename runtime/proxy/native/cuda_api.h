@@ -39,6 +39,9 @@ class CudaApi {
   void record(void* event, void* stream) const;
   void wait_event(void* event) const;
   void copy(void* dst, const void* src, size_t bytes, void* stream) const;
+  // Lets ``device``'s copies reach every peer GPU directly (NVLink), not staged through the
+  // host; returns how many peers it enabled now.
+  int enable_peers(int device) const;
 
  private:
   using Status = int;
@@ -59,6 +62,10 @@ class CudaApi {
   Status (*event_destroy_)(void*) = nullptr;
   Status (*event_record_)(void*, void*) = nullptr;
   Status (*event_synchronize_)(void*) = nullptr;
+  Status (*device_count_)(int*) = nullptr;
+  Status (*can_access_peer_)(int*, int, int) = nullptr;
+  Status (*enable_peer_)(int, unsigned) = nullptr;
+  Status (*last_error_)() = nullptr;
   void* runtime_ = nullptr;
   void* driver_ = nullptr;
 

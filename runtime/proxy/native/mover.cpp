@@ -103,6 +103,9 @@ void Mover::check_write(const Command& c) const {
 void Mover::start_thread() {
   if (cuda_device < 0) return;
   cuda.set_device(cuda_device);
+  // Without peer access a copy into another GPU's memory is staged through the host: measured
+  // on H200 as ~40 us per copy whatever its size (benchmarks/NOTES.md).
+  cuda.enable_peers(cuda_device);
   stream_ = cuda.create_stream();
   if (flag_copy) {
     stage_ = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
