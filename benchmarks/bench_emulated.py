@@ -58,7 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nic-gbps", nargs="+", type=float, default=CAPS, help="0: uncapped")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--chunk-kib", type=int, default=256, help="sequential: KiB per WRITE")
+    parser.add_argument("--chunk-kib", type=int, default=256, help="KiB per WRITE, fused and sequential")
     parser.add_argument("--timeout", type=float, default=30.0, help="bound on each host wait (s)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args(argv)
@@ -272,7 +272,9 @@ class Bench:
         from mgraph.runtime.megakernel import local_shards
 
         M, N, K = shape
-        graph = mg.ops.gemm_allreduce(M=M, N=N, K=2 * K, topology=TOPOLOGY, dtype=torch.bfloat16)
+        # the fused inter-node chunks are as large as the baseline's (--chunk-kib)
+        graph = mg.ops.gemm_allreduce(M=M, N=N, K=2 * K, topology=TOPOLOGY, dtype=torch.bfloat16,
+                                      chunk_bytes=self.args.chunk_kib * 1024)
         inputs = mg.ops.get_op("gemm_allreduce").random_inputs(graph, seed=1)
         local = {k: v.cuda() for k, v in local_shards(graph, self.rank, inputs).items()}
         a, b = local["a"], local["b"]

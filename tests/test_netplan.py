@@ -69,10 +69,26 @@ def test_event_words_count_every_rdma_signal(op, topo, kw):
             by_rdma.update(t.signals)
     for e, n in by_rdma.items():
         rank = graph.events[e].rank
-        first, k = plan.event_words[e]
-        keys = {key for key, w in plan.words[rank].items() if first <= w < first + k}
-        assert all(key[0] == "event" and key[1] == e for key in keys)  # consecutive, this event
-        assert sum(plan.per_launch[rank][w] for w in range(first, first + k)) == n
+        ws = plan.event_words[e]
+        keys = {key: w for key, w in plan.words[rank].items() if w in ws}
+        # one "task" word per rdma task that signals it, each raised once per launch
+        signallers = {t.id for t in graph.tasks if t.role == "rdma" and e in t.signals}
+        assert {k[1] for k in keys if k[0] == "task"} == signallers
+        assert sum(plan.per_launch[rank][w] for w in ws) == n
+
+
+def test_a_chunk_feeding_several_tiles_raises_one_flag():
+    graph = _graph("gemm_allreduce", "2x1", dict(M=128, N=256, K=128, tile=[32, 32],
+                                                   chunk_bytes=32 * 256 * 4))
+    plan = net_plan(graph)
+    multi = [t for t in graph.tasks if t.role == "rdma" and len(t.signals) > 1]
+    assert multi  # the chunk spans several consumer tiles
+    for t in multi:
+        (write,) = plan.commands[t.id]  # no SIGNAL per consumer tile
+        dst = graph.buffers[t.writes[0].buffer].rank
+        assert write.event == plan.words[dst][("task", t.id)]
+        for e in t.signals:
+            assert write.event in plan.event_words[e]
 
 
 def test_writes_move_the_task_regions():
@@ -121,9 +137,9 @@ def test_rdma_tasks_encode_as_pushes():
                 assert words[0] == int(cmd.opcode)  # the kernel writes the header
                 assert words[Word.TASK] == tid and words[Word.DST_RANK] == cmd.dst_rank
         assert pushes == sum(1 for x in graph.tasks if x.rank == rank and x.role == "rdma")
-        # every net word but the start words is waited for at exit, with its count
+        # the sent and arrive words are waited for at exit, with their counts
         assert {(r, w) for r, w, _ in t.exits} == {
-            (rank, w) for k, w in lay.net.words[rank].items() if k[0] != "start"
+            (rank, w) for k, w in lay.net.words[rank].items() if k[0] in ("sent", "arrive")
         }
         assert all(n == lay.net.per_launch[rank][w] for _, w, n in t.exits)
 
@@ -136,11 +152,11 @@ def test_waits_on_proxy_raised_events_sum_net_words():
               if graph.events[e].rank == 0}
     assert remote
     for slot, e in enumerate(t.event_slots):
-        rank, first, n = t.event_net[slot]
+        rank, ws = t.event_net[slot]
         assert rank == graph.events[e].rank
-        assert (n > 0) == (e in remote)
-        if n:
-            assert (first, n) == lay.net.event_words[e]
+        assert bool(ws) == (e in remote)
+        if ws:
+            assert ws == lay.net.event_words[e]
 
 
 def test_flag_array_holds_events_start_flag_and_net_words():

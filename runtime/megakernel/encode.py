@@ -101,8 +101,8 @@ class RankTables:
     # Multi-node only (see netplan.py); word indices are relative to a rank's net region.
     cmds: torch.Tensor | None = None  # [C, 16] int64: start SIGNALs first, then tasks' commands
     start_cmds: int = 0  # the first rows of cmds: pushed by program 0 at entry
-    event_net: list[tuple[int, int, int]] = field(default_factory=list)  # per event slot: rank,
-    # first net word, number of net words (0: the proxy never raises it)
+    event_net: list[tuple[int, list[int]]] = field(default_factory=list)  # per event slot: its
+    # rank and the net words a waiter adds to its count (none: the proxies never raise it)
     exits: list[tuple[int, int, int]] = field(default_factory=list)  # rank, word, per launch
     starts: list[tuple[int, int]] = field(default_factory=list)  # rank, word: wait for epoch
 
@@ -208,12 +208,12 @@ def encode_rank(
     event_net, exits, starts = [], [], []
     if net is not None:
         for e in ev_slot:
-            first, n = net.event_words.get(e, (0, 0))
-            event_net.append((graph.events[e].rank, first, n))
+            event_net.append((graph.events[e].rank, net.event_words.get(e, [])))
         for r in [rank] if rank is not None else graph.topology.ranks:
-            # start words are waited for at entry (and never raised in single-program mode)
             exits += [
-                (r, w, net.per_launch[r][w]) for key, w in net.words[r].items() if key[0] != "start"
+                (r, w, net.per_launch[r][w])
+                for key, w in net.words[r].items()
+                if key[0] in net.exit_keys
             ]
         if rank is not None:
             starts = [(rank, net.words[rank][("start", q)]) for q in net.peers[rank]]

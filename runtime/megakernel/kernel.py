@@ -119,7 +119,7 @@ def megakernel(
     tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
     queues, qinfo, roles, heads, epoch, rank, limit, err, abort, go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
-    ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netn,
+    ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netfirst, netn,
     exitaddr, exitcount, nexit,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
@@ -163,7 +163,7 @@ def megakernel(
             if HAS_NET:
                 nnet = tl.load(netn + slot)
             if nnet > 0:
-                net = tl.load(netaddr + slot).to(tl.pointer_type(tl.int32))
+                net = netaddr + tl.load(netfirst + slot)  # the words' addresses
                 v = wait_sum(flag, net, nnet, target, limit, abort, USE_TIMER, True)
             elif tl.load(wp + 3) != 0:
                 v = wait(flag, target, limit, abort, USE_TIMER, True)

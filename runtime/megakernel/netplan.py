@@ -9,19 +9,22 @@ host proxy, which cannot add: it writes a running count with a copy-engine memor
 word. Instead each rank has a region of "net words" after its event flags, each with exactly ONE
 writing proxy, and a waiter sums the event's GPU word and its net words. The words are, per rank:
 
-- ``("event", e, src)``: event ``e`` of this rank as raised by rank ``src``'s proxy (an event's
-  words are consecutive, so a waiter sums a range);
-- ``("arrive", src)``: WRITEs from ``src`` whose task signals nothing here: the kernel still
-  waits for them at exit, so no launch ends with data in flight into it;
+- ``("task", t)``: rdma task ``t`` (on another rank, or this one) delivered its region here. The
+  WRITE raises it once, and every event of this rank that ``t`` signals counts it: a tile
+  chunk that feeds several consumer tiles costs one flag, not one SIGNAL command per consumer;
+- ``("event", e, src)``: event ``e`` of this rank (the source's own) raised by ``src``'s proxy
+  after its write completed (an rdma task's events on its own rank);
+- ``("arrive", src)``: WRITEs from ``src`` whose task signals nothing here: the kernel waits
+  for them at exit, so no launch ends with data in flight into it;
 - ``("sent",)``: this rank's WRITEs that completed (the source may be overwritten);
 - ``("start", src)``: ``src`` started this launch. Before any task, a rank waits for the start
   of every remote peer it exchanges data with: a peer that started launch k has finished reading
   what launch k-1 left in its buffers, so writes of launch k may land.
 
 Every word's raises per launch are known here (``per_launch``), so targets are epoch-tagged like
-GPU events and, at exit, one program waits until every net word of its rank reached
-``epoch * per_launch``: when the kernel ends, all of its sends completed and all data bound for
-it arrived.
+GPU events. At exit one program waits for the "sent" and "arrive" words (``exit_keys``): when
+the kernel ends, all of its sends completed and all data bound for it arrived (task words are
+waited for by the tasks that consume them).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class NetPlan:
     commands: dict[int, list[Command]]  # rdma task id -> its commands, in push order
     peers: list[list[int]]  # per rank: remote ranks it exchanges data with
     buffer_index: dict[str, int]  # buffer id -> index in its rank's registered memory
-    event_words: dict[int, tuple[int, int]] = field(default_factory=dict)  # event -> (first, n)
+    event_words: dict[int, list[int]] = field(default_factory=dict)  # event -> its net words
+
+    exit_keys = ("sent", "arrive")
 
     @property
     def count(self) -> int:
@@ -110,10 +115,12 @@ def net_plan(graph: TaskGraph) -> NetPlan:
         if dst != t.rank:
             peers[t.rank].add(dst)
             peers[dst].add(t.rank)
-        for e in dst_events:
-            bump(dst, ("event", e, t.rank))
-        if not dst_events:
-            bump(dst, ("arrive", t.rank))
+        if len(set(dst_events)) != len(dst_events):
+            raise ScheduleError(
+                f"{graph.op}: rdma task {t.name!r} signals an event twice",
+                hint="its arrival raises one flag that each of its events counts once",
+            )
+        bump(dst, ("task", t.id) if dst_events else ("arrive", t.rank))
         for e in src_events:
             bump(t.rank, ("event", e, t.rank))
         if not src_events:
@@ -122,24 +129,25 @@ def net_plan(graph: TaskGraph) -> NetPlan:
         for q in peers[r]:
             bump(r, ("start", q))
 
-    # Word indices: an event's words first and consecutive, then the others.
     words: list[dict[Key, int]] = [{} for _ in range(ranks)]
-    event_words: dict[int, tuple[int, int]] = {}
     for r in range(ranks):
-        keys = sorted(raises[r], key=lambda k: (k[0] != "event", k[0], k[1:]))
-        for key in keys:
+        for key in sorted(raises[r], key=lambda k: (k[0], k[1:])):
             words[r][key] = len(words[r])
-        for key in keys:
-            if key[0] == "event":
-                first, n = event_words.get(key[1], (words[r][key], 0))
-                event_words[key[1]] = (first, n + 1)
     per_launch = [[raises[r][k] for k in words[r]] for r in range(ranks)]
+    event_words: dict[int, list[int]] = {}
+    for t in rdma:
+        dst, dst_events, src_events = ends[t.id]
+        for e in dst_events:
+            event_words.setdefault(e, []).append(words[dst][("task", t.id)])
+        for e in set(src_events):
+            event_words.setdefault(e, []).append(words[t.rank][("event", e, t.rank)])
+    event_words = {e: sorted(set(w)) for e, w in event_words.items()}
 
     commands: dict[int, list[Command]] = {}
     for t in rdma:
         dst, dst_events, src_events = ends[t.id]
         src, dreg = t.reads[0], t.writes[0]
-        arrive = ("event", dst_events[0], t.rank) if dst_events else ("arrive", t.rank)
+        arrive = ("task", t.id) if dst_events else ("arrive", t.rank)
         done = ("event", src_events[0], t.rank) if src_events else ("sent",)
         cmds = [
             Command.write(
@@ -153,11 +161,7 @@ def net_plan(graph: TaskGraph) -> NetPlan:
                 task=t.id,
             )
         ]
-        # Further events: SIGNALs, which the proxy executes after the write (stream order).
-        cmds += [
-            Command.signal(t.rank, dst, words[dst][("event", e, t.rank)], task=t.id)
-            for e in dst_events[1:]
-        ]
+        # Further events on the source: SIGNALs, executed after the write (stream order).
         cmds += [
             Command.signal(t.rank, t.rank, words[t.rank][("event", e, t.rank)], task=t.id)
             for e in src_events[1:]

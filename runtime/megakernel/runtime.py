@@ -217,10 +217,14 @@ class TritonRuntime:
         def word(rank: int, index: int) -> int:
             return flag_ptrs[rank] + 4 * (lay.net_base + index)
 
-        self.netaddr = torch.tensor(
-            [word(r, first) for r, first, _ in t.event_net] or [0], dtype=torch.int64
-        )
-        self.netn = torch.tensor([n for _, _, n in t.event_net] or [0], dtype=torch.int32)
+        netaddr, netfirst, netn = [], [], []
+        for r, ws in t.event_net:
+            netfirst.append(len(netaddr))
+            netn.append(len(ws))
+            netaddr += [word(r, w) for w in ws]
+        self.netaddr = torch.tensor(netaddr or [0], dtype=torch.int64)
+        self.netfirst = torch.tensor(netfirst or [0], dtype=torch.int32)
+        self.netn = torch.tensor(netn or [0], dtype=torch.int32)
         self.exitaddr = torch.tensor([word(r, w) for r, w, _ in t.exits] or [0], dtype=torch.int64)
         self.exitcount = torch.tensor([n for _, _, n in t.exits] or [0], dtype=torch.int32)
         self.startaddr = torch.tensor([word(r, w) for r, w in t.starts] or [0], dtype=torch.int64)
@@ -233,7 +237,8 @@ class TritonRuntime:
                 tasks=t.tasks, regions=t.regions, waits=t.waits, signals=t.signals,
                 queues=t.queues, qinfo=t.qinfo, roles=t.roles, bufaddr=self.bufaddr,
                 bufrows=self.bufrows, bufcols=self.bufcols, evaddr=self.evaddr,
-                peer_flags=self.peer_flags, netaddr=self.netaddr, netn=self.netn,
+                peer_flags=self.peer_flags, netaddr=self.netaddr, netfirst=self.netfirst,
+                netn=self.netn,
                 exitaddr=self.exitaddr, exitcount=self.exitcount, startaddr=self.startaddr,
                 cmds=t.cmds if t.cmds is not None else torch.zeros(1, 16, dtype=torch.int64),
             ).items()
@@ -302,7 +307,7 @@ class TritonRuntime:
             d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
             self.epoch, -1 if self.rank is None else self.rank, limit, d["err"], d["abort"], d["go"], self.start_flag,
             d["peer_flags"], self.npeers, d["trace"], self.tables.a0_slot, self.tables.b0_slot,
-            *fifo, d["cmds"], t.start_cmds, d["startaddr"], d["netaddr"], d["netn"],
+            *fifo, d["cmds"], t.start_cmds, d["startaddr"], d["netaddr"], d["netfirst"], d["netn"],
             d["exitaddr"], d["exitcount"], len(t.exits),
             DT=_tl_dtype(self.graph.dtype), BM=self.bm, BN=self.bn, BK=BK, RB_M=RB_M, RB_N=RB_N,
             GEMM_ID=kind_id("gemm"), REDUCE_ID=kind_id("reduce"), COPY_ID=kind_id("copy"),

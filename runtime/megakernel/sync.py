@@ -88,14 +88,15 @@ def wait(flag, target, limit, abort, USE_TIMER: tl.constexpr, SYS: tl.constexpr 
 def _poll_sum(flag, net, nnet, SYS: tl.constexpr):
     v = _poll(flag, SYS)
     for j in range(nnet):
-        v += _poll(net + j, True)  # raised by a host proxy through the copy engine: sys scope
+        word = tl.load(net + j).to(tl.pointer_type(tl.int32))
+        v += _poll(word, True)  # raised by a host proxy through the copy engine: sys scope
     return v
 
 
 @triton.jit
 def wait_sum(flag, net, nnet, target, limit, abort, USE_TIMER: tl.constexpr, SYS: tl.constexpr):
-    """``wait`` for an event whose count is its GPU word plus ``nnet`` net words that host
-    proxies raise (runtime/megakernel/netplan.py)."""
+    """``wait`` for an event whose count is its GPU word plus the ``nnet`` net words whose
+    addresses start at ``net``, which host proxies raise (runtime/megakernel/netplan.py)."""
     value = _poll_sum(flag, net, nnet, SYS)
     if value < target:
         start = now(USE_TIMER)
