@@ -149,38 +149,10 @@ void Mover::raise_ready(int done_upto) {
   while (emitted_ < pending_.size()) {
     const PendingRaise& p = pending_[emitted_];
     auto last = last_use_.find(p.key);
-    if (last != last_use_.end() && last->second > done_upto) break;  // more of it to come
+    if (last != last_use_.end() && last->second > done_upto) return;  // more of it to come
     ++emitted_;  // first: a failing raise is not retried (it would count twice on the GPU)
     raise_now(p.key, p.count);
   }
-  flush_flags();  // before the next copy: a flag never waits behind later data
-}
-
-uint32_t* Mover::stage(size_t words) {
-  // A run of staging words never straddles a region, so each region's mark covers every copy
-  // that read it; entering a region again waits for the copies of its previous lap.
-  size_t slot = stage_next_ & (kStageWords - 1);
-  if (slot % kRegionWords + words > kRegionWords)
-    slot = ((slot / kRegionWords + 1) * kRegionWords) & (kStageWords - 1);
-  const size_t region = slot / kRegionWords;
-  if (region != region_) {
-    cuda.record(marks_[region_], stream_);
-    marked_[region_] = true;
-    if (marked_[region]) cuda.wait_event(marks_[region]);
-    region_ = region;
-  }
-  stage_next_ = slot + words;
-  return stage_ + slot;
-}
-
-void Mover::flush_flags() {
-  if (run_.empty()) return;
-  uint32_t* words = stage(run_.size());
-  for (size_t i = 0; i < run_.size(); ++i) words[i] = run_[i].second;
-  const unsigned long long first = run_.front().first;
-  const size_t bytes = run_.size() * sizeof(uint32_t);
-  run_.clear();
-  cuda.copy(reinterpret_cast<void*>(first), words, bytes, stream_);
 }
 
 void Mover::raise_now(const EventKey& key, int64_t count) {
@@ -201,14 +173,18 @@ void Mover::raise_now(const EventKey& key, int64_t count) {
     if (!flag_copy) {
       cuda.write_value32(stream_, address, static_cast<unsigned>(value));
     } else {
-      // Measured on H200 (benchmarks/NOTES.md): a stream memory write costs ~21 us of stream
-      // time while persistent kernels run (its system-wide fence); a 4-byte copy-engine copy,
-      // ordered after the data copy by the stream all the same, ~7 us.
-      if (!run_.empty() && (address != run_.back().first + 4 || key.rank != run_rank_ ||
-                            run_.size() == kRegionWords))
-        flush_flags();
-      run_rank_ = key.rank;  // one copy never spans two ranks' flag arrays
-      run_.emplace_back(address, static_cast<uint32_t>(value));
+      // Measured on H200 (benchmarks/NOTES.md): a stream memory write costs ~29 us of stream
+      // time while persistent kernels run (its system-wide fence); a 4-byte copy-engine copy
+      // is ordered after the data copy by the stream all the same.
+      const size_t slot = stage_next_++ & (kStageWords - 1);
+      const size_t region = slot / kRegionWords;
+      if (slot % kRegionWords == 0 && marked_[region]) cuda.wait_event(marks_[region]);
+      stage_[slot] = static_cast<uint32_t>(value);
+      cuda.copy(reinterpret_cast<void*>(address), &stage_[slot], sizeof(uint32_t), stream_);
+      if (slot % kRegionWords == kRegionWords - 1) {
+        cuda.record(marks_[region], stream_);
+        marked_[region] = true;
+      }
     }
   }
   stats.raises.fetch_add(1, std::memory_order_relaxed);
@@ -345,7 +321,6 @@ void Mover::end_batch() {
   pending_at_.clear();
   emitted_ = 0;
   for (const PendingRaise& p : left) raise_now(p.key, p.count);
-  flush_flags();
   if (!rang_ || doorbell_fd < 0) return;
   rang_ = false;
   const uint64_t one = 1;

@@ -117,15 +117,9 @@ class Mover {
   // behind its region's last copy (one lap ago) completed, so no copy reads a newer count.
   static constexpr size_t kStageWords = 1 << 16, kRegionWords = 1 << 10;
   uint32_t* stage_ = nullptr;
-  size_t stage_next_ = 0, region_ = 0;
+  size_t stage_next_ = 0;
   std::vector<void*> marks_;
   std::vector<bool> marked_;
-  // Raises of consecutive flag words (a coalesced group's chunks) go out as ONE copy: each copy
-  // costs ~5 us of stream time however small (benchmarks/NOTES.md).
-  std::vector<std::pair<unsigned long long, uint32_t>> run_;
-  int64_t run_rank_ = -1;
-  uint32_t* stage(size_t words);
-  void flush_flags();
   bool rang_ = false;
   double busy_until_ = 0;
   // This batch's raises, in the order each word was first raised; [0, emitted_) are done.
