@@ -191,3 +191,26 @@ def test_command_rows_are_int64():
     t = encode_rank(mg.schedule(graph), None, single_program=True)
     assert t.cmds.dtype == torch.int64 and t.cmds.shape[1] == 16 and t.start_cmds == 0
     assert t.starts == []
+
+
+def test_gpu_flag_mode_is_a_checked_setting(monkeypatch):
+    from mgraph.settings import Settings
+
+    assert Settings().gpu_flags == "copy"
+    monkeypatch.setenv("MGRAPH_GPU_FLAGS", "memop")
+    assert Settings.from_env().gpu_flags == "memop"
+    with pytest.raises(ValueError, match="gpu_flags"):
+        Settings(gpu_flags="bogus")
+
+
+def test_native_proxy_carries_the_flag_mode():
+    from mgraph.runtime.proxy import CommandFifo, InProcessTransport
+    from mgraph.runtime.proxy.native import NativeProxy, available
+
+    if not available():
+        pytest.skip("native proxy extension not built")
+    transport = InProcessTransport(lambda *a: None)
+    for copy in (False, True):
+        proxy = NativeProxy(CommandFifo(8), transport, rank=0, flag_copy=copy)
+        assert proxy._drain.flag_copy is copy
+        proxy.stop()

@@ -19,6 +19,8 @@ shadows) must persist across launches, like the flag words they mirror.
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +36,17 @@ if TYPE_CHECKING:
 __all__ = ["KernelNet"]
 
 MAX_SLOTS = 4096
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # nets whose proxy thread may still run
+
+
+@atexit.register
+def _abort_live() -> None:
+    """A runtime nobody closed (e.g. one cached by mg.run) must not leave its proxy spinning on
+    a core while the interpreter shuts down: abort it (dropping nothing: no kernel runs now)."""
+    for net in list(_LIVE):
+        if not net.closed:
+            net.closed = True
+            net.proxy.abort()
 
 
 class KernelNet:
@@ -80,8 +93,9 @@ class KernelNet:
             idle_sleep_us=0 if gpu else 200,
             flag_copy=settings.gpu_flags == "copy",
         )
-        self.proxy.start()
         self.closed = False
+        self.proxy.start()
+        _LIVE.add(self)
 
     # -- set-up -------------------------------------------------------------------------------
     @staticmethod
