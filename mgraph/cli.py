@@ -127,6 +127,31 @@ def print_graph(graph: TaskGraph, build_s: float | None = None) -> None:
     )
 
 
+def print_network(graph: TaskGraph) -> None:
+    """What each rank's RDMA workers push per launch on the megakernel, and the proxies' flag
+    words (runtime/megakernel/netplan.py): the proxy pays per command, not per byte."""
+    from .runtime.megakernel.netplan import net_plan
+
+    if not any(t.role == "rdma" for t in graph.tasks):
+        console.print("network: no rdma tasks (one node)")
+        return
+    plan = net_plan(graph)
+    table = Table(title="network per launch (megakernel FIFO commands)")
+    for col in ("rank", "peers", "WRITEs", "SIGNALs", "bytes", "bytes/WRITE", "flag words"):
+        table.add_column(col, justify="right")
+    for r in graph.topology.ranks:
+        cmds = [c for t, cs in plan.commands.items() if graph.tasks[t].rank == r for c in cs]
+        writes = [c for c in cmds if c.opcode.name == "WRITE"]
+        nbytes = sum(c.bytes for c in writes)
+        table.add_row(
+            str(r), ",".join(map(str, plan.peers[r])) or "-", str(len(writes)),
+            str(len(cmds) - len(writes)), human_bytes(nbytes),
+            human_bytes(nbytes // len(writes)) if writes else "-",
+            str(len(plan.words[r])),
+        )
+    console.print(table)
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -148,6 +173,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     graph.validate()
     valid_s = time.perf_counter() - start
     print_graph(graph, build_s)
+    if args.network:
+        print_network(graph)
     console.print(f"[green]valid[/] (checked in {valid_s * 1e3:.0f} ms)")
     if args.json:
         graph.save(args.json)
@@ -273,6 +300,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", help="a graph JSON written by --json")
     add_op_args(p, required=False)
     p.add_argument("--json", help="write the graph to this JSON file")
+    p.add_argument("--network", action="store_true",
+                   help="also print what the megakernel pushes to the host proxies per launch")
     sub.add_parser("ops", help="list the fused ops, their dims and options")
     p = sub.add_parser("schedule", help="schedule an op's graph; print the SM partition and queues")
     add_op_args(p)

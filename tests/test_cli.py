@@ -31,6 +31,28 @@ def test_inspect_writes_and_reads_back(tmp_path, capsys):
     assert main(["inspect", str(path)]) == 0
 
 
+def test_inspect_network_counts_the_proxy_commands(capsys):
+    args = ["inspect", "--op", "gemm_allreduce", "--shape", "128,64,64", "--topology", "2x1",
+            "--set", "tile=[32,32]", "--network"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "network per launch" in out and "WRITEs" in out
+    import torch
+
+    from mgraph.cli import human_bytes
+    from mgraph.runtime.megakernel.netplan import net_plan
+
+    g = mg.ops.gemm_allreduce(M=128, N=64, K=64, topology="2x1", tile=[32, 32],
+                              dtype=torch.bfloat16)
+    plan = net_plan(g)
+    sent = sum(c.bytes for t, cs in plan.commands.items() if g.tasks[t].rank == 0 for c in cs)
+    assert human_bytes(sent) in out
+    assert "flag words" in out and str(len(plan.words[0])) in out
+    assert main(["inspect", "--op", "gemm", "--shape", "64,64,64", "--topology", "1x1",
+                 "--network"]) == 0
+    assert "no rdma tasks" in capsys.readouterr().out
+
+
 def test_schedule_and_run_with_check_and_trace(tmp_path, capsys):
     sched = tmp_path / "s.json"
     assert main(["schedule", "--op", "allgather_gemm", "--shape", "64,64,32", "--topology", "1x2",
