@@ -47,6 +47,7 @@ class Drain {
   void abort();                  // end as soon as possible, dropping what is queued
   bool wait(double timeout_s);   // true once the loop has ended
   bool running() const { return started_ && !finished_.load(); }
+  bool started() const { return started_; }
   DrainError error() const;
 
   std::atomic<int64_t> commands{0}, batches{0}, max_batch{0}, coalesced{0};

@@ -158,7 +158,12 @@ PYBIND11_MODULE(_drain, m) {
       .def_property("bytes_per_s", [](const Drain& d) { return d.mover.bytes_per_s; },
                     [](Drain& d, double v) { d.mover.bytes_per_s = v; })
       .def_property("flag_copy", [](const Drain& d) { return d.mover.flag_copy; },
-                    [](Drain& d, bool v) { d.mover.flag_copy = v; })
+                    [](Drain& d, bool v) {
+                      // the loop allocates the staging ring when it starts
+                      if (d.started())
+                        throw py::value_error("flag_copy is fixed once the loop has started");
+                      d.mover.flag_copy = v;
+                    })
       .def_property("doorbell_fd", [](const Drain& d) { return d.mover.doorbell_fd; },
                     [](Drain& d, int fd) { d.mover.doorbell_fd = fd; })
       .def_property("idle_sleep_us", [](const Drain& d) { return d.idle_sleep_us; },

@@ -88,6 +88,9 @@ void Mover::check_write(const Command& c) const {
   if (sp != Place::kHost && sp != Place::kCuda)
     fail("source rank " + std::to_string(c.src_rank) + " is not in this process (" +
          place_name(sp) + ")");
+  if (sp == Place::kCuda && !cuda.loaded())
+    fail("rank " + std::to_string(c.src_rank) +
+         " has CUDA memory but this proxy loaded no CUDA libraries (Drain.use_cuda)");
   if ((sp == Place::kCuda) != (dp == Place::kCuda))
     fail(std::string("no path from ") + place_name(sp) + " memory to " + place_name(dp) +
          " memory");
@@ -127,8 +130,8 @@ void Mover::begin_batch(const std::vector<Command>& cmds, int n) {
 void Mover::defer_raise(int64_t rank, int64_t event) {
   const RankMemory& m = ranks.at(rank);
   const bool host = m.place == Place::kHost && (m.counters != nullptr || m.host_flags != nullptr);
-  const bool cuda = m.place == Place::kCuda && m.shadow != nullptr;
-  if (!host && !cuda)
+  const bool gpu = m.place == Place::kCuda && m.shadow != nullptr && cuda.loaded();
+  if (!host && !gpu)
     fail("cannot raise event " + std::to_string(event) + " on rank " + std::to_string(rank) +
          " from here (" + place_name(m.place) + " memory without matching event words)");
   const EventKey key{rank, event};
