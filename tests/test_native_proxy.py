@@ -535,9 +535,9 @@ def test_register_mapped_validates_before_any_cuda_call(monkeypatch) -> None:
     t = cuda_ipc_on_cpu(monkeypatch)
     with pytest.raises(ProxyError, match="rank 1 buffer 0 is on cpu, not a CUDA device"):
         t.register_mapped(1, {0: torch.zeros(2, 2)}, None)
-    with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor or None"):
+    with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor"):
         t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int32))  # host memory
-    with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor or None"):
+    with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor"):
         t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int64))
     assert t.memory == {} and t.mapped == set()
 

@@ -31,7 +31,7 @@ from mgraph.errors import ProxyError
 from mgraph.topology import Topology
 
 from .command import Rect
-from .transport import Transport
+from .transport import Transport, check_flag_words
 from .wire import store_get
 
 __all__ = ["CudaIpcTransport", "cuda_libraries"]
@@ -153,21 +153,10 @@ class CudaIpcTransport(Transport):
                     hint="register_mapped takes GPU memory this process can address; "
                     "host memory belongs to the inprocess or tcp transport",
                 )
-        if flags is not None and not (
-            isinstance(flags, torch.Tensor)
-            and flags.dtype == torch.int32
-            and flags.dim() == 1
-            and flags.is_contiguous()
-            and flags.device.type == "cuda"
-        ):
-            what = type(flags).__name__
-            if isinstance(flags, torch.Tensor):
-                layout = "contiguous" if flags.is_contiguous() else "not contiguous"
-                what = f"{flags.dtype} {tuple(flags.shape)} on {flags.device}, {layout}"
-            raise ProxyError(
-                f"cuda_ipc: rank {rank}'s flags must be a 1-D contiguous int32 CUDA tensor or "
-                f"None, got {what}",
-                hint="pass the rank's net flag words, e.g. flags[lo:hi] of its symmetric flags",
+        if flags is not None:
+            check_flag_words(
+                flags, "cuda", f"cuda_ipc: rank {rank}'s flags (or None)",
+                "pass the rank's net flag words, e.g. flags[lo:hi] of its symmetric flags",
             )
         Transport.register(self, rank, buffers)  # shape checks only: no handles published
         self.mapped.add(rank)

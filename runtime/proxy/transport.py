@@ -27,10 +27,31 @@ from mgraph.topology import Topology
 
 from .command import Rect
 
-__all__ = ["RaiseEvent", "Transport", "InProcessTransport"]
+__all__ = ["RaiseEvent", "Transport", "InProcessTransport", "check_flag_words"]
 
 RaiseEvent = Callable[[int, int, int], None]
 """``raise_event(rank, event_id, epoch)``: add one to ``event_id`` on ``rank`` (the runtime's)."""
+
+
+def check_flag_words(flags: object, device_type: str, what: str, hint: str) -> None:
+    """ProxyError unless ``flags`` is a 1-D contiguous int32 tensor on a ``device_type`` device:
+    a rank's flag words, which a native loop addresses by raw pointer."""
+    if (
+        isinstance(flags, torch.Tensor)
+        and flags.dtype == torch.int32
+        and flags.dim() == 1
+        and flags.is_contiguous()
+        and flags.device.type == device_type
+    ):
+        return
+    got = type(flags).__name__
+    if isinstance(flags, torch.Tensor):
+        layout = "contiguous" if flags.is_contiguous() else "not contiguous"
+        got = f"{flags.dtype} {tuple(flags.shape)} on {flags.device}, {layout}"
+    kind = "CUDA" if device_type == "cuda" else device_type.upper()
+    raise ProxyError(
+        f"{what} must be a 1-D contiguous int32 {kind} tensor, got {got}", hint=hint
+    )
 
 
 class Transport(ABC):
@@ -233,22 +254,10 @@ class InProcessTransport(Transport):
         """Raise ``rank``'s events on ``flags`` (1-D, contiguous, int32, CPU), not the callback.
         The tensor must outlive the transport and any native proxy attached to it."""
         self._check_open("register_flags")
-        if not (
-            isinstance(flags, torch.Tensor)
-            and flags.dtype == torch.int32
-            and flags.dim() == 1
-            and flags.is_contiguous()
-            and flags.device.type == "cpu"
-        ):
-            what = type(flags).__name__
-            if isinstance(flags, torch.Tensor):
-                layout = "contiguous" if flags.is_contiguous() else "not contiguous"
-                what = f"{flags.dtype} {tuple(flags.shape)} on {flags.device}, {layout}"
-            raise ProxyError(
-                f"inprocess: rank {rank}'s flags must be a 1-D contiguous int32 CPU tensor, "
-                f"got {what}",
-                hint="pass the rank's int32 flag words, e.g. flags[lo:hi] of its flag array",
-            )
+        check_flag_words(
+            flags, "cpu", f"inprocess: rank {rank}'s flags",
+            "pass the rank's int32 flag words, e.g. flags[lo:hi] of its flag array",
+        )
         self.flags[rank] = flags
         # ctypes over the storage: a word costs ~0.1 us instead of ~2 us through torch indexing.
         self._flag_words[rank] = (ctypes.c_int32 * flags.numel()).from_address(flags.data_ptr())
