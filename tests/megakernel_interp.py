@@ -26,6 +26,8 @@ CASES = {
     "allgather_gemm-2x1": ("allgather_gemm", "2x1", dict(M=64, N=64, K=64, tile=[16, 32])),
     "gemm_reduce_scatter-2x1": ("gemm_reduce_scatter", "2x1", dict(M=64, N=64, K=128, tile=[16, 32])),
     "gemm_allreduce-2x2": ("gemm_allreduce", "2x2", dict(M=64, N=64, K=256, tile=[16, 32], chunk_bytes=2048)),
+    # three nodes: a reduce waits for chunks from two proxies (an event sums several words)
+    "gemm_allreduce-3x1": ("gemm_allreduce", "3x1", dict(M=96, N=64, K=192, tile=[32, 32], chunk_bytes=4096)),
 }
 
 
