@@ -158,20 +158,20 @@ def encode_rank(
     for tid in order:
         t = graph.tasks[tid]
         row = [0] * TASK_FIELDS
-        if t.role == Role.RDMA.value:
+        row[5], row[6] = len(waits), len(t.waits)
+        waits += [
+            [eslot(e), c, total[e], int(crosses[e] or graph.events[e].rank != t.rank)]
+            for e, c in t.waits
+        ]
+        row[9] = tid
+        tasks.append(row)
+        if t.role == Role.RDMA.value:  # a push of its commands; the proxies raise its events
             kinds.add("push")
             row[0] = PUSH_ID
             row[F_CMD0] = len(cmd_rows)
             cmd_rows += [_cmd_row(c) for c in net.commands[tid]]
             row[F_NCMD] = len(cmd_rows) - row[F_CMD0]
-            row[5], row[6] = len(waits), len(t.waits)
-            waits += [
-                [eslot(e), c, total[e], int(crosses[e] or graph.events[e].rank != t.rank)]
-                for e, c in t.waits
-            ]
-            row[7], row[8] = len(signals), 0  # the proxies raise its events
-            row[9] = tid
-            tasks.append(row)
+            row[7] = len(signals)
             continue
         kinds.add(t.kind)
         row[0] = kind_id(t.kind)
@@ -179,17 +179,10 @@ def encode_rank(
         regions += [[slot(r.buffer), r.row0, r.row1, r.col0, r.col1] for r in t.reads]
         row[3], row[4] = len(regions), len(t.writes)
         regions += [[slot(w.buffer), w.row0, w.row1, w.col0, w.col1] for w in t.writes]
-        row[5], row[6] = len(waits), len(t.waits)
-        waits += [
-            [eslot(e), c, total[e], int(crosses[e] or graph.events[e].rank != t.rank)]
-            for e, c in t.waits
-        ]
         row[7], row[8] = len(signals), len(t.signals)
         signals += [
             [eslot(e), int(crosses[e] or graph.events[e].rank != t.rank)] for e in t.signals
         ]
-        row[9] = tid
-        tasks.append(row)
 
     qrows, flat = [], []
     for role in ROLES:

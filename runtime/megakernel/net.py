@@ -153,18 +153,10 @@ class KernelNet:
 
 def _buffers(rt: TritonRuntime, rank: int, arena: torch.Tensor, plan) -> dict[int, torch.Tensor]:
     """``rank``'s buffers by their registered index, as 2-D views of its arena."""
-    from mgraph.graph import torch_dtype
+    from .runtime import arena_views
 
-    out = {}
-    for buf in rt.graph.buffers.values():
-        if buf.rank != rank:
-            continue
-        dt = torch_dtype(buf.dtype)
-        start = rt.layout.offset[buf.id]
-        nbytes = buf.rows * buf.cols * torch.empty((), dtype=dt).element_size()
-        view = arena[start : start + nbytes].view(dt).view(buf.rows, buf.cols)
-        out[plan.buffer_index[buf.id]] = view
-    return out
+    views = arena_views(rt.graph, rt.layout, rank, arena)
+    return {plan.buffer_index[b]: v for b, v in views.items()}
 
 
 def _no_callback(rank: int, event: int, epoch: int) -> None:

@@ -44,6 +44,18 @@ BK = 64
 RB_M, RB_N = 64, 256
 
 
+def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``rank``'s buffers (by id) as 2-D views of its arena (its own, or a peer's mapped one)."""
+    views = {}
+    for buf in graph.buffers.values():
+        if buf.rank == rank:
+            dt = torch_dtype(buf.dtype)
+            start = lay.offset[buf.id]
+            nbytes = buf.rows * buf.cols * torch.empty((), dtype=dt).element_size()
+            views[buf.id] = arena[start : start + nbytes].view(dt).view(buf.rows, buf.cols)
+    return views
+
+
 def local_shards(graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor]) -> dict:
     """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs."""
     out = {}
@@ -183,14 +195,9 @@ class TritonRuntime:
             self.flags = torch.zeros(lay.flag_words, dtype=torch.int32, device=dev)
             arena_ptrs, flag_ptrs = [self.arena.data_ptr()], [self.flags.data_ptr()]
         self.views: dict[str, torch.Tensor] = {}
-        for buf in graph.buffers.values():
-            if buf.rank not in self.mine:
-                continue
-            dt = torch_dtype(buf.dtype)
-            nbytes = buf.rows * buf.cols * torch.empty((), dtype=dt).element_size()
-            start = lay.offset[buf.id]
-            arena = self.shared.arenas[buf.rank] if self.shared is not None else self.arena
-            self.views[buf.id] = arena[start : start + nbytes].view(dt).view(buf.rows, buf.cols)
+        for r in self.mine:
+            arena = self.shared.arenas[r] if self.shared is not None else self.arena
+            self.views.update(arena_views(graph, lay, r, arena))
         t = self.tables
         self.bufaddr = torch.tensor(
             [arena_ptrs[graph.buffers[b].rank] + lay.offset[b] for b in t.slots] or [0],
