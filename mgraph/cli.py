@@ -322,6 +322,9 @@ def make_parser() -> argparse.ArgumentParser:
     from .runtime.sim.cli import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(p)
+    from .viz.cli import add_subcommands as add_viz_subcommands  # plot, view
+
+    add_viz_subcommands(sub, COMMANDS, console)
     return parser
 
 
