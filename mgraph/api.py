@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import UnknownNameError
+from .errors import BackendUnavailableError, UnknownNameError
 from .graph import TaskGraph
 from .hardware import HardwareProfile
 from .settings import Settings
@@ -34,6 +34,8 @@ _TRITON_RUNTIMES: dict[int, Any] = {}  # id(schedule) -> TritonRuntime: compile 
 def _triton(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Settings, **kw: Any):
     """The persistent megakernel. 1-rank graphs take GLOBAL tensors; multi-rank graphs run SPMD
     under torchrun and take each rank's LOCAL shards."""
+    if not kw.get("interpret"):
+        _triton_available()
     from .runtime.megakernel import TritonRuntime
 
     rt = _TRITON_RUNTIMES.get(id(schedule))
@@ -41,6 +43,18 @@ def _triton(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Setti
         rt = TritonRuntime(schedule, settings=settings, **kw)
         _TRITON_RUNTIMES[id(schedule)] = rt
     return rt.run(inputs)
+
+
+def _triton_available() -> None:
+    """BackendUnavailableError unless torch sees a CUDA GPU (checked before any work)."""
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(
+            "backend 'triton' needs a CUDA GPU, and torch sees none here "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})",
+            hint="use backend='reference' (the CPU runtime runs the same schedule) or "
+            "backend='sim' (predicted time); on CPU the kernel runs under TRITON_INTERPRET=1 "
+            "with mgraph.runtime.megakernel.run_in_process",
+        )
 
 
 def _sim(schedule: Schedule, inputs: dict[str, torch.Tensor] | None, settings: Settings, **kw: Any):

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .errors import ShapeError
+from .errors import ShapeError, SizeLimitError
 from .graph import ITEMSIZE, Binding, Buffer, Event, Region, Task, TaskGraph, TensorSpec
 from .kinds import KINDS, Role
+from .settings import Settings
 from .topology import Topology
 
-__all__ = ["GraphBuilder", "split", "pick_tile", "shard_range", "piece", "require_divisible"]
+__all__ = ["GraphBuilder", "SizeBudget", "split", "pick_tile", "shard_range", "piece", "require_divisible"]
 
 
 def split(size: int, tile: int) -> list[tuple[int, int]]:
@@ -63,11 +64,34 @@ def pick_tile(op: str, dim: str, size: int, preferred: int, *, multiple_of: int 
     return preferred
 
 
+class SizeBudget:
+    """The size guard of one graph being built: limits from Settings, bytes so far. Shared by
+    every builder that adds to the same graph (mg.compile's per-op scopes)."""
+
+    __slots__ = ("max_tasks", "max_bytes", "bytes")
+
+    def __init__(self, limits: Settings) -> None:
+        self.max_tasks = limits.max_tasks
+        self.max_bytes = limits.max_bytes
+        self.bytes = 0
+
+
 class GraphBuilder:
     """Accumulates one TaskGraph; ``finish()`` hands it over."""
 
-    def __init__(self, op: str, topology: Topology, dtype: str, params: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        op: str,
+        topology: Topology,
+        dtype: str,
+        params: dict[str, Any],
+        *,
+        limits: Settings | None = None,
+    ) -> None:
         self.op = op
+        # The size guard: checked per task and per buffer, so a graph too large to hold stops
+        # within the limit instead of growing until the process is killed.
+        self.budget = SizeBudget(limits if limits is not None else Settings.from_env())
         self.topo = topology
         self.world = topology.world_size
         self.dtype = dtype
@@ -99,6 +123,15 @@ class GraphBuilder:
     ) -> Buffer:
         buf = Buffer(name, rank, rows, cols, dtype or self.dtype, role, binding)
         assert buf.id not in self.buffers, f"buffer {buf.id} defined twice"
+        budget = self.budget
+        budget.bytes += rows * cols * ITEMSIZE[buf.dtype]
+        if budget.bytes > budget.max_bytes:
+            raise SizeLimitError(
+                f"{self.op}: the buffers of all ranks would take more than "
+                f"{budget.max_bytes / 2**30:.3g} GiB (at buffer {buf.id}, {rows}x{cols} {buf.dtype})",
+                hint="use smaller sizes or fewer ranks, or raise the limit: MGRAPH_MAX_BYTES or "
+                "Settings(max_bytes=...)",
+            )
         self.buffers[buf.id] = buf
         return buf
 
@@ -197,6 +230,13 @@ class GraphBuilder:
         for r in (*reads, *writes):  # regions are (buffer, row0, row1, col0, col1)
             nbytes += (r[2] - r[1]) * (r[4] - r[3]) * ITEMSIZE[bufs[r[0]].dtype]
         tid = len(self.tasks)
+        if tid >= self.budget.max_tasks:
+            raise SizeLimitError(
+                f"{self.op}: the graph would have more than {self.budget.max_tasks} tasks (stopped "
+                f"building at task {kind!r} on rank {rank})",
+                hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or raise "
+                "the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
+            )
         task = Task(
             tid,
             name if name is not None else f"{kind}#{tid}",

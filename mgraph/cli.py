@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .errors import MgraphError
+from .errors import MgraphError, OptionError, OutputPathError, ShapeError, UnknownNameError
 from .graph import ITEMSIZE, TaskGraph
+from .options import type_name
 
 __all__ = ["main", "build_from_args"]
 
@@ -45,15 +48,45 @@ def human_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
-def parse_option(text: str) -> tuple[str, Any]:
-    """``key=value`` with a JSON value (``causal=true``, ``tile=[64,64]``), else a string."""
+def parse_option(text: str, op: Any) -> tuple[str, Any]:
+    """``--set key=value`` for ``op``: the value is parsed by the option's declared type
+    (mgraph/options.py: ``causal=true``, ``tile=64,64``), never guessed."""
+    from .options import parse_option_text
+
     if "=" not in text:
-        raise MgraphError(f"option {text!r} is not key=value", hint="e.g. --set causal=true")
-    key, raw = text.split("=", 1)
-    try:
-        return key.strip(), json.loads(raw)
-    except json.JSONDecodeError:
-        return key.strip(), raw
+        raise OptionError(f"--set {text!r} is not key=value", hint="e.g. --set causal=true")
+    key, raw = (part.strip() for part in text.split("=", 1))
+    types = op.option_types
+    if key not in types:
+        valid = ", ".join(f"{k} ({type_name(t)})" for k, t in types.items()) or "none"
+        raise UnknownNameError(f"{op.name}: unknown option {key!r}; its options: {valid}",
+                               hint="list them with `mgraph ops`")
+    return key, parse_option_text(op.name, key, raw, types[key])
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Fail before any work when ``path`` cannot be written (missing folder, a directory)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise OutputPathError(f"{flag} {path!r} is a directory", hint=f"give {flag} a file name")
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputPathError(f"{flag} {path!r}: folder {str(folder)!r} does not exist",
+                              hint=f"create it first (mkdir -p {folder}) or write elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise OutputPathError(f"{flag} {path!r}: folder {str(folder)!r} is not writable")
+
+
+def progress(what: str) -> Any:
+    """A transient spinner with elapsed time, so a build or run that takes seconds says so."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    bar = Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=console,
+                   transient=True)
+    bar.add_task(what, total=None)
+    return bar
 
 
 def add_op_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -68,7 +101,7 @@ def build_from_args(args: argparse.Namespace) -> tuple[TaskGraph, float]:
     from . import ops
 
     op = ops.get_op(args.op)
-    params: dict[str, Any] = dict(parse_option(s) for s in args.set)
+    params: dict[str, Any] = dict(parse_option(s, op) for s in args.set)
     if args.shape:
         sizes = [s for s in args.shape.split(",") if s.strip()]
         if len(sizes) != len(op.dims):
@@ -80,9 +113,11 @@ def build_from_args(args: argparse.Namespace) -> tuple[TaskGraph, float]:
             try:
                 params[dim] = int(s)
             except ValueError:
-                raise MgraphError(f"--shape: {dim}={s!r} is not an integer") from None
+                raise ShapeError(f"--shape: {dim}={s!r} is not an integer",
+                                 hint=f"{op.name} takes --shape {','.join(op.dims)} as ints") from None
     start = time.perf_counter()
-    graph = op(topology=args.topology, dtype=args.dtype, **params)
+    with progress(f"building {op.name} on {args.topology}"):
+        graph = op(topology=args.topology, dtype=args.dtype, **params)
     return graph, time.perf_counter() - start
 
 
@@ -161,9 +196,12 @@ def _numel(shape: Sequence[int]) -> int:
 
 @command("inspect")
 def cmd_inspect(args: argparse.Namespace) -> int:
+    check_output_path(args.json, "--json")
     if args.file:
+        from .serialize import load_graph_file
+
         start = time.perf_counter()
-        graph = TaskGraph.load(args.file)
+        graph = load_graph_file(args.file)
         build_s = time.perf_counter() - start
     elif args.op:
         graph, build_s = build_from_args(args)
@@ -217,9 +255,11 @@ def print_schedule(sched) -> None:
 def cmd_schedule(args: argparse.Namespace) -> int:
     from .scheduler import schedule
 
+    check_output_path(args.json, "--json")
     graph, build_s = build_from_args(args)
     start = time.perf_counter()
-    sched = schedule(graph, policy=args.policy)
+    with progress("scheduling"):
+        sched = schedule(graph, policy=args.policy)
     console.print(
         f"[bold]{graph.op}[/] on {graph.topology}: {len(graph.tasks)} tasks, built in "
         f"{build_s * 1e3:.0f} ms, scheduled in {(time.perf_counter() - start) * 1e3:.0f} ms"
@@ -234,19 +274,40 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 @command("run")
 def cmd_run(args: argparse.Namespace) -> int:
-    from .api import run
+    from .api import BACKENDS, INPUTLESS, backend_names, run
     from .ops import get_op
     from .scheduler import schedule
+    from .settings import Settings
 
+    if args.backend not in BACKENDS:
+        raise UnknownNameError(f"unknown backend {args.backend!r}; available: "
+                               f"{', '.join(backend_names())}")
+    if args.check and args.backend in INPUTLESS:
+        raise OptionError(f"--check needs computed outputs; backend {args.backend!r} predicts "
+                          "time only", hint="drop --check, or use --backend reference")
+    check_output_path(args.trace, "--trace")
+    settings = Settings.from_env()
+    if args.backend == "triton":  # refuse before building, not after
+        from .api import _triton_available
+
+        _triton_available()
     graph, _ = build_from_args(args)
-    graph.validate()
+    with progress("validating and scheduling"):
+        graph.validate()
+        sched = schedule(graph, policy=args.policy)
     op = get_op(graph.op)
-    inputs = op.random_inputs(graph, seed=args.seed)
-    sched = schedule(graph, policy=args.policy)
-    console.print(f"running {graph.op} on {graph.topology} ({len(graph.tasks)} tasks, "
-                  f"backend {args.backend}) ...")
-    result = run(sched, inputs, backend=args.backend)
-    console.print(f"done in {result.wall_s * 1e3:.1f} ms")
+    inputs = None if args.backend in INPUTLESS else op.random_inputs(graph, seed=args.seed)
+    with progress(f"running {graph.op} on {graph.topology} ({len(graph.tasks)} tasks, "
+                  f"backend {args.backend})"):
+        result = run(sched, inputs, backend=args.backend, settings=settings)
+    if args.backend == "sim":
+        summary = result.summary()
+        speedups = ", ".join(f"{k} {v:.2f}x" for k, v in summary["speedup"].items())
+        console.print(f"predicted {summary['predicted_ms']:.3f} ms on {result.hardware.name} "
+                      f"(speedup over {speedups}); busy: "
+                      + ", ".join(f"{k} {v:.0%}" for k, v in summary["busy_by_role"].items()))
+    else:
+        console.print(f"done in {result.wall_s * 1e3:.1f} ms")
     status = 0
     if args.check:
         from .demo import rel_err
@@ -259,7 +320,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             status |= 0 if ok else 1
             console.print(f"check {name}: relative error {err:.2e} (tolerance {tol:g}) "
                           + ("[green]ok[/]" if ok else "[red]FAILED[/]"))
-    if args.trace:
+    if args.trace and args.backend == "sim":
+        result.save_timeline(args.trace)
+        console.print(f"wrote predicted timeline {args.trace} (open in https://ui.perfetto.dev)")
+    elif args.trace:
         result.trace.save(args.trace)
         console.print(f"wrote timeline {args.trace} (open in https://ui.perfetto.dev)")
     return status
@@ -310,7 +374,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="build, schedule and run an op; --check compares with torch")
     add_op_args(p)
     p.add_argument("--policy", default="critical_path", help="queue ordering policy")
-    p.add_argument("--backend", default="reference", help="reference (CPU)")
+    p.add_argument("--backend", default="reference",
+                   help="reference (CPU), sim (predicted time), triton (CUDA GPU)")
     p.add_argument("--check", action="store_true", help="compare with the op's torch reference")
     p.add_argument("--trace", help="write the timeline (Chrome/Perfetto JSON) here")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")

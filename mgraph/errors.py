@@ -26,6 +26,13 @@ __all__ = [
     "TraceError",
     "UnsupportedOpError",
     "PlanError",
+    "OptionError",
+    "SizeLimitError",
+    "SettingsError",
+    "GraphFileError",
+    "BackendUnavailableError",
+    "OutputPathError",
+    "OutputError",
 ]
 
 
@@ -111,3 +118,36 @@ class UnsupportedOpError(TraceError):
 
 class PlanError(MgraphError, ValueError):
     """A parallel plan names a module path that does not exist or a style that does not fit it."""
+
+
+class OptionError(MgraphError, ValueError):
+    """An op option (``--set key=value``, a builder keyword) has the wrong type or value; the
+    message names the op, the option, the type it takes and the value given."""
+
+
+class SizeLimitError(MgraphError, ValueError):
+    """A graph would exceed a size limit (tasks, bytes); the hint names the setting that raises
+    it (``MGRAPH_MAX_TASKS``, ``MGRAPH_MAX_BYTES``)."""
+
+
+class SettingsError(MgraphError, ValueError):
+    """An environment variable (or Settings field) holds an invalid value; names the variable."""
+
+
+class GraphFileError(GraphError):
+    """A graph JSON file cannot be read: missing, a directory, not JSON, or a field that breaks
+    the schema (the message gives the field's path)."""
+
+
+class BackendUnavailableError(MgraphError, RuntimeError):
+    """A backend cannot run on this machine (e.g. ``triton`` without CUDA)."""
+
+
+class OutputPathError(MgraphError, ValueError):
+    """A file the command would write (``--trace``, ``--json``) cannot be written there; raised
+    before any work is done."""
+
+
+class OutputError(MgraphError, RuntimeError):
+    """A run's outputs cannot be assembled: replicas disagree, or the graph leaves part of an
+    output unwritten (a lowering bug, named with the region)."""

@@ -186,6 +186,7 @@ class _OpScope(GraphBuilder):
         self.events = base.events
         self.tasks = base.tasks
         self._joins = base._joins
+        self.budget = base.budget  # one size guard for the whole program's graph
         self.ctx = ctx
         self.node = node
 

@@ -64,12 +64,6 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
 def check_backend(backend: str) -> None:
     if backend in BACKENDS:
         return
-    if backend == "triton":
-        raise UnknownNameError(
-            "backend 'triton' (the persistent megakernel) is not available in this build yet; "
-            f"available: {', '.join(backend_names())}",
-            hint="compile with backend='reference' (the CPU runtime runs the same schedule)",
-        )
     raise UnknownNameError(f"unknown backend {backend!r}; available: {', '.join(backend_names())}")
 
 

@@ -1,67 +1,109 @@
 """JSON (lossless, validated with pydantic on load) and text (deterministic, for golden tests)
-forms of a TaskGraph."""
+forms of a TaskGraph.
+
+Loading is strict: unknown fields, wrong types, dtypes mgraph does not compute in, ranks outside
+the topology, regions outside their buffer, unknown buffers, events or kinds, duplicate buffers,
+an empty graph and sizes above the size guard are all GraphFileError (or SizeLimitError), each
+naming the path of the bad field (``tasks[3].reads[0]``), before anything is allocated.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import GraphError
+from .errors import GraphFileError
 from .graph import Binding, Buffer, Event, Region, Task, TaskGraph, TensorSpec
+from .settings import Settings
 from .topology import Topology
 
-__all__ = ["graph_to_json", "graph_from_json", "graph_to_text", "FORMAT"]
+__all__ = ["graph_to_json", "graph_from_json", "graph_to_text", "load_graph_file", "FORMAT"]
 
 FORMAT = "mgraph.taskgraph/1"
 
-RegionRow = tuple[str, int, int, int, int]
+_STRICT = ConfigDict(extra="forbid", strict=True)
+Size = Annotated[int, Field(ge=1)]
+Index = Annotated[int, Field(ge=0)]
+DType = Literal["float32", "bfloat16", "float16"]
+RegionRow = tuple[str, Index, Index, Index, Index]
 
 
 class _Spec(BaseModel):
-    shape: list[int]
-    dtype: str
+    model_config = _STRICT
+    shape: list[Size]
+    dtype: DType
 
 
 class _Buffer(BaseModel):
+    model_config = _STRICT
     name: str
-    rank: int
-    rows: int
-    cols: int
-    dtype: str
-    role: str
-    binding: tuple[str, list[list[tuple[int, int]]], int] | None = None
+    rank: Index
+    rows: Size
+    cols: Size
+    dtype: DType
+    role: Literal["input", "output", "scratch"]
+    binding: tuple[str, list[list[tuple[Index, Index]]], Index] | None = None
     symmetric: bool = False
 
 
 class _Task(BaseModel):
+    model_config = _STRICT
     name: str
-    rank: int
-    role: str
+    rank: Index
+    role: Literal["compute", "nvlink", "rdma"]
     kind: str
     reads: list[RegionRow]
     writes: list[RegionRow]
-    waits: list[tuple[int, int]] = []
-    signals: list[int] = []
-    flops: float = 0.0
-    bytes: int = 0
+    waits: list[tuple[Index, Size]] = []
+    signals: list[Index] = []
+    flops: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    bytes: Index = 0
     params: dict[str, Any] = {}
 
 
 class _Graph(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     format: str
     op: str
     topology: str
-    dtype: str
+    dtype: DType
     params: dict[str, Any]
     inputs: dict[str, _Spec]
     outputs: dict[str, _Spec]
     buffers: list[_Buffer]
-    events: list[tuple[int, str]]  # (rank, name); the id is the position
+    events: list[tuple[Index, str]]  # (rank, name); the id is the position
     tasks: list[_Task]
+
+
+def _path(loc: tuple) -> str:
+    """pydantic's location tuple as a path: ``tasks[3].reads[0][2]``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def load_graph_file(path: str | Path, settings: Settings | None = None) -> TaskGraph:
+    """Read a graph JSON file written by ``TaskGraph.save``/``mgraph inspect --json``."""
+    p = Path(path)
+    how = "write one with `mgraph inspect --op ... --json FILE` or TaskGraph.save(FILE)"
+    if not p.exists():
+        raise GraphFileError(f"graph file {str(p)!r} does not exist", hint=how)
+    if p.is_dir():
+        raise GraphFileError(f"graph file {str(p)!r} is a directory, not a JSON file", hint=how)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise GraphFileError(
+            f"graph file {str(p)!r} is not text (byte {exc.start} is not UTF-8)", hint=how
+        ) from None
+    except OSError as exc:
+        raise GraphFileError(f"cannot read graph file {str(p)!r}: {exc.strerror}") from None
+    return graph_from_json(text, settings=settings, source=str(p))
 
 
 def graph_to_json(g: TaskGraph) -> str:
@@ -109,13 +151,37 @@ def graph_to_json(g: TaskGraph) -> str:
     return json.dumps(doc, separators=(",", ":"))
 
 
-def graph_from_json(text: str) -> TaskGraph:
+def graph_from_json(
+    text: str, *, settings: Settings | None = None, source: str = "graph JSON"
+) -> TaskGraph:
+    """A TaskGraph from its JSON form, checked strictly (module docstring)."""
     try:
-        doc = _Graph.model_validate_json(text)
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GraphFileError(
+            f"{source}: not JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})",
+            hint="a graph file is the JSON `mgraph inspect --json` writes",
+        ) from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise GraphFileError(
+            f"{source}: format {got!r} is not {FORMAT!r}",
+            hint="this mgraph reads graphs written by TaskGraph.save / `mgraph inspect --json`",
+        )
+    try:
+        doc = _Graph.model_validate_json(text)  # JSON mode: arrays are tuples, strictly typed
     except ValidationError as exc:
-        raise GraphError(f"not a valid mgraph task graph JSON: {exc}") from None
-    if doc.format != FORMAT:
-        raise GraphError(f"graph JSON format {doc.format!r}; this mgraph reads {FORMAT!r}")
+        errs = exc.errors()
+        first = errs[0]
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise GraphFileError(
+            f"{source}: field {_path(first['loc'])}: {first['msg']} "
+            f"(got {_short(first.get('input'))}){more}",
+            hint="fix that field; the schema is mgraph/serialize.py's _Graph",
+        ) from None
+    from .schema_checks import check_document
+
+    check_document(doc, source, settings or Settings.from_env())
     buffers: dict[str, Buffer] = {}
     for b in doc.buffers:
         binding = None
@@ -182,3 +248,8 @@ def graph_to_text(g: TaskGraph) -> str:
             f"writes[{writes}] waits[{waits}] signals[{signals}]{params}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -5,9 +5,26 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["Settings"]
+from .errors import SettingsError
+
+__all__ = ["Settings", "ENV_VARS"]
+
+# field -> environment variable; from_env reads exactly these, errors name the variable.
+ENV_VARS: dict[str, str] = {
+    "watchdog_s": "MGRAPH_WATCHDOG_S",
+    "threads_per_role": "MGRAPH_THREADS_PER_ROLE",
+    "proxy_batch": "MGRAPH_PROXY_BATCH",
+    "fifo_slots": "MGRAPH_FIFO_SLOTS",
+    "proxy": "MGRAPH_PROXY",
+    "transport": "MGRAPH_TRANSPORT",
+    "tcp_host": "MGRAPH_TCP_HOST",
+    "nic_gbps": "MGRAPH_NIC_GBPS",
+    "gpu_flags": "MGRAPH_GPU_FLAGS",
+    "max_tasks": "MGRAPH_MAX_TASKS",
+    "max_bytes": "MGRAPH_MAX_BYTES",
+}
 
 
 class Settings(BaseModel):
@@ -15,7 +32,9 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    watchdog_s: float = Field(5.0, gt=0, description="bound on every wait (CPU runtime)")
+    watchdog_s: float = Field(
+        5.0, gt=0, allow_inf_nan=False, description="bound on every wait (CPU runtime)"
+    )
     threads_per_role: int = Field(
         2, ge=1, description="CPU runtime: at most this many threads per (rank, role)"
     )
@@ -32,26 +51,64 @@ class Settings(BaseModel):
     )
     tcp_host: str = Field("127.0.0.1", description="address the tcp transport listens on")
     nic_gbps: float = Field(
-        0.0, ge=0, description="native proxy: pace writes like a NIC of this many GB/s (0: off)"
+        0.0, ge=0, allow_inf_nan=False, description="native proxy: pace writes like a NIC of this many GB/s (0: off)"
     )
     gpu_flags: Literal["copy", "memop"] = Field(
         "copy", description="how the native proxy raises GPU flag words: a copy-engine copy from "
         "pinned memory, or cuStreamWriteValue32 (slower while persistent kernels run)",
     )
 
+    max_tasks: int = Field(
+        1_000_000, ge=1, description="size guard: building a graph with more tasks than this "
+        "stops early with SizeLimitError (a 2x8 GEMM+AllReduce at 8192^2x4096 has ~45k)",
+    )
+    max_bytes: int = Field(
+        64 << 30, ge=1, description="size guard: the bytes of all ranks' buffers together (what "
+        "the CPU reference runtime allocates); above it, SizeLimitError before anything is built",
+    )
+
+    def __init__(self, **values: object) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            error = _settings_error(exc, values, from_env=False)
+            error.validation = exc  # from_env re-words it with the variables' names
+            raise error from None
+
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
-        env = {
-            "watchdog_s": os.environ.get("MGRAPH_WATCHDOG_S"),
-            "threads_per_role": os.environ.get("MGRAPH_THREADS_PER_ROLE"),
-            "proxy_batch": os.environ.get("MGRAPH_PROXY_BATCH"),
-            "fifo_slots": os.environ.get("MGRAPH_FIFO_SLOTS"),
-            "proxy": os.environ.get("MGRAPH_PROXY"),
-            "transport": os.environ.get("MGRAPH_TRANSPORT"),
-            "tcp_host": os.environ.get("MGRAPH_TCP_HOST"),
-            "nic_gbps": os.environ.get("MGRAPH_NIC_GBPS"),
-            "gpu_flags": os.environ.get("MGRAPH_GPU_FLAGS"),
-        }
-        values = {k: v for k, v in env.items() if v is not None}
+        """Settings from the MGRAPH_* variables (``ENV_VARS``); ``overrides`` win over them."""
+        env = {field: os.environ.get(var) for field, var in ENV_VARS.items()}
+        values: dict[str, object] = {k: v for k, v in env.items() if v is not None}
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        try:
+            return cls(**values)
+        except SettingsError as exc:
+            raise _settings_error(
+                exc.validation, values, from_env=True, overridden=set(overrides)
+            ) from None
+
+
+def _settings_error(
+    exc: ValidationError, values: dict, *, from_env: bool, overridden: set[str] = frozenset()
+) -> SettingsError:
+    """One line per bad field, naming the environment variable it came from."""
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        given = values.get(field, err.get("input"))
+        if from_env and field in ENV_VARS and field not in overridden:
+            where = f"environment variable {ENV_VARS[field]}={given!s}"
+        else:
+            where = f"Settings({field}={given!r})"
+        lines.append(f"{where}: {err['msg']}")
+    fields = Settings.model_fields
+    help_lines = [
+        f"{ENV_VARS.get(f, f)}: {fields[f].description}" for f in
+        dict.fromkeys(str(e["loc"][0]) for e in exc.errors() if e["loc"] and e["loc"][0] in fields)
+    ]
+    return SettingsError(
+        "invalid mgraph settings: " + "; ".join(lines),
+        hint=("unset the variable for the default, or give a valid value ("
+        + "; ".join(help_lines) + ")") if help_lines else "see mgraph.settings.Settings",
+    )

@@ -1,18 +1,29 @@
 """Per-rank buffers of a TaskGraph: allocation, sharding global inputs, gathering outputs.
 
 Every backend goes through these three functions, so a graph's Bindings mean the same thing
-everywhere. Scratch and output buffers are poisoned with NaN: a tile nobody wrote shows up as NaN
-in the gathered output (and is reported), never as a plausible stale value.
+everywhere.
+
+NaN is data: a user's input may hold NaN and the outputs then hold NaN where torch's would. So
+"unwritten" is never read from the values. Instead the graph itself must write every element of
+every output buffer (``check_outputs_written``: the union of its tasks' write regions, computed
+once per graph), and a run that finishes has run every task. Scratch and output buffers are still
+filled with NaN before a launch, so a lowering that READS a region nobody wrote yet gets NaN (it
+shows in the comparison with the torch reference) rather than a plausible stale value.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mgraph.errors import DTypeError, InputError, MgraphError
+import weakref
+
+from mgraph.errors import DTypeError, InputError, OutputError
 from mgraph.graph import Binding, Region, TaskGraph, torch_dtype
 
-__all__ = ["allocate", "shard_inputs", "gather_outputs", "region_view", "Memory"]
+__all__ = [
+    "allocate", "shard_inputs", "gather_outputs", "region_view", "Memory",
+    "check_outputs_written", "same_values",
+]
 
 Memory = dict[str, torch.Tensor]  # buffer id -> 2-D tensor
 
@@ -71,15 +82,54 @@ def shard_inputs(graph: TaskGraph, inputs: dict[str, torch.Tensor], mem: Memory)
             mem[buf.id].copy_(_pieces(buf.binding, inputs[buf.binding.tensor]))
 
 
+# id(graph) -> weak reference: graphs whose outputs are known to be written (TaskGraph is an
+# unhashable dataclass, so no WeakSet; the reference guards against a reused id).
+_WRITTEN_CHECKED: dict[int, weakref.ref] = {}
+
+
+def check_outputs_written(graph: TaskGraph) -> None:
+    """OutputError if some element of an output buffer is written by no task of the graph."""
+    known = _WRITTEN_CHECKED.get(id(graph))
+    if known is not None and known() is graph:
+        return
+    masks = {
+        b.id: torch.zeros((b.rows, b.cols), dtype=torch.bool)
+        for b in graph.buffers.values()
+        if b.role == "output"
+    }
+    for t in graph.tasks:
+        for w in t.writes:
+            mask = masks.get(w.buffer)
+            if mask is not None:
+                mask[w.row0 : w.row1, w.col0 : w.col1] = True
+    for bid, mask in masks.items():
+        if not mask.all():
+            row, col = (~mask).nonzero()[0].tolist()
+            raise OutputError(
+                f"{graph.op}: output buffer {bid!r} element [{row}, {col}] (and "
+                f"{int((~mask).sum()) - 1} more) is written by no task",
+                hint="the lowering leaves part of an output unwritten: add the missing tile "
+                "tasks, or shrink the buffer to what is written",
+            )
+    _WRITTEN_CHECKED[id(graph)] = weakref.ref(graph)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN equal to NaN (replicas of a NaN result agree)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 def gather_outputs(
     graph: TaskGraph, mem: Memory, *, ranks=None, partial: bool = False
 ) -> dict[str, torch.Tensor]:
     """Assemble global outputs from the ranks' output buffers.
 
-    A piece held by several ranks (replicated outputs) must agree bit for bit; a piece nobody
-    holds, or one left NaN, is an error: no silent wrong answers. ``partial`` (a process that
-    holds only some ranks) leaves out the outputs those ranks do not hold in full instead.
+    A piece held by several ranks (replicated outputs) must agree (NaN agreeing with NaN); a
+    piece nobody holds, or a graph that writes only part of an output, is an error: no silent
+    wrong answers. ``partial`` (a process that holds only some ranks) leaves out the outputs
+    those ranks do not hold in full instead.
     """
+    check_outputs_written(graph)
     out: dict[str, torch.Tensor] = {}
     for name, spec in graph.outputs.items():
         dt = torch_dtype(spec.dtype)
@@ -101,9 +151,9 @@ def gather_outputs(
             for p, part in zip(buf.binding.pieces, parts, strict=True):
                 index = tuple(slice(lo, hi) for lo, hi in p)
                 if covered[index].all():
-                    if not torch.equal(result[index], part):
+                    if not same_values(result[index], part):
                         diff = (result[index].float() - part.float()).abs().nan_to_num(float("inf"))
-                        raise MgraphError(
+                        raise OutputError(
                             f"{graph.op}: replicas of output {name!r} disagree: rank {buf.rank} "
                             f"vs rank {holders[p]} on {p} (max diff {diff.max().item():.3g})"
                         )
@@ -114,12 +164,10 @@ def gather_outputs(
         if not covered.all():
             if partial:
                 continue
-            raise MgraphError(f"{graph.op}: no rank holds part of output {name!r}")
-        if torch.isnan(result).any():
-            bad = torch.isnan(result).nonzero()[0].tolist()
-            raise MgraphError(
-                f"{graph.op}: output {name!r} has unwritten (NaN) elements, first at {bad}",
-                hint="a tile was never written: check the lowering's writes for that region",
+            first = (~covered).nonzero()[0].tolist()
+            raise OutputError(
+                f"{graph.op}: no rank holds part of output {name!r} (first element {first})",
+                hint="the output buffers' bindings leave a gap: check the lowering's bindings",
             )
         out[name] = result
     return out

@@ -4,7 +4,8 @@ Facets (each attached once):
 - ``shapes(fn)``: ``fn(topology, **dims) -> {tensor name: global shape}`` for inputs and outputs;
   raises ShapeError for sizes the op cannot lower.
 - ``lower(fn)``: ``fn(builder, **dims, **options)`` emits buffers, events and tile tasks.
-  Its keyword parameters ARE the op's options: the builder call accepts exactly these.
+  Its keyword parameters ARE the op's options: the builder call accepts exactly these, and their
+  annotations ARE the options' types, checked strictly before building (mgraph/options.py).
 - ``reference(fn)``: ``fn(**global_inputs, **params) -> {output name: tensor}``: the op's meaning
   on GLOBAL tensors, in torch. Every backend is checked against it.
 - ``make_inputs(fn)`` (optional): ``fn(graph, generator) -> inputs``: random
@@ -22,8 +23,10 @@ from typing import Any
 import torch
 
 from ..builder import GraphBuilder
-from ..errors import RegistrationError, ShapeError, UnknownNameError
-from ..graph import TaskGraph, dtype_name, torch_dtype
+from ..errors import RegistrationError, ShapeError, SizeLimitError, UnknownNameError
+from ..graph import ITEMSIZE, TaskGraph, dtype_name, torch_dtype
+from ..options import check_options, option_types
+from ..settings import Settings
 from ..topology import Topology
 
 __all__ = ["OpDef", "OPS", "get_op", "op_names"]
@@ -82,8 +85,14 @@ class OpDef:
             if p.name not in self.dims and p.default is not inspect.Parameter.empty
         }
 
+    @property
+    def option_types(self) -> dict[str, Any]:
+        """Each option's annotated type (``Any`` where the lowering gives none)."""
+        assert self.lower_fn is not None, self.name
+        return option_types(self.lower_fn, self.options)
+
     def check_params(self, topology: Topology, params: dict[str, Any]) -> dict[str, tuple]:
-        """Validate dims and options; return the global shapes {name: shape}."""
+        """Validate dims and options (strictly typed); return the global shapes {name: shape}."""
         missing = [d for d in self.dims if d not in params]
         if missing:
             raise ShapeError(
@@ -103,6 +112,9 @@ class OpDef:
                     f"{self.name}: {d}={v!r} must be a positive integer",
                     hint=f"pass {', '.join(self.dims)} as positive ints",
                 )
+        check_options(
+            self.name, self.option_types, {k: v for k, v in params.items() if k not in self.dims}
+        )
         assert self.shapes_fn is not None
         return self.shapes_fn(topology, **params)
 
@@ -111,9 +123,13 @@ class OpDef:
         *,
         topology: Topology | str,
         dtype: torch.dtype | str = torch.float32,
+        settings: Settings | None = None,
         **params: Any,
     ) -> TaskGraph:
-        """Build this op's TaskGraph for ``topology``."""
+        """Build this op's TaskGraph for ``topology``.
+
+        Sizes, options and the size guard (``settings.max_tasks``/``max_bytes``) are checked
+        before any task is made; the builder stops at the task limit instead of running on."""
         if self.lower_fn is None or self.shapes_fn is None or self.reference_fn is None:
             raise RegistrationError(
                 f"op {self.name!r} is missing a facet (shapes, lower and reference are required)"
@@ -122,8 +138,10 @@ class OpDef:
         dt = dtype_name(dtype)
         # JSON-native values (lists, not tuples) so a graph's params survive a JSON round trip.
         full = json.loads(json.dumps({**self.options, **params}))
-        self.check_params(topo, full)
-        builder = GraphBuilder(self.name, topo, dt, full)
+        shapes = self.check_params(topo, full)
+        limits = settings or Settings.from_env()
+        self._check_size(topo, dt, shapes, limits)
+        builder = GraphBuilder(self.name, topo, dt, full, limits=limits)
         # A graph is 10^4-10^6 small objects that all live on: the cyclic collector would rescan
         # them over and over (measured: 3x the build time at 133k tasks) and can free none.
         was_enabled = gc.isenabled()
@@ -134,6 +152,32 @@ class OpDef:
         finally:
             if was_enabled:
                 gc.enable()
+
+    def _check_size(
+        self, topo: Topology, dtype: str, shapes: dict[str, tuple], limits: Settings
+    ) -> None:
+        """Refuse before building what cannot fit: the global tensors alone (every run holds
+        them) above ``max_bytes``, or more ranks than ``max_tasks`` (each rank gets tasks)."""
+        nbytes = 0
+        for shape in shapes.values():
+            n = ITEMSIZE[dtype]
+            for s in shape:
+                n *= s
+            nbytes += n
+        if nbytes > limits.max_bytes:
+            raise SizeLimitError(
+                f"{self.name}: the inputs and outputs alone take {nbytes / 2**30:.3g} GiB "
+                f"({', '.join(f'{k}{list(v)}' for k, v in shapes.items())}), above the limit "
+                f"of {limits.max_bytes / 2**30:.3g} GiB",
+                hint="use smaller sizes, or raise the limit: MGRAPH_MAX_BYTES=<bytes> or "
+                "Settings(max_bytes=...) passed as settings=",
+            )
+        if topo.world_size > limits.max_tasks:
+            raise SizeLimitError(
+                f"{self.name}: topology {topo} has {topo.world_size} ranks, more than the task "
+                f"limit {limits.max_tasks}",
+                hint="use a smaller topology, or raise MGRAPH_MAX_TASKS",
+            )
 
     def run_reference(
         self, inputs: dict[str, torch.Tensor], params: dict[str, Any]
