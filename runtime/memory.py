@@ -13,9 +13,9 @@ shows in the comparison with the torch reference) rather than a plausible stale 
 
 from __future__ import annotations
 
-import torch
-
 import weakref
+
+import torch
 
 from mgraph.errors import DTypeError, InputError, OutputError
 from mgraph.graph import Binding, Region, TaskGraph, torch_dtype
