@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["plot_rows", "plot_file"]
+__all__ = ["plot_rows", "plot_file", "view"]
 
 
 def plot_rows(*args: Any, **kwargs: Any) -> Any:
@@ -24,3 +24,10 @@ def plot_file(*args: Any, **kwargs: Any) -> Any:
 
     return impl(*args, **kwargs)
 
+
+
+def view(*args: Any, **kwargs: Any) -> Any:
+    """See ``mgraph.viz.html.view``: one offline HTML page of a graph, schedule and run."""
+    from .html import view as impl
+
+    return impl(*args, **kwargs)

@@ -32,3 +32,64 @@ def add_subcommands(sub: Any, commands: dict[str, Any], console: Any) -> None:
         return 0
 
     commands["plot"] = run_plot
+
+    from ..cli import add_op_args
+
+    p = sub.add_parser(
+        "view", help="write one offline HTML page: the graph, its schedule and a run's timeline",
+        description="Builds (or loads) a graph, schedules it, optionally runs it, and writes a "
+                    "self-contained HTML page (no network needed to open it).")
+    p.add_argument("file", nargs="?", help="a graph or schedule JSON (mgraph inspect/schedule "
+                                           "--json) instead of --op")
+    add_op_args(p, required=False)
+    p.add_argument("--policy", default="critical_path", help="queue ordering policy")
+    p.add_argument("--timeline", default="sim", choices=("sim", "reference", "none"),
+                   help="run for the timeline: sim (predicted, H200), reference (CPU), none")
+    p.add_argument("--trace", help="a timeline JSON written by `mgraph run --trace` to show "
+                                   "instead of running")
+    p.add_argument("-o", "--out", default="mgraph-view.html", help="the HTML file to write")
+
+    def run_view(args: argparse.Namespace) -> int:
+        from ..errors import MgraphError
+        from .html import load_chrome_trace, view
+
+        sched = _schedule_from_args(args)
+        if args.trace:
+            trace = load_chrome_trace(args.trace)
+        elif args.timeline == "none":
+            trace = None
+        else:
+            from ..api import run
+
+            console.print(f"running on the {args.timeline} backend for the timeline ...")
+            trace = run(sched, backend=args.timeline).trace
+        if sched is None:
+            raise MgraphError("view needs --op (with --shape) or a graph/schedule JSON file")
+        path = view(sched, args.out, trace=trace)
+        console.print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, "
+                      f"{len(sched.graph.tasks)} tasks); open it in a browser", soft_wrap=True,
+                      highlight=False)
+        return 0
+
+    commands["view"] = run_view
+
+
+def _schedule_from_args(args: argparse.Namespace) -> Any:
+    import json
+
+    from ..graph import TaskGraph
+    from ..scheduler import Schedule, schedule
+
+    if args.file:
+        with open(args.file) as f:
+            text = f.read()
+        head = json.loads(text)
+        if isinstance(head, dict) and str(head.get("format", "")).startswith("mgraph.schedule"):
+            return Schedule.from_json(text)
+        return schedule(TaskGraph.from_json(text), policy=args.policy)
+    if not args.op:
+        return None
+    from ..cli import build_from_args
+
+    graph, _ = build_from_args(args)
+    return schedule(graph, policy=args.policy)
