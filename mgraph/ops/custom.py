@@ -8,8 +8,9 @@ lower and run.
 The decorated function is the op's meaning (its torch reference). Registration makes:
 - a torch custom op ``mgraph_user::<name>``: calling the returned object runs the reference
   eagerly and appears as ONE node when torch.export traces a module that calls it;
-- a task kind ``<name>`` whose CPU body runs the reference on one row tile (and, with
-  ``triton=``, the megakernel tile body);
+- a task kind ``<name>`` whose CPU body runs the reference on one row tile. ``triton=`` is
+  stored on the kind as its megakernel tile body, but the megakernel does not run user kinds
+  yet: a graph with a custom op runs on the reference (CPU) backend;
 - an OpDef ``<name>`` (dims rows x cols) lowered to one task per ``tile_rows`` rows of each
   rank's part, in the layout of the first tensor argument, like the builtin norms.
 

@@ -1,9 +1,11 @@
 """The work-balance rule (DESIGN: Controller) and the static SM partition derived from it.
 
 ``balance_workers`` is the ONE definition of how workers are split between compute and
-communication. The simulator and the CPU reference runtime call it; the Triton controller mirrors
-it line by line (so it uses only what a kernel has: +, *, /, floor, min, max; rounding is half
-up, never Python's banker's round), and tests hold the two to the same decisions.
+communication. Today the simulator's adaptive mode (``simulate(..., adaptive=True)``) and the
+static partition below call it; the CPU reference runtime and the Triton megakernel do not run a
+controller yet (their split is the schedule's, fixed per launch). It is written with only what a
+kernel has (+, *, /, floor, min, max; rounding half up, never Python's banker's round) so that a
+GPU controller can follow it line by line, and be tested against it, once one is built.
 
     comm = N * Rs*Cs / (Rp*Cp + Rs*Cs)
 

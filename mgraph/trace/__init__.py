@@ -16,7 +16,13 @@ import torch.nn as nn
 
 from ..errors import InputError, PlanError
 from ..graph import dtype_name
-from ..plans import ColwiseParallel, ExpertParallel, ParallelStyle, RowwiseParallel
+from ..plans import (
+    ColwiseParallel,
+    ContextParallel,
+    ExpertParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
 from ..topology import Topology
 from .capture import Captured, CNode, capture
 from .opgraph import OpGraph, OpNode, ParamSource, Value
@@ -86,6 +92,14 @@ def check_plan(module: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, P
                 f"plan[{path!r}] is {type(style).__name__}, but {path!r} is a "
                 f"{type(sub).__name__}, not an nn.Linear",
                 hint="plan the linear layers themselves, e.g. 'mlp.up_proj'",
+            )
+        if isinstance(style, ContextParallel) and isinstance(sub, nn.Linear):
+            raise PlanError(
+                f"plan[{path!r}] is ContextParallel, but {path!r} is an nn.Linear: ContextParallel "
+                "shards an attention module's sequence (its scaled_dot_product_attention becomes "
+                "ring_attention), and a linear layer has no attention",
+                hint="put ContextParallel() on the attention module (e.g. 'attn'); shard linears "
+                "with ColwiseParallel()/RowwiseParallel()",
             )
         if isinstance(style, ExpertParallel):
             expert_modules(sub, style, path)

@@ -13,7 +13,8 @@ one latency later.
 
 With ``adaptive=True`` a controller per rank re-splits the compute and nvlink workers every
 ``period`` seconds with ``mgraph.scheduler.balance_workers`` (measured seconds per task, tasks
-left), and workers change role at task boundaries, as the megakernel's controller does.
+left), and workers change role at task boundaries. This models a controller the megakernel does
+not have yet (its worker split is fixed per launch): a what-if, not a mirror of running code.
 
 Ties are broken by a sequence number, so a run is deterministic.
 """
