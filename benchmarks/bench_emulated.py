@@ -1,19 +1,30 @@
-"""GEMM+AllReduce across 2 emulated nodes: the fused megakernel against a sequential baseline
-that crosses the same emulated NIC, on the same inputs in the same run.
+"""Fused GEMM + collective across 2 emulated nodes against two honest baselines, on the same
+inputs in the same run.
 
 Run: torchrun --nproc_per_node=2 benchmarks/bench_emulated.py [--shapes M,N,K ...]
-         [--nic-gbps 50 0] [--out DIR]
+         [--ops gemm_allreduce gemm_reduce_scatter allgather_gemm] [--nic-gbps 50 0]
+         [--chunk-kib 256] [--out DIR]
 
-Two GPUs of one host act as 2 nodes of 1 GPU (topology "2x1"): inter-node bytes go GPU -> command
-FIFO -> native host proxy -> copy engine into the peer's memory, paced like a NIC of nic_gbps
-GB/s (0: uncapped). Shapes are PER-RANK GEMMs [M, K] @ [K, N] (global K = 2K, as in bench_tp).
-Per shape and cap: ``cublas`` (GEMM alone), ``mgraph_fused`` (checked against torch, then timed),
-``sequential`` (cuBLAS; the host pushes the partial C in --chunk-kib row blocks through its own
-FIFO + native proxy + cuda_ipc transport at the same cap, waits for the peer's partial and its
-own sends, as the fused kernel does at exit, and adds), ``net_alone`` (that exchange without the
-GEMM). Medians, max over ranks; CUDA events, wall clock for the host-driven rows. The fused row
-gets fraction_hidden = clamp((sequential - fused) / net_ms, 0, 1) and speedup = sequential /
-fused. The helpers above the GPU section run on any CPU (tests/test_bench_emulated.py).
+Two GPUs of one host act as 2 nodes of 1 GPU (topology "2x1"). Shapes are PER-RANK GEMMs
+[M, K] @ [K, N]: GEMM+AR and GEMM+RS shard the global K (2K), AG+GEMM gathers A (each rank
+holds M/2 rows) and shards N. Every implementation is timed the same way: CUDA events around one
+call on the current stream, median per rank, max over ranks (``timeit``). Per op, shape, cap:
+
+- ``cublas``: the rank's GEMM alone;
+- ``mgraph_fused``: the megakernel; inter-node chunks of --chunk-kib go GPU -> command FIFO ->
+  native host proxy -> copy engine into the peer, paced like a NIC of nic_gbps GB/s (0: none);
+- ``ce_paced`` (baseline a): cuBLAS, then the exchange as copy-engine copies of --chunk-kib row
+  blocks into the peer's symmetric buffer, each followed by a device sleep so the stream moves no
+  more than the cap (what NCCL over that NIC could do at best: no SM, no protocol), a device-side
+  barrier (torch symmetric memory) once the copies are done, then the add (AR, RS). AG+GEMM
+  exchanges first, then multiplies;
+- ``net_alone``: that exchange alone; ``gbps`` is the pace it realised (calibrated to the cap);
+- ``nccl_ib_model`` (baseline b, analytic): cublas + bytes / (0.92 x cap): NCCL over InfiniBand
+  at 92% of line rate, no overlap (absent uncapped).
+
+The fused row's ``speedup`` is over the FASTER baseline, ``fraction_hidden`` = clamp((ce_paced -
+fused) / net_alone, 0, 1). Every chunk size run is reported (one --chunk-kib per process). The
+helpers above the GPU section run on any CPU (tests/test_bench_emulated.py).
 """
 
 from __future__ import annotations
@@ -30,17 +41,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mgraph.errors import ProxyError
-from mgraph.runtime.proxy.command import Command, Rect
+from mgraph.runtime.proxy.command import Rect
 
 SHAPES = [(8192, 8192, 4096), (4096, 8192, 4096)]
 CAPS = [50.0, 0.0]
+OPS = ["gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"]
 TOPOLOGY = "2x1"
 TOL = 1e-2  # bf16 output against an fp32 reference
 ITEMSIZE = 2  # bf16
-SRC, RECV = 0, 1  # registered buffers: this rank's partial C, the peer's partial arriving
-ARRIVED, SENT = 0, 1  # flag words (running counts): peer chunks arrived, own chunks sent
-IMPLS = ["cublas", "mgraph_fused", "sequential", "net_alone"]
+NCCL_EFFICIENCY = 0.92  # NCCL over IB reaches about 92% of the line rate (baseline b)
+IMPLS = ["cublas", "mgraph_fused", "ce_paced", "net_alone", "nccl_ib_model"]
 Shape = tuple[int, int, int]
 
 
@@ -55,11 +65,12 @@ def parse_shape(text: str) -> Shape:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES)
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=OPS)
     parser.add_argument("--nic-gbps", nargs="+", type=float, default=CAPS, help="0: uncapped")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--chunk-kib", type=int, default=256, help="KiB per WRITE, fused and sequential")
-    parser.add_argument("--timeout", type=float, default=30.0, help="bound on each host wait (s)")
+    parser.add_argument("--chunk-kib", type=int, default=256, help="KiB per WRITE, fused and baseline")
+    parser.add_argument("--timeout", type=float, default=30.0, help="bound on each device wait (s)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args(argv)
     if not all(cap >= 0 for cap in args.nic_gbps):
@@ -76,75 +87,99 @@ def chunk_rects(rows: int, cols: int, itemsize: int, chunk_bytes: int, buffer: i
     return [Rect(buffer, r, min(r + step, rows), 0, cols) for r in range(0, rows, step)]
 
 
-def fifo_capacity(commands: int) -> int:
-    """The smallest power of two holding one exchange: the host never waits for a slot."""
-    return max(2, 1 << (commands - 1).bit_length())
+def exchange_rows(op: str, shape: Shape, rank: int) -> tuple[int, int, int]:
+    """What baseline (a) sends to the peer, as (first row, end row, columns) of the rank's
+    exchanged matrix: AR the whole partial C [M, N]; RS the peer's half of C's rows; AG the
+    rank's A shard [M/2, K] (it lands at the same rows of the peer's gathered A)."""
+    M, N, K = shape
+    half = M // 2
+    if op == "gemm_allreduce":
+        return 0, M, N
+    if op == "gemm_reduce_scatter":
+        peer = 1 - rank
+        return peer * half, (peer + 1) * half, N
+    if op == "allgather_gemm":
+        return rank * half, (rank + 1) * half, K
+    raise ValueError(f"unknown op {op!r}; valid: {', '.join(OPS)}")
 
 
-def exchange_commands(rank: int, peer: int, rects: Sequence[Rect], itemsize: int,
-                      epoch: int) -> list[Command]:  # fmt: skip
-    """Each chunk of ``rank``'s SRC into the same rows of ``peer``'s RECV, raising the peer's
-    ARRIVED word and, once the copy is done, this rank's SENT word."""
-    return [
-        Command.write(rank, r, peer, r._replace(buffer=RECV), bytes=r.numel * itemsize,
-                      event=ARRIVED, done_event=SENT, epoch=epoch)  # fmt: skip
-        for r in rects
-    ]
+def exchange_bytes(op: str, shape: Shape) -> int:
+    """Bytes each rank sends per call (the same for both ranks and for NCCL's ring)."""
+    r0, r1, cols = exchange_rows(op, shape, 0)
+    return (r1 - r0) * cols * ITEMSIZE
 
 
-def wait_flags(read: Callable[[], Sequence[int]], targets: Sequence[int], names: Sequence[str],
-               timeout: float, check: Callable[[], None] = lambda: None) -> None:  # fmt: skip
-    """Poll ``read()`` until every word reaches its target; ``check`` raises a proxy's own error
-    early. After ``timeout`` s, a ProxyError naming the words that fell short."""
-    deadline = time.monotonic() + timeout
-    while True:
-        values = list(read())
-        if all(v >= t for v, t in zip(values, targets, strict=True)):
-            return
-        check()
-        if time.monotonic() > deadline:
-            short = [f"{n}: {v} of {t}" for n, v, t in zip(names, values, targets, strict=True)]
-            raise ProxyError(
-                f"sequential exchange: waited {timeout:g} s for {'; '.join(short)}",
-                hint="did the peer rank fail or stop pushing? (its log has the root cause)",
-            )
-        time.sleep(0)
+def graph_kwargs(op: str, shape: Shape) -> dict[str, int]:
+    """The global sizes of ``op``'s graph whose per-rank GEMM is ``shape`` on 2 ranks."""
+    M, N, K = shape
+    if op == "allgather_gemm":
+        return {"M": M, "N": 2 * N, "K": K}
+    return {"M": M, "N": N, "K": 2 * K}
 
 
-def derived(sequential_ms: float, fused_ms: float, net_ms: float) -> dict[str, float]:
-    """The share of the network time the fused kernel hid, and its speedup."""
-    hidden = (sequential_ms - fused_ms) / net_ms if net_ms > 0 else 0.0
-    return {"fraction_hidden": round(min(1.0, max(0.0, hidden)), 3),
-            "speedup": round(sequential_ms / fused_ms, 3)}  # fmt: skip
+def model_ms(gemm_ms: float, nbytes: int, cap_gbps: float) -> float | None:
+    """Baseline (b): the GEMM, then NCCL over IB at NCCL_EFFICIENCY of the cap (no overlap);
+    None uncapped (an infinitely fast NIC is a bound, not a baseline)."""
+    if cap_gbps <= 0:
+        return None
+    return gemm_ms + nbytes / (NCCL_EFFICIENCY * cap_gbps * 1e9) * 1e3
+
+
+def pace_sleep_us(chunk_bytes: int, cap_gbps: float, measured_us: float, slept_us: float) -> float:
+    """Sleep per chunk that makes one chunk take chunk_bytes / cap: the current sleep corrected
+    by how far the measured per-chunk time (copy + sleep + gaps) is from that target."""
+    if cap_gbps <= 0:
+        return 0.0
+    target = chunk_bytes / (cap_gbps * 1e9) * 1e6
+    return max(0.0, slept_us + target - measured_us)
+
+
+def derived(fused_ms: float, ce_ms: float | None, model: float | None,
+            net_ms: float | None) -> dict[str, float | str | None]:
+    """The fused row's comparison: speedup over the FASTER baseline (named), and the share of
+    the network time it hid relative to baseline (a)."""
+    bases = {k: v for k, v in (("ce_paced", ce_ms), ("nccl_ib_model", model)) if v is not None}
+    if not bases:
+        return {"baseline": None, "speedup": None, "fraction_hidden": None}
+    name = min(bases, key=bases.get)
+    hidden = None
+    if ce_ms is not None and net_ms:
+        hidden = round(min(1.0, max(0.0, (ce_ms - fused_ms) / net_ms)), 3)
+    return {"baseline": name, "speedup": round(bases[name] / fused_ms, 3),
+            "fraction_hidden": hidden}  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: per shape and cap, each impl's ms and sequential's ms over it."""
-    keys = list(dict.fromkeys((r["M"], r["N"], r["K"], r["nic_gbps"]) for r in rows))
-    lines = ["| M,N,K | NIC | impl | ms | vs sequential | notes |", "|---|---|---|---|---|---|"]
-    for key in keys:
-        mine = [r for r in rows if (r["M"], r["N"], r["K"], r["nic_gbps"]) == key]
-        mine.sort(key=lambda r: IMPLS.index(r["impl"]) if r["impl"] in IMPLS else len(IMPLS))
-        base = next((r["ms"] for r in mine if r["impl"] == "sequential"), None)
-        nic = f"{key[3]:g} GB/s" if key[3] else "uncapped"
+    """Markdown: per op, shape, chunk and cap, each impl's ms and the faster baseline's ms over it."""
+    def key(r: dict) -> tuple:
+        return (r["op"], r["M"], r["N"], r["K"], r.get("chunk_kib"), r["nic_gbps"])
+
+    lines = ["| op | M,N,K | chunk | NIC | impl | ms | faster baseline / ms | notes |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for k in dict.fromkeys(key(r) for r in rows):
+        mine = sorted((r for r in rows if key(r) == k),
+                      key=lambda r: IMPLS.index(r["impl"]) if r["impl"] in IMPLS else len(IMPLS))
+        times = [r["ms"] for r in mine if r["impl"] in ("ce_paced", "nccl_ib_model") and r["ms"]]
+        base = min(times) if times else None
+        nic = f"{k[5]:g} GB/s" if k[5] else "uncapped"
         for r in mine:
             ms = r["ms"]
             notes = [f"FAILED: {r['error']}"] if "error" in r else []
-            for field, text in [("fraction_hidden", "hides {:.2f} of net"),
-                                ("push_ms", "host push {:.2f} ms"), ("gbps", "{:.1f} GB/s"),
-                                ("rel_err", "rel err {:.1e}")]:  # fmt: skip
+            for field, text in [("baseline", "vs {}"), ("fraction_hidden", "hides {:.2f} of net"),
+                                ("gbps", "{:.1f} GB/s"), ("rel_err", "rel err {:.1e}")]:  # fmt: skip
                 if r.get(field) is not None:
                     notes.append(text.format(r[field]))
             ratio = f"{base / ms:.2f}x" if base and ms else ""
             shown = "-" if ms is None else f"{ms:.3f}"
-            lines.append(f"| {key[0]},{key[1]},{key[2]} | {nic} | {r['impl']} | {shown} | "
-                         f"{ratio} | {', '.join(notes)} |")  # fmt: skip
+            lines.append(f"| {k[0]} | {k[1]},{k[2]},{k[3]} | {k[4]} KiB | {nic} | {r['impl']} | "
+                         f"{shown} | {ratio} | {', '.join(notes)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 # -- GPU (torchrun, 2 GPUs) ---------------------------------------------------------------------
 def timeit(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """bench_tp.timeit: CUDA events around ``fn``, median per rank, max over ranks."""
+    """CUDA events around ``fn`` on the current stream, median per rank, max over ranks. Every
+    implementation, fused and baselines, is timed by this one function."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -168,132 +203,138 @@ def max_over_ranks(value: float) -> float:
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+    got, want = got.reshape(-1).float(), want.reshape(-1).float()
+    return ((got - want).norm() / want.norm()).item()
 
 
-class HostExchange:
-    """The sequential baseline's network: this rank's FIFO, native proxy and cuda_ipc transport.
-    RECV and the flags are symmetric memory, so this rank's proxy copies straight into the
-    peer's RECV and raises the peer's ARRIVED word (a running count, never reset)."""
+def local_output(graph: object, rank: int, full: torch.Tensor) -> torch.Tensor:
+    """The rank's shard of the global output ``full``, as the graph binds its "out" buffer."""
+    buf = next(b for b in graph.buffers.values()  # type: ignore[attr-defined]
+               if b.rank == rank and b.role == "output" and b.binding is not None)
+    parts = [full[tuple(slice(lo, hi) for lo, hi in p)] for p in buf.binding.pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=buf.binding.cat_dim)
 
-    def __init__(self, M: int, N: int, cap: float, chunk_bytes: int, batch: int, timeout: float):
+
+class SleepClock:
+    """``torch.cuda._sleep`` spins for a number of SM cycles; measured once, in us per cycle."""
+
+    def __init__(self) -> None:
+        torch.cuda._sleep(1000)  # load it before timing
+        cycles = 2_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        self.us_per_cycle = start.elapsed_time(end) * 1e3 / cycles
+
+    def sleep(self, us: float) -> None:
+        if us > 0:
+            torch.cuda._sleep(max(1, int(us / self.us_per_cycle)))
+
+
+class PacedExchange:
+    """Baseline (a)'s network: copy-engine copies of row blocks of this rank's ``src`` rows into
+    the same rows of the peer's symmetric ``recv``, a sleep after each so the stream moves no
+    more than the cap, then torch symmetric memory's device barrier (both ranks' copies done).
+    Everything is on the current stream: CUDA events time it like the fused kernel."""
+
+    def __init__(self, rows: int, cols: int, sent: tuple[int, int], chunk_bytes: int,
+                 cap: float, clock: SleepClock, timeout: float) -> None:  # fmt: skip
         import torch.distributed._symmetric_memory as symm_mem
 
-        from mgraph.runtime.proxy import CommandFifo, CudaIpcTransport, NativeProxy
-
-        self.rank, self.timeout, self.epoch = dist.get_rank(), timeout, 0
-        from mgraph.settings import Settings
-
-        self.peer = 1 - self.rank
-        device = torch.device("cuda", torch.cuda.current_device())
-        group = dist.group.WORLD.group_name
-        self.src = torch.empty(M, N, dtype=torch.bfloat16, device=device)
-        self.out = torch.empty_like(self.src)
-        self.recv = symm_mem.empty(M, N, dtype=torch.bfloat16, device=device)
-        self.flags = symm_mem.empty(2, dtype=torch.int32, device=device).zero_()
-        recv_handle = symm_mem.rendezvous(self.recv, group)
-        flags_handle = symm_mem.rendezvous(self.flags, group)
-        recv_peer = recv_handle.get_buffer(self.peer, (M, N), torch.bfloat16)
-        flags_peer = flags_handle.get_buffer(self.peer, (2,), torch.int32)
-        store = dist.distributed_c10d._get_default_store()
-        self.transport = CudaIpcTransport(store, {self.rank: device.index}, bandwidth=cap * 1e9)
-        self.transport.register_mapped(self.rank, {SRC: self.src, RECV: self.recv}, self.flags)
-        self.transport.register_mapped(self.peer, {RECV: recv_peer}, flags_peer)
-        self.transport.connect(self.rank, self.peer)
-        self.rects = chunk_rects(M, N, ITEMSIZE, chunk_bytes, SRC)
-        self.fifo = CommandFifo(fifo_capacity(len(self.rects)), timeout=timeout, pinned=True)
-        self.proxy = NativeProxy(self.fifo, self.transport, batch, rank=self.rank,
-                                 name=f"sequential-rank{self.rank}", timeout=timeout,
-                                 bandwidth=cap * 1e9, idle_sleep_us=0,
-                                 flag_copy=Settings.from_env().gpu_flags == "copy",  # as fused
-                                 ).start()  # fmt: skip
-        self.names = [
-            f"flag word {ARRIVED} (chunks from rank {self.peer} arrived on rank {self.rank})",
-            f"flag word {SENT} (rank {self.rank}'s own sends done)",
-        ]
-        torch.cuda.synchronize()
-        dist.barrier()  # both ranks' flags are zero before either proxy raises one
-
-    def run(self, a: torch.Tensor | None = None,
-            b: torch.Tensor | None = None) -> tuple[float, float]:  # fmt: skip
-        """One exchange (with the GEMM before it and the add after it when given ``a`` and
-        ``b``): (wall ms, host push ms). Returns once our sends are done: SRC may be rewritten."""
-        self.epoch += 1
-        target = self.epoch * len(self.rects)
-        cmds = exchange_commands(self.rank, self.peer, self.rects, ITEMSIZE, self.epoch)
+        self.rank, self.cap, self.clock = dist.get_rank(), cap, clock
+        self.timeout_ms = int(timeout * 1e3)
+        self.recv = symm_mem.empty(rows, cols, dtype=torch.bfloat16, device="cuda")
+        self.handle = symm_mem.rendezvous(self.recv, dist.group.WORLD.group_name)
+        self.peer_recv = self.handle.get_buffer(1 - self.rank, (rows, cols), torch.bfloat16)
+        r0, r1 = sent
+        self.blocks = [(r0 + r.row0, r0 + r.row1)
+                       for r in chunk_rects(r1 - r0, cols, ITEMSIZE, chunk_bytes, 0)]
+        self.chunk_bytes = (self.blocks[0][1] - self.blocks[0][0]) * cols * ITEMSIZE
+        self.sleep_us = 0.0
         torch.cuda.synchronize()
         dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if a is not None:
-            torch.matmul(a, b, out=self.src)
-            torch.cuda.current_stream().synchronize()
-        pushing = time.perf_counter()
-        for cmd in cmds:
-            self.fifo.push(cmd)
-        push_ms = (time.perf_counter() - pushing) * 1e3
-        wait_flags(self.flags.tolist, [target, target], self.names, self.timeout, self.proxy.check)
-        if a is not None:
-            torch.add(self.src, self.recv, out=self.out)
-            torch.cuda.current_stream().synchronize()
-        return (time.perf_counter() - t0) * 1e3, push_ms
 
-    def close(self, failed: bool) -> None:
-        (self.proxy.abort if failed else self.proxy.stop)()
-        self.transport.close()
+    def send(self, src: torch.Tensor) -> None:
+        for r0, r1 in self.blocks:
+            self.peer_recv[r0:r1].copy_(src[r0:r1], non_blocking=True)
+            self.clock.sleep(self.sleep_us)
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+    def calibrate(self, src: torch.Tensor, reps: int) -> float:
+        """Set the sleep per chunk so one chunk takes chunk_bytes / cap (two corrections, each
+        from the measured time: the sleep kernels and the gaps between operations cost more than
+        their nominal length). Returns the realised ms of one exchange."""
+        ms = timeit(lambda: self.send(src), 1, reps)
+        for _ in range(2 if self.cap > 0 else 0):
+            per_chunk = ms * 1e3 / len(self.blocks)
+            self.sleep_us = pace_sleep_us(self.chunk_bytes, self.cap, per_chunk, self.sleep_us)
+            ms = timeit(lambda: self.send(src), 1, reps)
+        return ms
 
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, self.rank = args, dist.get_rank()
         self.rows: list[dict] = []
+        self.clock = SleepClock()
 
-    def add(self, shape: Shape, cap: float, impl: str, ms: float | None, **extra: object) -> dict:
+    def add(self, op: str, shape: Shape, cap: float, impl: str, ms: float | None,
+            **extra: object) -> dict:  # fmt: skip
         M, N, K = shape
-        row = {"op": "gemm_allreduce", "M": M, "N": N, "K": K, "topology": TOPOLOGY,
-               "nic_gbps": cap, "impl": impl, "ms": None if ms is None else round(ms, 4)}
+        row = {"op": op, "M": M, "N": N, "K": K, "topology": TOPOLOGY, "nic_gbps": cap,
+               "chunk_kib": self.args.chunk_kib, "impl": impl,
+               "ms": None if ms is None else round(ms, 4)}  # fmt: skip
         row.update(extra)
         self.rows.append(row)
         if self.rank == 0:
             print(json.dumps(row), flush=True)
         return row
 
-    def failed(self, shape: Shape, cap: float, impl: str, error: str | None,
+    def failed(self, op: str, shape: Shape, cap: float, impl: str, error: str | None,
                **extra: object) -> bool:  # fmt: skip
         """Whether ``impl`` failed on any rank; if so, its row records the error (no number)."""
         # Every rank takes the same branch (a lone rank in a collective would hang).
         if max_over_ranks(float(error is not None)) == 0:
             return False
-        self.add(shape, cap, impl, None, error=error or "failed on the other rank", **extra)
+        self.add(op, shape, cap, impl, None, error=error or "failed on the other rank", **extra)
         return True
 
-    def shape(self, shape: Shape) -> None:
+    def case(self, op: str, shape: Shape) -> None:
         import mgraph as mg
         from mgraph.runtime.megakernel import local_shards
 
-        M, N, K = shape
-        # the fused inter-node chunks are as large as the baseline's (--chunk-kib)
-        graph = mg.ops.gemm_allreduce(M=M, N=N, K=2 * K, topology=TOPOLOGY, dtype=torch.bfloat16,
-                                      chunk_bytes=self.args.chunk_kib * 1024)
-        inputs = mg.ops.get_op("gemm_allreduce").random_inputs(graph, seed=1)
+        graph = getattr(mg.ops, op)(topology=TOPOLOGY, dtype=torch.bfloat16,
+                                    chunk_bytes=self.args.chunk_kib * 1024, **graph_kwargs(op, shape))
+        inputs = mg.ops.get_op(op).random_inputs(graph, seed=1)
         local = {k: v.cuda() for k, v in local_shards(graph, self.rank, inputs).items()}
-        a, b = local["a"], local["b"]
-        want = a.float() @ b.float()
-        dist.all_reduce(want)
+        full = inputs["a"].cuda().float() @ inputs["b"].cuda().float()
+        want = local_output(graph, self.rank, full)
+        del full
         schedule = mg.schedule(graph)
+        a, b = local["a"], local["b"]
         for cap in self.args.nic_gbps:
-            self.add(shape, cap, "cublas", timeit(lambda: a @ b, self.args.warmup, self.args.reps))
-            fused = self.fused(shape, cap, schedule, local, want)
-            seq = self.sequential(shape, cap, a, b, want)
-            if fused is not None and seq is not None:
-                fused.update(net_ms=round(seq[1], 4), **derived(seq[0], fused["ms"], seq[1]))
+            # AG+GEMM multiplies the gathered A: twice the local rows
+            gemm_a = torch.cat([a, a]) if op == "allgather_gemm" else a
+            gemm_ms = timeit(lambda: gemm_a @ b, self.args.warmup, self.args.reps)  # noqa: B023
+            self.add(op, shape, cap, "cublas", gemm_ms)
+            ce = self.ce_paced(op, shape, cap, a, b, want)
+            model = model_ms(gemm_ms, exchange_bytes(op, shape), cap)
+            self.add(op, shape, cap, "nccl_ib_model", model,
+                     bytes=exchange_bytes(op, shape), efficiency=NCCL_EFFICIENCY)
+            fused = self.fused(op, shape, cap, schedule, local, want)
+            if fused is not None:
+                ce_ms, net_ms, gbps = ce if ce is not None else (None, None, None)
+                fused.update(ce_paced_ms=ce_ms, model_ms=None if model is None else round(model, 4),
+                             net_gbps=gbps, **derived(fused["ms"], ce_ms, model, net_ms))
                 if self.rank == 0:
                     print(json.dumps(fused), flush=True)
             gc.collect()
             torch.cuda.empty_cache()
 
-    def fused(self, shape: Shape, cap: float, schedule: object, local: dict[str, torch.Tensor],
-              want: torch.Tensor) -> dict | None:  # fmt: skip
+    def fused(self, op: str, shape: Shape, cap: float, schedule: object,
+              local: dict[str, torch.Tensor], want: torch.Tensor) -> dict | None:  # fmt: skip
         """Check once, time ``rt.launch``, check again: the row, or None when it failed."""
         from mgraph.runtime.megakernel import TritonRuntime
         from mgraph.settings import Settings
@@ -307,51 +348,75 @@ class Bench:
         except Exception as exc:  # noqa: BLE001  recorded in the row
             error = f"{type(exc).__name__}: {exc}"
         try:
-            if self.failed(shape, cap, "mgraph_fused", error, rel_err=err):
+            if self.failed(op, shape, cap, "mgraph_fused", error, rel_err=err):
                 return None
             ms = timeit(rt.launch, self.args.warmup, self.args.reps)
             try:
                 rt.check()
             except Exception as exc:  # noqa: BLE001
                 error = f"after timing: {type(exc).__name__}: {exc}"
-            if self.failed(shape, cap, "mgraph_fused", error, rel_err=err):
+            if self.failed(op, shape, cap, "mgraph_fused", error, rel_err=err):
                 return None
-            return self.add(shape, cap, "mgraph_fused", ms, rel_err=round(err, 5))
+            return self.add(op, shape, cap, "mgraph_fused", ms, rel_err=round(err, 5))
         finally:
             if rt is not None:
                 rt.close()  # stops its host proxy
 
-    def sequential(self, shape: Shape, cap: float, a: torch.Tensor, b: torch.Tensor,
-                   want: torch.Tensor) -> tuple[float, float] | None:  # fmt: skip
-        """Check once, then time the exchange alone and the whole sequence: (sequential ms,
-        net ms), or None when the check failed."""
-        from mgraph.settings import Settings
+    def ce_paced(self, op: str, shape: Shape, cap: float, a: torch.Tensor, b: torch.Tensor,
+                 want: torch.Tensor) -> tuple[float, float, float] | None:  # fmt: skip
+        """Baseline (a), checked once then timed, and its exchange alone: (ms, net ms, realised
+        GB/s), or None when the check failed."""
+        M, N, K = shape
+        r0, r1, cols = exchange_rows(op, shape, self.rank)
+        # recv is C's shape (AR, RS) or the gathered A's [M, K] (AG): M rows of ``cols`` either way
+        ex = PacedExchange(M, cols, (r0, r1), self.args.chunk_kib * 1024, cap, self.clock,
+                           self.args.timeout)
+        if op == "allgather_gemm":
+            src = ex.recv  # our shard goes to our rows of both ranks' gathered A
+            out = torch.empty(M, b.shape[1], dtype=torch.bfloat16, device="cuda")
 
-        M, N, _ = shape
-        w, n = self.args.warmup, self.args.reps
-        ex = HostExchange(M, N, cap, self.args.chunk_kib * 1024, Settings.from_env().proxy_batch,
-                          self.args.timeout)  # fmt: skip
-        ok = False
+            def call() -> torch.Tensor:
+                src[r0:r1].copy_(a, non_blocking=True)
+                ex.send(src)
+                return torch.matmul(ex.recv, b, out=out)
+        else:
+            src = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+            mine = slice(0, M) if op == "gemm_allreduce" else slice(self.rank * M // 2,
+                                                                    (self.rank + 1) * M // 2)
+            out = torch.empty_like(src[mine])
+
+            def call() -> torch.Tensor:
+                torch.matmul(a, b, out=src)
+                ex.send(src)
+                return torch.add(src[mine], ex.recv[mine], out=out)
+
+        error, err = None, float("nan")
         try:
             ex.recv.fill_(float("nan"))
-            ex.out.fill_(float("nan"))
-            ex.run(a, b)
-            err = rel(ex.out, want)
-            error = None if err <= TOL else f"wrong result: rel err {err:.3g} > {TOL:g}"
-            if self.failed(shape, cap, "sequential", error, rel_err=err):
-                return None
-            net = [ex.run()[0] for _ in range(w + n)][w:]
-            runs = [ex.run(a, b) for _ in range(w + n)][w:]
-            ok = True
-        finally:
-            ex.close(failed=not ok)
-        net_ms = max_over_ranks(statistics.median(net))
-        seq_ms = max_over_ranks(statistics.median(t for t, _ in runs))
-        push_ms = max_over_ranks(statistics.median(p for _, p in runs))
-        self.add(shape, cap, "sequential", seq_ms, push_ms=round(push_ms, 4), rel_err=round(err, 5))
-        gbps = M * N * ITEMSIZE / (net_ms * 1e6)
-        self.add(shape, cap, "net_alone", net_ms, gbps=round(gbps, 2), chunks=len(ex.rects))
-        return seq_ms, net_ms
+            if op == "allgather_gemm":
+                src[r0:r1].copy_(a)
+            else:
+                torch.matmul(a, b, out=src)
+            net_ms = ex.calibrate(src, max(3, self.args.reps // 2))
+            torch.cuda.synchronize()
+            dist.barrier()
+            ex.recv.fill_(float("nan"))
+            torch.cuda.synchronize()
+            dist.barrier()
+            err = rel(call(), want)
+            if not err <= TOL:
+                error = f"wrong result: rel err {err:.3g} > {TOL:g}"
+        except Exception as exc:  # noqa: BLE001  recorded in the row
+            error = f"{type(exc).__name__}: {exc}"
+        if self.failed(op, shape, cap, "ce_paced", error, rel_err=err):
+            return None
+        ms = timeit(call, self.args.warmup, self.args.reps)
+        net_ms = max_over_ranks(net_ms)
+        gbps = round(exchange_bytes(op, shape) / (net_ms * 1e6), 2)
+        self.add(op, shape, cap, "ce_paced", ms, rel_err=round(err, 5))
+        self.add(op, shape, cap, "net_alone", net_ms, gbps=gbps, chunks=len(ex.blocks),
+                 sleep_us=round(ex.sleep_us, 2))
+        return round(ms, 4), net_ms, gbps
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -368,8 +433,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit("bench_emulated: topology 2x1 needs torchrun --nproc_per_node=2")
     bench = Bench(args)
     start = time.time()
-    for shape in args.shapes:
-        bench.shape(shape)
+    for op in args.ops:
+        for shape in args.shapes:
+            bench.case(op, shape)
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

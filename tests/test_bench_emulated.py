@@ -1,21 +1,18 @@
 """The CPU-side helpers of benchmarks/bench_emulated.py (its GPU part runs under torchrun on two
-GPUs): argument parsing, the chunking of a partial C into row-block WRITEs, the exchange's
-commands and flag targets (through the real native drain loop, host memory standing in for the
-GPUs), the derived metrics and the markdown table."""
+GPUs): argument parsing, the chunking into row blocks, what each op's baseline sends, the
+analytic NCCL model, the pacing correction, the headline comparison and the markdown table; and
+benchmarks/gpu_check_net.py's summary."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from mgraph.errors import ProxyError
-from mgraph.runtime.proxy import CommandFifo, InProcessTransport, NativeProxy, Opcode, Rect
-from mgraph.runtime.proxy.native import available
+from mgraph.runtime.proxy import Rect
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_emulated.py"
 
@@ -79,11 +76,11 @@ def _check_tiling(rects, rows, cols, itemsize, chunk_bytes, buffer):
 
 def test_chunks_of_the_default_shapes_are_256_kib_row_blocks():
     for rows, count in [(8192, 512), (4096, 256)]:
-        rects = bench.chunk_rects(rows, 8192, 2, 256 * 1024, bench.SRC)
+        rects = bench.chunk_rects(rows, 8192, 2, 256 * 1024, 0)
         assert len(rects) == count
         assert {r.row1 - r.row0 for r in rects} == {16}
         assert {r.numel * 2 for r in rects} == {256 * 1024}
-        _check_tiling(rects, rows, 8192, 2, 256 * 1024, bench.SRC)
+        _check_tiling(rects, rows, 8192, 2, 256 * 1024, 0)
 
 
 @pytest.mark.parametrize(
@@ -100,129 +97,138 @@ def test_a_row_wider_than_a_chunk_goes_alone():
     assert [(r.row0, r.row1) for r in rects] == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
-def test_fifo_holds_one_exchange():
-    assert [bench.fifo_capacity(n) for n in (1, 2, 3, 256, 512, 513)] == [2, 2, 4, 256, 512, 1024]
+def test_what_each_baseline_sends():
+    shape = (8192, 8192, 4096)
+    d = 8192 * 8192 * 2
+    assert bench.exchange_rows("gemm_allreduce", shape, 1) == (0, 8192, 8192)
+    # RS sends the peer's half of C's rows; AG sends the rank's own A shard
+    assert bench.exchange_rows("gemm_reduce_scatter", shape, 0) == (4096, 8192, 8192)
+    assert bench.exchange_rows("gemm_reduce_scatter", shape, 1) == (0, 4096, 8192)
+    assert bench.exchange_rows("allgather_gemm", shape, 1) == (4096, 8192, 4096)
+    assert bench.exchange_bytes("gemm_allreduce", shape) == d
+    assert bench.exchange_bytes("gemm_reduce_scatter", shape) == d // 2
+    assert bench.exchange_bytes("allgather_gemm", shape) == 4096 * 4096 * 2
+    with pytest.raises(ValueError, match="valid: gemm_allreduce"):
+        bench.exchange_rows("gemm", shape, 0)
 
 
-def test_exchange_commands():
-    rects = bench.chunk_rects(40, 64, 2, 2048, bench.SRC)
-    cmds = bench.exchange_commands(1, 0, rects, 2, epoch=7)
-    assert len(cmds) == len(rects) == 3
-    for cmd, r in zip(cmds, rects, strict=True):
-        assert cmd.opcode is Opcode.WRITE
-        assert (cmd.src_rank, cmd.dst_rank, cmd.epoch) == (1, 0, 7)
-        assert cmd.src == r and cmd.dst == r._replace(buffer=bench.RECV)
-        assert cmd.bytes == r.numel * 2
-        assert (cmd.event, cmd.done_event) == (bench.ARRIVED, bench.SENT)
-    assert sum(c.bytes for c in cmds) == 40 * 64 * 2
+@pytest.mark.parametrize("op", ["gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"])
+def test_graph_sizes_give_the_per_rank_gemm(op):
+    """The fused graph's local shards are the baseline's GEMM operands, on both ranks."""
+    import mgraph as mg
+    from mgraph.runtime.megakernel import local_shards
+
+    shape = (256, 512, 128)
+    graph = getattr(mg.ops, op)(topology="2x1", dtype=torch.bfloat16, chunk_bytes=16384,
+                                **bench.graph_kwargs(op, shape))  # fmt: skip
+    inputs = mg.ops.get_op(op).random_inputs(graph, seed=1)
+    full = inputs["a"].float() @ inputs["b"].float()
+    for rank in (0, 1):
+        local = local_shards(graph, rank, inputs)
+        M, N, K = shape
+        a_rows = M // 2 if op == "allgather_gemm" else M
+        assert tuple(local["a"].shape) == (a_rows, K) and tuple(local["b"].shape) == (K, N)
+        want = bench.local_output(graph, rank, full)
+        r0, r1, cols = bench.exchange_rows(op, shape, rank)
+        if op == "allgather_gemm":  # the baseline multiplies the gathered A by its own b
+            gathered = torch.empty(M, K)
+            gathered[r0:r1] = local["a"].float()
+            peer = local_shards(graph, 1 - rank, inputs)["a"].float()
+            p0, p1, _ = bench.exchange_rows(op, shape, 1 - rank)
+            gathered[p0:p1] = peer
+            got = gathered @ local["b"].float()
+        else:  # the baseline adds its partial C and the peer's, over the rows it keeps
+            mine = (local["a"].float() @ local["b"].float())
+            theirs = local_shards(graph, 1 - rank, inputs)
+            total = mine + theirs["a"].float() @ theirs["b"].float()
+            got = total if op == "gemm_allreduce" else total[rank * M // 2 : (rank + 1) * M // 2]
+            assert cols == N
+        assert got.numel() == want.numel()
+        assert bench.rel(got, want) < 1e-5
 
 
-# -- the exchange through the native drain (host memory for the two GPUs) -----------------------
-@pytest.mark.skipif(not available(), reason="native proxy extension not built")
-@pytest.mark.parametrize("bandwidth", [0.0, 20e6])
-def test_exchange_through_native_proxies(bandwidth):
-    """What the sequential baseline does per rep, on the CPU: both ranks push their chunks, wait
-    until ARRIVED and SENT reach epoch * chunks, and find the peer's partial in RECV."""
-    rows, cols, chunk = 64, 96, 2048
-    rects = bench.chunk_rects(rows, cols, 2, chunk, bench.SRC)
-    transport = InProcessTransport(lambda *a: pytest.fail(f"callback raised {a}"))
-    src = {r: torch.empty(rows, cols, dtype=torch.bfloat16) for r in (0, 1)}
-    recv = {r: torch.full((rows, cols), float("nan"), dtype=torch.bfloat16) for r in (0, 1)}
-    flags = {r: torch.zeros(2, dtype=torch.int32) for r in (0, 1)}
-    for r in (0, 1):
-        transport.register(r, {bench.SRC: src[r], bench.RECV: recv[r]})
-        transport.register_flags(r, flags[r])
-    transport.connect(0, 1)
-    proxies = {
-        r: NativeProxy(CommandFifo(bench.fifo_capacity(len(rects))), transport, 4, rank=r,
-                       name=f"rank{r}", bandwidth=bandwidth).start()  # fmt: skip
-        for r in (0, 1)
-    }
-    try:
-        for epoch in (1, 2, 3):
-            for r in (0, 1):
-                src[r].copy_(torch.randn(rows, cols))  # safe: last epoch's SENT was reached
-            start = time.perf_counter()
-            for r in (0, 1):
-                for cmd in bench.exchange_commands(r, 1 - r, rects, 2, epoch):
-                    proxies[r].fifo.push(cmd)
-            target = epoch * len(rects)
-            for r in (0, 1):
-                bench.wait_flags(flags[r].tolist, [target, target], ["arrived", "sent"], 10.0,
-                                 proxies[r].check)  # fmt: skip
-            elapsed = time.perf_counter() - start
-            for r in (0, 1):
-                assert flags[r].tolist() == [target, target]  # one count per chunk, no more
-                assert torch.equal(recv[r], src[1 - r])
-            if bandwidth:  # each proxy paces its rank's bytes like a NIC
-                assert elapsed >= 0.8 * rows * cols * 2 / bandwidth
-    finally:
-        for p in proxies.values():
-            p.stop()
-        transport.close()
+def test_nccl_model():
+    # 8192x8192 bf16 = 128 MiB at 50 GB/s x 0.92
+    ms = bench.model_ms(0.75, 8192 * 8192 * 2, 50.0)
+    assert ms == pytest.approx(0.75 + 134217728 / 46e9 * 1e3)
+    assert bench.model_ms(0.75, 1 << 20, 0.0) is None  # uncapped: no baseline
 
 
-def test_wait_flags_returns_when_every_word_is_reached():
-    reads = iter([[0, 0], [3, 1], [4, 4], [9, 9]])
-    bench.wait_flags(lambda: next(reads), [4, 4], ["a", "b"], 1.0)
-    assert next(reads) == [9, 9]
+def test_pacing_converges_on_the_cap():
+    """A stream whose per-chunk cost is copy + sleep x 1.1 + 3 us of gaps: two corrections from
+    the measured time land within 1% of chunk / cap."""
+    chunk, cap = 1 << 20, 50.0
+    target = chunk / (cap * 1e9) * 1e6
+
+    def measured(sleep):
+        return 2.6 + 1.1 * sleep + 3.0
+
+    sleep = 0.0
+    for _ in range(3):
+        sleep = bench.pace_sleep_us(chunk, cap, measured(sleep), sleep)
+    assert measured(sleep) == pytest.approx(target, rel=0.01)
+    assert bench.pace_sleep_us(chunk, 0.0, 5.0, 1.0) == 0.0
+    assert bench.pace_sleep_us(chunk, cap, 500.0, 1.0) == 0.0  # never negative
 
 
-def test_wait_flags_times_out_naming_what_it_waited_for():
-    start = time.monotonic()
-    with pytest.raises(ProxyError) as exc:
-        bench.wait_flags(lambda: [3, 8], [5, 8], ["flag word 0 (arrived)", "flag word 1"], 0.05)
-    assert time.monotonic() - start < 2
-    text = str(exc.value)
-    assert "flag word 0 (arrived): 3 of 5" in text and "0.05 s" in text
-
-
-def test_wait_flags_raises_the_proxy_error_at_once():
-    def check():
-        raise ProxyError("proxy rank0: command #3 failed")
-
-    start = time.monotonic()
-    with pytest.raises(ProxyError, match="command #3"):
-        bench.wait_flags(lambda: [0], [1], ["w"], 30.0, check)
-    assert time.monotonic() - start < 1
-
-
-# -- metrics and table --------------------------------------------------------------------------
-def test_derived_metrics():
-    assert bench.derived(3.0, 2.0, 2.0) == {"fraction_hidden": 0.5, "speedup": 1.5}
-    assert bench.derived(3.0, 0.5, 2.0)["fraction_hidden"] == 1.0  # clamped
-    slower = bench.derived(2.0, 2.5, 1.0)
-    assert slower["fraction_hidden"] == 0.0 and slower["speedup"] == 0.8
-    assert bench.derived(2.0, 1.0, 0.0)["fraction_hidden"] == 0.0
+def test_headline_is_over_the_faster_baseline():
+    d = bench.derived(2.0, ce_ms=3.0, model=2.5, net_ms=2.0)
+    assert d == {"baseline": "nccl_ib_model", "speedup": 1.25, "fraction_hidden": 0.5}
+    d = bench.derived(2.0, ce_ms=2.2, model=2.5, net_ms=2.0)
+    assert d["baseline"] == "ce_paced" and d["speedup"] == 1.1
+    assert bench.derived(3.0, 2.0, None, 1.0)["fraction_hidden"] == 0.0  # clamped
+    assert bench.derived(1.0, 3.0, None, 1.0)["fraction_hidden"] == 1.0
+    assert bench.derived(1.0, None, None, None)["speedup"] is None
 
 
 def _row(impl, ms, cap=50.0, **extra):
     return {"op": "gemm_allreduce", "M": 8192, "N": 8192, "K": 4096, "topology": "2x1",
-            "nic_gbps": cap, "impl": impl, "ms": ms, **extra}  # fmt: skip
+            "nic_gbps": cap, "chunk_kib": 1024, "impl": impl, "ms": ms, **extra}  # fmt: skip
 
 
 def test_table():
     rows = [
         _row("net_alone", 2.7, gbps=49.7),
-        _row("sequential", 4.0, push_ms=1.1, rel_err=0.003),
+        _row("nccl_ib_model", 3.5),
+        _row("ce_paced", 4.0, rel_err=0.003),
         _row("cublas", 0.8),
-        _row("mgraph_fused", 2.0, rel_err=0.004, fraction_hidden=0.741, speedup=2.0),
+        _row("mgraph_fused", 2.0, rel_err=0.004, fraction_hidden=0.741, speedup=1.75,
+             baseline="nccl_ib_model"),
         _row("cublas", 0.8, cap=0.0),
         _row("mgraph_fused", None, cap=0.0, error="wrong result: rel err 0.5 > 0.01"),
-        _row("sequential", 1.6, cap=0.0, push_ms=1.0),
+        _row("ce_paced", 1.6, cap=0.0),
     ]
-    text = bench.table(rows)
-    lines = text.strip().splitlines()
-    assert lines[0].startswith("| M,N,K | NIC | impl | ms | vs sequential")
+    lines = bench.table(rows).strip().splitlines()
+    assert lines[0].startswith("| op | M,N,K | chunk | NIC | impl | ms | faster baseline")
     body = [line.split(" | ") for line in lines[2:]]
-    assert [b[2] for b in body] == ["cublas", "mgraph_fused", "sequential", "net_alone",
-                                    "cublas", "mgraph_fused", "sequential"]  # fmt: skip
-    assert [b[1] for b in body[:4]] == ["50 GB/s"] * 4
-    assert [b[1] for b in body[4:]] == ["uncapped"] * 3
-    fused, seq, net = body[1], body[2], body[3]
-    assert fused[3:5] == ["2.000", "2.00x"] and "hides 0.74 of net" in fused[5]
-    assert seq[4] == "1.00x" and "host push 1.10 ms" in seq[5]
-    assert net[4] == "1.48x" and "49.7 GB/s" in net[5]
-    failed = body[5]
-    assert failed[3:5] == ["-", ""] and "FAILED: wrong result" in failed[5]
-    assert body[4][4] == "2.00x"  # cuBLAS alone against the uncapped sequential run
+    assert [b[4] for b in body] == ["cublas", "mgraph_fused", "ce_paced", "net_alone",
+                                    "nccl_ib_model", "cublas", "mgraph_fused", "ce_paced"]
+    assert {b[2] for b in body} == {"1024 KiB"}
+    fused = body[1]
+    assert fused[5:7] == ["2.000", "1.75x"] and "vs nccl_ib_model" in fused[7]
+    assert "hides 0.74 of net" in fused[7]
+    assert body[2][6] == "0.88x" and "49.7 GB/s" in body[3][7]
+    failed = body[6]
+    assert failed[5:7] == ["-", ""] and "FAILED: wrong result" in failed[7]
+    assert body[5][6] == "2.00x"  # uncapped: ce_paced is the only baseline
+
+
+def test_gpu_check_summary_lists_every_step():
+    spec = importlib.util.spec_from_file_location("gpu_check_net", SCRIPT.parent / "gpu_check_net.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    steps = [
+        {"step": "build", "status": "ok", "seconds": 20.0},
+        {"step": "crash_1m", "status": "failed", "seconds": 40.0, "rows": []},
+        {"step": "ar_256k", "status": "ok", "seconds": 30.0, "rows": [
+            _row("cublas", 0.8), _row("mgraph_fused", 2.0, ce_paced_ms=4.0, model_ms=3.5,
+                                      speedup=1.75, net_gbps=49.0)]},
+        {"step": "rs_ag_1m", "status": "skipped", "why": "budget: 10 s left"},
+    ]
+    lines = check.summary(steps).splitlines()
+    assert [ln.split(" | ")[0].lstrip("| ") for ln in lines[2:]] == [
+        "build", "crash_1m", "ar_256k", "rs_ag_1m"]
+    assert "1.75" in lines[4] and "failed" in lines[3] and "skipped" in lines[5]
+    cmd = check.bench_cmd(1024, Path("/tmp/o"))
+    assert cmd[:3] == ["torchrun", "--nproc_per_node=2", "benchmarks/bench_emulated.py"]
+    assert cmd[cmd.index("--chunk-kib") + 1] == "1024" and "8192,8192,4096" in cmd

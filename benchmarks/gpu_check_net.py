@@ -1,0 +1,144 @@
+"""Issue 15's GPU check on 2 H200s, in one run under 4 minutes: the crash repro first, then the
+emulated-node GPU tests, then the emulated benchmark at every chunk size, then a compact summary.
+
+Run (repository root, 2 GPUs): python3 benchmarks/gpu_check_net.py [--budget 230]
+
+Steps, each bounded by its own timeout and by what is left of ``--budget`` seconds (a step that
+does not fit is recorded as skipped, never silently dropped):
+1. build the native proxy (``pip install -e .``: the device gets a fresh tree every call);
+2. the exact command of the crash: ``torchrun --nproc_per_node=2 benchmarks/bench_emulated.py
+   --shapes 8192,8192,4096 --chunk-kib 1024`` (GEMM+AR, caps 50 and 0), fewer reps;
+3. if it failed: the same at 1 MiB with one knob changed each time, to bisect the crash on the
+   device: ``MGRAPH_PROXY_BATCH=1`` (no merged WRITEs, no merged raises) and
+   ``MGRAPH_GPU_FLAGS=memop`` (no pinned staging words);
+4. ``pytest -m multi_gpu -k emulated tests/test_megakernel_gpu.py``;
+5. the bench at 256 KiB and 4 MiB (cap 50), then GEMM+RS and AG+GEMM at 1 MiB (cap 50).
+JSON: ``$OUT/gpu_check_net.json`` (OUT defaults to benchmarks/results), each bench's rows under
+``$OUT/emulated_<kib>k*/``; the summary table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = "8192,8192,4096"
+ENV = {  # GPU.md: NVLink multicast is forbidden on these machines; keep it off in children too
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "CUDA_MODULE_LOADING": "EAGER",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def bench_cmd(kib: int, out: Path, *extra: str) -> list[str]:
+    return ["torchrun", "--nproc_per_node=2", "benchmarks/bench_emulated.py", "--shapes", SHAPE,
+            "--chunk-kib", str(kib), "--warmup", "2", "--reps", "5", "--out", str(out), *extra]
+
+
+class Runner:
+    def __init__(self, budget: float, out: Path) -> None:
+        self.deadline = time.monotonic() + budget
+        self.out = out
+        self.steps: list[dict] = []
+
+    def run(self, name: str, cmd: list[str], limit: float, env: dict[str, str] | None = None,
+            rows: Path | None = None) -> dict:
+        left = self.deadline - time.monotonic()
+        step: dict = {"step": name, "cmd": " ".join(cmd), "env": env or {}}
+        if left < 20:
+            step.update(status="skipped", why=f"budget: {left:.0f} s left")
+            self.steps.append(step)
+            print(f"== {name}: skipped ({left:.0f} s left)", flush=True)
+            return step
+        limit = min(limit, left - 5)
+        print(f"== {name} (<= {limit:.0f} s): {step['cmd']}", flush=True)
+        start = time.monotonic()
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV, **(env or {})},
+                                  capture_output=True, text=True, timeout=limit)
+            rc, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc = 124
+            text = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
+                errors="replace")
+        step.update(status="ok" if rc == 0 else "failed", rc=rc,
+                    seconds=round(time.monotonic() - start, 1))
+        if rc != 0:  # what killed it: the lines naming errors, then the tail
+            lines = text.splitlines()
+            step["errors"] = [ln for ln in lines if "Error" in ln or "error" in ln][-12:]
+            step["tail"] = "\n".join(lines[-40:])
+        else:
+            step["tail"] = "\n".join(text.splitlines()[-6:])
+        if rows is not None and (rows / "bench_emulated.json").exists():
+            step["rows"] = json.loads((rows / "bench_emulated.json").read_text())
+        self.steps.append(step)
+        print(f"   -> {step['status']} rc={rc} in {step['seconds']} s", flush=True)
+        if rc != 0:
+            print(step["tail"][-3000:], flush=True)
+        return step
+
+
+def summary(steps: list[dict]) -> str:
+    lines = ["| step | status | s | op | chunk | NIC | fused ms | ce_paced ms | model ms | "
+             "speedup vs faster | net GB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in steps:
+        heads = [r for r in s.get("rows", []) if r.get("impl") == "mgraph_fused"]
+        if not heads:
+            lines.append(f"| {s['step']} | {s['status']} | {s.get('seconds', '-')} | | | | | | | | |")
+            continue
+        for r in heads:
+            nic = f"{r['nic_gbps']:g}" if r["nic_gbps"] else "uncapped"
+            lines.append(
+                f"| {s['step']} | {s['status']} | {s.get('seconds', '-')} | {r['op']} | "
+                f"{r.get('chunk_kib', '-')} KiB | {nic} | {r.get('ms')} | {r.get('ce_paced_ms')} | "
+                f"{r.get('model_ms')} | {r.get('speedup')} | {r.get('net_gbps')} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=float, default=230.0, help="seconds for everything")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if not out.is_absolute():
+        out = ROOT / out
+    out.mkdir(parents=True, exist_ok=True)
+    run = Runner(args.budget, out)
+    run.run("build", [sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation",
+                      "--no-deps", "-e", "."], 90)
+    crash = run.run("crash_1m", bench_cmd(1024, out / "emulated_1024k",
+                                          "--ops", "gemm_allreduce"),
+                    75, rows=out / "emulated_1024k")
+    if crash["status"] != "ok":
+        for name, env in [("crash_1m_batch1", {"MGRAPH_PROXY_BATCH": "1"}),
+                          ("crash_1m_memop", {"MGRAPH_GPU_FLAGS": "memop"})]:
+            run.run(name, bench_cmd(1024, out / f"emulated_1024k_{name}", "--ops",
+                                    "gemm_allreduce", "--nic-gbps", "50"),
+                    60, env, rows=out / f"emulated_1024k_{name}")
+    run.run("tests_emulated", [sys.executable, "-m", "pytest", "-q", "-x", "-m", "multi_gpu",
+                               "-k", "emulated", "tests/test_megakernel_gpu.py"], 100)
+    for kib in (256, 4096):
+        run.run(f"ar_{kib}k", bench_cmd(kib, out / f"emulated_{kib}k", "--ops", "gemm_allreduce",
+                                        "--nic-gbps", "50"), 60, rows=out / f"emulated_{kib}k")
+    run.run("rs_ag_1m", bench_cmd(1024, out / "emulated_1024k_rs_ag", "--ops",
+                                  "gemm_reduce_scatter", "allgather_gemm", "--nic-gbps", "50"),
+            70, rows=out / "emulated_1024k_rs_ag")
+    (out / "gpu_check_net.json").write_text(json.dumps(run.steps, indent=1))
+    table = summary(run.steps)
+    (out / "gpu_check_net.md").write_text(table + "\n")
+    print(table, flush=True)
+    return 0 if all(s["status"] != "failed" for s in run.steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
