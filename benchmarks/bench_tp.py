@@ -30,7 +30,14 @@ import torch.distributed as dist  # noqa: E402
 import mgraph as mg  # noqa: E402  (installed: mgraph.runtime comes from the package-dir map)
 from mgraph.runtime.megakernel import TritonRuntime, local_shards  # noqa: E402
 
-SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (2048, 8192, 8192)]
+SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (2048, 8192, 8192),
+          (1024, 8192, 8192)]
+# The GEMM loop's configurations swept beside the default (runtime.GEMM_CONFIG).
+GEMM_SWEEP = {
+    "flatten=False": {"flatten": False},
+    "stages=4": {"num_stages": 4},
+    "stages=2": {"num_stages": 2},
+}
 
 
 def timeit(fn, warmup: int, reps: int) -> float:
@@ -72,37 +79,71 @@ class Bench:
             print(json.dumps(row), flush=True)
 
     # -- mgraph ---------------------------------------------------------------------------------
-    def mgraph(self, op_name, shape, graph_kw, want_fn, comm_workers):
-        """Check once, then time: the default SM partition and a sweep of NVLink workers."""
+    def mgraph(self, op_name, shape, graph_kw, want_fn, sweep):
+        """Check once, then time: the DEFAULT configuration (impl ``mgraph``: default options,
+        default schedule, default GEMM config), then every point of ``sweep`` (impl
+        ``mgraph_sweep``, each row saying its configuration), then ``mgraph_best`` (the fastest
+        row, re-reported with a traced launch's busy fractions)."""
         op = mg.ops.get_op(op_name)
-        graph = op(topology=f"1x{self.world}", dtype=torch.bfloat16, **graph_kw)
-        inputs = op.random_inputs(graph, seed=1)
-        local = {k: v.cuda() for k, v in local_shards(graph, self.rank, inputs).items()}
-        want = want_fn(local)
-        best = None
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for n in [None, *comm_workers]:
-            workers = None if n is None else {"compute": sms - n, "nvlink": n}
-            sched = mg.schedule(graph, workers=workers)
-            rt = TritonRuntime(sched)
-            err = rel(rt.run(local).outputs["out"], want)
-            ms = timeit(rt.launch, self.args.warmup, self.args.reps)
-            rt.check()
-            nv = sched.ranks[self.rank].workers["nvlink"]
-            self.add(op_name, shape, "mgraph" if n is None else "mgraph_sweep", ms,
-                     nvlink_workers=nv, rel_err=round(err, 5))
+        best = None
+        for label, options, nvlink, gemm_config in [("default", {}, None, None), *sweep]:
+            graph = op(topology=f"1x{self.world}", dtype=torch.bfloat16, **graph_kw, **options)
+            inputs = op.random_inputs(graph, seed=1)
+            local = {k: v.cuda() for k, v in local_shards(graph, self.rank, inputs).items()}
+            want = want_fn(local)
+            workers = None if nvlink is None else {"compute": sms - nvlink, "nvlink": nvlink}
+            try:
+                sched = mg.schedule(graph, workers=workers)
+                rt = TritonRuntime(sched, gemm_config=gemm_config)
+                got = rt.run(local).outputs["out"]
+                err, tile_err = rel(got, want), worst_tile(got, want)
+                ms = timeit(rt.launch, self.args.warmup, self.args.reps)
+                rt.check()
+            except Exception as exc:  # a sweep point that cannot compile or run is reported
+                self.add(op_name, shape, "mgraph" if label == "default" else "mgraph_sweep",
+                         float("nan"), config=label, error=repr(exc)[:300])
+                continue
+            nv = sched.ranks[self.rank].workers.get("nvlink", 0)
+            self.add(op_name, shape, "mgraph" if label == "default" else "mgraph_sweep", ms,
+                     config=label, nvlink_workers=nv, rel_err=round(err, 5),
+                     worst_tile_err=round(tile_err, 5))
             if best is None or ms < best[0]:
-                best = (ms, nv)
+                best = (ms, label, graph, workers, gemm_config, local)
             del rt
             gc.collect()
             torch.cuda.empty_cache()
-        # Where the time goes: one traced launch of the best split (in-kernel %globaltimer stamps).
-        workers = {"compute": sms - best[1], "nvlink": best[1]}
-        rt = TritonRuntime(mg.schedule(graph, workers=workers), trace=True)
+        if best is None:
+            return
+        # Where the time goes: one traced launch of the fastest row (in-kernel %globaltimer stamps).
+        ms, label, graph, workers, gemm_config, local = best
+        sched = mg.schedule(graph, workers=workers)
+        rt = TritonRuntime(sched, trace=True, gemm_config=gemm_config)
         rt.run(local)
-        busy = busy_fractions(rt.trace(), workers)
-        self.add(op_name, shape, "mgraph_best", best[0], nvlink_workers=best[1], **busy)
+        busy = busy_fractions(rt.trace(), sched.ranks[self.rank].workers)
+        self.add(op_name, shape, "mgraph_best", ms, config=label, **busy)
         del rt
+
+    def same_inputs(self, op_name, graph_kw):
+        """This rank's local a and b exactly as mgraph's runs get them (same seed, same shards):
+        the baselines compute on the same numbers."""
+        op = mg.ops.get_op(op_name)
+        graph = op(topology=f"1x{self.world}", dtype=torch.bfloat16, **graph_kw)
+        local = local_shards(graph, self.rank, op.random_inputs(graph, seed=1))
+        return local["a"].cuda().contiguous(), local["b"].cuda().contiguous()
+
+    def sweep(self, op_name):
+        """The fixed sweep grid beside the default (issue 12): the GEMM loop's configurations,
+        the op's data-path options, and NVLink workers where the op has NVLink tasks."""
+        grid = [(f"gemm {k}", {}, None, c) for k, c in GEMM_SWEEP.items()]
+        if op_name == "gemm_allreduce":
+            grid += [(f"algorithm={a}", {"algorithm": a}, None, None)
+                     for a in ("oneshot", "twoshot")]
+        if op_name == "allgather_gemm":
+            grid += [("gather=peer", {"gather": "peer"}, None, None)]
+            grid += [(f"gather=copy nvlink={n}", {"gather": "copy"}, n, None)
+                     for n in self.args.comm_workers]
+        return grid
 
     def gemm_alone(self, shape):
         M, N, K = shape
@@ -110,18 +151,25 @@ class Bench:
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         self.add("gemm", shape, "cublas", timeit(lambda: a @ b, self.args.warmup, self.args.reps))
         graph = mg.ops.gemm(M=M, N=N, K=K, topology="1x1", dtype=torch.bfloat16)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        rt = TritonRuntime(mg.schedule(graph, workers={"compute": sms}), rank=0)
-        err = rel(rt.run({"a": a, "b": b}).outputs["out"], a.float() @ b.float())
-        self.add("gemm", shape, "mgraph_gemm", timeit(rt.launch, self.args.warmup, self.args.reps),
-                 rel_err=round(err, 5))
-        del rt
+        for label, config in [("default", None), *GEMM_SWEEP.items()]:
+            try:
+                rt = TritonRuntime(mg.schedule(graph), rank=0, gemm_config=config)
+                got = rt.run({"a": a, "b": b}).outputs["out"]
+                want = a.float() @ b.float()
+                ms = timeit(rt.launch, self.args.warmup, self.args.reps)
+            except Exception as exc:
+                self.add("gemm", shape, "mgraph_gemm" if label == "default" else "mgraph_sweep",
+                         float("nan"), config=label, error=repr(exc)[:300])
+                continue
+            self.add("gemm", shape, "mgraph_gemm" if label == "default" else "mgraph_sweep", ms,
+                     config=label, rel_err=round(rel(got, want), 5),
+                     worst_tile_err=round(worst_tile(got, want), 5))
+            del rt
 
     def allreduce(self, shape):
         M, N, K = shape
         w = self.world
-        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        a, b = self.same_inputs("gemm_allreduce", dict(M=M, N=N, K=K * w))
 
         def nccl():
             c = a @ b
@@ -145,13 +193,13 @@ class Bench:
             dist.all_reduce(c)
             return c
 
-        self.mgraph("gemm_allreduce", shape, dict(M=M, N=N, K=K * w), want, self.args.comm_workers)
+        self.mgraph("gemm_allreduce", shape, dict(M=M, N=N, K=K * w), want,
+                    self.sweep("gemm_allreduce"))
 
     def reduce_scatter(self, shape):
         M, N, K = shape
         w = self.world
-        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        a, b = self.same_inputs("gemm_reduce_scatter", dict(M=M, N=N, K=K * w))
         out = torch.empty(M // w, N, device="cuda", dtype=torch.bfloat16)
 
         def nccl():
@@ -170,13 +218,13 @@ class Bench:
             dist.reduce_scatter_tensor(o, c)
             return o
 
-        self.mgraph("gemm_reduce_scatter", shape, dict(M=M, N=N, K=K * w), want, self.args.comm_workers)
+        self.mgraph("gemm_reduce_scatter", shape, dict(M=M, N=N, K=K * w), want,
+                    self.sweep("gemm_reduce_scatter"))
 
     def all_gather(self, shape):
         M, N, K = shape
         w = self.world
-        a = torch.randn(M // w, K, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        a, b = self.same_inputs("allgather_gemm", dict(M=M, N=N * w, K=K))
         full = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
 
         def nccl():
@@ -195,7 +243,22 @@ class Bench:
             dist.all_gather_into_tensor(g, local["a"])
             return g.float() @ local["b"].float()
 
-        self.mgraph("allgather_gemm", shape, dict(M=M, N=N * w, K=K), want, self.args.comm_workers)
+        self.mgraph("allgather_gemm", shape, dict(M=M, N=N * w, K=K), want,
+                    self.sweep("allgather_gemm"))
+
+
+def worst_tile(got: torch.Tensor, want: torch.Tensor, rows: int = 128, cols: int = 128) -> float:
+    """The largest relative error of any rows x cols tile (NaN if any element is NaN): one racy
+    or unwritten tile shows here even when the whole-output norm hides it."""
+    g, w = got.float(), want.float()
+    if torch.isnan(g).any():
+        return float("nan")
+    R, C = g.shape[0] // rows * rows, g.shape[-1] // cols * cols
+    d = (g[:R, :C] - w[:R, :C]).reshape(R // rows, rows, C // cols, cols)
+    ref = w[:R, :C].reshape(R // rows, rows, C // cols, cols)
+    num = d.pow(2).sum(dim=(1, 3)).sqrt()
+    den = ref.pow(2).sum(dim=(1, 3)).sqrt().clamp_min(1e-30)
+    return (num / den).max().item()
 
 
 def busy_fractions(trace, workers: dict[str, int]) -> dict[str, float]:
@@ -212,7 +275,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
     parser.add_argument("--ops", nargs="*", default=["gemm_alone", "allreduce", "reduce_scatter", "all_gather"])
-    parser.add_argument("--comm-workers", type=int, nargs="*", default=[4, 8, 12, 16, 24, 32])
+    parser.add_argument("--comm-workers", type=int, nargs="*", default=[4, 8, 16, 24, 32])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -248,7 +311,8 @@ def table(rows: list[dict]) -> str:
             if r["impl"] == "mgraph_sweep":
                 continue
             ratio = f"{base / r['ms']:.2f}x" if base else ""
-            extra = f" (nvlink {r['nvlink_workers']})" if "nvlink_workers" in r else ""
+            extra = f" [{r['config']}]" if "config" in r else ""
+            extra += f" (nvlink {r['nvlink_workers']})" if "nvlink_workers" in r else ""
             if "busy_compute" in r:
                 extra += f" busy compute {r['busy_compute']:.2f} nvlink {r['busy_nvlink']:.2f}"
             lines.append(f"| {op} | {M},{N},{K} | {r['impl']}{extra} | {r['ms']:.3f} | {ratio} |")

@@ -42,8 +42,8 @@ COMM = frozenset({Role.NVLINK, Role.RDMA})
 class TaskKind(str, Enum):
     """The builtin task kinds (their meaning is the ``cpu`` body attached in mgraph/ops/)."""
 
-    GEMM = "gemm"  # writes[0] = reads[0] @ reads[1] (fp32 accumulate)
-    REDUCE = "reduce"  # writes[0] = sum(reads) (fp32 accumulate)
+    GEMM = "gemm"  # every write = reads[0] @ reads[1] (fp32 accumulate)
+    REDUCE = "reduce"  # every write = sum(reads) (fp32 accumulate)
     COPY = "copy"  # every write = reads[0]
     ATTN_BLOCK = "attn_block"  # online-softmax update of (acc, m, l) with one KV block
     ATTN_FINALIZE = "attn_finalize"  # out = acc / l

@@ -1,7 +1,8 @@
 """TaskGraph statistics: tasks per (rank, role, kind), flops per rank, bytes per link class/node.
 
-Bytes count what crosses a link: an nvlink task's reads and writes of another rank's memory, an
-rdma task's writes to its rail peer. This is how hierarchical movement is checked: all-reduce of D
+Bytes count what crosses a link: any task's reads and writes of another rank's memory (an nvlink
+task's copies, a compute task's epilogue stores into a peer), an rdma task's writes to its rail
+peer. This is how hierarchical movement is checked: all-reduce of D
 bytes over 2 nodes moves D per node over RDMA, not G x D.
 """
 
@@ -68,8 +69,6 @@ def graph_stats(graph: TaskGraph) -> GraphStats:
     for t in graph.tasks:
         st.tasks[(t.rank, t.role, t.kind)] += 1
         st.flops_per_rank[t.rank] += t.flops
-        if t.role == "compute":
-            continue
         node = topo.node_of(t.rank)
         for region in (*t.reads, *t.writes):
             buf = bufs[region.buffer]

@@ -81,11 +81,14 @@ def _check_transfers(graph: TaskGraph) -> None:
         if t.kind in (TaskKind.COPY.value, TaskKind.REDUCE.value):
             _check_same_shapes(graph, t, where)
         if t.role == Role.COMPUTE.value:
-            touched = sorted((read_ranks | write_ranks) - {t.rank})
-            if touched:
+            # A compute tile may read or write peers' memory over NVLink (its epilogue stores
+            # the tile into a peer's buffer; a GEMM may load a peer's shard with TMA), never
+            # across nodes: that is an rdma task's job.
+            far = sorted(r for r in read_ranks | write_ranks if topo.node_of(r) != node)
+            if far:
                 raise TransferError(
-                    f"{where} touches memory of rank(s) {touched}",
-                    hint="compute tasks use local memory; move data with an nvlink/rdma task",
+                    f"{where} touches memory of rank(s) {far} on another node",
+                    hint="compute tasks reach node peers only; cross nodes with an rdma task",
                 )
             _check_event_nodes(graph, t, where, allowed_nodes={node})
         elif t.role == Role.NVLINK.value:

@@ -42,7 +42,13 @@ def test_stats_structure_2x4():
     kinds = st.by_role_kind()
     assert kinds[("compute", "gemm")] == 8 * 4  # every rank computes every tile's partial
     assert kinds[("compute", "reduce")] == 2 * 4 + 4  # node reduce per tile and node, + rail
-    assert kinds[("nvlink", "copy")] == 2 * 4 * 3 + 8  # 3 pushes per tile and node + broadcasts
+    # The node reduce's 3 pushes per tile and node ride on the GEMM epilogues (a GEMM tile of
+    # a non-owner stores its partial straight into the owner): only the broadcasts are copies.
+    assert kinds[("nvlink", "copy")] == 8
+    pushed = [t for t in g.tasks if t.kind == "gemm"
+              and g.buffers[t.writes[0].buffer].rank != t.rank]
+    assert len(pushed) == 2 * 4 * 3
+    assert all(len(t.writes) == 1 for t in pushed)
     gemm_flops = [sum(t.flops for t in g.tasks_on(r) if t.kind == "gemm") for r in range(8)]
     assert gemm_flops == [2 * 64 * 64 * 8] * 8  # K=64 sharded 8 ways
     assert all(f > 2 * 64 * 64 * 8 for f in st.flops_per_rank)  # plus the reductions

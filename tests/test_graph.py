@@ -96,11 +96,14 @@ def test_transfer_dtype_mismatch():
         b.finish().validate()
 
 
-def test_compute_task_cannot_touch_peer_memory():
+def test_compute_task_reaches_node_peers_only():
     b = builder()
-    a, c = b.buffer("a", 0, 4, 4), b.buffer("c", 1, 4, 4)
-    b.task(0, Role.COMPUTE, "copy", [a.region()], [c.region()], name="sneaky")
-    with pytest.raises(mg.TransferError, match="'sneaky'.*rank\\(s\\) \\[1\\]"):
+    a, c, far = b.buffer("a", 0, 4, 4), b.buffer("c", 1, 4, 4), b.buffer("far", 2, 4, 4)
+    # an epilogue store into a node peer (rank 1 shares rank 0's node in 2x2) is a legal write
+    b.task(0, Role.COMPUTE, "copy", [a.region()], [c.region()], name="epilogue push")
+    b.finish().validate()
+    b.task(0, Role.COMPUTE, "copy", [a.region()], [far.region()], name="sneaky")
+    with pytest.raises(mg.TransferError, match="'sneaky'.*rank\\(s\\) \\[2\\] on another node"):
         b.finish().validate()
 
 
@@ -185,7 +188,8 @@ def test_networkx_view_is_a_dag_matching_waits():
     assert nx.is_directed_acyclic_graph(nxg)
     reduce = next(t for t in g.tasks if t.name.startswith("node-reduce"))
     preds = {(nxg.nodes[p]["role"], nxg.nodes[p]["kind"]) for p in nxg.predecessors(reduce.id)}
-    assert preds == {("compute", "gemm"), ("nvlink", "copy")}  # own partial + pushed partial
+    assert preds == {("compute", "gemm")}  # own partial + the peer GEMM's epilogue push
+    assert {nxg.nodes[p]["rank"] for p in nxg.predecessors(reduce.id)} == {0, 1}
 
 
 def test_every_builtin_kind_has_cpu_body_and_cost():

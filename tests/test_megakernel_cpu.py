@@ -14,7 +14,7 @@ import torch
 
 import mgraph as mg
 from mgraph.kinds import ROLES
-from mgraph.ops.abi import F_KIND, F_NREAD, F_NWAIT, F_NWRITE, TASK_FIELDS
+from mgraph.ops.abi import F_KIND, F_NREAD, F_NWAIT, F_NWRITE, Q_STATIC, TASK_FIELDS
 from mgraph.runtime.megakernel import encode_rank, layout
 from mgraph.runtime.megakernel.encode import ALIGN, ROLE_ALL, kind_id
 from mgraph.runtime.megakernel.runtime import TritonRuntime
@@ -39,7 +39,8 @@ def test_layout_is_aligned_and_disjoint():
 
 
 def test_encoded_tables_cover_the_rank_schedule():
-    g = mg.ops.gemm_allreduce(M=64, N=96, K=64, topology="1x2", tile=[32, 32])
+    # allgather_gemm with gather="copy": compute and NVLink queues both hold tasks
+    g = mg.ops.allgather_gemm(M=64, N=64, K=64, topology="1x2", tile=[16, 16])
     sched = mg.schedule(g, workers={"compute": 6, "nvlink": 2})
     for rank in range(2):
         t = encode_rank(sched, rank)
@@ -54,9 +55,17 @@ def test_encoded_tables_cover_the_rank_schedule():
             assert int(row[F_NWAIT]) == len(task.waits)
         # Queues: each role's slice holds that role's tasks in schedule order.
         for i, role in enumerate(ROLES):
-            off, n, workers = t.qinfo[i].tolist()
+            off, n, workers, static = t.qinfo[i].tolist()
             queue = [t.local_tasks[x] for x in t.queues[off : off + n].tolist()]
             assert queue == sched.ranks[rank].queues[role.value]
+            # the static prefix: the compute queue's leading wait-free GEMMs, nothing else
+            lead = 0
+            for tid in queue:
+                if role.value != "compute" or g.tasks[tid].kind != "gemm" or g.tasks[tid].waits:
+                    break
+                lead += 1
+            assert static == lead
+        assert t.qinfo[0][Q_STATIC] > 0
         assert t.roles.tolist() == [0] * 6 + [1] * 2
         # Regions point at slots naming the right buffers.
         first = t.local_tasks[0]
@@ -69,9 +78,60 @@ def test_single_program_mode_runs_everything_in_global_order():
     sched = mg.schedule(g)
     t = encode_rank(sched, None, single_program=True)
     assert t.roles.tolist() == [ROLE_ALL]
-    off, n, _ = t.qinfo[ROLE_ALL].tolist()
+    off, n, _, _ = t.qinfo[ROLE_ALL].tolist()
     assert n == len(g.tasks)
     assert t.local_tasks == sched.order()
+
+
+def _segments(t):
+    return [dict(zip(("start", "len", "a", "b", "k0", "k1", "nw", "w0", "w1"), row, strict=True))
+            for row in t.segs.tolist()]
+
+
+def test_gemm_segments_and_epilogue_writes():
+    """One shot on 1x2: every GEMM tile stores into the local partial AND the peer's receive
+    buffer (two TMA writes), one segment covers all of them; two shot: each rank's tiles for
+    the peer come first and store only into the peer (a segment per destination), and the
+    owner's sums store into the peer's output, which the peer waits for at exit."""
+    kw = dict(M=256, N=512, K=256, topology="1x2", tile=[128, 256], dtype=torch.bfloat16)
+    one = mg.ops.gemm_allreduce(**kw, algorithm="oneshot")
+    one.validate()
+    for rank in range(2):
+        t = encode_rank(mg.schedule(one), rank)
+        gemms = [x for x in one.tasks if x.rank == rank and x.kind == "gemm"]
+        assert t.qinfo[0][Q_STATIC] == len(gemms) == 4
+        (seg,) = _segments(t)
+        assert seg["len"] == 4 and seg["nw"] == 2
+        assert t.slots[seg["w0"]] == f"partial@{rank}"
+        assert t.slots[seg["w1"]] == f"partial_from{rank}@{1 - rank}"
+        assert not t.exit_events  # every peer store feeds a local sum that waits for it
+    two = mg.ops.gemm_allreduce(**kw, algorithm="twoshot")
+    two.validate()
+    for rank in range(2):
+        t = encode_rank(mg.schedule(two), rank)
+        segs = _segments(t)
+        assert [s["nw"] for s in segs] == [1, 1]
+        # the peer's tiles first (straight into its receive buffer), then the rank's own
+        assert t.slots[segs[0]["w0"]] == f"partial_from{rank}@{1 - rank}"
+        assert t.slots[segs[1]["w0"]] == f"partial@{rank}"
+        assert len(t.exit_events) == 1  # the peer's sums stored into this rank's output
+        (slot, total), = t.exit_events
+        assert total == 2  # half of the 4 tiles, each one store
+    assert not any(x.role == "nvlink" for x in two.tasks)  # no copy task left on one node
+
+
+def test_reduce_scatter_pushes_ride_the_gemm_epilogues():
+    g = mg.ops.gemm_reduce_scatter(M=512, N=512, K=256, topology="1x4", tile=[128, 256],
+                                   dtype=torch.bfloat16)
+    g.validate()
+    assert not any(x.role == "nvlink" for x in g.tasks)
+    t = encode_rank(mg.schedule(g), 1)
+    segs = _segments(t)
+    # destinations 2, 3, 0, then the rank's own rows: one segment each
+    assert [t.slots[s["w0"]] for s in segs] == [
+        "partial_from1@2", "partial_from1@3", "partial_from1@0", "partial@1"]
+    st = g.stats()
+    assert st.bytes_by_link["nvlink"] == 4 * 3 * (512 // 4) * 512 * 2  # 3/4 of every partial
 
 
 def test_triton_backend_rejects_what_it_cannot_run():
@@ -100,7 +160,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 13, proc.stdout
+    assert len(rows) == 18, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at
@@ -118,23 +178,29 @@ def test_megakernel_under_the_interpreter_matches_torch():
 
 
 def test_event_scopes_are_gpu_unless_they_cross_gpus():
-    g = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x2", tile=[32, 32])
+    g = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x2", tile=[32, 32],
+                              algorithm="twoshot")
     t = encode_rank(mg.schedule(g), 0)
     by_name = {g.tasks[tid].name: local for local, tid in enumerate(t.local_tasks)}
+
     def sig_flags(name):
         row = t.tasks[by_name[name]]
         return [int(t.signals[i][1]) for i in range(int(row[7]), int(row[7]) + int(row[8]))]
+
     def wait_flags(name):
         row = t.tasks[by_name[name]]
         return [int(t.waits[i][3]) for i in range(int(row[5]), int(row[5]) + int(row[6]))]
-    push = next(n for n in by_name if n.startswith("push r0->r1"))
-    gemm_feeding_push = next(
-        g.tasks[tid].name for tid in t.local_tasks
-        if g.tasks[tid].kind == "gemm" and g.tasks[tid].writes[0][1:] == g.tasks[
-            t.local_tasks[by_name[push]]].reads[0][1:]
-    )
-    assert sig_flags(gemm_feeding_push) == [0]  # its consumer (the push) runs on this GPU
-    assert wait_flags(push) == [0]
-    assert sig_flags(push) == [1]  # raises the owner's event on the other GPU
-    reduce = next(n for n in by_name if n.startswith("node-reduce"))
-    assert 1 in wait_flags(reduce)  # waits for a peer's push: system scope
+
+    mine = [g.tasks[tid] for tid in t.local_tasks]
+    pushing = next(x for x in mine if x.kind == "gemm" and g.buffers[x.writes[0].buffer].rank == 1)
+    keeping = next(x for x in mine if x.kind == "gemm" and g.buffers[x.writes[0].buffer].rank == 0)
+    assert sig_flags(pushing.name) == [1]  # its epilogue stored into rank 1: system scope
+    # the owner's sum waits on one event that a local and a remote GEMM raise: system scope
+    assert sig_flags(keeping.name) == [1]
+    reduce = next(x for x in mine if x.kind == "reduce")
+    assert wait_flags(reduce.name) == [1]
+    assert sig_flags(reduce.name) == [1]  # "landed" on the peer whose output it stored into
+    # a single-GPU graph never needs system scope
+    solo = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x1", tile=[32, 32])
+    ts = encode_rank(mg.schedule(solo), 0)
+    assert set(ts.signals[:, 1].tolist()) == {0} and set(ts.waits[:, 3].tolist()) == {0}

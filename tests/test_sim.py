@@ -243,7 +243,8 @@ def test_run_api_needs_no_inputs():
 
 
 def test_sweep_and_comm_sms():
-    sched = small("gemm_allreduce", "1x2")
+    # The gather's NVLink copies (gemm_allreduce's node pushes ride on its GEMM epilogues now)
+    sched = small("allgather_gemm", "1x2")
     points = sweep_comm_sms(sched, [1, 4, 8])
     assert [p.comm_sms for p in points] == [1, 4, 8]
     assert points[0].predicted_s > points[1].predicted_s  # one nvlink SM is too few

@@ -31,6 +31,21 @@ __all__ = [
     "REGION_FIELDS",
     "WAIT_FIELDS",
     "SIGNAL_FIELDS",
+    "QINFO_FIELDS",
+    "Q_OFF",
+    "Q_LEN",
+    "Q_WORKERS",
+    "Q_STATIC",
+    "SEG_FIELDS",
+    "S_START",
+    "S_LEN",
+    "S_A",
+    "S_B",
+    "S_K0",
+    "S_K1",
+    "S_NW",
+    "S_W0",
+    "S_W1",
     "HAVE_TRITON",
 ]
 
@@ -40,6 +55,16 @@ F_CMD0, F_NCMD = 10, 11
 REGION_FIELDS = 5
 WAIT_FIELDS = 4
 SIGNAL_FIELDS = 2
+# qinfo [roles + 1, QINFO_FIELDS]: where a role's queue starts in ``queues``, its length, its
+# workers, and how many of its first tasks are GEMM segment tasks (run statically, see below)
+QINFO_FIELDS = 4
+Q_OFF, Q_LEN, Q_WORKERS, Q_STATIC = range(4)
+# segs [S, SEG_FIELDS]: the compute queue's leading wait-free GEMM tasks, cut into segments of
+# tasks that share A, B, K range and write buffers (one TMA descriptor each per segment): the
+# segment's first queue position and length, A and B slots, K range, writes per task and the
+# slots of writes 0 and 1 (stored through descriptors; later writes use pointer stores)
+SEG_FIELDS = 9
+S_START, S_LEN, S_A, S_B, S_K0, S_K1, S_NW, S_W0, S_W1 = range(9)
 
 try:  # triton is a Linux-only dependency; the CPU side of mgraph works without it
     import triton

@@ -11,6 +11,10 @@ peer (n', l) on every other node, which forwards the chunk over NVLink to its ow
 RDMA bytes sent per node = A (N-1)/N for A bytes of ``a``. A rank's own shard is read straight
 from its input buffer, never copied.
 
+``gather="peer"``: GEMM tiles read a node peer's shard straight from the peer's input buffer
+with TMA over NVLink (no copy, no wait; the entry barrier orders the peer's input before the
+reads); ``"copy"`` (default) has NVLink workers copy it into ``a_gathered`` first.
+
 ``hierarchical=False`` is the baseline that ignores the hierarchy: the owner sends one copy per
 destination GPU of each other node to its rail peer there (G copies cross each node boundary),
 and the rail peer forwards each copy to its destination over NVLink: G times the RDMA bytes.
@@ -23,6 +27,7 @@ fast), then the remote shards by node (n+1, n+2, ...), the rail peer's shard fir
 from __future__ import annotations
 
 from ..builder import GraphBuilder, piece, require_divisible, shard_range
+from ..errors import UnknownNameError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
@@ -38,6 +43,7 @@ from .registry import OpDef
 from .tiles import matmul_reference
 
 OP = "allgather_gemm"
+GATHERS = ("copy", "peer")
 allgather_gemm = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
 
 GEMM, COPY = TaskKind.GEMM.value, TaskKind.COPY.value
@@ -79,8 +85,15 @@ def _lower(
     tile: list[int] = (128, 256),
     hierarchical: bool = True,
     chunk_bytes: int = 256 * 1024,
+    gather: str = "copy",
 ) -> None:
     topo, world = b.topo, b.world
+    if gather not in GATHERS:
+        raise UnknownNameError(
+            f"{OP}: gather={gather!r}; choose one of {', '.join(GATHERS)}",
+            hint="copy: NVLink workers copy node peers' shards; peer: GEMM tiles load them "
+            "from the peer's memory through TMA",
+        )
     bm, bn = _tile_sizes(topo, M, N, tile)
     rows, cols = M // world, N // world
     b.global_input("a", (M, K))
@@ -101,21 +114,25 @@ def _lower(
     # Global rows of a; the rows of the rank's own shard stay unwritten (read from ``a``).
     gathered = [b.buffer("a_gathered", r, M, K) for r in topo.ranks]
     chunks = row_chunks(rows, K * ITEMSIZE[b.dtype], bm, chunk_bytes)
-    gather = _Gather(b, rows, chunks, a, gathered)
-    gather.node_push()
+    mover = _Gather(b, rows, chunks, a, gathered)
+    if gather == "copy":
+        mover.node_push()
     if hierarchical:
-        gather.rail_hierarchical()
+        mover.rail_hierarchical()
     else:
-        gather.rail_flat()
+        mover.rail_flat()
     shard_tiles = tile_grid(rows, cols, bm, bn)  # one shard's rows x one rank's columns
     for r in topo.ranks:
         for s in gemm_shard_order(topo, r):
-            src = a[r] if s == r else gathered[r]
-            offset = 0 if s == r else s * rows
+            # gather="peer": a node peer's shard is read where it lies (its input buffer,
+            # written before the launch: the entry barrier orders it), no copy and no wait.
+            direct = s == r or (gather == "peer" and topo.node_of(s) == topo.node_of(r))
+            src = a[s] if direct else gathered[r]
+            offset = 0 if direct else s * rows
             for t in shard_tiles:
                 waits = []
-                if s != r:
-                    waits = b.after(r, unique_tasks(gather.arrivals(r, s, (t[0], t[1]))))
+                if not direct:
+                    waits = b.after(r, unique_tasks(mover.arrivals(r, s, (t[0], t[1]))))
                 b.task(
                     r,
                     Role.COMPUTE,

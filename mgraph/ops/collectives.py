@@ -175,6 +175,8 @@ def push_reduce(
     dst: Region,
     recv: dict[tuple[int, int], Buffer],
     name: str,
+    *,
+    fuse: bool = True,
 ) -> Task:
     """Sum one tile held by several GPUs of a node into ``dst`` on ``owner``.
 
@@ -184,6 +186,13 @@ def push_reduce(
     not pulling: a store to a peer is fire-and-forget while a load waits a round trip (pulling
     reduce bodies measured about 2 GB/s per program on H200). ``recv`` caches the owner's
     receive buffers by (owner, pusher); it is shared by every call of one lowering.
+
+    ``fuse`` (the v2 data path): when a source tile is a GEMM tile's partial (a GEMM task that
+    writes exactly that region), the push rides on the GEMM's epilogue: its write is MOVED to
+    the owner's receive buffer (the tile is stored straight into the peer; no NVLink task, no
+    local copy) and it signals the owner's event itself. Every lowering reads a GEMM partial of
+    a non-owner only through this push. A separate NVLink copy task remains for other producers
+    (an rdma arrival, a rail reduce whose result is also sent on).
     """
     where = f"[{dst.row0}:{dst.row1},{dst.col0}:{dst.col1}]"
     pushes, reads = [], []
@@ -195,10 +204,14 @@ def push_reduce(
             src_buf = b.buffers[region.buffer]
             recv[key] = b.buffer(f"{src_buf.name}_from{rank}", owner, src_buf.rows, src_buf.cols)
         landing = Region(recv[key].id, *region[1:])
-        pushes.append(
-            b.task(rank, Role.NVLINK, TaskKind.COPY.value, [region], [landing],
-                   waits=b.after(rank, [ready]), name=f"push r{rank}->r{owner} {name} {where}")
-        )
+        if fuse and ready.kind == TaskKind.GEMM.value and ready.writes == [region]:
+            ready.writes = [landing]
+            pushes.append(ready)
+        else:
+            pushes.append(
+                b.task(rank, Role.NVLINK, TaskKind.COPY.value, [region], [landing],
+                       waits=b.after(rank, [ready]), name=f"push r{rank}->r{owner} {name} {where}")
+            )
         reads.append(landing)
     own = [sources[owner]] if owner in sources else []
     reads = [r for r, _ in own] + reads

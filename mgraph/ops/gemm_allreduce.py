@@ -19,6 +19,7 @@ and the node stages after, moving G times more over RDMA: the baseline the desig
 from __future__ import annotations
 
 from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
+from ..errors import UnknownNameError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
@@ -60,8 +61,10 @@ def _lower(
     tile: list[int] = (128, 256),
     hierarchical: bool = True,
     chunk_bytes: int = 256 * 1024,
+    algorithm: str = "auto",
 ) -> None:
     topo, world = b.topo, b.world
+    algorithm = node_algorithm(topo, M, N, K, ITEMSIZE[b.dtype], algorithm)
     bm = pick_tile("gemm_allreduce", "M", M, tile[0])
     bn = pick_tile("gemm_allreduce", "N", N, tile[1])
     b.global_input("a", (M, K))
@@ -97,10 +100,12 @@ def _lower(
             )
         gemms.append(row)
     lower = _Stages(b, tiles, itemsize, chunk_bytes)
-    if hierarchical:
+    if topo.nodes == 1 and algorithm == "oneshot":
+        lower.oneshot(part, gemms, out)
+    elif hierarchical:
         node_sums = lower.node_reduce(part, gemms, "nodesum" if topo.nodes > 1 else None, out)
         if topo.nodes == 1:
-            lower.node_broadcast(out, node_sums)
+            lower.fused_broadcast(out, node_sums)
         else:
             finished = lower.rail_allreduce(node_sums.buffers, node_sums.ready, out, by_local=True)
             lower.node_broadcast(out, finished)
@@ -109,6 +114,32 @@ def _lower(
         rail = lower.rail_allreduce(part, gemms, railsum, by_local=False)
         sums = lower.node_reduce(railsum, rail.ready, None, out)
         lower.node_broadcast(out, sums)
+
+
+ALGORITHMS = ("auto", "oneshot", "twoshot")
+
+
+def node_algorithm(topo: Topology, M: int, N: int, K: int, itemsize: int, algorithm: str) -> str:
+    """The node stage's algorithm on one node: ``oneshot`` (every GEMM epilogue stores its
+    partial tile into every node peer, every rank sums all tiles: no wait after the sum, but
+    G-1 copies of the output cross NVLink per GPU) or ``twoshot`` (each tile's partials go to
+    its owner only, the owner sums and stores the result into every peer: 2 (G-1)/G copies).
+
+    ``auto`` picks oneshot when its pushes hide behind the GEMM on an H200 (hardware.py:
+    NVLink push rate vs the GEMM rate), else twoshot; it needs no timing run."""
+    if algorithm not in ALGORITHMS:
+        raise UnknownNameError(
+            f"gemm_allreduce: algorithm={algorithm!r}; choose one of {', '.join(ALGORITHMS)}",
+            hint="auto picks oneshot when its NVLink pushes hide behind the GEMM",
+        )
+    if algorithm != "auto":
+        return algorithm
+    from ..hardware import H200
+
+    G = topo.gpus_per_node
+    gemm_s = 2.0 * M * N * (K // topo.world_size) / (H200.tile_gemm_tflops * 1e12)
+    push_s = (G - 1) * M * N * itemsize / (H200.nvlink_push_gbps * 1e9)
+    return "oneshot" if push_s <= gemm_s else "twoshot"
 
 
 class _Result:
@@ -155,6 +186,45 @@ class _Stages:
                         tile_region(dst[owner], t), recv, "node-reduce",
                     )
         return res
+
+    def oneshot(self, part: list[Buffer], gemms: list[dict[Tile, Task]], out: list[Buffer]) -> None:
+        """One node, one shot: every GEMM tile's epilogue also stores the partial into each node
+        peer's receive buffer (same coordinates); every rank sums its own partial and the G-1
+        received ones of each tile into its ``out``. The sum waits for one event per tile that
+        the G GEMM tiles raise (the peers' from their epilogues)."""
+        b, topo = self.b, self.topo
+        members = topo.node_ranks(0)
+        recv = {
+            (r, p): b.buffer(f"partial_from{p}", r, *part[r].shape)
+            for r in members for p in members if p != r
+        }
+        for p in members:
+            for t, task in gemms[p].items():
+                task.writes += [tile_region(recv[(r, p)], t) for r in members if r != p]
+        for r in members:
+            for t in self.tiles:
+                # Partials in rank order on every rank: the same fp32 sum in the same order, so
+                # every replica of the output holds the same bytes (as one owner's would).
+                reads = [tile_region(part[r] if p == r else recv[(r, p)], t) for p in members]
+                b.task(r, Role.COMPUTE, REDUCE, reads, [tile_region(out[r], t)],
+                       waits=b.after(r, [gemms[p][t] for p in members]),
+                       name=f"sum r{r} [{t[0]}:{t[1]},{t[2]}:{t[3]}]")
+
+    def fused_broadcast(self, out: list[Buffer], done: _Result) -> None:
+        """One node, two shot: the owner's sum of a tile also stores the result into every node
+        peer's ``out`` from its epilogue (no NVLink copy task), and raises one ``landed`` event
+        per peer, which that peer's kernel waits for before it ends (nothing else waits on the
+        finished output)."""
+        b, topo = self.b, self.topo
+        members = topo.node_ranks(0)
+        landed = {(p, o): b.event(p, f"landed r{o}->r{p}") for p in members for o in members
+                  if p != o}
+        for owner in members:
+            peers = [p for p in members if p != owner]
+            for t in done.owned[owner]:
+                task = done.ready[owner][t]
+                task.writes += [tile_region(out[p], t) for p in peers]
+                task.signals += [landed[(p, owner)] for p in peers]
 
     def node_broadcast(self, out: list[Buffer], done: _Result) -> None:
         """Every owner pushes its finished chunks to its node peers over NVLink."""

@@ -19,7 +19,10 @@ GPU's partial crosses the network, G times the bytes of the hierarchical variant
 
 Tile order: every GPU of node n computes the rows of the other nodes first (n+1, n+2, ...) and its
 own node's last, so the network starts early; within a node's rows the G destinations are
-interleaved tile by tile, so all G node reducers get work at once.
+interleaved tile by tile, so all G node reducers get work at once. On one node, each GPU computes
+destination by destination, starting with the next GPU's rows and ending with its own, and each
+GEMM epilogue stores its tile straight into the destination's receive buffer (the push rides on
+the tile: collectives.push_reduce), so all GPUs push to different peers at any moment.
 """
 
 from __future__ import annotations
@@ -157,6 +160,17 @@ class _Plan:
         topo = self.topo
         home = topo.node_of(rank)
         order: list[Tile] = []
+        if topo.nodes == 1:
+            # Destination by destination, starting with the next GPU's rows and ending with
+            # the rank's own: every GPU pushes to a different peer at any moment, and the
+            # megakernel runs each destination's tiles as one segment (one TMA descriptor for
+            # the store into that peer's receive buffer).
+            members = topo.node_ranks(home)
+            local = topo.local_of(rank)
+            for i in range(1, len(members) + 1):
+                d = members[(local + i) % len(members)]
+                order.extend(shift(t, d * self.rows) for t in self.shard_tiles)
+            return order
         for j in rotated(topo.nodes, home + 1):
             dests = topo.node_ranks(j)
             for t in self.shard_tiles:

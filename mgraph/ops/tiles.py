@@ -31,7 +31,9 @@ COPY = kind_spec(TaskKind.COPY)
 @GEMM.cpu
 def _gemm_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     a, b = reads
-    writes[0].copy_(a.float() @ b.float())
+    c = a.float() @ b.float()
+    for w in writes:  # writes past the first: the epilogue's stores into peers' buffers
+        w.copy_(c)
 
 
 @GEMM.flops
@@ -45,7 +47,8 @@ def _reduce_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torc
     acc = reads[0].float().clone()
     for r in reads[1:]:
         acc += r.float()
-    writes[0].copy_(acc)
+    for w in writes:  # writes past the first: the sum also stored into peers' buffers
+        w.copy_(acc)
 
 
 @REDUCE.flops
@@ -67,9 +70,10 @@ def _copy_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, in
 
 # -- megakernel tile bodies ----------------------------------------------------------------------
 # Each body reads its task's row ``tp`` of the task table and the region and buffer tables;
-# constexpr dtype and block sizes come from the kernel. Outputs go out with plain stores, not TMA stores: a TMA store
-# completes asynchronously (its wait only covers reading shared memory), so a release right after
-# it could publish a tile whose bytes are not in global memory yet.
+# constexpr dtype and block sizes come from the kernel. These bodies run the tasks a worker takes
+# one at a time (after waits); they store with plain stores, so the release right after the task
+# publishes them. The kernel's static GEMM prefix (kernel.py) stores through TMA instead and
+# publishes once per program, after completing its bulk stores.
 if HAVE_TRITON:
     import triton
     import triton.language as tl
@@ -88,7 +92,6 @@ if HAVE_TRITON:
         r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
         b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
-        c_slot, cm0, cm1, cn0, cn1 = load_region(regions, tl.load(tp + _WRITE0))
         if a_slot == a0_slot:
             ad = ad0
         else:
@@ -104,11 +107,15 @@ if HAVE_TRITON:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(0, ak1 - ak0, BK):
             acc = tl.dot(ad.load([am0, ak0 + kk]), bd.load([bk0 + kk, bn0]), acc)
-        rm = cm0 + tl.arange(0, BM)
-        rn = cn0 + tl.arange(0, BN)
-        c = buffer_base(bufaddr, c_slot, DT)
-        c_cols = tl.load(bufcols + c_slot).to(tl.int64)
-        tl.store(c + rm[:, None].to(tl.int64) * c_cols + rn[None, :], acc.to(DT))
+        out = acc.to(DT)
+        w0 = tl.load(tp + _WRITE0)
+        for q in range(tl.load(tp + _NWRITE)):  # write 0, then the epilogue's peer stores
+            c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
+            rm = cm0 + tl.arange(0, BM)
+            rn = cn0 + tl.arange(0, BN)
+            c = buffer_base(bufaddr, c_slot, DT)
+            c_cols = tl.load(bufcols + c_slot).to(tl.int64)
+            tl.store(c + rm[:, None].to(tl.int64) * c_cols + rn[None, :], out)
 
     @REDUCE.triton
     @triton.jit
@@ -116,9 +123,9 @@ if HAVE_TRITON:
                     RB_N: tl.constexpr):
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
-        w_slot, wm0, wm1, wn0, wn1 = load_region(regions, tl.load(tp + _WRITE0))
-        w = buffer_base(bufaddr, w_slot, DT)
-        w_cols = tl.load(bufcols + w_slot).to(tl.int64)
+        w0 = tl.load(tp + _WRITE0)
+        nwrite = tl.load(tp + _NWRITE)
+        w_slot, wm0, wm1, wn0, wn1 = load_region(regions, w0)
         for i in range(0, wm1 - wm0, RB_M):
             for j in range(0, wn1 - wn0, RB_N):
                 om = i + tl.arange(0, RB_M)
@@ -131,8 +138,13 @@ if HAVE_TRITON:
                     s_cols = tl.load(bufcols + s).to(tl.int64)
                     ptrs = src + (sm0 + om)[:, None].to(tl.int64) * s_cols + (sn0 + on)[None, :]
                     acc += tl.load(ptrs, mask=mask).to(tl.float32)
-                dst = w + (wm0 + om)[:, None].to(tl.int64) * w_cols + (wn0 + on)[None, :]
-                tl.store(dst, acc.to(DT), mask=mask)
+                out = acc.to(DT)
+                for q in range(nwrite):  # write 0, then the sum stored into peers' buffers
+                    d, dm0, dm1, dn0, dn1 = load_region(regions, w0 + q)
+                    dst = buffer_base(bufaddr, d, DT)
+                    d_cols = tl.load(bufcols + d).to(tl.int64)
+                    tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * d_cols + (dn0 + on)[None, :],
+                             out, mask=mask)
 
     @COPY.triton
     @triton.jit

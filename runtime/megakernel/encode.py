@@ -22,7 +22,16 @@ import torch
 from mgraph.errors import ScheduleError
 from mgraph.graph import ITEMSIZE, TaskGraph
 from mgraph.kinds import KINDS, ROLES, Role
-from mgraph.ops.abi import F_CMD0, F_NCMD, REGION_FIELDS, SIGNAL_FIELDS, TASK_FIELDS, WAIT_FIELDS
+from mgraph.ops.abi import (
+    F_CMD0,
+    F_NCMD,
+    QINFO_FIELDS,
+    REGION_FIELDS,
+    SEG_FIELDS,
+    SIGNAL_FIELDS,
+    TASK_FIELDS,
+    WAIT_FIELDS,
+)
 from mgraph.runtime.proxy.command import WORDS, encode
 
 from .netplan import NetPlan, net_plan
@@ -90,8 +99,9 @@ class RankTables:
     waits: torch.Tensor  # [Wn, WAIT_FIELDS]
     signals: torch.Tensor  # [Sn, SIGNAL_FIELDS]
     queues: torch.Tensor  # concatenated role queues (local task indices), then the ALL queue
-    qinfo: torch.Tensor  # [len(ROLES) + 1, 3]: offset, length, workers per role
+    qinfo: torch.Tensor  # [len(ROLES) + 1, QINFO_FIELDS]: offset, length, workers, static
     roles: torch.Tensor  # [programs]: role index of each worker program
+    segs: torch.Tensor  # [S, SEG_FIELDS]: the GEMM segments of the static queue prefix
     slots: list[str] = field(default_factory=list)  # buffer id per buffer slot
     event_slots: list[int] = field(default_factory=list)  # event id per event slot
     local_tasks: list[int] = field(default_factory=list)  # graph task id per local task index
@@ -105,6 +115,10 @@ class RankTables:
     # rank and the net words a waiter adds to its count (none: the proxies never raise it)
     exits: list[tuple[int, int, int]] = field(default_factory=list)  # rank, word, per launch
     starts: list[tuple[int, int]] = field(default_factory=list)  # rank, word: wait for epoch
+    # Events of this rank that only other ranks' tasks signal and no local task waits for (a
+    # peer's epilogue stores into this rank's output): (event slot, signals per launch). The
+    # kernel waits for them before it ends, so a finished launch holds every byte peers owe it.
+    exit_events: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def programs(self) -> int:
@@ -184,15 +198,19 @@ def encode_rank(
             [eslot(e), int(crosses[e] or graph.events[e].rank != t.rank)] for e in t.signals
         ]
 
-    qrows, flat = [], []
+    qrows, flat, segs = [], [], []
     for role in ROLES:
         q = [] if rank is None else [local[tid] for tid in rs.queues.get(role.value, [])]
         n = rs.workers.get(role.value, 0) if q else 0
         if q and n < 1:
             raise ScheduleError(f"rank {rank} has {role.value} tasks but no {role.value} workers")
-        qrows.append([len(flat), len(q), 0 if single_program else n])
+        static = 0
+        if role == Role.COMPUTE and not single_program:
+            static = _segments(graph, [order[i] for i in q], slot, segs)
+        qrows.append([len(flat), len(q), 0 if single_program else n, static])
         flat += q
-    qrows.append([len(flat), len(order), 1 if single_program else 0])
+    static = _segments(graph, order, slot, segs) if single_program else 0
+    qrows.append([len(flat), len(order), 1 if single_program else 0, static])
     flat += list(range(len(order)))
     if single_program:
         roles = [ROLE_ALL]
@@ -210,6 +228,14 @@ def encode_rank(
             ]
         if rank is not None:
             starts = [(rank, net.words[rank][("start", q)]) for q in net.peers[rank]]
+
+    waited = {e for tid in order for e, _ in graph.tasks[tid].waits}
+    mine = set(graph.topology.ranks) if rank is None else {rank}
+    remote_signalled = {
+        e for t in graph.tasks if t.rank not in mine for e in t.signals
+        if graph.events[e].rank in mine and e not in waited
+    }
+    exit_events = [(eslot(e), total[e]) for e in sorted(remote_signalled)]
 
     def i32(rows, width=None):
         if not rows:
@@ -231,8 +257,9 @@ def encode_rank(
         waits=i32(waits, WAIT_FIELDS),
         signals=i32(signals, SIGNAL_FIELDS),
         queues=i32(flat),
-        qinfo=i32(qrows, 3),
+        qinfo=i32(qrows, QINFO_FIELDS),
         roles=i32(roles),
+        segs=i32(segs, SEG_FIELDS),
         slots=list(slot_of),
         event_slots=list(ev_slot),
         local_tasks=order,
@@ -244,7 +271,37 @@ def encode_rank(
         event_net=event_net,
         exits=exits,
         starts=starts,
+        exit_events=exit_events,
     )
+
+
+def _segments(graph: TaskGraph, queue: list[int], slot, segs: list[list[int]]) -> int:
+    """Cut the queue's leading wait-free GEMM tasks into segments (appended to ``segs``); return
+    how many tasks they cover.
+
+    The kernel runs these tasks statically (task j of the prefix on compute program j mod P, in
+    one software-pipelined loop per segment, no atomics, no waits) and raises their signals once
+    per program after the prefix. A segment's tasks share A, B, the K range and the buffers of
+    writes 0 and 1, so each program builds those TMA descriptors once per segment."""
+    count = 0
+    nw = None
+    for tid in queue:
+        t = graph.tasks[tid]
+        # One writes-per-task count for the whole prefix (the kernel's SEG_NW constexpr), at
+        # most 2 (each a TMA descriptor); other GEMMs run in the dynamic part.
+        if t.kind != "gemm" or t.waits or len(t.writes) > 2 or nw not in (None, len(t.writes)):
+            break
+        nw = len(t.writes)
+        a, b = t.reads
+        w1 = slot(t.writes[1].buffer) if len(t.writes) > 1 else -1
+        key = [slot(a.buffer), slot(b.buffer), a.col0, a.col1, len(t.writes),
+               slot(t.writes[0].buffer), w1]
+        if segs and segs[-1][2:] == key and segs[-1][0] + segs[-1][1] == count:
+            segs[-1][1] += 1
+        else:
+            segs.append([count, 1, *key])
+        count += 1
+    return count
 
 
 def _cmd_row(cmd) -> list[int]:

@@ -1,11 +1,25 @@
 """The persistent megakernel: one launch per rank runs that rank's whole schedule.
 
 Grid = the rank's worker programs (<= SMs, all resident: they spin on each other). Program p has
-role ``roles[p]``; it takes the next task of its role's queue with an atomic fetch-add on the
+role ``roles[p]``.
+
+The data path (v2): communication rides the compute tiles. The compute queue starts with its
+wait-free GEMM tasks (the "static prefix", cut into segments by encode.py): position j of it runs
+on compute program j mod P in one software-pipelined persistent loop per segment, exactly like a
+plain persistent TMA GEMM (no atomics, waits or fences inside: STYLE rule 15), and each tile's
+epilogue stores it through TMA into its task's writes 0 and 1, which may be a node peer's
+receive buffer (the epilogue push). The signals of all these tasks go out once per program,
+after its last tile (one bulk-store fence, one barrier, a release per signal), so a consumer
+polls flags that are raised per program, not per tile.
+
+Then each program takes the next task of its role's queue with an atomic fetch-add on the
 queue head, waits for the task's events, runs the kind's tile body (only kinds the schedule uses
-are compiled in: HAS_* constexprs), then signals. Heads are never reset: launch ``epoch`` sees
-each head start at ``(epoch - 1) * (queue length + workers)`` (every worker takes one ticket past
-the end), and event targets are ``(epoch - 1) * signals per launch + count``.
+are compiled in: HAS_* constexprs; reduce and gemm bodies also store into every further write
+region, e.g. a two-shot sum into its peers' outputs), then signals. Heads are never reset:
+launch ``epoch`` sees each head start at ``(epoch - 1) * (dynamic length + workers)`` (every
+worker takes one ticket past the end), and event targets are ``(epoch - 1) * signals per launch +
+count``. Program 0 finally waits for the rank's "exit events": events only peers raise and no
+local task waits for (peers' stores into this rank's outputs), so a finished launch is complete.
 
 Before any task, an entry barrier across the node's ranks: program 0 raises every peer's start
 flag and waits for all peers' raises of this epoch; the others wait for program 0's go. A peer
@@ -20,8 +34,9 @@ into pinned host memory (hostfifo.py) for the rank's proxy; events the proxies r
 from net words; program 0 also pushes a start SIGNAL to every remote peer and waits for theirs
 before the go, and after its queue waits until every net word of the rank reached its count for
 this launch (all sends done, all arrivals landed). Error records use task -1 for the node
-barrier, -3 for a remote start (slot: index), -2 for the exit wait (slot: index), and slot -2
-for a push that found the FIFO full (value: ticket, target: tail seen).
+barrier, -3 for a remote start (slot: index), -2 for the exit wait (slot: index), -4 for an
+exit event (slot: event slot), and slot -2 for a push that found the FIFO full (value: ticket,
+target: tail seen).
 """
 
 from __future__ import annotations
@@ -37,14 +52,31 @@ from mgraph.ops.abi import (
     F_NCMD,
     F_NSIG,
     F_NWAIT,
+    F_READ0,
     F_SIG0,
     F_WAIT0,
+    F_WRITE0,
+    Q_LEN,
+    Q_OFF,
+    Q_STATIC,
+    Q_WORKERS,
+    QINFO_FIELDS,
+    REGION_FIELDS,
+    S_A,
+    S_B,
+    S_K0,
+    S_K1,
+    S_LEN,
+    S_START,
+    S_W0,
+    S_W1,
+    SEG_FIELDS,
     TASK_FIELDS,
     buffer_base,
 )
 
 from .hostfifo import CMD_WORDS, push
-from .sync import now, signal, wait, wait_sum
+from .sync import bulk_store_fence, fence_proxy_async, now, signal, wait, wait_sum
 
 __all__ = ["megakernel", "ERR_FIELDS"]
 
@@ -54,6 +86,12 @@ ERR_FIELDS = 8  # flag, rank, program, task, event slot, value, target, epoch
 _GID, _KIND, _NSIG, _NWAIT = tl.constexpr(F_GID), tl.constexpr(F_KIND), tl.constexpr(F_NSIG), tl.constexpr(F_NWAIT)
 _SIG0, _WAIT0, _FIELDS = tl.constexpr(F_SIG0), tl.constexpr(F_WAIT0), tl.constexpr(TASK_FIELDS)
 _CMD0, _NCMD = tl.constexpr(F_CMD0), tl.constexpr(F_NCMD)
+_READ0, _WRITE0, _RF = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0), tl.constexpr(REGION_FIELDS)
+_QF, _QOFF, _QLEN = tl.constexpr(QINFO_FIELDS), tl.constexpr(Q_OFF), tl.constexpr(Q_LEN)
+_QWORKERS, _QSTATIC = tl.constexpr(Q_WORKERS), tl.constexpr(Q_STATIC)
+_SF, _SSTART, _SLEN = tl.constexpr(SEG_FIELDS), tl.constexpr(S_START), tl.constexpr(S_LEN)
+_SA, _SB, _SK0, _SK1 = tl.constexpr(S_A), tl.constexpr(S_B), tl.constexpr(S_K0), tl.constexpr(S_K1)
+_SW0, _SW1 = tl.constexpr(S_W0), tl.constexpr(S_W1)
 
 gemm_tile = tiles.GEMM.triton_body
 reduce_tile = tiles.REDUCE.triton_body
@@ -91,7 +129,7 @@ def _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort
 @triton.jit
 def _exit_wait(pid, exitaddr, exitcount, nexit, epoch, limit, abort, err, rank,
                USE_TIMER: tl.constexpr):
-    if pid == 0:
+    if pid == 0:  # net words: every send of this launch completed, every arrival landed
         for x in range(nexit):
             flag = tl.load(exitaddr + x).to(tl.pointer_type(tl.int32))
             target = epoch * tl.load(exitcount + x)
@@ -115,24 +153,100 @@ def _record(err, abort, rank, pid, task, slot, value, target, epoch):
 
 
 @triton.jit
+def _descriptor(bufaddr, bufrows, bufcols, slot, DT: tl.constexpr, R: tl.constexpr,
+                C: tl.constexpr):
+    cols = tl.load(bufcols + slot)
+    return tl.make_tensor_descriptor(buffer_base(bufaddr, slot, DT), [tl.load(bufrows + slot), cols],
+                                     [cols, 1], [R, C])
+
+
+@triton.jit
+def _gemm_segments(pid, nprog, queue, segs, nseg, tasks, regions, bufaddr, bufrows, bufcols,
+                   trace, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, SEG_NW: tl.constexpr, FLATTEN: tl.constexpr,
+                   USE_TIMER: tl.constexpr, TRACE: tl.constexpr):
+    """The static GEMM prefix of this program's queue: position j of it runs on program
+    j mod nprog, in one software-pipelined persistent loop per segment (no atomics, no waits,
+    no fences: STYLE rule 15). Each tile's epilogue stores it through TMA into write 0 (and
+    write 1: a node peer's receive buffer, the epilogue push) of its task."""
+    for s in range(nseg):
+        sp = segs + s * _SF
+        start = tl.load(sp + _SSTART)
+        end = start + tl.load(sp + _SLEN)
+        k0 = tl.load(sp + _SK0)
+        ksize = tl.load(sp + _SK1) - k0
+        ad = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SA), DT, BM, BK)
+        bd = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SB), DT, BK, BN)
+        cd0 = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SW0), DT, BM, BN)
+        if SEG_NW > 1:
+            cd1 = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SW1), DT, BM, BN)
+        first = start + ((pid - start) % nprog + nprog) % nprog
+        for j in tl.range(first, end, nprog, flatten=FLATTEN):
+            t = tl.load(queue + j)
+            tp = tasks + t * _FIELDS
+            rr = regions + tl.load(tp + _READ0) * _RF  # A region, then B region
+            am0 = tl.load(rr + 1)
+            bk0 = tl.load(rr + _RF + 1)
+            bn0 = tl.load(rr + _RF + 3)
+            if TRACE:
+                t_start = now(USE_TIMER)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kk in range(0, ksize, BK):
+                acc = tl.dot(ad.load([am0, k0 + kk]), bd.load([bk0 + kk, bn0]), acc)
+            c = acc.to(DT)
+            wr = regions + tl.load(tp + _WRITE0) * _RF
+            cd0.store([tl.load(wr + 1), tl.load(wr + 3)], c)
+            if SEG_NW > 1:
+                cd1.store([tl.load(wr + _RF + 1), tl.load(wr + _RF + 3)], c)
+            if TRACE:
+                tl.store(trace + t * 3, t_start)
+                tl.store(trace + t * 3 + 1, now(USE_TIMER))
+                tl.store(trace + t * 3 + 2, pid)
+
+
+@triton.jit
+def _signal_segments(pid, nprog, queue, nstatic, tasks, signals, evaddr,
+                     USE_TIMER: tl.constexpr):
+    """Raise the signals of every static task this program ran, once, after all of them: the
+    TMA stores complete (bulk_store_fence), one CTA barrier, then one release per signal (the
+    first one at sys scope drains the peer stores; the rest find nothing to wait for)."""
+    bulk_store_fence(USE_TIMER)
+    tl.debug_barrier()
+    for j in range(pid, nstatic, nprog):
+        tp = tasks + tl.load(queue + j) * _FIELDS
+        s0 = tl.load(tp + _SIG0)
+        for q in range(tl.load(tp + _NSIG)):
+            sp = signals + (s0 + q) * 2
+            flag = tl.load(evaddr + tl.load(sp)).to(tl.pointer_type(tl.int32))
+            if tl.load(sp + 1) != 0:
+                tl.atomic_add(flag, 1, sem="release", scope="sys")
+            else:
+                tl.atomic_add(flag, 1, sem="release", scope="gpu")
+
+
+@triton.jit
 def megakernel(
     tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
-    queues, qinfo, roles, heads, epoch, rank, limit, err, abort, go,
+    queues, qinfo, roles, heads, segs, nseg, epoch, rank, limit, err, abort, go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
     ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netfirst, netn,
-    exitaddr, exitcount, nexit,
+    exitaddr, exitcount, nexit, exitev, exittotal, nexitev,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
     GEMM_ID: tl.constexpr, REDUCE_ID: tl.constexpr, COPY_ID: tl.constexpr,
     HAS_GEMM: tl.constexpr, HAS_REDUCE: tl.constexpr, HAS_COPY: tl.constexpr,
     USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
     PUSH_ID: tl.constexpr, HAS_NET: tl.constexpr,
+    HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if BARRIER:
         _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort, err, rank,
                        ring, dhead, tail, capacity, cmds, start_cmds, startaddr, USE_TIMER,
                        HAS_NET)
+        # Peers' inputs (written before their launch) may be read through TMA: order the
+        # barrier's acquire before this program's async-proxy loads.
+        fence_proxy_async(USE_TIMER)
     if HAS_GEMM:  # the rank's usual A and B: one descriptor each per launch, not per tile
         a_cols = tl.load(bufcols + a0_slot)
         ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),
@@ -141,12 +255,22 @@ def megakernel(
         bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, b0_slot, DT),
                                         [tl.load(bufrows + b0_slot), b_cols], [b_cols, 1], [BK, BN])
     role = tl.load(roles + pid)
-    qoff = tl.load(qinfo + role * 3)
-    qlen = tl.load(qinfo + role * 3 + 1)
-    nworkers = tl.load(qinfo + role * 3 + 2)
+    qp = qinfo + role * _QF
+    qoff = tl.load(qp + _QOFF)
+    qlen = tl.load(qp + _QLEN)
+    nworkers = tl.load(qp + _QWORKERS)
+    nstatic = tl.load(qp + _QSTATIC)
+    if HAS_SEGS:
+        if nstatic > 0:  # only the compute role (or the interpreter's one program) has some
+            # compute programs come first, so pid is the program's index in its role
+            _gemm_segments(pid, nworkers, queues + qoff, segs, nseg, tasks, regions, bufaddr,
+                           bufrows, bufcols, trace, DT, BM, BN, BK, SEG_NW, FLATTEN, USE_TIMER,
+                           TRACE)
+            _signal_segments(pid, nworkers, queues + qoff, nstatic, tasks, signals, evaddr,
+                             USE_TIMER)
     head = heads + role
-    base = (epoch - 1) * (qlen + nworkers)
-    i = tl.atomic_add(head, 1) - base
+    base = (epoch - 1) * (qlen - nstatic + nworkers)
+    i = tl.atomic_add(head, 1) - base + nstatic
     stop = tl.load(abort, volatile=True)
     while (i < qlen) & (stop == 0):
         t = tl.load(queues + qoff + i)
@@ -154,7 +278,8 @@ def megakernel(
         t_start = now(USE_TIMER)
         w0 = tl.load(tp + _WAIT0)
         ok = 1
-        for q in range(tl.load(tp + _NWAIT)):
+        nwait = tl.load(tp + _NWAIT)
+        for q in range(nwait):
             wp = waits + (w0 + q) * 4
             slot = tl.load(wp)
             target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
@@ -177,6 +302,8 @@ def megakernel(
             kind = tl.load(tp + _KIND)
             if HAS_GEMM:
                 if kind == GEMM_ID:
+                    if nwait > 0:  # data that peers stored (generic proxy) read through TMA
+                        fence_proxy_async(USE_TIMER)
                     gemm_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
                               DT, BM, BN, BK)
             if HAS_REDUCE:
@@ -206,7 +333,15 @@ def megakernel(
                 tl.store(trace + t * 3, t_start)
                 tl.store(trace + t * 3 + 1, now(USE_TIMER))
                 tl.store(trace + t * 3 + 2, pid)
-        i = tl.atomic_add(head, 1) - base
+        i = tl.atomic_add(head, 1) - base + nstatic
         stop = tl.load(abort, volatile=True)
+    if pid == 0:  # bytes peers store into this rank's outputs, which no local task waits for
+        for x in range(nexitev):
+            slot = tl.load(exitev + x)
+            flag = tl.load(evaddr + slot).to(tl.pointer_type(tl.int32))
+            target = epoch * tl.load(exittotal + x)
+            v = wait(flag, target, limit, abort, USE_TIMER, True)
+            if v < target:
+                _record(err, abort, rank, pid, -4, slot, v, target, epoch)
     if HAS_NET:
         _exit_wait(pid, exitaddr, exitcount, nexit, epoch, limit, abort, err, rank, USE_TIMER)

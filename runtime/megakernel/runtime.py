@@ -26,6 +26,7 @@ import torch
 from mgraph.errors import DTypeError, InputError, MgraphError, ScheduleError, WatchdogTimeout
 from mgraph.graph import ITEMSIZE, TaskGraph, torch_dtype
 from mgraph.kinds import ROLES, TaskKind
+from mgraph.ops.abi import S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
 from ..memory import check_inputs, gather_outputs
@@ -39,6 +40,7 @@ __all__ = ["TritonRuntime", "SUPPORTED_KINDS", "local_shards", "assemble_local",
 
 SUPPORTED_KINDS = {TaskKind.GEMM.value, TaskKind.REDUCE.value, TaskKind.COPY.value}
 BK = 64
+GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8}
 # Sub-block of the reduce/copy bodies: 32 KiB bf16 per load, 128 B per thread in flight. 32x128
 # measured latency-bound on H200 (about 2 GB/s per program pulling over NVLink).
 RB_M, RB_N = 64, 256
@@ -93,12 +95,22 @@ class TritonRuntime:
         interpret: bool = False,
         trace: bool = False,
         shared: _SharedMemory | None = None,
+        gemm_config: dict | None = None,
     ) -> None:
         graph = schedule.graph
         self.graph, self.schedule = graph, schedule
         self.settings = settings or Settings.from_env()
         self.interpret = interpret
         self.trace_enabled = trace and not interpret
+        # The GEMM loop's compile-time configuration (benchmarks sweep it; the defaults are the
+        # persistent TMA GEMM that GPU.md measured at 0.96-1.04x of cuBLAS).
+        self.gemm_config = dict(GEMM_CONFIG, **(gemm_config or {}))
+        unknown = set(self.gemm_config) - set(GEMM_CONFIG)
+        if unknown:
+            raise MgraphError(
+                f"gemm_config: unknown keys {sorted(unknown)}",
+                hint=f"known keys: {', '.join(GEMM_CONFIG)}",
+            )
         world = graph.topology.world_size
         self._check_graph(graph)
         self.shared = shared
@@ -235,6 +247,8 @@ class TritonRuntime:
         self.exitaddr = torch.tensor([word(r, w) for r, w, _ in t.exits] or [0], dtype=torch.int64)
         self.exitcount = torch.tensor([n for _, _, n in t.exits] or [0], dtype=torch.int32)
         self.startaddr = torch.tensor([word(r, w) for r, w in t.starts] or [0], dtype=torch.int64)
+        self.exitev = torch.tensor([e for e, _ in t.exit_events] or [0], dtype=torch.int32)
+        self.exittotal = torch.tensor([n for _, n in t.exit_events] or [0], dtype=torch.int32)
 
     def _upload(self) -> None:
         dev, t = self.device, self.tables
@@ -247,6 +261,8 @@ class TritonRuntime:
                 peer_flags=self.peer_flags, netaddr=self.netaddr, netfirst=self.netfirst,
                 netn=self.netn,
                 exitaddr=self.exitaddr, exitcount=self.exitcount, startaddr=self.startaddr,
+                exitev=self.exitev, exittotal=self.exittotal,
+                segs=t.segs if t.segs.numel() else torch.zeros(1, SEG_FIELDS, dtype=torch.int32),
                 cmds=t.cmds if t.cmds is not None else torch.zeros(1, 16, dtype=torch.int64),
             ).items()
         }
@@ -309,20 +325,26 @@ class TritonRuntime:
             fifo = (net.fifo.ring, net.dhead, net.fifo.tail, net.fifo.capacity)
         else:
             fifo = (d["exitaddr"], d["exitaddr"], d["exitaddr"], 1)  # unused: HAS_NET is off
+        nseg = int(t.segs.shape[0])
+        cfg = self.gemm_config
         megakernel[(self.tables.programs,)](
             d["tasks"], d["regions"], d["waits"], d["signals"], d["bufaddr"], d["bufrows"],
             d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
+            d["segs"], nseg,
             self.epoch, -1 if self.rank is None else self.rank, limit, d["err"], d["abort"], d["go"], self.start_flag,
             d["peer_flags"], self.npeers, d["trace"], self.tables.a0_slot, self.tables.b0_slot,
             *fifo, d["cmds"], t.start_cmds, d["startaddr"], d["netaddr"], d["netfirst"], d["netn"],
             d["exitaddr"], d["exitcount"], len(t.exits),
+            d["exitev"], d["exittotal"], len(t.exit_events),
             DT=_tl_dtype(self.graph.dtype), BM=self.bm, BN=self.bn, BK=BK, RB_M=RB_M, RB_N=RB_N,
             GEMM_ID=kind_id("gemm"), REDUCE_ID=kind_id("reduce"), COPY_ID=kind_id("copy"),
             HAS_GEMM="gemm" in kinds, HAS_REDUCE="reduce" in kinds, HAS_COPY="copy" in kinds,
             USE_TIMER=not self.interpret, TRACE=self.trace_enabled,
             BARRIER=self.npeers > 0 or t.start_cmds > 0,
             PUSH_ID=PUSH_ID, HAS_NET=net is not None,
-            num_warps=8, num_stages=3,
+            HAS_SEGS=nseg > 0, SEG_NW=int(t.segs[0][S_NW]) if nseg else 1,
+            FLATTEN=bool(cfg["flatten"]),
+            num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
 
     def check(self) -> None:
@@ -358,6 +380,10 @@ class TritonRuntime:
         if task == -2:
             rank, word, _ = t.exits[slot]
             return f"the end-of-launch wait for net word {plan.describe(rank, word)} on rank {rank}"
+        if task == -4:
+            ev = self.graph.events[t.event_slots[slot]]
+            return (f"the end-of-launch wait for event {ev.name!r}: stores that node peers owe "
+                    "this rank's output")
         name = self.graph.tasks[task].name
         if slot == -2:
             return f"task {name!r} pushing a command: the FIFO stayed full (value: ticket, " \

@@ -14,7 +14,10 @@ Contracts (DESIGN: synchronisation protocol):
 - A wait comes before a tile's K-loop, never inside it: Triton's pipeliner may hoist the loop's
   loads above a wait that sits in the loop body.
 - Data consumed through TMA (the async proxy) that peers wrote with plain stores (the generic
-  proxy) needs ``fence_proxy_async()`` after the wait.
+  proxy) needs ``fence_proxy_async()`` after the wait; the kernel issues it after the entry
+  barrier and after the waits of every GEMM task that waited.
+- Data produced through TMA stores is published only after ``bulk_store_fence()`` (complete the
+  bulk stores, then a proxy fence), a CTA barrier and the release.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["now", "signal", "wait", "wait_sum", "fence_proxy_async"]
+__all__ = ["now", "signal", "wait", "wait_sum", "fence_proxy_async", "bulk_store_fence"]
 
 
 @triton.jit
@@ -44,6 +47,19 @@ def fence_proxy_async(USE_TIMER: tl.constexpr):
         tl.inline_asm_elementwise(
             "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
             pack=1,
+        )
+
+
+@triton.jit
+def bulk_store_fence(USE_TIMER: tl.constexpr):
+    """Complete this thread's TMA (bulk async) stores and order them before later generic-proxy
+    accesses, such as the release that publishes them. A TMA store's own wait only covers its
+    read of shared memory: without this, a signal could publish a tile whose bytes are still
+    in flight to global (or a peer's) memory."""
+    if USE_TIMER:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+            dtype=tl.int32, is_pure=False, pack=1,
         )
 
 

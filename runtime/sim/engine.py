@@ -36,7 +36,7 @@ from .model import COMPUTE, NVLINK, RDMA, Fill, port_capacities, ports_of, task_
 __all__ = ["Engine", "TransferRecord"]
 
 _ROLE_NAMES = tuple(r.value for r in ROLES)
-_TASK_END, _FLOW_END, _SIGNAL, _PUSH_END, _PROXY_END, _QP_START, _TICK = range(7)
+_TASK_END, _FLOW_END, _SIGNAL, _PUSH_END, _PROXY_END, _QP_START, _TICK, _EPILOGUE = range(8)
 
 
 class TransferRecord:
@@ -121,6 +121,7 @@ class Engine:
         self.proxy_rounds = 0
         self.commands = 0
         self.finished = 0
+        self.draining: set[int] = set()  # compute tasks whose epilogue stores are in flight
         self.last = 0.0
 
     # -- event plumbing -----------------------------------------------------------------------
@@ -150,6 +151,8 @@ class Engine:
                 self.proxy_end(a, now)
             elif code == _QP_START:
                 self.qp_start(a, now)
+            elif code == _EPILOGUE:
+                self.epilogue(a, now)
             else:
                 self.tick(a, now)
         if self.finished < self.n:
@@ -186,6 +189,8 @@ class Engine:
         role = m.role[tid]
         if role == RDMA:
             self.try_push(tid, now)
+        elif role == COMPUTE and m.remote[tid]:
+            self.at(now + m.duration[tid], _EPILOGUE, tid)
         elif role == COMPUTE or not m.remote[tid]:
             self.at(now + m.duration[tid], _TASK_END, tid)
         else:
@@ -208,6 +213,16 @@ class Engine:
             self.last = now
         self.finished += 1
 
+    def epilogue(self, tid: int, now: float) -> None:
+        """A compute task whose epilogue stores into peers finished its math: its SM takes the
+        next task while the stores drain over NVLink as a flow (asynchronous TMA stores); the
+        task ends, and signals, when the flow does."""
+        rank, code = self.graph.tasks[tid].rank, self.m.role[tid]
+        self.draining.add(tid)
+        self.claim(rank, code, self.owner[tid], now)
+        m = self.m
+        self.reflow(self.net.start(Flow(tid, m.remote[tid], m.nvlink_demand, m.ports[tid]), now))
+
     def task_end(self, tid: int, now: float) -> None:
         """A compute or nvlink task is done: record, signal, take the next task."""
         self.record(tid, now)
@@ -221,6 +236,9 @@ class Engine:
         if code != RDMA:
             self.done_time[rank][code] += now - self.start_at[tid]
             self.done_count[rank][code] += 1
+        if tid in self.draining:  # its SM moved on when the math finished
+            self.draining.discard(tid)
+            return
         self.claim(rank, code, self.owner[tid], now)
 
     def flow_end(self, flow: Flow, now: float) -> None:

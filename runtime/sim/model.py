@@ -9,6 +9,9 @@
   GPU.md measured 340 GB/s however many SMs try), the NVLink egress of the GPU that holds the
   data and the ingress of the GPU that receives it (link rate each; flows.py shares them). A
   task with no remote bytes is a local copy at the SM's share of HBM bandwidth.
+- compute tasks whose epilogue also stores into node peers (the v2 data path): after the math
+  the peer bytes drain as an NVLink flow through the same ports while the SM takes its next
+  task (TMA stores are asynchronous); the task ends, and signals, when the flow does.
 - rdma: the worker only pushes FIFO commands (a WRITE, plus a SIGNAL per extra event, as
   runtime/network.py encodes them); the transfer is the proxy's and the NIC's (engine.py).
 
@@ -131,6 +134,23 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
                 nbytes = t.bytes if fill is None else t.bytes * fill(t)
                 a, b = t.flops / tile_rate, nbytes / hbm
                 m.duration[tid] = a if a > b else b
+            if all(buf_rank[w[0]] == rank for w in t.writes):
+                continue
+            # An epilogue that stores into node peers: after the math, those bytes drain over
+            # NVLink as a flow while the SM goes on (engine.epilogue); reads stay local.
+            load = {}
+            total = 0
+            for w in t.writes:
+                holder = buf_rank[w[0]]
+                if holder == rank:
+                    continue
+                nbytes = (w[2] - w[1]) * (w[4] - w[3]) * buf_item[w[0]]
+                for port in (base["egress"] + rank, base["ingress"] + holder):
+                    load[port] = load.get(port, 0) + nbytes
+                total += nbytes
+            load[base["issue"] + rank] = total
+            m.remote[tid] = total
+            m.ports[tid] = tuple((p, b / total) for p, b in sorted(load.items()))
             continue
         # nvlink: per port, the share of the task's remote bytes that crosses it
         load: dict[int, int] = {}
