@@ -54,6 +54,8 @@ def add_subcommands(sub: Any, commands: dict[str, Any], console: Any) -> None:
         from .html import load_chrome_trace, view
 
         sched = _schedule_from_args(args)
+        if sched is None:
+            raise MgraphError("view needs --op (with --shape) or a graph/schedule JSON file")
         if args.trace:
             trace = load_chrome_trace(args.trace)
         elif args.timeline == "none":
@@ -63,8 +65,6 @@ def add_subcommands(sub: Any, commands: dict[str, Any], console: Any) -> None:
 
             console.print(f"running on the {args.timeline} backend for the timeline ...")
             trace = run(sched, backend=args.timeline).trace
-        if sched is None:
-            raise MgraphError("view needs --op (with --shape) or a graph/schedule JSON file")
         path = view(sched, args.out, trace=trace)
         console.print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, "
                       f"{len(sched.graph.tasks)} tasks); open it in a browser", soft_wrap=True,
