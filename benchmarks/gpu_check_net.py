@@ -8,9 +8,10 @@ does not fit is recorded as skipped, never silently dropped):
 1. build the native proxy (``pip install -e .``: the device gets a fresh tree every call);
 2. the exact command of the crash: ``torchrun --nproc_per_node=2 benchmarks/bench_emulated.py
    --shapes 8192,8192,4096 --chunk-kib 1024`` (GEMM+AR, caps 50 and 0), fewer reps;
-3. if it failed: the same at 1 MiB with one knob changed each time, to bisect the crash on the
-   device: ``MGRAPH_PROXY_BATCH=1`` (no merged WRITEs, no merged raises) and
-   ``MGRAPH_GPU_FLAGS=memop`` (no pinned staging words);
+3. if it failed: the same at 1 MiB (cap 50) with one knob changed each time, to bisect the
+   crash on the device: ``--warmup 0`` (no launch follows another without a host sync: the
+   tests never launch back to back, the bench's warm-up does), ``MGRAPH_PROXY_BATCH=1`` (no
+   merged WRITEs or raises) and ``MGRAPH_GPU_FLAGS=memop`` (no pinned staging words);
 4. ``pytest -m multi_gpu -k emulated tests/test_megakernel_gpu.py``;
 5. the bench at 256 KiB and 4 MiB (cap 50), then GEMM+RS and AG+GEMM at 1 MiB (cap 50).
 JSON: ``$OUT/gpu_check_net.json`` (OUT defaults to benchmarks/results), each bench's rows under
@@ -120,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                                           "--ops", "gemm_allreduce"),
                     75, rows=out / "emulated_1024k")
     if crash["status"] != "ok":
-        for name, env in [("crash_1m_batch1", {"MGRAPH_PROXY_BATCH": "1"}),
-                          ("crash_1m_memop", {"MGRAPH_GPU_FLAGS": "memop"})]:
+        for name, env, extra in [
+            ("crash_1m_warmup0", {}, ["--warmup", "0"]),  # no back-to-back launches
+            ("crash_1m_batch1", {"MGRAPH_PROXY_BATCH": "1"}, []),
+            ("crash_1m_memop", {"MGRAPH_GPU_FLAGS": "memop"}, []),
+        ]:
             run.run(name, bench_cmd(1024, out / f"emulated_1024k_{name}", "--ops",
-                                    "gemm_allreduce", "--nic-gbps", "50"),
-                    60, env, rows=out / f"emulated_1024k_{name}")
+                                    "gemm_allreduce", "--nic-gbps", "50", *extra),
+                    55, env, rows=out / f"emulated_1024k_{name}")
     run.run("tests_emulated", [sys.executable, "-m", "pytest", "-q", "-x", "-m", "multi_gpu",
                                "-k", "emulated", "tests/test_megakernel_gpu.py"], 100)
     for kib in (256, 4096):
