@@ -20,10 +20,12 @@ __all__ = ["run", "BACKENDS", "backend_names"]
 
 
 def _reference(schedule: Schedule, inputs: dict[str, torch.Tensor], settings: Settings, **kw: Any):
+    from .runtime.memory import check_inputs
     from .runtime.reference import ReferenceRuntime
 
     if kw:
         raise UnknownNameError(f"backend 'reference' takes no options {sorted(kw)}")
+    check_inputs(schedule.graph, inputs)  # before anything is allocated
     with ReferenceRuntime(schedule, settings) as runtime:
         return runtime.run(inputs)
 

@@ -399,7 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except MgraphError as exc:
-        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        # soft_wrap: a path or a variable in the message must not be broken across lines
+        # (and no markup: "tasks[3]" or "tile=[64]" in a message is text, not a rich tag)
+        console.print(f"error: {type(exc).__name__}: {exc}", style="red", highlight=False,
+                      soft_wrap=True, markup=False)
         return 2
 
 

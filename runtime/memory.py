@@ -61,7 +61,10 @@ def check_inputs(graph: TaskGraph, inputs: dict[str, torch.Tensor]) -> None:
     for name, spec in graph.inputs.items():
         t = inputs[name]
         if not isinstance(t, torch.Tensor):
-            raise InputError(f"{graph.op}: input {name!r} is a {type(t).__name__}, not a tensor")
+            raise InputError(
+                f"{graph.op}: input {name!r} is a {type(t).__name__}, not a tensor",
+                hint=f"pass a torch.Tensor of shape {spec.shape} and dtype {spec.dtype}",
+            )
         if tuple(t.shape) != spec.shape:
             raise InputError(
                 f"{graph.op}: input {name!r} has shape {tuple(t.shape)}, the graph was built "

@@ -40,11 +40,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the numbers (times, busy, bytes, sweep) here")
 
 
+def load_hardware(path: str) -> HardwareProfile:
+    """A hardware profile JSON, with named errors for a missing, unreadable or invalid file."""
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    from mgraph.errors import SettingsError
+
+    p = Path(path)
+    if not p.is_file():
+        raise SettingsError(f"--hardware {path!r}: no such file",
+                            hint="omit --hardware for the built-in H200 profile")
+    try:
+        return HardwareProfile.model_validate_json(p.read_bytes())
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "(top level)"
+        raise SettingsError(f"--hardware {path!r}: field {where}: {err['msg']}",
+                            hint="start from mgraph.H200.model_dump_json()") from None
+
+
 def simulate_command(args: argparse.Namespace, console: Console) -> int:
-    from mgraph.cli import build_from_args, human_bytes
+    from mgraph.cli import build_from_args, check_output_path, human_bytes
     from mgraph.scheduler import schedule
 
-    hw = HardwareProfile.load(args.hardware) if args.hardware else H200
+    check_output_path(args.trace, "--trace")  # before the work, not after it
+    check_output_path(args.json, "--json")
+    hw = load_hardware(args.hardware) if args.hardware else H200
     graph, build_s = build_from_args(args)
     start = time.perf_counter()
     sched = schedule(graph, hw, policy=args.policy)
