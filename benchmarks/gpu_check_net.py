@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,14 +63,17 @@ class Runner:
         limit = min(limit, left - 5)
         print(f"== {name} (<= {limit:.0f} s): {step['cmd']}", flush=True)
         start = time.monotonic()
+        # Own session: on timeout the whole group goes (torchrun's workers hold the GPUs).
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         try:
-            done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV, **(env or {})},
-                                  capture_output=True, text=True, timeout=limit)
-            rc, text = done.returncode, done.stdout + done.stderr
-        except subprocess.TimeoutExpired as exc:
+            text, _ = proc.communicate(timeout=limit)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
             rc = 124
-            text = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(
-                errors="replace")
         step.update(status="ok" if rc == 0 else "failed", rc=rc,
                     seconds=round(time.monotonic() - start, 1))
         if rc != 0:  # what killed it: the lines naming errors, then the tail
