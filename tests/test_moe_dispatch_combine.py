@@ -29,6 +29,37 @@ def test_matches_torch(topology, E_loc):
         written_once(g, name)
 
 
+def dense_moe(x, router_logits, w_gate, w_up, w_down, top_k):
+    """Mixtral MoE written independently of mgraph (it shares no helper with the tile bodies):
+    a dense [T, E] gate matrix from a masked softmax, every expert applied to every token."""
+    logits = router_logits.double()
+    kth = logits.sort(dim=-1, descending=True).values[:, top_k - 1 : top_k]
+    masked = logits.masked_fill(logits < kth, float("-inf"))
+    gates = masked.softmax(dim=-1)  # zero off the top k: softmax over the k kept logits
+    xd = x.double()
+    out = torch.zeros_like(xd)
+    for e in range(w_gate.shape[0]):
+        h = torch.nn.functional.silu(xd @ w_gate[e].double()) * (xd @ w_up[e].double())
+        out += gates[:, e : e + 1] * (h @ w_down[e].double())
+    return out
+
+
+@pytest.mark.parametrize("topology", ["1x2", "2x2"])
+def test_matches_an_independent_reference(topology):
+    """The runtime's output and the op's own reference both equal dense_moe (the op's reference
+    shares route_topk/swiglu with the tile bodies, so it alone cannot catch a bug in them)."""
+    g = build(topology, E_loc=2, T_loc=16, top_k=2)
+    op = mg.ops.get_op(OP)
+    inputs = op.random_inputs(g, seed=3)
+    logits = inputs["router_logits"].double()
+    top = logits.sort(dim=-1, descending=True).values
+    assert (top[:, 1] - top[:, 2]).abs().min() > 1e-9, "a tie at the k-th logit: pick a seed"
+    want = dense_moe(**inputs, top_k=2)
+    got = mg.run(mg.schedule(g), inputs).outputs["out"]
+    assert rel_err(got.double(), want) < 1e-4
+    assert rel_err(op.run_reference(inputs, g.params)["out"].double(), want) < 1e-4
+
+
 def test_single_tiles_and_one_gpu():
     # Tiles larger than the dims (one expert tile per segment, one combine tile) and W = 1.
     check_graph(build("1x2", expert_rows=64, combine_cols=256))
