@@ -177,7 +177,7 @@ function drawGraph(fit) {
   const LEFT = 130, TOP = 28;
   const colX = new Map();
   let x = LEFT;
-  for (const s of stagesShown) { colX.set(s, x); x += colW.get(s) + 80; }
+  for (const s of stagesShown) { colX.set(s, x); x += colW.get(s) + 100; }
   const laneY = new Map();
   let y = TOP;
   for (const l of lanes) { laneY.set(l, y); y += Math.max(AGG_H + 16, laneH.get(l) || 0); }
@@ -231,7 +231,9 @@ function drawGraph(fit) {
       "data-a": m.a, "data-b": m.b, "data-link": G.links[m.link],
     }, ge);
     el("title", {}, p, `${G.links[m.link]}: ${m.n} dependencies, ${human(m.bytes, "B")}`);
-    if (label && !ua.tile && !ub.tile) el("text", { class: "edge-label", x: (x1 + x2) / 2, y: (y1 + y2) / 2 - 3, fill: LINK_COLORS[m.link] }, ge, human(m.bytes, "B"));
+    // labels only between neighbouring columns: a longer edge's midpoint lies on another box
+    const adjacent = stagesShown.indexOf(ub.stage) - stagesShown.indexOf(ua.stage) === 1;
+    if (label && adjacent && !ua.tile && !ub.tile) el("text", { class: "edge-label", "text-anchor": "middle", x: (x1 + x2) / 2, y: (y1 + y2) / 2 - 3, fill: LINK_COLORS[m.link] }, ge, human(m.bytes, "B"));
   }
   units.forEach((u, i) => {
     const color = ROLE_COLORS[stageRole[u.stage]] || stageColor(u.stage);
