@@ -27,6 +27,7 @@ __all__ = [
     "UnsupportedOpError",
     "PlanError",
     "OptionError",
+    "SizeOptionError",
     "SizeLimitError",
     "SettingsError",
     "GraphFileError",
@@ -123,6 +124,11 @@ class PlanError(MgraphError, ValueError):
 class OptionError(MgraphError, ValueError):
     """An op option (``--set key=value``, a builder keyword) has the wrong type or value; the
     message names the op, the option, the type it takes and the value given."""
+
+
+class SizeOptionError(OptionError, ShapeError):
+    """A size option (``tile``, ``chunk_bytes``, ``block``, ...) is not positive: an OptionError,
+    and a ShapeError since it is a size."""
 
 
 class SizeLimitError(MgraphError, ValueError):

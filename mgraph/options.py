@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from .errors import OptionError
+from .errors import OptionError, SizeOptionError
 
 __all__ = ["option_types", "check_options", "parse_option_text", "type_name"]
 
@@ -107,8 +107,9 @@ def _check_rules(op: str, name: str, tp: Any, value: Any) -> None:
     elif base == list[int] and any(v <= 0 for v in value):
         bad = "must hold positive sizes"
     if bad:
-        raise OptionError(f"{op}: option {name}={value!r} {bad}", hint=f"{name} takes "
-                          f"{_how(op, name, tp)}")
+        error = OptionError if bad == "must be finite" else SizeOptionError  # sizes are shapes
+        raise error(f"{op}: option {name}={value!r} {bad}", hint=f"{name} takes "
+                    f"{_how(op, name, tp)}")
 
 
 def parse_option_text(op: str, name: str, raw: str, tp: Any) -> Any:

@@ -175,7 +175,8 @@ def graph_from_json(
         first = errs[0]
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         raise GraphFileError(
-            f"{source}: field {_path(first['loc'])}: {first['msg']} "
+            f"{source} is not a valid mgraph task graph: field {_path(first['loc'])}: "
+            f"{first['msg']} "
             f"(got {_short(first.get('input'))}){more}",
             hint="fix that field; the schema is mgraph/serialize.py's _Graph",
         ) from None
