@@ -35,9 +35,8 @@ SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (2048, 81
 # The GEMM loop's configurations swept beside the default (runtime.GEMM_CONFIG).
 GEMM_SWEEP = {
     "flatten=False": {"flatten": False},
-    "stages=4": {"num_stages": 4},
     "stages=2": {"num_stages": 2},
-}
+}  # stages=4 at 128x256x64 needs 262 KB of shared memory: more than an H200 SM has (v7.0)
 
 
 def timeit(fn, warmup: int, reps: int) -> float:
@@ -105,9 +104,15 @@ class Bench:
                          float("nan"), config=label, error=repr(exc)[:300])
                 continue
             nv = sched.ranks[self.rank].workers.get("nvlink", 0)
+            extra = {}
+            if self.args.trace_all:  # where the time goes, for every configuration
+                traced = TritonRuntime(sched, trace=True, gemm_config=gemm_config)
+                traced.run(local)
+                extra = busy_fractions(traced.trace(), sched.ranks[self.rank].workers)
+                del traced
             self.add(op_name, shape, "mgraph" if label == "default" else "mgraph_sweep", ms,
                      config=label, nvlink_workers=nv, rel_err=round(err, 5),
-                     worst_tile_err=round(tile_err, 5))
+                     worst_tile_err=round(tile_err, 5), **extra)
             if best is None or ms < best[0]:
                 best = (ms, label, graph, workers, gemm_config, local)
             del rt
@@ -265,6 +270,14 @@ def busy_fractions(trace, workers: dict[str, int]) -> dict[str, float]:
     """Busy time per role over (workers x makespan) of one traced launch, and the makespan."""
     span = trace.makespan
     out = {"traced_ms": round(span * 1e3, 4)}
+    gemms = [r for r in trace.records if r.kind == "gemm"]
+    if gemms and trace.records:
+        # the GEMM phase (first GEMM start to last GEMM end) and the tail after it
+        first = min(r.start for r in trace.records)
+        last_gemm = max(r.end for r in gemms)
+        out["gemm_phase_ms"] = round((last_gemm - min(r.start for r in gemms)) * 1e3, 4)
+        out["tail_ms"] = round((max(r.end for r in trace.records) - last_gemm) * 1e3, 4)
+        out["start_ms"] = round((min(r.start for r in gemms) - first) * 1e3, 4)
     for role, n in workers.items():
         busy = sum(r.end - r.start for r in trace.records if r.role == role)
         out[f"busy_{role}"] = round(busy / (n * span), 3) if n and span else 0.0
@@ -276,7 +289,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
     parser.add_argument("--ops", nargs="*", default=["gemm_alone", "allreduce", "reduce_scatter", "all_gather"])
     parser.add_argument("--comm-workers", type=int, nargs="*", default=[4, 8, 16, 24, 32])
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--trace-all", action="store_true",
+                        help="one traced launch per configuration (busy fractions, GEMM phase)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()

@@ -58,13 +58,15 @@ def test_encoded_tables_cover_the_rank_schedule():
             off, n, workers, static = t.qinfo[i].tolist()
             queue = [t.local_tasks[x] for x in t.queues[off : off + n].tolist()]
             assert queue == sched.ranks[rank].queues[role.value]
-            # the static prefix: the compute queue's leading wait-free GEMMs, nothing else
-            lead = 0
-            for tid in queue:
-                if role.value != "compute" or g.tasks[tid].kind != "gemm" or g.tasks[tid].waits:
-                    break
-                lead += 1
-            assert static == lead
+            # the static prefix: every GEMM of the compute queue, the ones reading peers'
+            # shards included (their waits are on NVLink copies that wait for nothing: hoisted
+            # to their segment's start, one hoisted wait per event)
+            if role.value == "compute":
+                assert static == n and all(g.tasks[tid].kind == "gemm" for tid in queue)
+                waited = {e for tid in queue for e, _ in g.tasks[tid].waits}
+                assert len(waited) > 0 and t.segwaits.shape[0] == len(waited)
+            else:
+                assert static == 0
         assert t.qinfo[0][Q_STATIC] > 0
         assert t.roles.tolist() == [0] * 6 + [1] * 2
         # Regions point at slots naming the right buffers.
@@ -84,7 +86,8 @@ def test_single_program_mode_runs_everything_in_global_order():
 
 
 def _segments(t):
-    return [dict(zip(("start", "len", "a", "b", "k0", "k1", "nw", "w0", "w1"), row, strict=True))
+    names = ("start", "len", "a", "b", "k0", "k1", "nw", "w0", "w1", "wait0", "nwait")
+    return [dict(zip(names, row, strict=True))
             for row in t.segs.tolist()]
 
 

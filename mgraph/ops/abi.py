@@ -46,6 +46,17 @@ __all__ = [
     "S_NW",
     "S_W0",
     "S_W1",
+    "S_WAIT0",
+    "S_NWAIT",
+    "POS_FIELDS",
+    "P_AM",
+    "P_BK",
+    "P_BN",
+    "P_W0M",
+    "P_W0N",
+    "P_W1M",
+    "P_W1N",
+    "P_TASK",
     "HAVE_TRITON",
 ]
 
@@ -63,8 +74,15 @@ Q_OFF, Q_LEN, Q_WORKERS, Q_STATIC = range(4)
 # tasks that share A, B, K range and write buffers (one TMA descriptor each per segment): the
 # segment's first queue position and length, A and B slots, K range, writes per task and the
 # slots of writes 0 and 1 (stored through descriptors; later writes use pointer stores)
-SEG_FIELDS = 9
-S_START, S_LEN, S_A, S_B, S_K0, S_K1, S_NW, S_W0, S_W1 = range(9)
+# and the segment's hoisted waits (rows of ``segwaits``, WAIT_FIELDS wide: every program waits
+# for them once, before the segment's loop)
+SEG_FIELDS = 11
+S_START, S_LEN, S_A, S_B, S_K0, S_K1, S_NW, S_W0, S_W1, S_WAIT0, S_NWAIT = range(11)
+# segpos [static tasks, POS_FIELDS]: per static position, everything its tile loop needs in one
+# 32-byte row (no dependent loads through the task and region tables inside the GEMM loop): the
+# A row, B row and column, write 0's and write 1's row and column, the local task index
+POS_FIELDS = 8
+P_AM, P_BK, P_BN, P_W0M, P_W0N, P_W1M, P_W1N, P_TASK = range(8)
 
 try:  # triton is a Linux-only dependency; the CPU side of mgraph works without it
     import triton

@@ -25,6 +25,7 @@ from mgraph.kinds import KINDS, ROLES, Role
 from mgraph.ops.abi import (
     F_CMD0,
     F_NCMD,
+    POS_FIELDS,
     QINFO_FIELDS,
     REGION_FIELDS,
     SEG_FIELDS,
@@ -102,6 +103,8 @@ class RankTables:
     qinfo: torch.Tensor  # [len(ROLES) + 1, QINFO_FIELDS]: offset, length, workers, static
     roles: torch.Tensor  # [programs]: role index of each worker program
     segs: torch.Tensor  # [S, SEG_FIELDS]: the GEMM segments of the static queue prefix
+    segwaits: torch.Tensor  # [n, WAIT_FIELDS]: the segments' hoisted waits
+    segpos: torch.Tensor  # [static tasks, POS_FIELDS]: per static position, its tile coordinates
     slots: list[str] = field(default_factory=list)  # buffer id per buffer slot
     event_slots: list[int] = field(default_factory=list)  # event id per event slot
     local_tasks: list[int] = field(default_factory=list)  # graph task id per local task index
@@ -198,7 +201,10 @@ def encode_rank(
             [eslot(e), int(crosses[e] or graph.events[e].rank != t.rank)] for e in t.signals
         ]
 
-    qrows, flat, segs = [], [], []
+    qrows, flat = [], []
+    # One program running every task in global order cannot hoist a wait: its signaller may
+    # come later in that same order.
+    prefix = _Prefix(graph, rank, slot, eslot, total, crosses, net, hoist=not single_program)
     for role in ROLES:
         q = [] if rank is None else [local[tid] for tid in rs.queues.get(role.value, [])]
         n = rs.workers.get(role.value, 0) if q else 0
@@ -206,10 +212,10 @@ def encode_rank(
             raise ScheduleError(f"rank {rank} has {role.value} tasks but no {role.value} workers")
         static = 0
         if role == Role.COMPUTE and not single_program:
-            static = _segments(graph, [order[i] for i in q], slot, segs)
+            static = prefix.cut([order[i] for i in q], local)
         qrows.append([len(flat), len(q), 0 if single_program else n, static])
         flat += q
-    static = _segments(graph, order, slot, segs) if single_program else 0
+    static = prefix.cut(order, local) if single_program else 0
     qrows.append([len(flat), len(order), 1 if single_program else 0, static])
     flat += list(range(len(order)))
     if single_program:
@@ -259,7 +265,9 @@ def encode_rank(
         queues=i32(flat),
         qinfo=i32(qrows, QINFO_FIELDS),
         roles=i32(roles),
-        segs=i32(segs, SEG_FIELDS),
+        segs=i32(prefix.segs, SEG_FIELDS),
+        segwaits=i32(prefix.waits, WAIT_FIELDS),
+        segpos=i32(prefix.pos, POS_FIELDS),
         slots=list(slot_of),
         event_slots=list(ev_slot),
         local_tasks=order,
@@ -275,33 +283,86 @@ def encode_rank(
     )
 
 
-def _segments(graph: TaskGraph, queue: list[int], slot, segs: list[list[int]]) -> int:
-    """Cut the queue's leading wait-free GEMM tasks into segments (appended to ``segs``); return
-    how many tasks they cover.
+class _Prefix:
+    """The compute queue's static prefix: its leading GEMM tasks, cut into segments.
 
-    The kernel runs these tasks statically (task j of the prefix on compute program j mod P, in
-    one software-pipelined loop per segment, no atomics, no waits) and raises their signals once
-    per program after the prefix. A segment's tasks share A, B, the K range and the buffers of
-    writes 0 and 1, so each program builds those TMA descriptors once per segment."""
-    count = 0
-    nw = None
-    for tid in queue:
-        t = graph.tasks[tid]
-        # One writes-per-task count for the whole prefix (the kernel's SEG_NW constexpr), at
-        # most 2 (each a TMA descriptor); other GEMMs run in the dynamic part.
-        if t.kind != "gemm" or t.waits or len(t.writes) > 2 or nw not in (None, len(t.writes)):
-            break
-        nw = len(t.writes)
-        a, b = t.reads
-        w1 = slot(t.writes[1].buffer) if len(t.writes) > 1 else -1
-        key = [slot(a.buffer), slot(b.buffer), a.col0, a.col1, len(t.writes),
-               slot(t.writes[0].buffer), w1]
-        if segs and segs[-1][2:] == key and segs[-1][0] + segs[-1][1] == count:
+    The kernel runs these tasks statically (position j of the prefix on compute program j mod
+    P, in one software-pipelined loop per segment: no atomics, waits or fences inside) and
+    raises their signals once per program, after the whole prefix. A segment's tasks share A,
+    B, the K range and the buffers of writes 0 and 1 (one TMA descriptor each per segment).
+
+    A GEMM joins the prefix when it waits for nothing, or when every event it waits for is
+    raised only by tasks that themselves wait for nothing and run outside this rank's compute
+    queue (e.g. the NVLink copies of a gather): such a wait can be hoisted to the start of the
+    segment (every program waits once, before the loop) without any possible deadlock, since
+    its signallers always finish. Waits on events the network proxies raise are not hoisted.
+    """
+
+    def __init__(self, graph: TaskGraph, rank, slot, eslot, total, crosses, net, *,
+                 hoist: bool) -> None:
+        self.graph, self.rank, self.slot, self.eslot = graph, rank, slot, eslot
+        self.hoist = hoist
+        self.total, self.crosses, self.net = total, crosses, net
+        self.segs: list[list[int]] = []
+        self.waits: list[list[int]] = []
+        self.pos: list[list[int]] = []
+        self.signallers: dict[int, list] = {}
+        for t in graph.tasks:
+            for e in t.signals:
+                self.signallers.setdefault(e, []).append(t)
+        self.nw: int | None = None
+
+    def hoistable(self, t) -> bool:
+        if t.waits and not self.hoist:
+            return False
+        for e, _ in t.waits:
+            if self.net is not None and self.net.event_words.get(e):
+                return False
+            for s in self.signallers.get(e, []):
+                if s.waits or (s.role == Role.COMPUTE.value and s.rank == t.rank):
+                    return False
+        return True
+
+    def cut(self, queue: list[int], local: dict[int, int]) -> int:
+        """Append the segments of ``queue``'s prefix; return how many tasks they cover."""
+        graph, slot = self.graph, self.slot
+        count = 0
+        waits: dict[int, int] = {}  # the current segment's hoisted waits: event -> count
+        for tid in queue:
+            t = graph.tasks[tid]
+            # One writes-per-task count for the whole prefix (the kernel's SEG_NW constexpr),
+            # at most 2 (each a TMA descriptor); other GEMMs run in the dynamic part.
+            if (t.kind != "gemm" or len(t.writes) > 2 or self.nw not in (None, len(t.writes))
+                    or not self.hoistable(t)):
+                break
+            self.nw = len(t.writes)
+            a, b = t.reads
+            w0 = t.writes[0]
+            w1 = t.writes[1] if len(t.writes) > 1 else w0
+            key = [slot(a.buffer), slot(b.buffer), a.col0, a.col1, len(t.writes),
+                   slot(w0.buffer), slot(w1.buffer) if len(t.writes) > 1 else -1]
+            segs = self.segs
+            if not (segs and segs[-1][2:9] == key and segs[-1][0] + segs[-1][1] == count):
+                self._close(waits)
+                waits = {}
+                segs.append([count, 0, *key, len(self.waits), 0])
             segs[-1][1] += 1
-        else:
-            segs.append([count, 1, *key])
-        count += 1
-    return count
+            for e, c in t.waits:
+                waits[e] = max(c, waits.get(e, 0))
+            self.pos.append([a.row0, b.row0, b.col0, w0.row0, w0.col0, w1.row0, w1.col0,
+                             local[tid]])
+            count += 1
+        self._close(waits)
+        return count
+
+    def _close(self, waits: dict[int, int]) -> None:
+        if not self.segs or self.segs[-1][-1] or not waits:
+            return
+        rows = [[self.eslot(e), c, self.total[e], int(self.crosses[e])]
+                for e, c in sorted(waits.items())]
+        self.segs[-1][-2] = len(self.waits)
+        self.segs[-1][-1] = len(rows)
+        self.waits += rows
 
 
 def _cmd_row(cmd) -> list[int]:

@@ -35,7 +35,7 @@ from net words; program 0 also pushes a start SIGNAL to every remote peer and wa
 before the go, and after its queue waits until every net word of the rank reached its count for
 this launch (all sends done, all arrivals landed). Error records use task -1 for the node
 barrier, -3 for a remote start (slot: index), -2 for the exit wait (slot: index), -4 for an
-exit event (slot: event slot), and slot -2 for a push that found the FIFO full (value: ticket,
+exit event (slot: event slot), -5 for a segment's hoisted wait (slot: event slot), and slot -2 for a push that found the FIFO full (value: ticket,
 target: tail seen).
 """
 
@@ -56,6 +56,15 @@ from mgraph.ops.abi import (
     F_SIG0,
     F_WAIT0,
     F_WRITE0,
+    P_AM,
+    P_BK,
+    P_BN,
+    P_TASK,
+    P_W0M,
+    P_W0N,
+    P_W1M,
+    P_W1N,
+    POS_FIELDS,
     Q_LEN,
     Q_OFF,
     Q_STATIC,
@@ -67,9 +76,11 @@ from mgraph.ops.abi import (
     S_K0,
     S_K1,
     S_LEN,
+    S_NWAIT,
     S_START,
     S_W0,
     S_W1,
+    S_WAIT0,
     SEG_FIELDS,
     TASK_FIELDS,
     buffer_base,
@@ -92,6 +103,10 @@ _QWORKERS, _QSTATIC = tl.constexpr(Q_WORKERS), tl.constexpr(Q_STATIC)
 _SF, _SSTART, _SLEN = tl.constexpr(SEG_FIELDS), tl.constexpr(S_START), tl.constexpr(S_LEN)
 _SA, _SB, _SK0, _SK1 = tl.constexpr(S_A), tl.constexpr(S_B), tl.constexpr(S_K0), tl.constexpr(S_K1)
 _SW0, _SW1 = tl.constexpr(S_W0), tl.constexpr(S_W1)
+_SWAIT0, _SNWAIT = tl.constexpr(S_WAIT0), tl.constexpr(S_NWAIT)
+_PF, _PAM, _PBK, _PBN = tl.constexpr(POS_FIELDS), tl.constexpr(P_AM), tl.constexpr(P_BK), tl.constexpr(P_BN)
+_PW0M, _PW0N, _PW1M = tl.constexpr(P_W0M), tl.constexpr(P_W0N), tl.constexpr(P_W1M)
+_PW1N, _PTASK = tl.constexpr(P_W1N), tl.constexpr(P_TASK)
 
 gemm_tile = tiles.GEMM.triton_body
 reduce_tile = tiles.REDUCE.triton_body
@@ -153,59 +168,85 @@ def _record(err, abort, rank, pid, task, slot, value, target, epoch):
 
 
 @triton.jit
-def _descriptor(bufaddr, bufrows, bufcols, slot, DT: tl.constexpr, R: tl.constexpr,
-                C: tl.constexpr):
-    cols = tl.load(bufcols + slot)
-    return tl.make_tensor_descriptor(buffer_base(bufaddr, slot, DT), [tl.load(bufrows + slot), cols],
-                                     [cols, 1], [R, C])
+def _segment_waits(pid, segwaits, w0, nwait, evaddr, epoch, limit, abort, err, rank,
+                   USE_TIMER: tl.constexpr):
+    """A segment's hoisted waits, once per program before its loop (their signallers wait for
+    nothing, encode._Prefix), then the proxy fence: peers wrote the data with plain stores and
+    the segment reads it through TMA."""
+    for q in range(nwait):
+        wp = segwaits + (w0 + q) * 4
+        slot = tl.load(wp)
+        target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
+        flag = tl.load(evaddr + slot).to(tl.pointer_type(tl.int32))
+        if tl.load(wp + 3) != 0:
+            v = wait(flag, target, limit, abort, USE_TIMER, True)
+        else:
+            v = wait(flag, target, limit, abort, USE_TIMER, False)
+        if v < target:
+            _record(err, abort, rank, pid, -5, slot, v, target, epoch)
+    fence_proxy_async(USE_TIMER)
 
 
 @triton.jit
-def _gemm_segments(pid, nprog, queue, segs, nseg, tasks, regions, bufaddr, bufrows, bufcols,
-                   trace, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _gemm_segments(pid, nprog, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows, bufcols,
+                   evaddr, epoch, limit, abort, err, rank, trace,
+                   DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, SEG_NW: tl.constexpr, FLATTEN: tl.constexpr,
                    USE_TIMER: tl.constexpr, TRACE: tl.constexpr):
     """The static GEMM prefix of this program's queue: position j of it runs on program
     j mod nprog, in one software-pipelined persistent loop per segment (no atomics, no waits,
-    no fences: STYLE rule 15). Each tile's epilogue stores it through TMA into write 0 (and
-    write 1: a node peer's receive buffer, the epilogue push) of its task."""
+    no fences: STYLE rule 15). Each position's coordinates are one row of ``segpos``, so the
+    loop reads one 32-byte row per tile, not a chain of table lookups. Each tile's epilogue
+    stores it through TMA into write 0 (and write 1: a node peer's receive buffer, the epilogue
+    push) of its task."""
     for s in range(nseg):
         sp = segs + s * _SF
         start = tl.load(sp + _SSTART)
         end = start + tl.load(sp + _SLEN)
         k0 = tl.load(sp + _SK0)
         ksize = tl.load(sp + _SK1) - k0
-        ad = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SA), DT, BM, BK)
-        bd = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SB), DT, BK, BN)
-        cd0 = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SW0), DT, BM, BN)
+        nwait = tl.load(sp + _SNWAIT)
+        if nwait > 0:
+            _segment_waits(pid, segwaits, tl.load(sp + _SWAIT0), nwait, evaddr, epoch, limit,
+                           abort, err, rank, USE_TIMER)
+        # Descriptors built inline (not returned from a helper): portable across Triton versions.
+        sa, sb, s0 = tl.load(sp + _SA), tl.load(sp + _SB), tl.load(sp + _SW0)
+        ca, cb, c0 = tl.load(bufcols + sa), tl.load(bufcols + sb), tl.load(bufcols + s0)
+        ad = tl.make_tensor_descriptor(buffer_base(bufaddr, sa, DT), [tl.load(bufrows + sa), ca],
+                                       [ca, 1], [BM, BK])
+        bd = tl.make_tensor_descriptor(buffer_base(bufaddr, sb, DT), [tl.load(bufrows + sb), cb],
+                                       [cb, 1], [BK, BN])
+        cd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, s0, DT), [tl.load(bufrows + s0), c0],
+                                        [c0, 1], [BM, BN])
         if SEG_NW > 1:
-            cd1 = _descriptor(bufaddr, bufrows, bufcols, tl.load(sp + _SW1), DT, BM, BN)
+            s1 = tl.load(sp + _SW1)
+            c1 = tl.load(bufcols + s1)
+            cd1 = tl.make_tensor_descriptor(buffer_base(bufaddr, s1, DT),
+                                            [tl.load(bufrows + s1), c1], [c1, 1], [BM, BN])
         first = start + ((pid - start) % nprog + nprog) % nprog
         for j in tl.range(first, end, nprog, flatten=FLATTEN):
-            t = tl.load(queue + j)
-            tp = tasks + t * _FIELDS
-            rr = regions + tl.load(tp + _READ0) * _RF  # A region, then B region
-            am0 = tl.load(rr + 1)
-            bk0 = tl.load(rr + _RF + 1)
-            bn0 = tl.load(rr + _RF + 3)
+            pos = segpos + j * _PF
+            am0 = tl.load(pos + _PAM)
+            bk0 = tl.load(pos + _PBK)
+            bn0 = tl.load(pos + _PBN)
             if TRACE:
                 t_start = now(USE_TIMER)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for kk in range(0, ksize, BK):
                 acc = tl.dot(ad.load([am0, k0 + kk]), bd.load([bk0 + kk, bn0]), acc)
             c = acc.to(DT)
-            wr = regions + tl.load(tp + _WRITE0) * _RF
-            cd0.store([tl.load(wr + 1), tl.load(wr + 3)], c)
+            cd0.store([tl.load(pos + _PW0M), tl.load(pos + _PW0N)], c)
             if SEG_NW > 1:
-                cd1.store([tl.load(wr + _RF + 1), tl.load(wr + _RF + 3)], c)
+                cd1.store([tl.load(pos + _PW1M), tl.load(pos + _PW1N)], c)
             if TRACE:
+                t = tl.load(pos + _PTASK)
                 tl.store(trace + t * 3, t_start)
                 tl.store(trace + t * 3 + 1, now(USE_TIMER))
                 tl.store(trace + t * 3 + 2, pid)
 
 
 @triton.jit
-def _signal_segments(pid, nprog, queue, nstatic, tasks, signals, evaddr,
+def _signal_segments(pid, nprog, segpos, nstatic, tasks, signals, evaddr,
                      USE_TIMER: tl.constexpr):
     """Raise the signals of every static task this program ran, once, after all of them: the
     TMA stores complete (bulk_store_fence), one CTA barrier, then one release per signal (the
@@ -213,7 +254,7 @@ def _signal_segments(pid, nprog, queue, nstatic, tasks, signals, evaddr,
     bulk_store_fence(USE_TIMER)
     tl.debug_barrier()
     for j in range(pid, nstatic, nprog):
-        tp = tasks + tl.load(queue + j) * _FIELDS
+        tp = tasks + tl.load(segpos + j * _PF + _PTASK) * _FIELDS
         s0 = tl.load(tp + _SIG0)
         for q in range(tl.load(tp + _NSIG)):
             sp = signals + (s0 + q) * 2
@@ -227,7 +268,7 @@ def _signal_segments(pid, nprog, queue, nstatic, tasks, signals, evaddr,
 @triton.jit
 def megakernel(
     tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
-    queues, qinfo, roles, heads, segs, nseg, epoch, rank, limit, err, abort, go,
+    queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch, rank, limit, err, abort, go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
     ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netfirst, netn,
     exitaddr, exitcount, nexit, exitev, exittotal, nexitev,
@@ -263,11 +304,10 @@ def megakernel(
     if HAS_SEGS:
         if nstatic > 0:  # only the compute role (or the interpreter's one program) has some
             # compute programs come first, so pid is the program's index in its role
-            _gemm_segments(pid, nworkers, queues + qoff, segs, nseg, tasks, regions, bufaddr,
-                           bufrows, bufcols, trace, DT, BM, BN, BK, SEG_NW, FLATTEN, USE_TIMER,
-                           TRACE)
-            _signal_segments(pid, nworkers, queues + qoff, nstatic, tasks, signals, evaddr,
-                             USE_TIMER)
+            _gemm_segments(pid, nworkers, segs, nseg, segpos, segwaits, regions, bufaddr,
+                           bufrows, bufcols, evaddr, epoch, limit, abort, err, rank, trace, DT,
+                           BM, BN, BK, SEG_NW, FLATTEN, USE_TIMER, TRACE)
+            _signal_segments(pid, nworkers, segpos, nstatic, tasks, signals, evaddr, USE_TIMER)
     head = heads + role
     base = (epoch - 1) * (qlen - nstatic + nworkers)
     i = tl.atomic_add(head, 1) - base + nstatic

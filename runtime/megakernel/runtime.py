@@ -26,7 +26,7 @@ import torch
 from mgraph.errors import DTypeError, InputError, MgraphError, ScheduleError, WatchdogTimeout
 from mgraph.graph import ITEMSIZE, TaskGraph, torch_dtype
 from mgraph.kinds import ROLES, TaskKind
-from mgraph.ops.abi import S_NW, SEG_FIELDS
+from mgraph.ops.abi import POS_FIELDS, S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
 from ..memory import check_inputs, gather_outputs
@@ -139,6 +139,7 @@ class TritonRuntime:
         )
         self.mine = set(graph.topology.ranks) if self.rank is None else {self.rank}
         self.epoch = 0
+        self._scratch_buf: torch.Tensor | None = None
         self.failed: MgraphError | None = None
         self.net = None
         self._allocate()
@@ -263,6 +264,8 @@ class TritonRuntime:
                 exitaddr=self.exitaddr, exitcount=self.exitcount, startaddr=self.startaddr,
                 exitev=self.exitev, exittotal=self.exittotal,
                 segs=t.segs if t.segs.numel() else torch.zeros(1, SEG_FIELDS, dtype=torch.int32),
+                segpos=t.segpos if t.segpos.numel() else torch.zeros(1, POS_FIELDS, dtype=torch.int32),
+                segwaits=t.segwaits if t.segwaits.numel() else torch.zeros(1, 4, dtype=torch.int32),
                 cmds=t.cmds if t.cmds is not None else torch.zeros(1, 16, dtype=torch.int64),
             ).items()
         }
@@ -308,12 +311,10 @@ class TritonRuntime:
 
         from .kernel import megakernel
 
-        if not self.interpret:
-            triton.set_allocator(
-                lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=self.device)
-            )
-        else:
-            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+        # The scratch where programs build their TMA descriptors: one grow-only buffer per
+        # runtime, kept alive while launches may still run (not a fresh block per launch that
+        # the caching allocator could hand out again while the kernel reads it).
+        triton.set_allocator(self._scratch)
         if poison:
             for buf in self.graph.buffers.values():
                 if buf.rank in self.mine and buf.role != "input":
@@ -330,7 +331,7 @@ class TritonRuntime:
         megakernel[(self.tables.programs,)](
             d["tasks"], d["regions"], d["waits"], d["signals"], d["bufaddr"], d["bufrows"],
             d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
-            d["segs"], nseg,
+            d["segs"], nseg, d["segpos"], d["segwaits"],
             self.epoch, -1 if self.rank is None else self.rank, limit, d["err"], d["abort"], d["go"], self.start_flag,
             d["peer_flags"], self.npeers, d["trace"], self.tables.a0_slot, self.tables.b0_slot,
             *fifo, d["cmds"], t.start_cmds, d["startaddr"], d["netaddr"], d["netfirst"], d["netn"],
@@ -346,6 +347,11 @@ class TritonRuntime:
             FLATTEN=bool(cfg["flatten"]),
             num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
+
+    def _scratch(self, size: int, align: int, stream) -> torch.Tensor:
+        if self._scratch_buf is None or self._scratch_buf.numel() < size:
+            self._scratch_buf = torch.empty(size, dtype=torch.int8, device=self.device)
+        return self._scratch_buf
 
     def check(self) -> None:
         """Raise the proxy's error or the kernel's watchdog record, if any (synchronises)."""
@@ -380,6 +386,10 @@ class TritonRuntime:
         if task == -2:
             rank, word, _ = t.exits[slot]
             return f"the end-of-launch wait for net word {plan.describe(rank, word)} on rank {rank}"
+        if task == -5:
+            ev = self.graph.events[t.event_slots[slot]]
+            return (f"a GEMM segment's hoisted wait for event {ev.name!r} (rank {ev.rank}): "
+                    "the copies it waits for never landed")
         if task == -4:
             ev = self.graph.events[t.event_slots[slot]]
             return (f"the end-of-launch wait for event {ev.name!r}: stores that node peers owe "

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One call on the 2x H200 machine: install, then the steps named on the command line, each under
+# its own time limit, logs and JSON under $OUT. The machine is bare every call (GPU.md): pydantic
+# and rich come as wheels carried in .whl/, the native proxy is rebuilt from source.
+#
+#   bash benchmarks/gpu_run.sh tests            # pytest -m "gpu or multi_gpu" (megakernel)
+#   bash benchmarks/gpu_run.sh bench SHAPES...  # bench_tp.py on the given per-rank shapes
+#   bash benchmarks/gpu_run.sh net              # benchmarks/gpu_check_net.py (the network path)
+set -u
+export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 \
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/mgraph_out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 \
+    || { tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+step=${1:-tests}
+shift || true
+case "$step" in
+tests)
+    timeout "${TEST_LIMIT:-300}" python3 -m pytest -q -x -m "gpu or multi_gpu" \
+        tests/test_megakernel_gpu.py "$@" 2>&1 | tee "$OUT/tests.log" | tail -25
+    ;;
+bench)
+    timeout "${BENCH_LIMIT:-400}" torchrun --nproc_per_node=2 benchmarks/bench_tp.py \
+        --out "$OUT" --shapes "$@" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -60
+    ;;
+net)
+    timeout "${NET_LIMIT:-300}" python3 benchmarks/gpu_check_net.py "$@" 2>&1 | tee "$OUT/net.log" | tail -40
+    ;;
+esac
