@@ -321,15 +321,16 @@ def test_unknown_policy_lists_valid_ones():
 def test_out_of_order_queue_is_rejected():
     g = build("gemm_allreduce", "2x2")
     s = mg.schedule(g)
-    nvl = s.ranks[0].queues["nvlink"]
-    # A broadcast waits (through its event) on this rank's node-reduces: put it first.
-    bcast = next(t for t in nvl if g.tasks[t].name.startswith("broadcast"))
-    nvl.remove(bcast)
-    nvl.insert(0, bcast)
+    queue = s.ranks[0].queues["compute"]
+    # A node-reduce waits (through its event) on this rank's GEMM of the same tile, which is
+    # later in the same queue once the reduce is moved to the front.
+    reduce = next(t for t in queue if g.tasks[t].name.startswith("node-reduce"))
+    queue.remove(reduce)
+    queue.insert(0, reduce)
     with pytest.raises(mg.ScheduleError) as info:
         s.check()
     msg = str(info.value)
-    assert "deadlock" in msg and g.tasks[bcast].name in msg and "rank 0 nvlink" in msg
+    assert "deadlock" in msg and g.tasks[reduce].name in msg and "rank 0 compute" in msg
 
 
 def test_user_policy_must_return_a_topological_order(monkeypatch):
