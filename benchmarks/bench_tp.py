@@ -39,7 +39,8 @@ GEMM_SWEEP = {
 }  # stages=4 at 128x256x64 needs 262 KB of shared memory: more than an H200 SM has (v7.0)
 
 
-def timeit(fn, warmup: int, reps: int) -> float:
+def samples(fn, warmup: int, reps: int) -> list[float]:
+    """This rank's CUDA-event times (ms) of ``reps`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -53,9 +54,18 @@ def timeit(fn, warmup: int, reps: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    return times
+
+
+def slowest_median(times: list[float]) -> float:
+    """The median of this rank's samples, max over ranks."""
     med = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return med.item()
+
+
+def timeit(fn, warmup: int, reps: int) -> float:
+    return slowest_median(samples(fn, warmup, reps))
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -86,6 +96,7 @@ class Bench:
         op = mg.ops.get_op(op_name)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         best = None
+        default = None  # (runtime, first window's samples): re-timed after the sweep
         for label, options, nvlink, gemm_config in [("default", {}, None, None), *sweep]:
             graph = op(topology=f"1x{self.world}", dtype=torch.bfloat16, **graph_kw, **options)
             inputs = op.random_inputs(graph, seed=1)
@@ -97,7 +108,15 @@ class Bench:
                 rt = TritonRuntime(sched, gemm_config=gemm_config)
                 got = rt.run(local).outputs["out"]
                 err, tile_err = rel(got, want), worst_tile(got, want)
-                ms = timeit(rt.launch, self.args.warmup, self.args.reps)
+                times = samples(rt.launch, self.args.warmup, self.args.reps)
+                if label == "default":
+                    default_local, default_err = local, (err, tile_err)
+                    # Timed again after the sweep and reported on the pooled samples: the first
+                    # configuration of an op measured 10-15% slower than the same configuration
+                    # timed later in the same run (v7.1, v7.2).
+                    default = (rt, times)
+                    continue
+                ms = slowest_median(times)
                 rt.check()
             except Exception as exc:  # a sweep point that cannot compile or run is reported
                 self.add(op_name, shape, "mgraph" if label == "default" else "mgraph_sweep",
@@ -112,10 +131,33 @@ class Bench:
                 del traced
             self.add(op_name, shape, "mgraph" if label == "default" else "mgraph_sweep", ms,
                      config=label, nvlink_workers=nv, rel_err=round(err, 5),
-                     worst_tile_err=round(tile_err, 5), **extra)
+                     worst_tile_err=round(tile_err, 5), **extra, **rt.kernel_info())
             if best is None or ms < best[0]:
                 best = (ms, label, graph, workers, gemm_config, local)
             del rt
+            gc.collect()
+            torch.cuda.empty_cache()
+        if default is not None:
+            rt, first = default
+            again = samples(rt.launch, self.args.warmup, self.args.reps)
+            rt.check()
+            sched = rt.schedule
+            ms = slowest_median(first + again)
+            extra = {}
+            if self.args.trace_all:
+                traced = TritonRuntime(sched, trace=True)
+                traced.run({k: v for k, v in default_local.items()})
+                extra = busy_fractions(traced.trace(), sched.ranks[self.rank].workers)
+                del traced
+            self.add(op_name, shape, "mgraph", ms, config="default",
+                     ms_first=round(slowest_median(first), 4),
+                     ms_again=round(slowest_median(again), 4),
+                     nvlink_workers=sched.ranks[self.rank].workers.get("nvlink", 0),
+                     rel_err=round(default_err[0], 5), worst_tile_err=round(default_err[1], 5),
+                     **extra, **rt.kernel_info())
+            if best is None or ms < best[0]:
+                best = (ms, "default", rt.graph, None, None, default_local)
+            del rt, default
             gc.collect()
             torch.cuda.empty_cache()
         if best is None:
@@ -143,7 +185,10 @@ class Bench:
         grid = [(f"gemm {k}", {}, None, c) for k, c in GEMM_SWEEP.items()]
         if op_name == "gemm_allreduce":
             grid += [(f"algorithm={a}", {"algorithm": a}, None, None)
-                     for a in ("oneshot", "twoshot")]
+                     for a in ("accumulate", "oneshot", "twoshot")]
+        if op_name == "gemm_reduce_scatter":
+            grid += [(f"algorithm={a}", {"algorithm": a}, None, None)
+                     for a in ("accumulate", "push")]
         if op_name == "allgather_gemm":
             grid += [("gather=peer", {"gather": "peer"}, None, None)]
             grid += [(f"gather=copy nvlink={n}", {"gather": "copy"}, n, None)
@@ -155,20 +200,36 @@ class Bench:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         self.add("gemm", shape, "cublas", timeit(lambda: a @ b, self.args.warmup, self.args.reps))
+        from triton_gemm import persistent_gemm  # benchmarks/: the plain Triton ceiling
+
+        c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        persistent_gemm(a, b, c)
+        self.add("gemm", shape, "triton_persistent",
+                 timeit(lambda: persistent_gemm(a, b, c), self.args.warmup, self.args.reps),
+                 rel_err=round(rel(c, a.float() @ b.float()), 5))
         graph = mg.ops.gemm(M=M, N=N, K=K, topology="1x1", dtype=torch.bfloat16)
-        for label, config in [("default", None), *GEMM_SWEEP.items()]:
+        want = a.float() @ b.float()
+        first = None  # the default's first window: re-timed last and pooled, as in mgraph()
+        for label, config in [("default", None), *GEMM_SWEEP.items(), ("default", None)]:
             try:
                 rt = TritonRuntime(mg.schedule(graph), rank=0, gemm_config=config)
                 got = rt.run({"a": a, "b": b}).outputs["out"]
-                want = a.float() @ b.float()
-                ms = timeit(rt.launch, self.args.warmup, self.args.reps)
+                times = samples(rt.launch, self.args.warmup, self.args.reps)
             except Exception as exc:
                 self.add("gemm", shape, "mgraph_gemm" if label == "default" else "mgraph_sweep",
                          float("nan"), config=label, error=repr(exc)[:300])
                 continue
-            self.add("gemm", shape, "mgraph_gemm" if label == "default" else "mgraph_sweep", ms,
-                     config=label, rel_err=round(rel(got, want), 5),
-                     worst_tile_err=round(worst_tile(got, want), 5))
+            extra = {}
+            if label == "default":
+                if first is None:
+                    first = times
+                    continue
+                extra = dict(ms_first=round(slowest_median(first), 4),
+                             ms_again=round(slowest_median(times), 4))
+                times = first + times
+            self.add("gemm", shape, "mgraph_gemm" if label == "default" else "mgraph_sweep",
+                     slowest_median(times), config=label, rel_err=round(rel(got, want), 5),
+                     worst_tile_err=round(worst_tile(got, want), 5), **extra, **rt.kernel_info())
             del rt
 
     def allreduce(self, shape):

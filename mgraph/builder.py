@@ -120,8 +120,9 @@ class GraphBuilder:
         role: str = "scratch",
         dtype: str | None = None,
         binding: Binding | None = None,
+        zeroed: bool = False,
     ) -> Buffer:
-        buf = Buffer(name, rank, rows, cols, dtype or self.dtype, role, binding)
+        buf = Buffer(name, rank, rows, cols, dtype or self.dtype, role, binding, zeroed=zeroed)
         assert buf.id not in self.buffers, f"buffer {buf.id} defined twice"
         budget = self.budget
         budget.bytes += rows * cols * ITEMSIZE[buf.dtype]

@@ -4,7 +4,8 @@ A TaskGraph is a closed set of plain records (torch.fx style): every field is do
 everything later in the pipeline reads only these records.
 
 - ``Buffer``: a 2-D allocation on one rank (rows x cols, dtype, role input/output/scratch).
-  Tensors of any rank are viewed as 2-D (rows = product of all but the last dim). ``symmetric``
+  Tensors of any rank are viewed as 2-D (rows = product of all but the last dim). ``zeroed``
+  buffers are filled with zeros before every launch (tasks accumulate into them). ``symmetric``
   is derived: true when a task of another rank reads or writes it (peer memory, registered RDMA
   memory). Input and output buffers carry a ``Binding``: which pieces of which GLOBAL tensor they
   hold, so every runtime shards inputs and gathers outputs the same way.
@@ -12,7 +13,9 @@ everything later in the pipeline reads only these records.
 - ``Event``: a counter on one rank. A waiter names (event, count); every signal adds one.
 - ``Task``: runs on ``rank`` in ``role`` and does ``kind`` (a key of mgraph.kinds.KINDS) to its
   read and write regions, after all its waits are satisfied; then signals its events, possibly on
-  other ranks. ``flops``/``bytes`` are cost hints, ``params`` kind-specific constants.
+  other ranks. ``flops``/``bytes`` are cost hints, ``params`` kind-specific constants;
+  ``params["accumulate"]`` makes a task's writes ADD into a ``zeroed`` buffer instead of storing
+  (writes that accumulate into one region are not a race with each other).
 
 Validation lives in mgraph/validate.py, statistics in mgraph/stats.py, JSON and text forms in
 mgraph/serialize.py; TaskGraph exposes them as methods.
@@ -132,6 +135,11 @@ class Buffer:
     role: str  # "input" | "output" | "scratch"
     binding: Binding | None = None
     symmetric: bool = False
+    # True: every runtime fills the buffer with zeros before each launch, and tasks ACCUMULATE
+    # into it (``params["accumulate"]``: their writes add, e.g. a GEMM epilogue's TMA
+    # reduce-add into a peer's output). Peers' adds start after the launch's entry barrier, so
+    # they never land before the owner's zeros.
+    zeroed: bool = False
     id: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

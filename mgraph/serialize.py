@@ -47,6 +47,7 @@ class _Buffer(BaseModel):
     role: Literal["input", "output", "scratch"]
     binding: tuple[str, list[list[tuple[Index, Index]]], Index] | None = None
     symmetric: bool = False
+    zeroed: bool = False
 
 
 class _Task(BaseModel):
@@ -127,6 +128,7 @@ def graph_to_json(g: TaskGraph) -> str:
                 if b.binding is None
                 else [b.binding.tensor, b.binding.pieces, b.binding.cat_dim],
                 "symmetric": b.symmetric,
+                "zeroed": b.zeroed,
             }
             for b in g.buffers.values()
         ],
@@ -189,7 +191,8 @@ def graph_from_json(
         if b.binding is not None:
             tensor, pieces, cat_dim = b.binding
             binding = Binding(tensor, tuple(tuple(tuple(r) for r in p) for p in pieces), cat_dim)
-        buf = Buffer(b.name, b.rank, b.rows, b.cols, b.dtype, b.role, binding, b.symmetric)
+        buf = Buffer(b.name, b.rank, b.rows, b.cols, b.dtype, b.role, binding, b.symmetric,
+                     b.zeroed)
         buffers[buf.id] = buf
     tasks = [
         Task(
@@ -234,7 +237,7 @@ def graph_to_text(g: TaskGraph) -> str:
         lines.append(f"output {name} {list(spec.shape)} {spec.dtype}")
     for b in g.buffers.values():
         bind = "" if b.binding is None else f" <- {b.binding.tensor}{list(b.binding.pieces)}"
-        sym = " symmetric" if b.symmetric else ""
+        sym = (" symmetric" if b.symmetric else "") + (" zeroed" if b.zeroed else "")
         lines.append(f"buffer {b.id} {b.rows}x{b.cols} {b.dtype} {b.role}{sym}{bind}")
     for e in g.events:
         lines.append(f"event e{e.id} r{e.rank} {e.name}")

@@ -54,6 +54,13 @@ def _check_structure(graph: TaskGraph) -> None:
                 raise GraphError(f"{where}: region {r} names an unknown buffer")
             if not (0 <= r.row0 < r.row1 <= buf.rows and 0 <= r.col0 < r.col1 <= buf.cols):
                 raise GraphError(f"{where}: region {r} is outside buffer {buf.id} {buf.shape}")
+        if t.params.get("accumulate"):
+            plain = [w for w in t.writes if not graph.buffers[w.buffer].zeroed]
+            if plain:
+                raise GraphError(
+                    f"{where} accumulates into {plain[0]}, whose buffer is not zeroed",
+                    hint="create the buffer with zeroed=True (runtimes zero it every launch)",
+                )
         for e, count in t.waits:
             if not 0 <= e < nevents or count <= 0:
                 raise GraphError(f"{where}: bad wait (event {e}, count {count})")
@@ -272,6 +279,9 @@ class Reachability:
 
 def _check_races(graph: TaskGraph, order: list[int]) -> None:
     by_buffer: dict[str, list[tuple[Region, int, bool]]] = defaultdict(list)
+    # Writes that accumulate (atomic adds into a zeroed buffer) commute with each other: two of
+    # them on one region are no race; against a plain write or a read they still are.
+    adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
     for t in graph.tasks:
         written = set(t.writes)
         for w in t.writes:
@@ -290,6 +300,8 @@ def _check_races(graph: TaskGraph, order: list[int]) -> None:
             active = [a for a in active if a[0].row1 > region.row0]
             for other_region, other, other_write in active:
                 if other == tid or not (is_write or other_write):
+                    continue
+                if is_write and other_write and tid in adds and other in adds:
                     continue
                 if other_region.col0 < region.col1 and region.col0 < other_region.col1:
                     if not reach.ordered(other, tid):

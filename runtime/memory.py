@@ -32,7 +32,9 @@ def allocate(graph: TaskGraph, device: str | torch.device = "cpu", poison: bool 
     mem: Memory = {}
     for buf in graph.buffers.values():
         dt = torch_dtype(buf.dtype)
-        if poison and buf.role != "input":
+        if buf.zeroed:  # tasks accumulate into it (graph.Buffer)
+            mem[buf.id] = torch.zeros((buf.rows, buf.cols), dtype=dt, device=device)
+        elif poison and buf.role != "input":
             mem[buf.id] = torch.full((buf.rows, buf.cols), float("nan"), dtype=dt, device=device)
         else:
             mem[buf.id] = torch.empty((buf.rows, buf.cols), dtype=dt, device=device)

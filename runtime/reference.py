@@ -128,7 +128,9 @@ class ReferenceRuntime:
         graph = self.graph
         shard_inputs(graph, inputs, self.memory)  # checks names, shapes, dtypes first
         for buf in graph.buffers.values():
-            if buf.role != "input":  # stale results of the last launch must not pass as new
+            if buf.zeroed:  # tasks accumulate into it (graph.Buffer)
+                self.memory[buf.id].zero_()
+            elif buf.role != "input":  # stale results of the last launch must not pass as new
                 self.memory[buf.id].fill_(float("nan"))
         self.epoch += 1
         self.counters.aborted = False

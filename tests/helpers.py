@@ -36,16 +36,26 @@ def check_graph(graph: TaskGraph, *, seed: int = 0, tol: float = 1e-4) -> dict[s
 
 
 def written_once(graph: TaskGraph, buffer_name: str) -> None:
-    """Every element of every ``buffer_name`` buffer is written by exactly one task."""
+    """Every element of every ``buffer_name`` buffer is written by exactly one task, or, in a
+    zeroed buffer that tasks accumulate into, receives the same number of adds (one per
+    contributing rank) and no plain write."""
     counts = {
         b.id: torch.zeros(b.shape, dtype=torch.int32)
         for b in graph.buffers.values()
         if b.name == buffer_name
     }
+    adds = {bid: torch.zeros_like(c) for bid, c in counts.items()}
     assert counts, buffer_name
     for t in graph.tasks:
         for w in t.writes:
             if w.buffer in counts:
-                counts[w.buffer][w.row0 : w.row1, w.col0 : w.col1] += 1
+                into = adds if t.params.get("accumulate") else counts
+                into[w.buffer][w.row0 : w.row1, w.col0 : w.col1] += 1
     for bid, c in counts.items():
+        a = adds[bid]
+        if int(a.max()) > 0:
+            assert graph.buffers[bid].zeroed, bid
+            assert int(c.max()) == 0 and int(a.min()) == int(a.max()), (
+                f"{bid}: plain writes {c.min()}..{c.max()}, adds {a.min()}..{a.max()}")
+            continue
         assert int(c.min()) == 1 and int(c.max()) == 1, f"{bid}: writes per element {c.min()}..{c.max()}"

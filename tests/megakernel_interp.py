@@ -26,6 +26,8 @@ CASES = {
     "gemm_allreduce-1x4-oneshot": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], algorithm="oneshot")),
     "gemm_allreduce-1x4-twoshot": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], algorithm="twoshot")),
     "gemm_reduce_scatter-1x4": ("gemm_reduce_scatter", "1x4", dict(M=64, N=64, K=256, tile=[16, 32])),
+    "gemm_reduce_scatter-1x2-push": ("gemm_reduce_scatter", "1x2", dict(M=64, N=64, K=128, tile=[16, 32], algorithm="push")),
+    "gemm_allreduce-1x2-twoshot": ("gemm_allreduce", "1x2", dict(M=64, N=96, K=128, tile=[32, 32], algorithm="twoshot")),
     "allgather_gemm-1x2-peer": ("allgather_gemm", "1x2", dict(M=64, N=64, K=64, tile=[16, 16], gather="peer")),
     # multi-node: rdma tasks push FIFO commands that the native proxy executes (net.py)
     "gemm_allreduce-2x1": ("gemm_allreduce", "2x1", dict(M=64, N=64, K=128, tile=[32, 32], chunk_bytes=4096)),

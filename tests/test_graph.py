@@ -150,7 +150,8 @@ def test_kind_not_allowed_in_role():
 
 
 def test_symmetric_is_derived():
-    g = mg.ops.gemm_allreduce(M=32, N=32, K=32, topology="1x2", tile=[16, 16])
+    g = mg.ops.gemm_allreduce(M=32, N=32, K=32, topology="1x2", tile=[16, 16],
+                              algorithm="twoshot")
     sym = {b.id for b in g.buffers.values() if b.symmetric}
     assert "partial_from1@0" in sym and "partial_from0@1" in sym  # peers push partials here
     assert "out@1" in sym  # the owner broadcasts finished tiles

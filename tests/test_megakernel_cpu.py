@@ -123,6 +123,28 @@ def test_gemm_segments_and_epilogue_writes():
     assert not any(x.role == "nvlink" for x in two.tasks)  # no copy task left on one node
 
 
+def test_accumulate_reduce_adds_from_the_prefix():
+    """On 2 GPUs the default GEMM+AR and GEMM+RS reduce-add every tile into zeroed outputs from
+    the GEMM epilogue: no partial buffers, no sum tasks, only GEMMs in the static prefix, and
+    each rank waits at exit for its peer's adds."""
+    kw = dict(M=256, N=512, K=256, topology="1x2", tile=[128, 256], dtype=torch.bfloat16)
+    for op in (mg.ops.gemm_allreduce, mg.ops.gemm_reduce_scatter):
+        g = op(**kw)
+        g.validate()
+        assert {t.kind for t in g.tasks} == {"gemm"}
+        assert all(t.params.get("accumulate") for t in g.tasks)
+        assert all(b.zeroed for b in g.buffers.values() if b.role == "output")
+        for rank in range(2):
+            t = encode_rank(mg.schedule(g), rank)
+            assert t.prefix_adds and t.qinfo[0][Q_STATIC] == t.qinfo[0][1]
+            assert len(t.exit_events) == 1
+    # more than 2 writes per task cannot use the TMA prefix: a named error, not a wrong answer
+    four = mg.ops.gemm_allreduce(M=256, N=512, K=512, topology="1x4", tile=[128, 256],
+                                 algorithm="accumulate")
+    with pytest.raises(mg.ScheduleError, match="accumulates"):
+        encode_rank(mg.schedule(four), 0)
+
+
 def test_reduce_scatter_pushes_ride_the_gemm_epilogues():
     g = mg.ops.gemm_reduce_scatter(M=512, N=512, K=256, topology="1x4", tile=[128, 256],
                                    dtype=torch.bfloat16)
@@ -163,7 +185,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 18, proc.stdout
+    assert len(rows) == 20, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at

@@ -93,6 +93,7 @@ def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0):
         ("gemm_allreduce", dict(M=4096, N=4096, K=2048, algorithm="twoshot")),
         ("gemm_allreduce", dict(M=1024, N=768, K=1024, tile=[128, 128])),
         ("gemm_reduce_scatter", dict(M=4096, N=4096, K=2048)),
+        ("gemm_reduce_scatter", dict(M=4096, N=4096, K=2048, algorithm="push")),
         ("allgather_gemm", dict(M=4096, N=4096, K=2048)),
         ("allgather_gemm", dict(M=4096, N=4096, K=2048, gather="peer")),
         # the benchmark's headline size: a race that needs many programs in flight shows here

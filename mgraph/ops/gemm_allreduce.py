@@ -100,7 +100,9 @@ def _lower(
             )
         gemms.append(row)
     lower = _Stages(b, tiles, itemsize, chunk_bytes)
-    if topo.nodes == 1 and algorithm == "oneshot":
+    if topo.nodes == 1 and algorithm == "accumulate":
+        lower.accumulate(part, gemms, out)
+    elif topo.nodes == 1 and algorithm == "oneshot":
         lower.oneshot(part, gemms, out)
     elif hierarchical:
         node_sums = lower.node_reduce(part, gemms, "nodesum" if topo.nodes > 1 else None, out)
@@ -116,17 +118,23 @@ def _lower(
         lower.node_broadcast(out, sums)
 
 
-ALGORITHMS = ("auto", "oneshot", "twoshot")
+ALGORITHMS = ("auto", "accumulate", "oneshot", "twoshot")
 
 
 def node_algorithm(topo: Topology, M: int, N: int, K: int, itemsize: int, algorithm: str) -> str:
-    """The node stage's algorithm on one node: ``oneshot`` (every GEMM epilogue stores its
-    partial tile into every node peer, every rank sums all tiles: no wait after the sum, but
-    G-1 copies of the output cross NVLink per GPU) or ``twoshot`` (each tile's partials go to
-    its owner only, the owner sums and stores the result into every peer: 2 (G-1)/G copies).
+    """The node stage's algorithm on one node:
 
-    ``auto`` picks oneshot when its pushes hide behind the GEMM on an H200 (hardware.py:
-    NVLink push rate vs the GEMM rate), else twoshot; it needs no timing run."""
+    - ``accumulate``: every GEMM epilogue reduce-adds its partial tile (TMA reduce-add) into the
+      zeroed output of every GPU of the node, its own included: no sum pass and no wait at all
+      after the GEMM, G-1 copies of the output cross NVLink per GPU. With 2 GPUs the sum is the
+      same bits on both (0 + a + b == 0 + b + a); with more the order of the adds varies.
+    - ``oneshot``: every GEMM epilogue stores its partial into every node peer; every rank then
+      sums all partials of every tile (in rank order: replicas agree bit for bit).
+    - ``twoshot``: each tile's partials go to its owner only; the owner sums and stores the
+      result into every peer: 2 (G-1)/G copies of the output per GPU.
+
+    ``auto`` (no timing run): accumulate on 2 GPUs; otherwise oneshot when its pushes hide
+    behind the GEMM on an H200 (hardware.py: NVLink push rate vs the GEMM rate), else twoshot."""
     if algorithm not in ALGORITHMS:
         raise UnknownNameError(
             f"gemm_allreduce: algorithm={algorithm!r}; choose one of {', '.join(ALGORITHMS)}",
@@ -137,6 +145,8 @@ def node_algorithm(topo: Topology, M: int, N: int, K: int, itemsize: int, algori
     from ..hardware import H200
 
     G = topo.gpus_per_node
+    if G == 2:
+        return "accumulate"
     gemm_s = 2.0 * M * N * (K // topo.world_size) / (H200.tile_gemm_tflops * 1e12)
     push_s = (G - 1) * M * N * itemsize / (H200.nvlink_push_gbps * 1e9)
     return "oneshot" if push_s <= gemm_s else "twoshot"
@@ -186,6 +196,25 @@ class _Stages:
                         tile_region(dst[owner], t), recv, "node-reduce",
                     )
         return res
+
+    def accumulate(self, part: list[Buffer], gemms: list[dict[Tile, Task]],
+                   out: list[Buffer]) -> None:
+        """One node: every GEMM tile reduce-adds into the zeroed ``out`` of every GPU of the
+        node (write 0: its own), and raises one ``landed`` event per peer, which that peer's
+        kernel waits for before it ends. The partial buffers are not needed."""
+        b, topo = self.b, self.topo
+        members = topo.node_ranks(0)
+        for r in members:
+            out[r].zeroed = True
+            del b.buffers[part[r].id]
+        landed = {(q, p): b.event(q, f"landed r{p}->r{q}") for q in members for p in members
+                  if q != p}
+        for p in members:
+            peers = [q for q in members if q != p]
+            for t, task in gemms[p].items():
+                task.writes = [tile_region(out[q], t) for q in [p, *peers]]
+                task.params["accumulate"] = True
+                task.signals += [landed[(q, p)] for q in peers]
 
     def oneshot(self, part: list[Buffer], gemms: list[dict[Tile, Task]], out: list[Buffer]) -> None:
         """One node, one shot: every GEMM tile's epilogue also stores the partial into each node

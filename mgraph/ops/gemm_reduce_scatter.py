@@ -28,6 +28,7 @@ the tile: collectives.push_reduce), so all GPUs push to different peers at any m
 from __future__ import annotations
 
 from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
+from ..errors import UnknownNameError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
@@ -48,6 +49,7 @@ from .registry import OpDef
 from .tiles import matmul_reference
 
 OP = "gemm_reduce_scatter"
+ALGORITHMS = ("auto", "accumulate", "push")
 gemm_reduce_scatter = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
 
 GEMM, REDUCE, COPY = TaskKind.GEMM.value, TaskKind.REDUCE.value, TaskKind.COPY.value
@@ -89,8 +91,17 @@ def _lower(
     tile: list[int] = (128, 256),
     hierarchical: bool = True,
     chunk_bytes: int = 256 * 1024,
+    algorithm: str = "auto",
 ) -> None:
     topo, world = b.topo, b.world
+    if algorithm not in ALGORITHMS:
+        raise UnknownNameError(
+            f"{OP}: algorithm={algorithm!r}; choose one of {', '.join(ALGORITHMS)}",
+            hint="accumulate: GEMM epilogues reduce-add into the owner's output; push: they "
+            "store into the owner's receive buffer and the owner sums",
+        )
+    if algorithm == "auto":  # bit-identical sums need a fixed order: 2 GPUs add commutatively
+        algorithm = "accumulate" if topo.nodes == 1 and topo.gpus_per_node == 2 else "push"
     bm, bn = _tile_sizes(topo, M, N, tile)
     b.global_input("a", (M, K))
     b.global_input("b", (K, N))
@@ -107,9 +118,12 @@ def _lower(
         b.bound_buffer("out", r, "out", [piece((M, N), d0=shard_range(M, r, world))], role="output")
         for r in topo.ranks
     ]
-    part = [b.buffer("partial", r, M, N) for r in topo.ranks]
     plan = _Plan(b, M // world, N, (bm, bn), chunk_bytes)
     ks = K // world
+    if topo.nodes == 1 and algorithm == "accumulate":
+        plan.accumulate(a, w, out, ks)
+        return
+    part = [b.buffer("partial", r, M, N) for r in topo.ranks]
     gemms: list[dict[Tile, Task]] = []
     for r in topo.ranks:
         done: dict[Tile, Task] = {}
@@ -176,6 +190,28 @@ class _Plan:
             for t in self.shard_tiles:
                 order.extend(shift(t, d * self.rows) for d in dests)
         return order
+
+    # -- one node, accumulate: GEMM epilogues reduce-add into the owner's output -------------
+    def accumulate(self, a: list[Buffer], w: list[Buffer], out: list[Buffer], ks: int) -> None:
+        """Every GEMM tile reduce-adds its partial straight into the zeroed output of the rank
+        that owns its rows (its own rows: locally) and raises that rank's ``landed`` event; the
+        owner's kernel waits for its peers' adds before it ends. No partial, receive or sum."""
+        b, topo, rows = self.b, self.topo, self.rows
+        for r in topo.ranks:
+            out[r].zeroed = True
+        landed = {(d, r): b.event(d, f"landed r{r}->r{d}") for d in topo.ranks for r in topo.ranks
+                  if d != r}
+        for r in topo.ranks:
+            for t in self.gemm_order(r):
+                d = t[0] // rows
+                b.task(
+                    r, Role.COMPUTE, GEMM,
+                    [a[r].region((t[0], t[1]), (0, ks)), w[r].region((0, ks), (t[2], t[3]))],
+                    [tile_region(out[d], shift(t, -d * rows))],
+                    signals=[landed[(d, r)]] if d != r else [],
+                    params={"accumulate": True},
+                    name=f"gemm r{r} [{t[0]}:{t[1]},{t[2]}:{t[3]}] -> r{d}",
+                )
 
     # -- one node: the node reduce is the whole reduce-scatter --------------------------------
     def node_reduce(

@@ -7,6 +7,7 @@ the megakernel) do.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -28,10 +29,23 @@ REDUCE = kind_spec(TaskKind.REDUCE)
 COPY = kind_spec(TaskKind.COPY)
 
 
+# Accumulating tasks from several CPU worker threads add into one region: one lock makes each
+# add atomic, as the GPU's TMA reduce-add is per element.
+_ADD_LOCK = threading.Lock()
+
+
 @GEMM.cpu
 def _gemm_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     a, b = reads
     c = a.float() @ b.float()
+    if task.params.get("accumulate"):
+        # Round the tile to the buffer's dtype first, then add in that dtype, as the GPU's
+        # reduce-add does: from zero, a + b == b + a bit for bit, so replicas agree.
+        for w in writes:
+            part = c.to(w.dtype)
+            with _ADD_LOCK:
+                w.add_(part)
+        return
     for w in writes:  # writes past the first: the epilogue's stores into peers' buffers
         w.copy_(c)
 

@@ -105,6 +105,7 @@ class RankTables:
     segs: torch.Tensor  # [S, SEG_FIELDS]: the GEMM segments of the static queue prefix
     segwaits: torch.Tensor  # [n, WAIT_FIELDS]: the segments' hoisted waits
     segpos: torch.Tensor  # [static tasks, POS_FIELDS]: per static position, its tile coordinates
+    prefix_adds: bool  # the prefix's GEMMs reduce-add into zeroed buffers (params accumulate)
     slots: list[str] = field(default_factory=list)  # buffer id per buffer slot
     event_slots: list[int] = field(default_factory=list)  # event id per event slot
     local_tasks: list[int] = field(default_factory=list)  # graph task id per local task index
@@ -268,6 +269,7 @@ def encode_rank(
         segs=i32(prefix.segs, SEG_FIELDS),
         segwaits=i32(prefix.waits, WAIT_FIELDS),
         segpos=i32(prefix.pos, POS_FIELDS),
+        prefix_adds=bool(prefix.add),
         slots=list(slot_of),
         event_slots=list(ev_slot),
         local_tasks=order,
@@ -310,7 +312,8 @@ class _Prefix:
         for t in graph.tasks:
             for e in t.signals:
                 self.signallers.setdefault(e, []).append(t)
-        self.nw: int | None = None
+        self.nw: int | None = None  # writes per task: the kernel's SEG_NW
+        self.add: bool | None = None  # writes reduce-add (the kernel's SEG_ADD)
 
     def hoistable(self, t) -> bool:
         if t.waits and not self.hoist:
@@ -332,10 +335,11 @@ class _Prefix:
             t = graph.tasks[tid]
             # One writes-per-task count for the whole prefix (the kernel's SEG_NW constexpr),
             # at most 2 (each a TMA descriptor); other GEMMs run in the dynamic part.
+            add = bool(t.params.get("accumulate"))
             if (t.kind != "gemm" or len(t.writes) > 2 or self.nw not in (None, len(t.writes))
-                    or not self.hoistable(t)):
+                    or self.add not in (None, add) or not self.hoistable(t)):
                 break
-            self.nw = len(t.writes)
+            self.nw, self.add = len(t.writes), add
             a, b = t.reads
             w0 = t.writes[0]
             w1 = t.writes[1] if len(t.writes) > 1 else w0
@@ -353,6 +357,17 @@ class _Prefix:
                              local[tid]])
             count += 1
         self._close(waits)
+        for tid in queue[count:]:
+            t = graph.tasks[tid]
+            if t.kind == "gemm" and t.params.get("accumulate"):
+                raise ScheduleError(
+                    f"task {t.name!r} accumulates but cannot join the GEMM prefix (it has "
+                    f"{len(t.writes)} writes, or waits, or follows a non-GEMM task): only the "
+                    "prefix's TMA epilogue reduce-adds",
+                    hint="use gemm_allreduce algorithm='oneshot'/'twoshot' (or "
+                    "gemm_reduce_scatter algorithm='push') on more than 2 GPUs per node, or "
+                    "run on backend='reference'",
+                )
         return count
 
     def _close(self, waits: dict[int, int]) -> None:

@@ -188,11 +188,23 @@ def _segment_waits(pid, segwaits, w0, nwait, evaddr, epoch, limit, abort, err, r
 
 
 @triton.jit
+def _tile_add(desc, m, n, c, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """TMA reduce-add of tile ``c`` at (m, n): each element added atomically where it lives
+    (this GPU's memory or a peer's). The interpreter has no descriptor reduce; it runs one
+    program at a time, so a load, add and store is the same there."""
+    if USE_TIMER:
+        desc.atomic_add([m, n], c)
+    else:
+        desc.store([m, n], (desc.load([m, n]).to(tl.float32) + c.to(tl.float32)).to(DT))
+
+
+@triton.jit
 def _gemm_segments(pid, nprog, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows, bufcols,
                    evaddr, epoch, limit, abort, err, rank, trace,
                    DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, SEG_NW: tl.constexpr, FLATTEN: tl.constexpr,
-                   USE_TIMER: tl.constexpr, TRACE: tl.constexpr):
+                   BK: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
+                   SEG_WAITS: tl.constexpr, FLATTEN: tl.constexpr, USE_TIMER: tl.constexpr,
+                   TRACE: tl.constexpr):
     """The static GEMM prefix of this program's queue: position j of it runs on program
     j mod nprog, in one software-pipelined persistent loop per segment (no atomics, no waits,
     no fences: STYLE rule 15). Each position's coordinates are one row of ``segpos``, so the
@@ -205,10 +217,11 @@ def _gemm_segments(pid, nprog, segs, nseg, segpos, segwaits, regions, bufaddr, b
         end = start + tl.load(sp + _SLEN)
         k0 = tl.load(sp + _SK0)
         ksize = tl.load(sp + _SK1) - k0
-        nwait = tl.load(sp + _SNWAIT)
-        if nwait > 0:
-            _segment_waits(pid, segwaits, tl.load(sp + _SWAIT0), nwait, evaddr, epoch, limit,
-                           abort, err, rank, USE_TIMER)
+        if SEG_WAITS:  # compiled in only where a segment has hoisted waits (AG's gather)
+            nwait = tl.load(sp + _SNWAIT)
+            if nwait > 0:
+                _segment_waits(pid, segwaits, tl.load(sp + _SWAIT0), nwait, evaddr, epoch,
+                               limit, abort, err, rank, USE_TIMER)
         # Descriptors built inline (not returned from a helper): portable across Triton versions.
         sa, sb, s0 = tl.load(sp + _SA), tl.load(sp + _SB), tl.load(sp + _SW0)
         ca, cb, c0 = tl.load(bufcols + sa), tl.load(bufcols + sb), tl.load(bufcols + s0)
@@ -235,9 +248,15 @@ def _gemm_segments(pid, nprog, segs, nseg, segpos, segwaits, regions, bufaddr, b
             for kk in range(0, ksize, BK):
                 acc = tl.dot(ad.load([am0, k0 + kk]), bd.load([bk0 + kk, bn0]), acc)
             c = acc.to(DT)
-            cd0.store([tl.load(pos + _PW0M), tl.load(pos + _PW0N)], c)
-            if SEG_NW > 1:
-                cd1.store([tl.load(pos + _PW1M), tl.load(pos + _PW1N)], c)
+            w0m, w0n = tl.load(pos + _PW0M), tl.load(pos + _PW0N)
+            if SEG_ADD:  # reduce-add into zeroed outputs (this GPU's and a peer's)
+                _tile_add(cd0, w0m, w0n, c, DT, USE_TIMER)
+                if SEG_NW > 1:
+                    _tile_add(cd1, tl.load(pos + _PW1M), tl.load(pos + _PW1N), c, DT, USE_TIMER)
+            else:
+                cd0.store([w0m, w0n], c)
+                if SEG_NW > 1:
+                    cd1.store([tl.load(pos + _PW1M), tl.load(pos + _PW1N)], c)
             if TRACE:
                 t = tl.load(pos + _PTASK)
                 tl.store(trace + t * 3, t_start)
@@ -278,7 +297,8 @@ def megakernel(
     HAS_GEMM: tl.constexpr, HAS_REDUCE: tl.constexpr, HAS_COPY: tl.constexpr,
     USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
     PUSH_ID: tl.constexpr, HAS_NET: tl.constexpr,
-    HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, FLATTEN: tl.constexpr,
+    HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
+    SEG_WAITS: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if BARRIER:
@@ -306,7 +326,7 @@ def megakernel(
             # compute programs come first, so pid is the program's index in its role
             _gemm_segments(pid, nworkers, segs, nseg, segpos, segwaits, regions, bufaddr,
                            bufrows, bufcols, evaddr, epoch, limit, abort, err, rank, trace, DT,
-                           BM, BN, BK, SEG_NW, FLATTEN, USE_TIMER, TRACE)
+                           BM, BN, BK, SEG_NW, SEG_ADD, SEG_WAITS, FLATTEN, USE_TIMER, TRACE)
             _signal_segments(pid, nworkers, segpos, nstatic, tasks, signals, evaddr, USE_TIMER)
     head = heads + role
     base = (epoch - 1) * (qlen - nstatic + nworkers)

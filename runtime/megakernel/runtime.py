@@ -315,10 +315,13 @@ class TritonRuntime:
         # runtime, kept alive while launches may still run (not a fresh block per launch that
         # the caching allocator could hand out again while the kernel reads it).
         triton.set_allocator(self._scratch)
-        if poison:
-            for buf in self.graph.buffers.values():
-                if buf.rank in self.mine and buf.role != "input":
-                    self.views[buf.id].fill_(float("nan"))
+        for buf in self.graph.buffers.values():
+            if buf.rank not in self.mine:
+                continue
+            if buf.zeroed:  # epilogues reduce-add into it; peers only after the entry barrier
+                self.views[buf.id].zero_()
+            elif poison and buf.role != "input":
+                self.views[buf.id].fill_(float("nan"))
         self.epoch += 1
         d, kinds, t, net = self.d, self.tables.kinds, self.tables, self.net
         limit = int(self.settings.watchdog_s * 1e9) if not self.interpret else 1_000_000
@@ -328,7 +331,7 @@ class TritonRuntime:
             fifo = (d["exitaddr"], d["exitaddr"], d["exitaddr"], 1)  # unused: HAS_NET is off
         nseg = int(t.segs.shape[0])
         cfg = self.gemm_config
-        megakernel[(self.tables.programs,)](
+        self.compiled = megakernel[(self.tables.programs,)](
             d["tasks"], d["regions"], d["waits"], d["signals"], d["bufaddr"], d["bufrows"],
             d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
             d["segs"], nseg, d["segpos"], d["segwaits"],
@@ -344,9 +347,18 @@ class TritonRuntime:
             BARRIER=self.npeers > 0 or t.start_cmds > 0,
             PUSH_ID=PUSH_ID, HAS_NET=net is not None,
             HAS_SEGS=nseg > 0, SEG_NW=int(t.segs[0][S_NW]) if nseg else 1,
+            SEG_ADD=t.prefix_adds, SEG_WAITS=bool(t.segwaits.shape[0]),
             FLATTEN=bool(cfg["flatten"]),
             num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
+
+    def kernel_info(self) -> dict:
+        """Registers, spills and shared memory of the last launch's compiled kernel (GPU)."""
+        k = getattr(self, "compiled", None)
+        if k is None or self.interpret:
+            return {}
+        return {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                "shared": getattr(getattr(k, "metadata", None), "shared", None)}
 
     def _scratch(self, size: int, align: int, stream) -> torch.Tensor:
         if self._scratch_buf is None or self._scratch_buf.numel() < size:
