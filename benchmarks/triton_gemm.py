@@ -33,5 +33,8 @@ def persistent_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None
     M, K = a.shape
     N = b.shape[1]
     nprog = torch.cuda.get_device_properties(a.device).multi_processor_count
+    # device-side tensor descriptors live in a scratch block the launcher asks for
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device=a.device))
     _persistent_gemm[(nprog,)](a, b, out, M, N, K, 128, 256, 64, 8, nprog, num_stages=3,
                                num_warps=8)

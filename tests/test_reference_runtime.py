@@ -102,7 +102,10 @@ def test_relaunch_100_times_without_reset():
 
 
 def test_missing_signal_trips_the_watchdog_fast():
-    graph = mg.ops.gemm_allreduce(topology="1x2", M=32, N=32, K=32, tile=[16, 16])
+    # twoshot: a GEMM's signal feeds the owner's sum (the default on 2 GPUs, accumulate, has
+    # GEMMs only, whose signals nothing waits for on the CPU)
+    graph = mg.ops.gemm_allreduce(topology="1x2", M=32, N=32, K=32, tile=[16, 16],
+                                  algorithm="twoshot")
     sched = schedule(graph)
     victim = next(t for t in graph.tasks if t.kind == "gemm" and t.signals)
     event = victim.signals.pop()  # deliberately drop one signal after scheduling

@@ -199,14 +199,15 @@ def _tile_add(desc, m, n, c, DT: tl.constexpr, USE_TIMER: tl.constexpr):
 
 
 @triton.jit
-def _gemm_segments(pid, nprog, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows, bufcols,
-                   evaddr, epoch, limit, abort, err, rank, trace,
-                   DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _gemm_segments(pid, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows, bufcols,
+                   evaddr, epoch, limit, abort, err, rank, trace, SEG_P: tl.constexpr,
+                   SEG_K: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
                    SEG_WAITS: tl.constexpr, FLATTEN: tl.constexpr, USE_TIMER: tl.constexpr,
                    TRACE: tl.constexpr):
     """The static GEMM prefix of this program's queue: position j of it runs on program
-    j mod nprog, in one software-pipelined persistent loop per segment (no atomics, no waits,
+    j mod SEG_P (the compute programs; SEG_K, when not 0, is every segment's K range: both
+    compile-time, as in a plain persistent GEMM), in one software-pipelined persistent loop per segment (no atomics, no waits,
     no fences: STYLE rule 15). Each position's coordinates are one row of ``segpos``, so the
     loop reads one 32-byte row per tile, not a chain of table lookups. Each tile's epilogue
     stores it through TMA into write 0 (and write 1: a node peer's receive buffer, the epilogue
@@ -216,7 +217,10 @@ def _gemm_segments(pid, nprog, segs, nseg, segpos, segwaits, regions, bufaddr, b
         start = tl.load(sp + _SSTART)
         end = start + tl.load(sp + _SLEN)
         k0 = tl.load(sp + _SK0)
-        ksize = tl.load(sp + _SK1) - k0
+        if SEG_K > 0:
+            ksize = SEG_K
+        else:
+            ksize = tl.load(sp + _SK1) - k0
         if SEG_WAITS:  # compiled in only where a segment has hoisted waits (AG's gather)
             nwait = tl.load(sp + _SNWAIT)
             if nwait > 0:
@@ -236,8 +240,8 @@ def _gemm_segments(pid, nprog, segs, nseg, segpos, segwaits, regions, bufaddr, b
             c1 = tl.load(bufcols + s1)
             cd1 = tl.make_tensor_descriptor(buffer_base(bufaddr, s1, DT),
                                             [tl.load(bufrows + s1), c1], [c1, 1], [BM, BN])
-        first = start + ((pid - start) % nprog + nprog) % nprog
-        for j in tl.range(first, end, nprog, flatten=FLATTEN):
+        first = start + ((pid - start) % SEG_P + SEG_P) % SEG_P
+        for j in tl.range(first, end, SEG_P, flatten=FLATTEN):
             pos = segpos + j * _PF
             am0 = tl.load(pos + _PAM)
             bk0 = tl.load(pos + _PBK)
@@ -287,7 +291,8 @@ def _signal_segments(pid, nprog, segpos, nstatic, tasks, signals, evaddr,
 @triton.jit
 def megakernel(
     tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
-    queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch, rank, limit, err, abort, go,
+    queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch_ptr, rank, limit, err, abort,
+    go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
     ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netfirst, netn,
     exitaddr, exitcount, nexit, exitev, exittotal, nexitev,
@@ -298,9 +303,12 @@ def megakernel(
     USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
     PUSH_ID: tl.constexpr, HAS_NET: tl.constexpr,
     HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
-    SEG_WAITS: tl.constexpr, FLATTEN: tl.constexpr,
+    SEG_WAITS: tl.constexpr, SEG_P: tl.constexpr, SEG_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    # The launch's epoch lives on the device (a CUDA graph replay increments it before the
+    # kernel), so the kernel's arguments never change between launches.
+    epoch = tl.load(epoch_ptr)
     if BARRIER:
         _entry_barrier(pid, start_flags, peer_flags, npeers, go, epoch, limit, abort, err, rank,
                        ring, dhead, tail, capacity, cmds, start_cmds, startaddr, USE_TIMER,
@@ -324,10 +332,10 @@ def megakernel(
     if HAS_SEGS:
         if nstatic > 0:  # only the compute role (or the interpreter's one program) has some
             # compute programs come first, so pid is the program's index in its role
-            _gemm_segments(pid, nworkers, segs, nseg, segpos, segwaits, regions, bufaddr,
-                           bufrows, bufcols, evaddr, epoch, limit, abort, err, rank, trace, DT,
-                           BM, BN, BK, SEG_NW, SEG_ADD, SEG_WAITS, FLATTEN, USE_TIMER, TRACE)
-            _signal_segments(pid, nworkers, segpos, nstatic, tasks, signals, evaddr, USE_TIMER)
+            _gemm_segments(pid, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows,
+                           bufcols, evaddr, epoch, limit, abort, err, rank, trace, SEG_P, SEG_K,
+                           DT, BM, BN, BK, SEG_NW, SEG_ADD, SEG_WAITS, FLATTEN, USE_TIMER, TRACE)
+            _signal_segments(pid, SEG_P, segpos, nstatic, tasks, signals, evaddr, USE_TIMER)
     head = heads + role
     base = (epoch - 1) * (qlen - nstatic + nworkers)
     i = tl.atomic_add(head, 1) - base + nstatic

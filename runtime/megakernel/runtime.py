@@ -26,12 +26,12 @@ import torch
 from mgraph.errors import DTypeError, InputError, MgraphError, ScheduleError, WatchdogTimeout
 from mgraph.graph import ITEMSIZE, TaskGraph, torch_dtype
 from mgraph.kinds import ROLES, TaskKind
-from mgraph.ops.abi import POS_FIELDS, S_NW, SEG_FIELDS
+from mgraph.ops.abi import POS_FIELDS, Q_WORKERS, S_K0, S_K1, S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
 from ..memory import check_inputs, gather_outputs
 from ..trace import TaskRecord, Trace
-from .encode import PUSH_ID, RankTables, encode_rank, kind_id, layout
+from .encode import PUSH_ID, ROLE_ALL, RankTables, encode_rank, kind_id, layout
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
@@ -96,6 +96,7 @@ class TritonRuntime:
         trace: bool = False,
         shared: _SharedMemory | None = None,
         gemm_config: dict | None = None,
+        cuda_graph: bool = True,
     ) -> None:
         graph = schedule.graph
         self.graph, self.schedule = graph, schedule
@@ -140,6 +141,8 @@ class TritonRuntime:
         self.mine = set(graph.topology.ranks) if self.rank is None else {self.rank}
         self.epoch = 0
         self._scratch_buf: torch.Tensor | None = None
+        self._graph = None  # the CUDA graph later launches replay (see launch)
+        self._want_graph = bool(cuda_graph) and not interpret
         self.failed: MgraphError | None = None
         self.net = None
         self._allocate()
@@ -148,6 +151,7 @@ class TritonRuntime:
             from .net import KernelNet
 
             self.net = KernelNet(self)
+            self._want_graph = False  # the proxies follow each launch: launch directly
 
     # -- set-up -------------------------------------------------------------------------------
     @staticmethod
@@ -273,6 +277,7 @@ class TritonRuntime:
         self.d["err"] = torch.zeros(8, dtype=torch.int64, device=dev)
         self.d["abort"] = torch.zeros(1, dtype=torch.int32, device=dev)
         self.d["go"] = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.d["epoch"] = torch.zeros(1, dtype=torch.int32, device=dev)
         self.d["trace"] = torch.zeros(max(len(t.local_tasks), 1) * 3, dtype=torch.int64, device=dev)
         gemms = [x for x in self.graph.tasks if x.kind == TaskKind.GEMM.value]
         self.bm, self.bn = gemms[0].writes[0].shape if gemms else (16, 16)
@@ -304,25 +309,42 @@ class TritonRuntime:
             self.views[buf.id].copy_(x.reshape(buf.rows, buf.cols))
 
     def launch(self, poison: bool = False) -> None:
-        """One launch of the persistent kernel (no host sync)."""
+        """One launch of the persistent kernel (no host sync).
+
+        On a GPU, launches after the first replay a CUDA graph of (epoch + 1 on the device, the
+        zeroed buffers' memsets, the kernel): a few microseconds of host time instead of the
+        Python launcher's hundreds, which the GPU would otherwise sit idle for. Poisoned
+        launches and multi-node graphs (whose proxies are driven per launch) launch directly.
+        """
         if self.failed is not None:
             raise self.failed
         import triton
-
-        from .kernel import megakernel
 
         # The scratch where programs build their TMA descriptors: one grow-only buffer per
         # runtime, kept alive while launches may still run (not a fresh block per launch that
         # the caching allocator could hand out again while the kernel reads it).
         triton.set_allocator(self._scratch)
-        for buf in self.graph.buffers.values():
-            if buf.rank not in self.mine:
-                continue
-            if buf.zeroed:  # epilogues reduce-add into it; peers only after the entry barrier
-                self.views[buf.id].zero_()
-            elif poison and buf.role != "input":
-                self.views[buf.id].fill_(float("nan"))
         self.epoch += 1
+        self._check_epoch()
+        if self._graph is not None and not poison:
+            self._graph.replay()
+            return
+        if poison:
+            for buf in self.graph.buffers.values():
+                if buf.rank in self.mine and buf.role != "input" and not buf.zeroed:
+                    self.views[buf.id].fill_(float("nan"))
+        self.d["epoch"].fill_(self.epoch)
+        self._zero_and_launch()
+        if self._want_graph and not poison and self.epoch >= 2:
+            self._capture()
+
+    def _zero_and_launch(self) -> None:
+        from .kernel import megakernel
+
+        for buf in self.graph.buffers.values():
+            if buf.rank in self.mine and buf.zeroed:
+                # epilogues reduce-add into it; peers only after the entry barrier
+                self.views[buf.id].zero_()
         d, kinds, t, net = self.d, self.tables.kinds, self.tables, self.net
         limit = int(self.settings.watchdog_s * 1e9) if not self.interpret else 1_000_000
         if net is not None:
@@ -331,11 +353,13 @@ class TritonRuntime:
             fifo = (d["exitaddr"], d["exitaddr"], d["exitaddr"], 1)  # unused: HAS_NET is off
         nseg = int(t.segs.shape[0])
         cfg = self.gemm_config
+        ksizes = {int(r[S_K1]) - int(r[S_K0]) for r in t.segs.tolist()}
         self.compiled = megakernel[(self.tables.programs,)](
             d["tasks"], d["regions"], d["waits"], d["signals"], d["bufaddr"], d["bufrows"],
             d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
             d["segs"], nseg, d["segpos"], d["segwaits"],
-            self.epoch, -1 if self.rank is None else self.rank, limit, d["err"], d["abort"], d["go"], self.start_flag,
+            d["epoch"], -1 if self.rank is None else self.rank, limit, d["err"], d["abort"],
+            d["go"], self.start_flag,
             d["peer_flags"], self.npeers, d["trace"], self.tables.a0_slot, self.tables.b0_slot,
             *fifo, d["cmds"], t.start_cmds, d["startaddr"], d["netaddr"], d["netfirst"], d["netn"],
             d["exitaddr"], d["exitcount"], len(t.exits),
@@ -348,9 +372,42 @@ class TritonRuntime:
             PUSH_ID=PUSH_ID, HAS_NET=net is not None,
             HAS_SEGS=nseg > 0, SEG_NW=int(t.segs[0][S_NW]) if nseg else 1,
             SEG_ADD=t.prefix_adds, SEG_WAITS=bool(t.segwaits.shape[0]),
+            SEG_P=max(1, int(t.qinfo[ROLE_ALL if self.interpret else 0][Q_WORKERS])),
+            SEG_K=ksizes.pop() if len(ksizes) == 1 else 0,
             FLATTEN=bool(cfg["flatten"]),
             num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
+
+    def _capture(self) -> None:
+        """Record (epoch + 1, memsets, kernel) as a CUDA graph; later launches replay it. A
+        capture that fails leaves direct launches in place (slower on the host, same result)."""
+        import warnings
+
+        self._want_graph = False
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.current_stream(self.device).synchronize()
+            with torch.cuda.graph(graph):
+                self.d["epoch"].add_(1)
+                self._zero_and_launch()
+        except Exception as exc:  # noqa: BLE001 - any capture failure: keep direct launches
+            warnings.warn(f"mgraph: CUDA graph capture failed ({exc!r}); launching directly",
+                          stacklevel=3)
+            return
+        self._graph = graph
+
+    def _check_epoch(self) -> None:
+        """Counters are never reset; refuse the launch whose targets would overflow int32."""
+        t = self.tables
+        per_launch = max([int(x) for x in t.waits[:, 2].tolist()] + [1])
+        per_launch = max(per_launch, int(t.qinfo[:, 1].max()) + self.tables.programs)
+        if self.epoch * per_launch >= 2**31 - 1:
+            self.failed = MgraphError(
+                f"{self.graph.op}: launch {self.epoch} would overflow the int32 event counters "
+                f"({per_launch} counts per launch)",
+                hint="build a new TritonRuntime (fresh counters) to launch again",
+            )
+            raise self.failed
 
     def kernel_info(self) -> dict:
         """Registers, spills and shared memory of the last launch's compiled kernel (GPU)."""
