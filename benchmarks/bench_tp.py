@@ -182,7 +182,8 @@ class Bench:
     def sweep(self, op_name):
         """The fixed sweep grid beside the default (issue 12): the GEMM loop's configurations,
         the op's data-path options, and NVLink workers where the op has NVLink tasks."""
-        grid = [(f"gemm {k}", {}, None, c) for k, c in GEMM_SWEEP.items()]
+        grid = [(f"gemm {k}", {}, None, c) for k, c in GEMM_SWEEP.items()
+                if self.args.gemm_sweep]
         if op_name == "gemm_allreduce":
             grid += [(f"algorithm={a}", {"algorithm": a}, None, None)
                      for a in ("accumulate", "oneshot", "twoshot")]
@@ -210,7 +211,8 @@ class Bench:
         graph = mg.ops.gemm(M=M, N=N, K=K, topology="1x1", dtype=torch.bfloat16)
         want = a.float() @ b.float()
         first = None  # the default's first window: re-timed last and pooled, as in mgraph()
-        for label, config in [("default", None), *GEMM_SWEEP.items(), ("default", None)]:
+        sweep = GEMM_SWEEP.items() if self.args.gemm_sweep else []
+        for label, config in [("default", None), *sweep, ("default", None)]:
             try:
                 rt = TritonRuntime(mg.schedule(graph), rank=0, gemm_config=config)
                 got = rt.run({"a": a, "b": b}).outputs["out"]
@@ -351,6 +353,8 @@ def main() -> None:
     parser.add_argument("--ops", nargs="*", default=["gemm_alone", "allreduce", "reduce_scatter", "all_gather"])
     parser.add_argument("--comm-workers", type=int, nargs="*", default=[4, 8, 16, 24, 32])
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--no-gemm-sweep", dest="gemm_sweep", action="store_false",
+                        help="skip the GEMM loop configurations (flatten, stages) in the sweep")
     parser.add_argument("--trace-all", action="store_true",
                         help="one traced launch per configuration (busy fractions, GEMM phase)")
     parser.add_argument("--reps", type=int, default=20)
@@ -367,6 +371,10 @@ def main() -> None:
             getattr(bench, name)(shape)
             gc.collect()
             torch.cuda.empty_cache()
+        if rank == 0:  # after every shape: a run stopped at its time limit keeps its rows
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_tp.json").write_text(json.dumps(bench.rows, indent=1))
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
