@@ -20,7 +20,7 @@ def setup(rank: int, world: int, port: int) -> None:
 
 
 def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunches: int, queue,
-             topology: str | None = None, nic_gbps: float = 0.0) -> None:
+             topology: str | None = None, nic_gbps: float = 0.0, replays: int = 0) -> None:
     try:
         setup(rank, world, port)
         import torch
@@ -38,10 +38,20 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
             inputs = op.random_inputs(graph, seed=i)  # same seed on every rank: same global data
             want_global = op.run_reference({k: v.cuda().float() for k, v in inputs.items()}, graph.params)["out"]
             local = {k: v.cuda() for k, v in local_shards(graph, rank, inputs).items()}
-            got = rt.run(local).outputs["out"].float()
+            out = rt.run(local).outputs["out"]
+            got = out.float()
             want = _local_reference(graph, rank, want_global)
             err = max(((got - want).norm() / want.norm()).item(), worst_tile(got, want))
             worst = max(worst, err)
+            if replays:  # later launches replay a CUDA graph (no poison): check those too
+                out.fill_(float("nan"))  # zeroed outputs are re-zeroed inside the graph
+                for _ in range(replays):
+                    rt.launch()
+                torch.cuda.synchronize()
+                rt.check()
+                got = out.float()
+                err = max(((got - want).norm() / want.norm()).item(), worst_tile(got, want))
+                worst = max(worst, err)
         rt.close()  # multi-node graphs: stops the rank's host proxy
         dist.barrier()
         queue.put((rank, worst, None))

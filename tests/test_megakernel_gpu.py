@@ -63,7 +63,7 @@ def test_indivisible_shapes_are_clean_errors():
         mg.ops.gemm(M=1000, N=1024, K=512, topology="1x1", dtype=torch.bfloat16)
 
 
-def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0):
+def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0, replays=0):
     import torch.multiprocessing as mp
 
     import gpu_workers
@@ -72,7 +72,7 @@ def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0):
     queue = ctx.Queue()
     port = random.randint(20000, 40000)
     procs = [ctx.Process(target=gpu_workers.check_op, args=(r, world, port, op, kw, relaunches, queue,
-                                                               topology, nic_gbps))
+                                                               topology, nic_gbps, replays))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -102,6 +102,14 @@ def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0):
 )
 def test_two_gpus_match_torch(op, kw):
     _spawn(op, kw)
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize("op", ["gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"])
+def test_two_gpus_graph_replays_match_torch(op):
+    """Launches after the first replay a CUDA graph (epoch + 1 on the device, memsets, kernel):
+    outputs NaN-poisoned before the replays must come back right, tile by tile."""
+    _spawn(op, dict(M=4096, N=4096, K=2048), relaunches=2, replays=5)
 
 
 @pytest.mark.multi_gpu(2)
