@@ -10,8 +10,9 @@
   data and the ingress of the GPU that receives it (link rate each; flows.py shares them). A
   task with no remote bytes is a local copy at the SM's share of HBM bandwidth.
 - compute tasks whose epilogue also stores into node peers (the v2 data path): after the math
-  the peer bytes drain as an NVLink flow through the same ports while the SM takes its next
-  task (TMA stores are asynchronous); the task ends, and signals, when the flow does.
+  the peer bytes drain through the GPU's push port (one FIFO pipe per GPU at
+  ``nvlink_push_gbps``, not shared with NVLink workers' flows) while the SM takes its next task
+  (TMA stores are asynchronous); the task ends, and signals, when its bytes have drained.
 - rdma: the worker only pushes FIFO commands (a WRITE, plus a SIGNAL per extra event, as
   runtime/network.py encodes them); the transfer is the proxy's and the NIC's (engine.py).
 
@@ -61,6 +62,9 @@ class TaskModel:
     dst_events: list[list[int]]  # rdma: raised on arrival at the destination
     src_events: list[list[int]]  # rdma: raised when the completion is back at the source
     nvlink_demand: float = 0.0  # bytes/s one nvlink worker drives (an SM's push rate)
+    # bytes/s of a GPU's epilogue pushes (TMA stores are asynchronous: the GPU's push port
+    # limits them, not one SM's store rate); they drain one after another (engine.epilogue)
+    epilogue_demand: float = 0.0
 
 
 def ports_of(world: int) -> dict[str, int]:
@@ -106,6 +110,7 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
         role=[0] * n, duration=[0.0] * n, remote=[0] * n, ports=[()] * n, dst=[-1] * n,
         commands=[0] * n, signals=[[] for _ in range(n)], dst_events=[[] for _ in range(n)],
         src_events=[[] for _ in range(n)], nvlink_demand=nvlink_rate_per_sm(hw),
+        epilogue_demand=hw.nvlink_push_gbps * 1e9,
     )  # fmt: skip
     for t in graph.tasks:
         tid, rank = t.id, t.rank
@@ -136,21 +141,12 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
                 m.duration[tid] = a if a > b else b
             if all(buf_rank[w[0]] == rank for w in t.writes):
                 continue
-            # An epilogue that stores into node peers: after the math, those bytes drain over
-            # NVLink as a flow while the SM goes on (engine.epilogue); reads stay local.
-            load = {}
-            total = 0
-            for w in t.writes:
-                holder = buf_rank[w[0]]
-                if holder == rank:
-                    continue
-                nbytes = (w[2] - w[1]) * (w[4] - w[3]) * buf_item[w[0]]
-                for port in (base["egress"] + rank, base["ingress"] + holder):
-                    load[port] = load.get(port, 0) + nbytes
-                total += nbytes
-            load[base["issue"] + rank] = total
-            m.remote[tid] = total
-            m.ports[tid] = tuple((p, b / total) for p, b in sorted(load.items()))
+            # An epilogue that stores into node peers: after the math, those bytes drain
+            # through the GPU's push port while the SM goes on (engine.epilogue).
+            m.remote[tid] = sum(
+                (w[2] - w[1]) * (w[4] - w[3]) * buf_item[w[0]]
+                for w in t.writes if buf_rank[w[0]] != rank
+            )
             continue
         # nvlink: per port, the share of the task's remote bytes that crosses it
         load: dict[int, int] = {}
