@@ -261,8 +261,18 @@ class TaskGraph:
 
     @classmethod
     def load(cls, path: str) -> TaskGraph:
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """Read a graph JSON file; a missing file, a folder, garbage or a schema violation is a
+        named GraphFileError/GraphError (mgraph.serialize.load_graph_file)."""
+        from .serialize import load_graph_file
+
+        return load_graph_file(path)
+
+    def view(self, path: str | None = None, **kw: Any):
+        """Write the offline HTML viewer of this graph (mgraph.viz.view; ``schedule=`` and
+        ``trace=`` add the schedule and timeline tabs); returns the file's path."""
+        from .viz import view
+
+        return view(self, path, **kw)
 
     def to_text(self) -> str:
         from .serialize import graph_to_text

@@ -218,3 +218,18 @@ def test_unknown_op_lists_ops():
 def test_unsupported_dtype():
     with pytest.raises(mg.DTypeError, match="unsupported dtype"):
         mg.ops.gemm_allreduce(M=16, N=16, K=16, topology="1x2", dtype="int8")
+
+
+def test_load_gives_named_errors_and_view_writes_one_page(tmp_path):
+    g = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x2", tile=[32, 32])
+    g.save(str(tmp_path / "g.json"))
+    assert mg.TaskGraph.load(str(tmp_path / "g.json")).to_text() == g.to_text()
+    with pytest.raises(mg.GraphFileError, match="does not exist"):
+        mg.TaskGraph.load(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(mg.GraphFileError):
+        mg.TaskGraph.load(str(tmp_path / "bad.json"))
+    page = g.view(str(tmp_path / "view.html"))
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") or "<html" in text[:200]
+    assert g.tasks[0].name in text  # the graph's tasks are in the page, offline
