@@ -93,9 +93,41 @@ def network_bad_command() -> None:
                       "message": message}), flush=True)
 
 
+def kernel_watchdog() -> None:
+    """A sum's wait asks for one signal more than the graph sends (its count raised in the
+    device table, past every static check): the wait times out inside the kernel, which records
+    (rank, program, task, event, value, target) and aborts; check() turns the record into a
+    WatchdogTimeout naming the task, the event and its rank."""
+    from mgraph.runtime.megakernel.runtime import _SharedMemory
+    from mgraph.settings import Settings
+
+    op = mg.ops.get_op("gemm_allreduce")
+    graph = op(topology="1x2", M=64, N=64, K=128, tile=[32, 32], algorithm="twoshot")
+    sched = mg.schedule(graph)
+    rt = TritonRuntime(sched, rank=None, interpret=True, settings=Settings(watchdog_s=0.01),
+                       shared=_SharedMemory(graph, torch.device("cpu")))
+    local = next(i for i, tid in enumerate(rt.tables.local_tasks)
+                 if graph.tasks[tid].kind == "reduce")
+    first_wait = int(rt.tables.tasks[local][5])
+    rt.d["waits"][first_wait][1] += 1  # one more signal than will ever come
+    event = graph.events[rt.tables.event_slots[int(rt.d["waits"][first_wait][0])]]
+    try:
+        rt.run(op.random_inputs(graph, seed=0))
+        outcome, message = "no error", ""
+    except mg.MgraphError as exc:
+        outcome, message = type(exc).__name__, str(exc)
+    finally:
+        rt.close()
+    print(json.dumps({"case": "kernel-watchdog", "errors": [0.0], "outcome": outcome,
+                      "message": message, "event": event.name, "rank": event.rank}), flush=True)
+
+
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     for name in names:
+        if name == "kernel-watchdog":
+            kernel_watchdog()
+            continue
         if name == "network-epochs":
             network_epochs()
             continue
@@ -120,4 +152,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or [*CASES, "network-epochs", "network-bad-command"])
+    main(sys.argv[1:] or [*CASES, "network-epochs", "network-bad-command", "kernel-watchdog"])

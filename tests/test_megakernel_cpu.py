@@ -185,7 +185,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 20, proc.stdout
+    assert len(rows) == 21, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at
@@ -200,6 +200,12 @@ def test_megakernel_under_the_interpreter_matches_torch():
     bad = next(r for r in rows if r["case"] == "network-bad-command")
     assert bad["outcome"] == "ProxyError", bad
     assert "buf999" in bad["message"] and "has no buffer 999" in bad["message"], bad
+    # A wait that never completes inside the kernel: the error record becomes a named
+    # WatchdogTimeout that says which task waited for which event on which rank.
+    dog = next(r for r in rows if r["case"] == "kernel-watchdog")
+    assert dog["outcome"] == "WatchdogTimeout", dog
+    assert f"event {dog['event']!r} (rank {dog['rank']})" in dog["message"], dog
+    assert "task 'node-reduce" in dog["message"] and "value" in dog["message"], dog
 
 
 def test_event_scopes_are_gpu_unless_they_cross_gpus():

@@ -346,7 +346,10 @@ class TritonRuntime:
                 # epilogues reduce-add into it; peers only after the entry barrier
                 self.views[buf.id].zero_()
         d, kinds, t, net = self.d, self.tables.kinds, self.tables, self.net
-        limit = int(self.settings.watchdog_s * 1e9) if not self.interpret else 1_000_000
+        # The interpreter counts polls, not nanoseconds: ~200k polls per watchdog second (the
+        # default 5 s gives 1M polls, enough for a proxy round trip under the interpreter).
+        limit = (int(self.settings.watchdog_s * 1e9) if not self.interpret
+                 else max(1000, int(self.settings.watchdog_s * 2e5)))
         if net is not None:
             fifo = (net.fifo.ring, net.dhead, net.fifo.tail, net.fifo.capacity)
         else:
@@ -434,14 +437,14 @@ class TritonRuntime:
         if err[0]:
             _, rank, pid, task, slot, value, target, epoch = err
             self.failed = WatchdogTimeout(
-                f"watchdog (triton): rank {rank}, program {pid}: {self._what(task, slot)}: "
+                f"watchdog (triton): {who(rank)}, program {pid}: {self._what(task, slot)}: "
                 f"value {value}, target {target}, epoch {epoch}, after "
                 f"{self.settings.watchdog_s:g} s",
                 hint="a signal is missing or a peer never launched; rebuild the runtime to retry",
             )
             raise self.failed
 
-    def _what(self, task: int, slot: int) -> str:
+    def _what(self, task: int, slot: int) -> str:  # noqa: C901 - one branch per record code
         """What a kernel error record waited for, in words (kernel.py lists the codes)."""
         t, plan = self.tables, self.layout.net
         if task == -1:
@@ -547,6 +550,10 @@ def run_in_process(
         rt.close()
     assert result is not None
     return result.outputs
+
+
+def who(rank: int) -> str:
+    return "every rank (one interpreter program)" if rank == -1 else f"rank {rank}"
 
 
 def _tl_dtype(name: str):
