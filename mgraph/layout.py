@@ -38,6 +38,8 @@ __all__ = [
     "check_layout",
     "view_layout",
     "permute_layout",
+    "expand_layout",
+    "slice_layout",
     "as_dim_shard",
     "canonical",
 ]
@@ -258,3 +260,29 @@ def permute_layout(
         return None
     out_shape = [shape[p] for p in perm]
     return canonical(out_shape, Layout("shard", list(perm).index(as_dim.dim), as_dim.zigzag), world)
+
+
+def expand_layout(
+    shape: Sequence[int], out: Sequence[int], layout: Layout, world: int
+) -> Layout | None:
+    """The layout of ``t.expand(out)``: a shard along a dim the expand keeps stays one (each rank
+    repeats its own elements); None when no dim shard describes ``t``'s holding."""
+    if layout.kind == "replicate" or world == 1:
+        return REPLICATE
+    as_dim = as_dim_shard(shape, layout, world)
+    if as_dim is None or shape[as_dim.dim] != out[as_dim.dim]:
+        return None
+    return canonical(out, as_dim, world)
+
+
+def slice_layout(
+    shape: Sequence[int], out: Sequence[int], dim: int, layout: Layout, world: int
+) -> Layout | None:
+    """The layout of a slice of ``t`` along ``dim``: a shard along another dim stays one; a
+    shard along ``dim`` itself is None (rank r's slice elements are not rank r's shard)."""
+    if layout.kind == "replicate" or world == 1:
+        return REPLICATE
+    as_dim = as_dim_shard(shape, layout, world)
+    if as_dim is None or as_dim.dim == dim % len(shape):
+        return None
+    return canonical(out, as_dim, world)

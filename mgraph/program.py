@@ -26,6 +26,7 @@ from .scheduler import Schedule, schedule
 from .settings import Settings
 from .topology import Topology
 from .trace import OpGraph, trace
+from .trace.attention_map import additive_mask
 
 __all__ = ["compile", "Program"]
 
@@ -106,7 +107,15 @@ class Program:
                     f"{list(value.shape)}",
                     hint="compile again with example inputs of this shape",
                 )
-            if arg.dtype != dtype:
+            if value.encoding == "bool_mask":
+                if arg.dtype != torch.bool:
+                    raise DTypeError(
+                        f"{og.name}: input {value.name!r} is {arg.dtype}, compiled as a boolean "
+                        "attention mask",
+                        hint="pass a torch.bool mask (True = attend), as at compile time",
+                    )
+                arg = additive_mask(arg, dtype)
+            elif arg.dtype != dtype:
                 raise DTypeError(
                     f"{og.name}: input {value.name!r} is {arg.dtype}, compiled for {og.dtype}",
                     hint=f"cast it with .to(torch.{og.dtype})",

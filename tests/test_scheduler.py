@@ -38,6 +38,7 @@ SMALL = {
     "row_reduce": lambda w: dict(rows=16 * w, cols=24, tile_rows=8),
     "softmax": lambda w: dict(rows=16 * w, cols=24, tile_rows=8),
     "relayout": lambda w: dict(rows=16 * w, cols=24, tile_rows=8),
+    "concat": lambda w: dict(rows=16 * w, cols=24, cols_y=8, tile_rows=8),
     "gemm_allreduce": lambda w: dict(M=64, N=96, K=32, tile=[16, 32], chunk_bytes=2048),
     "gemm_reduce_scatter": lambda w: dict(M=128, N=96, K=32, tile=[8, 32], chunk_bytes=2048),
     "allgather_gemm": lambda w: dict(M=16 * w, N=32 * w, K=32, tile=[8, 32], chunk_bytes=2048),

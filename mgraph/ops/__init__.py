@@ -8,6 +8,7 @@ from __future__ import annotations
 from . import tiles  # noqa: F401  (generic kinds: gemm, reduce, copy)
 from .allgather_gemm import allgather_gemm
 from .attention import attention
+from .concat import concat
 from .elementwise import elementwise
 from .gemm import gemm
 from .gemm_allreduce import gemm_allreduce
@@ -34,6 +35,7 @@ __all__ = [
     "ring_attention",
     "moe_dispatch_combine",
     "attention",
+    "concat",
     "elementwise",
     "layer_norm",
     "matmul",

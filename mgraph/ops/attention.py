@@ -6,6 +6,12 @@ them (replicated). Sequence-sharded attention is ring_attention. The math is rin
 online softmax on the same kinds: ``attn_block`` folds one KV block into the fp32 state
 (acc, ml), chained per q block; ``attn_finalize`` writes ``acc / l``. Causal masks skip the
 blocks above the diagonal and mask the diagonal one.
+
+Masks: option ``mask_shape`` is the 4-D shape ``[Bm, Hm, Qm, S]`` of an additive mask (input
+``mask``, in the compute dtype; -inf where a key is hidden) broadcast over the batch (Bm = 1),
+heads (Hm = 1) or queries (Qm = 1), as SDPA's ``attn_mask`` broadcasts. Every rank holds it
+whole; each ``attn_block`` adds its tile of it to the scores (its last read). A boolean mask
+becomes this form on the way in (mgraph/trace/attention_map.py).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from .registry import OpDef
 __all__ = ["attention"]
 
 OP = "attention"
-attention = OpDef(OP, dims=("B", "H", "S", "D"), inputs=("q", "k", "v"), outputs=("out",))
+attention = OpDef(OP, dims=("B", "H", "S", "D"), inputs=("q", "k", "v", "mask"), outputs=("out",))
 ATTN_BLOCK, ATTN_FINALIZE = TaskKind.ATTN_BLOCK.value, TaskKind.ATTN_FINALIZE.value
 
 
@@ -44,9 +50,13 @@ def _shapes(
     D: int,
     block: int = 128,
     layout: Sequence | None = None,
+    mask_shape: Sequence[int] | None = None,
     **_: object,
 ) -> dict[str, tuple]:
     shape = (B, H, S, D)
+    out = {"q": shape, "k": shape, "v": shape, "out": shape}
+    if mask_shape is not None:
+        out["mask"] = _mask_shape(B, H, S, mask_shape)
     lay = _layout(shape, layout, topology.world_size)
     if lay is None or (lay.kind == "shard" and lay.dim % 4 >= 2):
         lay = Layout.from_json(layout)
@@ -58,7 +68,23 @@ def _shapes(
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ShapeError(f"{OP}: block={block!r} must be a positive int")
     pick_tile(OP, "S", S, block)
-    return {"q": shape, "k": shape, "v": shape, "out": shape}
+    return out
+
+
+def _mask_shape(B: int, H: int, S: int, mask: Sequence[int]) -> tuple[int, int]:
+    """The flat 2-D shape of a ``[Bm, Hm, Qm, S]`` mask; ShapeError for one that does not
+    broadcast to ``[B, H, S, S]``."""
+    mask = [int(m) for m in mask]
+    if (
+        len(mask) != 4
+        or mask[3] != S
+        or any(m not in (1, full) for m, full in zip(mask[:3], (B, H, S), strict=True))
+    ):
+        raise ShapeError(
+            f"{OP}: mask of shape {mask} does not broadcast to [B, H, S, S] = {[B, H, S, S]}",
+            hint="each of its first three dims is 1 or the full size, its last is S",
+        )
+    return (mask[0] * mask[1] * mask[2], S)
 
 
 @attention.reference
@@ -66,12 +92,21 @@ def _reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    mask: torch.Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
-    **_: object,
+    **params: object,
 ) -> dict[str, torch.Tensor]:
+    bias = None
+    if mask is not None:
+        bias = mask.float().reshape(params["mask_shape"])
+        if causal:  # SDPA takes one or the other: fold the causal part into the bias
+            S = q.shape[-2]
+            hidden = torch.ones(S, S, dtype=torch.bool).triu(1)
+            bias = bias.masked_fill(hidden, float("-inf"))
+            causal = False
     out = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), is_causal=causal, scale=scale
+        q.float(), k.float(), v.float(), attn_mask=bias, is_causal=causal, scale=scale
     )
     return {"out": out.to(q.dtype)}
 
@@ -87,6 +122,7 @@ def _lower(
     scale: float | None = None,
     block: int = 128,
     layout: list | None = None,
+    mask_shape: list[int] | None = None,
 ) -> None:
     shape = (B, H, S, D)
     blk = pick_tile(OP, "S", S, block)
@@ -94,11 +130,19 @@ def _lower(
     assert lay is not None
     for name in ("q", "k", "v"):
         b.global_input(name, shape)
+    if mask_shape is not None:
+        b.global_input("mask", _mask_shape(B, H, S, mask_shape))
     b.global_output("out", shape)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     for r in b.topo.ranks:
         pieces, cat_dim = layout_pieces(shape, lay, r, b.world)
         q, k, v = (b.bound_buffer(n, r, n, pieces, cat_dim=cat_dim) for n in ("q", "k", "v"))
+        bias = None
+        if mask_shape is not None:
+            rows = _mask_shape(B, H, S, mask_shape)[0]
+            bias = b.bound_buffer("mask", r, "mask", [((0, rows), (0, S))])
+            box = pieces[0]  # batch and head ranges are whole boxes: no zigzag below dim 2
+            heads = [(bi, hi) for bi in range(*box[0]) for hi in range(*box[1])]
         out = b.bound_buffer("out", r, "out", pieces, cat_dim=cat_dim, role="output")
         acc = b.buffer("attn_acc", r, q.rows, D, dtype="float32")
         ml = b.buffer("attn_ml", r, q.rows, 2, dtype="float32")
@@ -107,6 +151,11 @@ def _lower(
             for q0 in range(0, S, blk):
                 rows = (base + q0, base + q0 + blk)
                 state = [acc.region(rows), ml.region(rows)]
+                if bias is not None:
+                    bi, hi = heads[group]
+                    Bm, Hm, Qm, _ = mask_shape
+                    m0 = ((bi if Bm > 1 else 0) * Hm + (hi if Hm > 1 else 0)) * Qm
+                    mask_rows = (m0 + q0, m0 + q0 + blk) if Qm > 1 else (m0, m0 + 1)
                 chain = None
                 for k0 in range(0, S, blk):
                     if causal and k0 > q0:
@@ -115,6 +164,8 @@ def _lower(
                     reads = [q.region(rows), k.region(krows), v.region(krows)]
                     if chain is not None:
                         reads += state
+                    if bias is not None:
+                        reads.append(bias.region(mask_rows, (k0, k0 + blk)))
                     chain = b.task(
                         r,
                         Role.COMPUTE,
@@ -129,6 +180,7 @@ def _lower(
                             "mask": causal and k0 == q0,
                             "first": chain is None,
                             "scale": scale,
+                            "bias": bias is not None,
                         },
                     )
                 b.task(

@@ -1,5 +1,9 @@
-"""Relayout: a chain of views and permutes (``t.view(...).transpose(1, 2)``, head splits and
-merges) applied to a distributed tensor, each rank producing its part of the result locally.
+"""Relayout: a chain of views, permutes, expands and slices (``t.view(...).transpose(1, 2)``,
+head splits and merges, ``repeat_kv``'s expand, ``x[..., :d]``, one piece of ``chunk``/``split``)
+applied to a distributed tensor, each rank producing its part of the result locally.
+
+Steps: ``["view", shape]``, ``["permute", perm]``, ``["expand", shape]`` (a broadcast that copies:
+the result holds every repeated element), ``["slice", [dim, start, end, step]]``.
 
 The tracer fuses consecutive view/permute/transpose ops into one ``steps`` list and picks the
 result's layout so that every rank already holds the elements its part needs (checked here: a
@@ -56,14 +60,41 @@ def steps_shape(shape: Sequence[int], steps: Sequence) -> tuple[int, ...]:
             if sorted(arg) != list(range(len(shape))):
                 raise ShapeError(f"{OP}: {list(arg)} is not a permutation of {len(shape)} dims")
             shape = tuple(shape[p] for p in arg)
+        elif kind == "expand":
+            if len(arg) != len(shape) or any(
+                n != m and n != 1 and m != -1 for n, m in zip(shape, arg, strict=True)
+            ):
+                raise ShapeError(f"{OP}: cannot expand shape {list(shape)} to {list(arg)}")
+            shape = tuple(n if m == -1 else m for n, m in zip(shape, arg, strict=True))
+        elif kind == "slice":
+            if len(arg) != 4 or not -len(shape) <= arg[0] < len(shape) or arg[3] <= 0:
+                raise ShapeError(f"{OP}: slice step {list(arg)} is not [dim, start, end, step>0]")
+            dim, start, end, step = arg[0] % len(shape), *arg[1:]
+            if not 0 <= start < end <= shape[dim]:
+                raise ShapeError(
+                    f"{OP}: slice [{start}:{end}] is out of dim {dim} of {list(shape)}"
+                )
+            shape = shape[:dim] + (len(range(start, end, step)),) + shape[dim + 1 :]
         else:
-            raise ShapeError(f"{OP}: unknown step {kind!r}", hint="steps are view or permute")
+            raise ShapeError(
+                f"{OP}: unknown step {kind!r}", hint="steps are view, permute, expand or slice"
+            )
     return shape
 
 
 def apply_steps(t: torch.Tensor, steps: Sequence) -> torch.Tensor:
     for kind, arg in _steps(steps):
-        t = t.reshape(arg) if kind == "view" else t.permute(arg)
+        if kind == "view":
+            t = t.reshape(arg)
+        elif kind == "permute":
+            t = t.permute(arg)
+        elif kind == "expand":
+            t = t.expand(arg)
+        else:
+            dim, start, end, step = arg
+            index = [slice(None)] * t.dim()
+            index[dim] = slice(start, end, step)
+            t = t[tuple(index)]
     return t
 
 

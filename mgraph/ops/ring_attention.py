@@ -143,10 +143,13 @@ def _make_inputs(graph: TaskGraph, generator: torch.Generator) -> dict[str, torc
 def _attn_block_cpu(
     task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]
 ) -> None:
-    """reads: q, k, v blocks (+ acc, ml unless ``first``); writes: acc, ml (same rows)."""
+    """reads: q, k, v blocks (+ acc, ml unless ``first``; + an additive mask tile last when
+    ``bias``, one row when it broadcasts over the queries); writes: acc, ml (same rows)."""
     p = task.params
     q, k, v = (t.float() for t in reads[:3])
     scores = (q @ k.T) * p["scale"]
+    if p.get("bias"):
+        scores = scores + reads[-1].float()
     if p["mask"]:
         q_pos = p["q_start"] + torch.arange(q.shape[0])
         k_pos = p["k_start"] + torch.arange(k.shape[0])

@@ -7,12 +7,13 @@ ring_attention. Elementwise math, norms and reductions are in pointwise.py.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+import torch
+
 from ..errors import ShapeError, UnsupportedOpError
-from ..layout import REPLICATE, ROWS, Layout, as_dim_shard, flat_shape
-from ..plans import ColwiseParallel, ContextParallel, RowwiseParallel, SequenceParallel, Shard
+from ..layout import REPLICATE, ROWS, Layout, flat_shape
+from ..plans import ColwiseParallel, RowwiseParallel, SequenceParallel, Shard
 from .capture import CNode
 from .mapping import BINARY, UNARY, VIEWS, handles, token_sharded, whole_rows
 from .tracer import Tracer
@@ -43,19 +44,21 @@ def _identity(tr: Tracer, n: CNode) -> Any:
                 f"{n.where()}: dropout in training mode is random",
                 hint="call model.eval() before mg.compile",
             )
-    return tr.tensor(n, n.args[0], "input")
+    x = tr.tensor(n, n.args[0], "input")
+    if (x.encoding or x.root().encoding) and n.dtype != torch.bool:
+        raise UnsupportedOpError(
+            f"{n.where()}: casts the boolean input {x.root().name!r}; a boolean program input "
+            "can only be an attention mask",
+            hint="pass the float tensor as the input instead",
+        )
+    return x
 
 
-@handles(*VIEWS, "t", "transpose", "permute", "swapaxes")
+@handles(*(v for v in VIEWS if v != "expand"), "t", "transpose", "permute", "swapaxes")
 def _view(tr: Tracer, n: CNode) -> Any:
     x = tr.tensor(n, n.args[0], "input")
     nd = len(x.shape)
-    if n.op in VIEWS:
-        if n.op == "expand" and tuple(n.shape) != x.shape:
-            raise UnsupportedOpError(
-                f"{n.where()}: expand of {list(x.shape)} to {list(n.shape)} copies data",
-                hint="use broadcasting in an elementwise op instead",
-            )
+    if n.op in VIEWS:  # expand (a copy) is a relayout step of its own: slicing.py
         return tr.relayout(n, x, ("view", tuple(n.shape)))
     if n.op == "t":
         perm = (1, 0) if nd == 2 else (0,)
@@ -198,45 +201,4 @@ def _meets_sequence_parallel(tr: Tracer, n: CNode) -> bool:
     return False
 
 
-# -- attention ---------------------------------------------------------------------------------
-
-
-@handles("scaled_dot_product_attention")
-def _sdpa(tr: Tracer, n: CNode) -> Any:
-    q, k, v = (tr.tensor(n, n.args[i], name) for i, name in enumerate(("query", "key", "value")))
-    mask, dropout = n.arg(3, "attn_mask"), n.arg(4, "dropout_p", 0.0)
-    causal, scale = bool(n.arg(5, "is_causal", False)), n.arg(6, "scale")
-    if mask is not None or dropout or n.kwargs.get("enable_gqa"):
-        raise UnsupportedOpError(
-            f"{n.where()}: attention with an explicit mask, dropout or GQA is not supported",
-            hint="use is_causal=True for causal masks, dropout_p=0.0, equal q/k/v heads",
-        )
-    if not (len(q.shape) == 4 and q.shape == k.shape == v.shape):
-        raise UnsupportedOpError(
-            f"{n.where()}: q, k, v must all be [batch, heads, seq, head_dim] of one shape "
-            f"(got {list(q.shape)}, {list(k.shape)}, {list(v.shape)})",
-            hint="self-attention with equal heads; repeat KV heads before the call for GQA",
-        )
-    B, H, S, D = q.shape
-    dims = {"B": B, "H": H, "S": S, "D": D, "causal": causal}
-    region = tr.region(n)
-    if region is not None and isinstance(region[1], ContextParallel):
-        if scale is not None and not math.isclose(scale, 1.0 / math.sqrt(D)):
-            raise UnsupportedOpError(
-                f"{n.where()}: ring_attention uses scale 1/sqrt(head_dim), got {scale}",
-                hint="leave scale=None under ContextParallel",
-            )
-        return tr.emit(
-            n,
-            "ring_attention",
-            {**dims, **region[1].options},
-            {"q": q, "k": k, "v": v},
-            q.shape,
-            Layout("shard", 2, causal),
-        )
-    lay = tr.layout_in(q, n) or REPLICATE
-    if lay.kind == "rows" or (lay.kind == "shard" and lay.dim >= 2):
-        as_dim = as_dim_shard(q.shape, lay, tr.world)
-        lay = as_dim if as_dim is not None and as_dim.dim < 2 else REPLICATE
-    params = {**dims, "scale": scale, "layout": lay.to_json()}
-    return tr.emit(n, "attention", params, {"q": q, "k": k, "v": v}, q.shape, lay)
+# attention (masks, grouped-query heads) maps in attention_map.py

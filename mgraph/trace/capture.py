@@ -72,6 +72,7 @@ class CNode:
     target: str = ""
     fqn: str | None = None  # parameters, buffers and lifted constants
     users: list[CNode] = field(default_factory=list)
+    fn: Any = None  # the callable ATen overload (export only): constant folding runs it
 
     @property
     def path(self) -> str:
@@ -286,6 +287,7 @@ def _from_export(ep: torch.export.ExportedProgram) -> Captured:
                 _code(node.meta, node.stack_trace),
                 str(node.target),
             )
+            c.fn = node.target
             env[node] = c
             nodes.append(c)
         elif node.op == "output":

@@ -54,6 +54,9 @@ class Value:
     alias_of: Value | None = None
     source: ParamSource | None = None
     producer: str | None = None  # name of the OpNode that writes it
+    # "bool_mask": a boolean attention mask held in its additive form (0 / -inf in the compute
+    # dtype; the Program converts the boolean input), readable only by attention and relayouts.
+    encoding: str | None = None
 
     @property
     def free(self) -> bool:

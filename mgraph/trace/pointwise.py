@@ -12,6 +12,7 @@ from ..layout import REPLICATE, flat_shape
 from .capture import CNode
 from .mapping import BINARY, UNARY, broadcast_form, handles, whole_rows
 from .opgraph import Value
+from .slicing import broadcast
 from .tracer import Tracer
 
 __all__: list[str] = []
@@ -46,10 +47,13 @@ def _binary(tr: Tracer, n: CNode) -> Any:
         a, b, swap = b, a, not swap
     if alpha != 1 and swap:
         raise UnsupportedOpError(f"{n.where()}: alpha={alpha} with a broadcast first operand")
-    if not isinstance(a, Value) or a.shape != out_shape:
+    if isinstance(a, Value) and a.shape != out_shape:
+        # Both operands broadcast (a [B, 1, S, 1] times a [1, H, 1, D]): the first one becomes
+        # a tensor of the result's shape, the second then broadcasts against it.
+        a = broadcast(tr, n, a, out_shape, None)
+    if not isinstance(a, Value):
         raise UnsupportedOpError(
-            f"{n.where()}: broadcasts both operands ({_shape(a)} with {_shape(b)})",
-            hint="one operand must have the result's shape",
+            f"{n.where()}: neither operand is a tensor ({_shape(a)} with {_shape(b)})"
         )
     rows, cols = flat_shape(out_shape)
     params: dict[str, Any] = {
@@ -65,11 +69,9 @@ def _binary(tr: Tracer, n: CNode) -> Any:
     if isinstance(b, Value):
         form = broadcast_form(b.shape, out_shape)
         if form is None:
-            raise UnsupportedOpError(
-                f"{n.where()}: broadcast of {list(b.shape)} to {list(out_shape)} is not supported",
-                hint="operands are the result's shape, a vector over its last dim, or one "
-                "value per row ([..., 1])",
-            )
+            # Broadcast over leading dims other than the rows' (a rotary table [B, 1, S, D]
+            # against [B, H, S, D]): expanded into the layout of ``a``.
+            b, form = broadcast(tr, n, b, out_shape, lay), "full"
         params["other"] = form
         inputs["y"] = b
         if form == "full":

@@ -17,23 +17,27 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..errors import DTypeError, MgraphError, UnsupportedOpError
-from ..graph import dtype_name
+from ..graph import dtype_name, torch_dtype
 from ..layout import (
     REPLICATE,
     Layout,
     canonical,
     check_layout,
+    expand_layout,
     flat_shape,
     permute_layout,
+    slice_layout,
     view_layout,
 )
 from ..ops.relayout import relayout_feasible, steps_shape
 from ..plans import ContextParallel, ParallelStyle, SequenceParallel
 from ..topology import Topology
 from .capture import Captured, CNode
+from .fold import Folded, fold
 from .opgraph import OpGraph, OpNode, ParamSource, Value
 
 __all__ = ["Tracer"]
@@ -61,6 +65,10 @@ class Tracer:
         self.node_path: dict[str, str] = {}  # value name -> module path of its producer
         self.relayouts: dict[str, OpNode] = {}  # value name -> relayout node producing it
         self.names: set[str] = set()
+        # Buffers and lifted constants: fixed state that constant folding may read.
+        self.fixed: dict[str, torch.Tensor] = dict(module.named_buffers(remove_duplicate=False))
+        self.fixed.update(captured.constants)
+        self.consts: dict[CNode, Any] = {}
         self.regions = sorted(
             ((p, s) for p, s in plan.items() if isinstance(s, (SequenceParallel, ContextParallel))),
             key=lambda ps: -len(ps[0]),
@@ -74,19 +82,27 @@ class Tracer:
         outputs = set(self.cap.outputs)
         for n in self.cap.nodes:
             if n.op == "input":
-                v = Value(n.name, n.shape, self._dtype(n), None, "input")
+                if n.dtype == torch.bool:  # an attention mask (see attention_map.py)
+                    v = Value(n.name, n.shape, self.dtype, None, "input", encoding="bool_mask")
+                else:
+                    v = Value(n.name, n.shape, self._dtype(n), None, "input")
                 self.names.add(n.name)
                 self.og.inputs.append(v)
                 self.env[n] = v
                 continue
             if n.op == "param" or (not n.users and n not in outputs):
                 continue  # parameters are made per use; dead code never runs
+            if n.fn is not None:
+                folded = fold(n, self.env, self.fixed)
+                if folded is not None:
+                    self.env[n] = folded
+                    continue
             handler = handlers.get(n.op)
             if handler is None and n.op.startswith("custom:"):
                 handler = handlers["custom"]
             if handler is None:
                 raise _unsupported(n)
-            if n.shape is not None:
+            if n.shape is not None and n.dtype != torch.bool:  # bool: masks, checked by use
                 self._dtype(n)
             try:
                 self.env[n] = handler(self, n)
@@ -99,7 +115,7 @@ class Tracer:
                 ) from e
         for out in self.cap.outputs:
             v = self.env.get(out) if isinstance(out, CNode) else None
-            if out is not None and isinstance(out, CNode) and out.op == "param":
+            if isinstance(out, CNode) and (out.op == "param" or isinstance(v, Folded)):
                 v = self.value(out)
             if not isinstance(v, Value):
                 raise UnsupportedOpError(
@@ -124,8 +140,43 @@ class Tracer:
         if isinstance(arg, CNode):
             if arg.op == "param":
                 return self.param(arg)
-            return self.env[arg]
+            v = self.env[arg]
+            return self.constant(arg, v) if isinstance(v, Folded) else v
         return arg
+
+    def folded(self, arg: Any) -> torch.Tensor | None:
+        """The trace-time tensor of a constant argument (folded, or a buffer), else None."""
+        if not isinstance(arg, CNode):
+            return None
+        if arg.op == "param":
+            return self.fixed.get(arg.fqn)
+        v = self.env.get(arg)
+        return v.value if isinstance(v, Folded) and isinstance(v.value, torch.Tensor) else None
+
+    def constant(self, n: CNode, folded: Folded) -> Any:
+        """A folded tensor as the program reads it: a python number when 0-d, else a constant
+        of the program bound like a parameter."""
+        if n in self.consts:
+            return self.consts[n]
+        t = folded.value
+        if isinstance(t, torch.Tensor) and t.dim() == 0:
+            v: Any = t.item()
+        elif not isinstance(t, torch.Tensor):
+            raise UnsupportedOpError(f"{n.where()}: a constant {type(t).__name__} used as a tensor")
+        elif t.dtype != torch_dtype(self.dtype):
+            raise DTypeError(
+                f"{n.where()} is a {t.dtype} constant computed in forward; the program computes "
+                f"in {self.dtype}",
+                hint="cast it to the activations' dtype (.to(x.dtype)), or use it only as an "
+                "attention mask",
+            )
+        else:
+            name = self.unique(f"const.{n.name}")
+            self.og.constants[name] = t.detach().contiguous()
+            v = Value(name, tuple(t.shape), self.dtype, None, "param", source=ParamSource((name,)))
+            self.og.params.append(v)
+        self.consts[n] = v
+        return v
 
     def tensor(self, n: CNode, arg: Any, what: str) -> Value:
         v = self.value(arg)
@@ -234,6 +285,14 @@ class Tracer:
         name: str | None = None,
     ) -> Value:
         self._check(n, op, params)
+        encoded = [v for v in inputs.values() if (v.encoding or v.root().encoding)]
+        if encoded and op not in ("attention", "relayout"):
+            raise UnsupportedOpError(
+                f"{n.where()}: reads the boolean input {encoded[0].root().name!r}; a boolean "
+                "program input can only be an attention mask (SDPA's attn_mask, after views)",
+                hint="pass a float tensor instead, or build the mask inside the module from "
+                "shapes (torch.triu/arange), where it is folded at trace time",
+            )
         name = self.unique(name or n.name)
         out = Value(
             name,
@@ -243,6 +302,8 @@ class Tracer:
             "op",
             producer=name,
         )
+        if encoded and op == "relayout":  # a moved mask is still a mask
+            out.encoding = encoded[0].encoding or encoded[0].root().encoding
         node = OpNode(name, op, params, inputs, {"out": out}, n.path, n.target or n.op)
         self.og.nodes.append(node)
         self.node_path[name] = n.path
@@ -259,30 +320,61 @@ class Tracer:
         except MgraphError as e:
             raise type(e)(f"{n.where()}: {e.message}", hint=e.hint) from e
 
-    def relayout(self, n: CNode, x: Value, step: tuple[str, tuple[int, ...]]) -> Value:
-        """``x`` viewed or permuted (one step); free when the flat 2-D view is unchanged."""
-        out_shape = tuple(n.shape)
-        kind, arg = step
-        if kind == "permute" and _keeps_order(x.shape, arg):
-            kind, arg = "view", out_shape
-        if kind == "view" and len(out_shape) and x.shape[-1:] == out_shape[-1:]:
-            lay = (
-                None if x.layout is None else view_layout(x.shape, out_shape, x.layout, self.world)
-            )
-            if x.layout is None or lay is not None:
-                root = x.root()
-                return Value(self.unique(n.name), out_shape, self.dtype, lay, root.kind, alias_of=x)
-        step = (kind, tuple(arg))
+    def relayout(
+        self,
+        n: CNode,
+        x: Value,
+        step: tuple[str, tuple[int, ...]] | list[tuple[str, tuple[int, ...]]],
+        *,
+        shape: Sequence[int] | None = None,
+        name: str | None = None,
+        want: Layout | None = None,
+    ) -> Value:
+        """``x`` viewed, permuted, expanded or sliced (one step or a list); free when the flat
+        2-D view is unchanged. ``want``: the result's layout when the input allows it (a
+        broadcast operand made in its consumer's layout)."""
+        out_shape = tuple(n.shape if shape is None else shape)
+        new_steps = [tuple(s) for s in step] if isinstance(step, list) else [step]
+        if len(new_steps) == 1:
+            kind, arg = new_steps[0]
+            if kind == "permute" and _keeps_order(x.shape, arg):
+                kind, arg = "view", out_shape
+            if kind == "view" and len(out_shape) and x.shape[-1:] == out_shape[-1:]:
+                lay = (
+                    None
+                    if x.layout is None
+                    else view_layout(x.shape, out_shape, x.layout, self.world)
+                )
+                if x.layout is None or lay is not None:
+                    root = x.root()
+                    return Value(
+                        self.unique(name or n.name),
+                        out_shape,
+                        self.dtype,
+                        lay,
+                        root.kind,
+                        alias_of=x,
+                    )
+            new_steps = [(kind, tuple(arg))]
+        new_steps = [(k, tuple(a)) for k, a in new_steps]
         prev = self.relayouts.get(x.name)
-        source = n.args[0]
-        if prev is not None and isinstance(source, CNode) and len(source.users) == 1:
+        source = n.args[0] if n.args else None
+        if (
+            prev is not None
+            and shape is None
+            and isinstance(source, CNode)
+            and len(source.users) == 1
+            and self.env.get(source) is x
+        ):
             base = prev.inputs["x"]
-            steps = [tuple(s) for s in prev.params["steps"]] + [step]
+            steps = [tuple(s) for s in prev.params["steps"]] + new_steps
             src = Layout.from_json(prev.params["in_layout"])
         else:
-            prev, base, steps = None, x, [step]
+            prev, base, steps = None, x, new_steps
             src = x.layout if x.layout is not None else REPLICATE
         dst = self._chain_layout(base.shape, steps, src)
+        if want is not None and relayout_feasible(base.shape, steps, src, want, self.world):
+            dst = canonical(out_shape, want, self.world)
         if dst is None:
             src = dst = REPLICATE
         if not relayout_feasible(base.shape, steps, src, dst, self.world):
@@ -299,7 +391,7 @@ class Tracer:
             prev.params = params
             x.shape, x.layout = out_shape, canonical(out_shape, dst, self.world)
             return x
-        out = self.emit(n, "relayout", params, {"x": base}, out_shape, dst)
+        out = self.emit(n, "relayout", params, {"x": base}, out_shape, dst, name=name)
         self.relayouts[out.name] = self.og.nodes[-1]
         return out
 
@@ -308,8 +400,12 @@ class Tracer:
             nxt = steps_shape(shape, [[kind, list(arg)]])
             if kind == "view":
                 layout = view_layout(shape, nxt, layout, self.world)
-            else:
+            elif kind == "permute":
                 layout = permute_layout(shape, arg, layout, self.world)
+            elif kind == "expand":
+                layout = expand_layout(shape, nxt, layout, self.world)
+            else:
+                layout = slice_layout(shape, nxt, arg[0], layout, self.world)
             if layout is None:
                 return None
             shape = nxt
