@@ -22,6 +22,7 @@ ENV_VARS: dict[str, str] = {
     "tcp_host": "MGRAPH_TCP_HOST",
     "nic_gbps": "MGRAPH_NIC_GBPS",
     "gpu_flags": "MGRAPH_GPU_FLAGS",
+    "proxy_streams": "MGRAPH_PROXY_STREAMS",
     "max_tasks": "MGRAPH_MAX_TASKS",
     "max_bytes": "MGRAPH_MAX_BYTES",
 }
@@ -56,6 +57,10 @@ class Settings(BaseModel):
     gpu_flags: Literal["copy", "memop"] = Field(
         "copy", description="how the native proxy raises GPU flag words: a copy-engine copy from "
         "pinned memory, or cuStreamWriteValue32 (slower while persistent kernels run)",
+    )
+    proxy_streams: int = Field(
+        1, ge=1, le=8, description="native proxy: copy streams on a GPU (1..8); a command's "
+        "lane (netplan.py) picks stream lane mod streams, so each flag word keeps one writer",
     )
 
     max_tasks: int = Field(

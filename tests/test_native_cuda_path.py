@@ -280,7 +280,7 @@ def check_trace(rows: torch.Tensor, plan: Plan, transport: FakeCudaTransport) ->
         row, col = divmod(address - dst, pitch)
         return address >= dst and row < height and col < width
 
-    for seq, kind, dst, width, height, pitch, value in rows.tolist():
+    for seq, kind, dst, width, height, pitch, value, _stream in rows.tolist():
         if kind in (fake_cuda.COPY, fake_cuda.COPY_2D) and dst_lo <= dst < dst_hi:
             for t, (first, final) in enumerate(corners):
                 if not landed[t] and covers(dst, width, height, pitch, first):

@@ -92,6 +92,7 @@ class KernelNet:
             bandwidth=settings.nic_gbps * 1e9,
             idle_sleep_us=0 if gpu else 200,
             flag_copy=settings.gpu_flags == "copy",
+            streams=settings.proxy_streams,  # lanes come from netplan.py
         )
         self.closed = False
         self.proxy.start()

@@ -12,14 +12,29 @@ writing proxy, and a waiter sums the event's GPU word and its net words. The wor
 - ``("task", t)``: rdma task ``t`` (on another rank, or this one) delivered its region here. The
   WRITE raises it once, and every event of this rank that ``t`` signals counts it: a tile
   chunk that feeds several consumer tiles costs one flag, not one SIGNAL command per consumer;
-- ``("event", e, src)``: event ``e`` of this rank (the source's own) raised by ``src``'s proxy
-  after its write completed (an rdma task's events on its own rank);
-- ``("arrive", src)``: WRITEs from ``src`` whose task signals nothing here: the kernel waits
-  for them at exit, so no launch ends with data in flight into it;
-- ``("sent",)``: this rank's WRITEs that completed (the source may be overwritten);
+- ``("event", e, src, lane)``: event ``e`` of this rank (the source's own) raised by ``src``'s
+  proxy after a write of that lane completed (an rdma task's events on its own rank);
+- ``("arrive", src, lane)``: WRITEs from ``src`` of that lane whose task signals nothing here:
+  the kernel waits for them at exit, so no launch ends with data in flight into it;
+- ``("sent", lane)``: this rank's WRITEs of that lane that completed (the source may be
+  overwritten);
 - ``("start", src)``: ``src`` started this launch. Before any task, a rank waits for the start
   of every remote peer it exchanges data with: a peer that started launch k has finished reading
   what launch k-1 left in its buffers, so writes of launch k may land.
+
+Lanes. A proxy may execute commands on several copy streams (``Settings.proxy_streams``): a
+command carries a lane (command word LANE) and runs on stream ``lane mod streams``. Streams run
+in no order relative to each other, and a running count written by two of them could go
+backwards (stream 1 writes 5, then stream 0 writes 3). So every word that several rdma tasks
+raise is split per lane: all raises of a word come from commands of ONE lane, hence one stream,
+whatever the stream count; waiters already sum word lists (``event_words``, the exit words).
+An rdma task's lane is its position among its rank's rdma tasks (task id order), in blocks of
+``LANE_BLOCK``, modulo ``LANES``: neighbouring chunks share a lane, so they still coalesce into
+one copy and a proxy batch raises one "sent" word, while consecutive blocks feed different
+streams. The lane count is fixed here, not taken from the settings, so that the plan (and the
+tables every process builds from it) does not depend on a proxy knob; with one stream every
+lane maps to stream 0 and the proxy behaves as before, at the cost of up to ``LANES`` "sent"
+and "arrive" words per rank instead of one each.
 
 Every word's raises per launch are known here (``per_launch``), so targets are epoch-tagged like
 GPU events. At exit one program waits for the "sent" and "arrive" words (``exit_keys``): when
@@ -36,9 +51,11 @@ from mgraph.graph import Task, TaskGraph
 from mgraph.kinds import Role
 from mgraph.runtime.proxy.command import Command, Rect
 
-__all__ = ["NetPlan", "net_plan"]
+__all__ = ["NetPlan", "net_plan", "LANES", "LANE_BLOCK"]
 
 Key = tuple
+LANES = 8  # the most copy streams a proxy can use concurrently (Settings.proxy_streams <= 8)
+LANE_BLOCK = 8  # consecutive rdma tasks of a rank per lane: one default proxy batch
 
 
 @dataclass
@@ -51,6 +68,7 @@ class NetPlan:
     peers: list[list[int]]  # per rank: remote ranks it exchanges data with
     buffer_index: dict[str, int]  # buffer id -> index in its rank's registered memory
     event_words: dict[int, list[int]] = field(default_factory=dict)  # event -> its net words
+    lanes: dict[int, int] = field(default_factory=dict)  # rdma task id -> its lane
 
     exit_keys = ("sent", "arrive")
 
@@ -92,9 +110,24 @@ def _endpoints(graph: TaskGraph, t: Task) -> tuple[int, list[int], list[int]]:
     return dst, dst_events, src_events
 
 
-def net_plan(graph: TaskGraph) -> NetPlan:
+def lane_of(graph: TaskGraph, lanes: int = LANES, block: int = LANE_BLOCK) -> dict[int, int]:
+    """rdma task id -> lane: its position among its rank's rdma tasks (id order), in blocks of
+    ``block``, modulo ``lanes`` (see the module docstring)."""
+    if lanes < 1 or block < 1:
+        raise ScheduleError(f"{graph.op}: lanes={lanes} and block={block} must be >= 1")
+    seen: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for t in sorted((t for t in graph.tasks if t.role == Role.RDMA.value), key=lambda t: t.id):
+        i = seen.get(t.rank, 0)
+        seen[t.rank] = i + 1
+        out[t.id] = (i // block) % lanes
+    return out
+
+
+def net_plan(graph: TaskGraph, *, lanes: int = LANES, block: int = LANE_BLOCK) -> NetPlan:
     ranks = graph.topology.world_size
     rdma = [t for t in graph.tasks if t.role == Role.RDMA.value]
+    lane = lane_of(graph, lanes, block)
     index: dict[str, int] = {}
     per_rank = [0] * ranks
     for buf in graph.buffers.values():  # graph order, the same in every process
@@ -120,11 +153,12 @@ def net_plan(graph: TaskGraph) -> NetPlan:
                 f"{graph.op}: rdma task {t.name!r} signals an event twice",
                 hint="its arrival raises one flag that each of its events counts once",
             )
-        bump(dst, ("task", t.id) if dst_events else ("arrive", t.rank))
+        ln = lane[t.id]
+        bump(dst, ("task", t.id) if dst_events else ("arrive", t.rank, ln))
         for e in src_events:
-            bump(t.rank, ("event", e, t.rank))
+            bump(t.rank, ("event", e, t.rank, ln))
         if not src_events:
-            bump(t.rank, ("sent",))
+            bump(t.rank, ("sent", ln))
     for r in range(ranks):
         for q in peers[r]:
             bump(r, ("start", q))
@@ -140,15 +174,16 @@ def net_plan(graph: TaskGraph) -> NetPlan:
         for e in dst_events:
             event_words.setdefault(e, []).append(words[dst][("task", t.id)])
         for e in set(src_events):
-            event_words.setdefault(e, []).append(words[t.rank][("event", e, t.rank)])
+            event_words.setdefault(e, []).append(words[t.rank][("event", e, t.rank, lane[t.id])])
     event_words = {e: sorted(set(w)) for e, w in event_words.items()}
 
     commands: dict[int, list[Command]] = {}
     for t in rdma:
         dst, dst_events, src_events = ends[t.id]
         src, dreg = t.reads[0], t.writes[0]
-        arrive = ("task", t.id) if dst_events else ("arrive", t.rank)
-        done = ("event", src_events[0], t.rank) if src_events else ("sent",)
+        ln = lane[t.id]
+        arrive = ("task", t.id) if dst_events else ("arrive", t.rank, ln)
+        done = ("event", src_events[0], t.rank, ln) if src_events else ("sent", ln)
         cmds = [
             Command.write(
                 t.rank,
@@ -159,12 +194,18 @@ def net_plan(graph: TaskGraph) -> NetPlan:
                 event=words[dst][arrive],
                 done_event=words[t.rank][done],
                 task=t.id,
+                lane=ln,
             )
         ]
-        # Further events on the source: SIGNALs, executed after the write (stream order).
+        # Further events on the source: SIGNALs of the same lane, so executed after the write
+        # (stream order).
         cmds += [
-            Command.signal(t.rank, t.rank, words[t.rank][("event", e, t.rank)], task=t.id)
+            Command.signal(
+                t.rank, t.rank, words[t.rank][("event", e, t.rank, ln)], task=t.id, lane=ln
+            )
             for e in src_events[1:]
         ]
         commands[t.id] = cmds
-    return NetPlan(words, per_launch, commands, [sorted(p) for p in peers], index, event_words)
+    return NetPlan(
+        words, per_launch, commands, [sorted(p) for p in peers], index, event_words, lane
+    )

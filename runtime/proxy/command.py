@@ -21,7 +21,11 @@ word  name        meaning
 12    EVENT       event id on DST_RANK raised once the data is visible there (-1: none)
 13    DONE_EVENT  event id on SRC_RANK raised once the write completed, i.e. the source region
                   may be reused (-1: none)
-14-15 (reserved)  zero
+14    LANE        the proxy executes the command on copy stream ``LANE mod streams`` (0: the
+                  first). Every command raising one flag word carries the same lane, so the word
+                  keeps ONE writing stream and its running count never goes backwards
+                  (runtime/megakernel/netplan.py assigns lanes)
+15    (reserved)  zero
 ====  ==========  ===========================================================================
 
 Coordinates are packed two per word (each < 2**31) so that both full regions fit in one line
@@ -59,6 +63,7 @@ WORDS = 16
 COMMAND_BYTES = WORDS * 8
 MAX_COORD = 2**31 - 1  # ranks, buffer indices, coordinates, event ids: int32 on the GPU side
 MAX_SEQ = 2**55 - 1  # seq << 8 | opcode stays a positive int64
+MAX_LANE = 255  # lanes a command may name; the proxy maps them onto its (fewer) streams
 MAX_WORD = 2**62  # bytes, epoch, task id: anything a positive int64 holds comfortably
 _LOW32 = 0xFFFFFFFF
 
@@ -80,6 +85,7 @@ class Word(IntEnum):
     BYTES = 11
     EVENT = 12
     DONE_EVENT = 13
+    LANE = 14
 
 
 class Opcode(IntEnum):
@@ -153,6 +159,7 @@ class Command:
     done_event: int = -1
     epoch: int = 0
     task: int = -1
+    lane: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -178,6 +185,7 @@ class Command:
         _check_int("bytes", self.bytes, 0, MAX_WORD, where)
         _check_int("event", self.event, -1, MAX_COORD, where)
         _check_int("done_event", self.done_event, -1, MAX_COORD, where)
+        _check_int("lane", self.lane, 0, MAX_LANE, where)
         if is_write:
             if self.src.shape != self.dst.shape:
                 raise ProxyError(
@@ -204,15 +212,25 @@ class Command:
         done_event: int = -1,
         epoch: int = 0,
         task: int = -1,
+        lane: int = 0,
     ) -> Command:
         return cls(Opcode.WRITE, src_rank, tuple(src), dst_rank, tuple(dst), bytes, event,
-                   done_event, epoch, task)  # fmt: skip
+                   done_event, epoch, task, lane)  # fmt: skip
 
     @classmethod
     def signal(
-        cls, src_rank: int, dst_rank: int, event: int, *, epoch: int = 0, task: int = -1
+        cls,
+        src_rank: int,
+        dst_rank: int,
+        event: int,
+        *,
+        epoch: int = 0,
+        task: int = -1,
+        lane: int = 0,
     ) -> Command:
-        return cls(Opcode.SIGNAL, src_rank, _EMPTY, dst_rank, _EMPTY, 0, event, -1, epoch, task)
+        return cls(
+            Opcode.SIGNAL, src_rank, _EMPTY, dst_rank, _EMPTY, 0, event, -1, epoch, task, lane
+        )
 
     @classmethod
     def nop(cls, task: int = -1) -> Command:
@@ -232,7 +250,8 @@ class Command:
             body = ""
         events = f" event {self.event}" if self.event >= 0 else ""
         events += f" done {self.done_event}" if self.done_event >= 0 else ""
-        return f"{op} {body}{events} epoch {self.epoch} task {self.task}".replace("  ", " ")
+        lane = f" lane {self.lane}" if self.lane else ""
+        return f"{op} {body}{events} epoch {self.epoch} task {self.task}{lane}".replace("  ", " ")
 
 
 # -- the wire format ---------------------------------------------------------------------------
@@ -273,7 +292,7 @@ def encode(cmd: Command, seq: int) -> list[int]:
         cmd.bytes,
         cmd.event,
         cmd.done_event,
-        0,
+        cmd.lane,
         0,
     ]
 
@@ -300,5 +319,6 @@ def decode(words: Sequence[int]) -> tuple[int, Command]:
         words[Word.DONE_EVENT],
         words[Word.EPOCH],
         words[Word.TASK],
+        words[Word.LANE],
     )
     return seq, cmd

@@ -23,7 +23,13 @@ correctness rests on:
   reader that sees a flag also sees the data copied before it;
 - cudaEventRecord queues a marker, cudaEventSynchronize waits until the stream executed it,
   cudaStreamSynchronize until the queue is empty; an execution failure is sticky for the stream;
-- cudaHostAlloc is page-aligned memory filled with 0xA5 (never a plausible count);
+- cudaHostAlloc is page-aligned memory filled with 0xA5 (never a plausible count); a 1-D copy
+  from it (a staged flag word, or a run of them) stores word by word with release stores and is
+  traced one row per word;
+- cudaMemcpyBatchAsync (CUDA 12.8's signature, attributes checked as documented) queues ONE
+  operation whose copies execute in REVERSE order: CUDA orders a batch in its stream as a whole
+  and promises nothing within it. cudaRuntimeGetVersion reports 12080 unless
+  ``set_runtime_version`` says otherwise (the proxy uses the batch API from 12.8 on only);
 - ``FAKE_CUDA_DEVICES`` (default 2) devices, all peers; enabling a pair twice returns 704
   (cudaErrorPeerAccessAlreadyEnabled) and sets the last error, which cudaGetLastError clears.
 
@@ -34,7 +40,8 @@ operation wait that long before it executes, so the worker lags behind the calle
 entry point returns a status), two deliberate bugs for negative controls (``events_never_wait``:
 cudaEventSynchronize returns at once; ``unordered_stores``: cuStreamWriteValue32 stores when
 called, ahead of the stream), ``start_trace``/``trace`` (every executed operation, in order) and
-``stat`` (named counters: see ``kStatNames`` in fake_cudart.c).
+``stat`` (named counters: see ``kStatNames`` in fake_cudart.c). A trace row's ``stream`` is the
+stream's creation number (1, 2, ... over the process), so per-stream order can be checked.
 
 All FakeCuda objects of a process share one library instance (the proxy dlopens the same path),
 so its settings are global: configure between runs, and ``reset()`` before each test.
@@ -54,7 +61,7 @@ __all__ = ["FakeCuda", "build", "TRACE_FIELDS", "COPY", "COPY_2D", "STORE_32", "
 
 HERE = Path(__file__).resolve().parent
 # Columns of a trace row, and its operation kinds (fake_cudart.c: TraceRow, OpKind).
-TRACE_FIELDS = ("seq", "kind", "dst", "width", "height", "dpitch", "value")
+TRACE_FIELDS = ("seq", "kind", "dst", "width", "height", "dpitch", "value", "stream")
 COPY, COPY_2D, STORE_32, MARK = 1, 2, 3, 4
 # cudaError_t / CUresult values the tests use.
 INVALID_VALUE, OUT_OF_MEMORY, ILLEGAL_ADDRESS = 1, 2, 700
@@ -109,6 +116,10 @@ class FakeCuda:
     def hold(self, on: bool) -> None:
         self.lib.fakecuda_hold(int(on))
 
+    def set_runtime_version(self, version: int) -> None:
+        """What cudaRuntimeGetVersion reports (reset: 12080, the first with the batch API)."""
+        self.lib.fakecuda_set_runtime_version(version)
+
     def events_never_wait(self, on: bool) -> None:
         self.lib.fakecuda_events_never_wait(int(on))
 
@@ -133,7 +144,7 @@ class FakeCuda:
             raise MemoryError(f"fake cuda: no room for a trace of {capacity} rows")
 
     def trace(self) -> torch.Tensor:
-        """Rows (n, 7) int64 of the executed operations, in execution order (TRACE_FIELDS)."""
+        """Rows (n, 8) int64 of the executed operations, in execution order (TRACE_FIELDS)."""
         n = self.lib.fakecuda_trace_len()
         rows = torch.zeros((n, len(TRACE_FIELDS)), dtype=torch.int64)
         got = self.lib.fakecuda_trace_read(rows.data_ptr(), n)

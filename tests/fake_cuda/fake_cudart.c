@@ -52,6 +52,9 @@ enum Stat {
   kLiveEvents,       // events created and not destroyed (not reset)
   kLiveHost,         // cudaHostAlloc blocks not freed (not reset)
   kTraceDropped,     // executed operations the full trace could not record
+  kEnqBatch,         // cudaMemcpyBatchAsync calls queued
+  kBatchCopies,      // ... the copies inside them
+  kStreamsCreated,   // cudaStreamCreateWithFlags calls that succeeded
   kStatCount
 };
 
@@ -61,7 +64,8 @@ static const char* const kStatNames[kStatCount] = {
     "event_syncs_blocked", "waiting",     "stream_syncs",   "set_device",
     "last_device",  "peer_enabled",       "peer_already",   "last_error_cleared",
     "store_v1",     "store_v2",           "null_stream_ops", "live_streams",
-    "live_events",  "live_host",          "trace_dropped",
+    "live_events",  "live_host",          "trace_dropped",  "enq_batch",
+    "batch_copies", "streams_created",
 };
 
 static int64_t stats[kStatCount];
@@ -92,6 +96,10 @@ static int delay_us = 0;
 static int hold = 0;
 static int events_never_wait = 0;
 static int unordered_stores = 0;
+// What cudaRuntimeGetVersion reports: 12080 (CUDA 12.8) is the first with cudaMemcpyBatchAsync,
+// so a lower value makes the proxy take its fallback even though the symbol is here.
+enum { kDefaultRuntimeVersion = 12080 };
+static int runtime_version = kDefaultRuntimeVersion;
 static pthread_mutex_t hold_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t hold_cv = PTHREAD_COND_INITIALIZER;
 
@@ -132,6 +140,10 @@ EXPORT void fakecuda_hold(int on) {
   __atomic_store_n(&hold, on, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&hold_cv);
   pthread_mutex_unlock(&hold_mu);
+}
+
+EXPORT void fakecuda_set_runtime_version(int version) {
+  __atomic_store_n(&runtime_version, version, __ATOMIC_RELAXED);
 }
 
 EXPORT void fakecuda_events_never_wait(int on) {
@@ -192,7 +204,7 @@ static const Poison* poisoned(const void* base, size_t pitch, size_t width, size
 // Trace of executed operations: one row of int64 per operation, in execution order.
 
 typedef struct {
-  int64_t seq, kind, dst, width, height, dpitch, value;
+  int64_t seq, kind, dst, width, height, dpitch, value, stream;
 } TraceRow;
 
 static TraceRow* trace_rows = NULL;
@@ -232,6 +244,7 @@ EXPORT void fakecuda_reset(void) {
   fakecuda_events_never_wait(0);
   fakecuda_unordered_stores(0);
   fakecuda_set_delay_us(delay_us_at_load);
+  fakecuda_set_runtime_version(kDefaultRuntimeVersion);
   fakecuda_trace(0);
   pthread_mutex_lock(&peer_mu);
   memset(peer_enabled, 0, sizeof(peer_enabled));
@@ -246,7 +259,15 @@ EXPORT void fakecuda_reset(void) {
 // Streams and events.
 
 enum { kStreamMagic = 0x5354524d, kEventMagic = 0x4556454e };
-enum OpKind { kCopy = 1, kCopy2D = 2, kStore32 = 3, kMark = 4 };
+enum OpKind { kCopy = 1, kCopy2D = 2, kStore32 = 3, kMark = 4, kBatch = 5 };
+
+// One copy of a cudaMemcpyBatchAsync call.
+typedef struct {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t bytes;
+  int pinned_src;
+} BatchCopy;
 
 struct FakeEvent;
 
@@ -259,6 +280,10 @@ typedef struct Op {
   uint32_t value;
   struct FakeEvent* event;
   uint64_t generation;
+  int pinned_src;      // the source is cudaHostAlloc memory: a staged flag word (or words)
+  int64_t stream_id;   // for the trace
+  BatchCopy* batch;    // kBatch: its copies, executed in REVERSE order (CUDA promises none)
+  size_t n_batch;
 } Op;
 
 typedef struct FakeStream {
@@ -271,6 +296,7 @@ typedef struct FakeStream {
   int sticky;  // the first execution failure; every later call on the stream returns it
   int stop;
   pthread_t worker;
+  int64_t id;  // 1, 2, ... in creation order (never reset): the trace's stream column
 } FakeStream;
 
 typedef struct FakeEvent {
@@ -306,8 +332,58 @@ static void wait_while_held(void) {
   pthread_mutex_unlock(&hold_mu);
 }
 
+static void record_row(const Op* op, int kind, const uint8_t* dst, size_t width, size_t height,
+                       size_t dpitch) {
+  if (__atomic_load_n(&trace_cap, __ATOMIC_ACQUIRE) == 0) return;
+  const int64_t at = __atomic_fetch_add(&trace_len, 1, __ATOMIC_RELAXED);
+  if (at >= __atomic_load_n(&trace_cap, __ATOMIC_ACQUIRE)) {
+    bump(kTraceDropped, 1);
+    return;
+  }
+  int64_t value = -1;
+  if (kind != kMark && height == 1 && width == 4 && (uintptr_t)dst % 4 == 0)
+    value = __atomic_load_n((const uint32_t*)dst, __ATOMIC_ACQUIRE);
+  trace_rows[at] = (TraceRow){at,
+                              kind,
+                              kind == kMark ? (int64_t)(uintptr_t)op->event : (int64_t)(uintptr_t)dst,
+                              (int64_t)width,
+                              (int64_t)height,
+                              (int64_t)dpitch,
+                              value,
+                              op->stream_id};
+}
+
+// A 1-D copy. Flag words (4-byte aligned copies from pinned memory, one word or a run of them)
+// are read when the copy EXECUTES and published one word at a time with release stores, each
+// traced as its own row, so a reader that sees a word also sees the data copied before it; a
+// run's words go out in no promised order (here: last first).
+static void copy_1d(const Op* op, uint8_t* dst, const uint8_t* src, size_t bytes, int pinned) {
+  if (bytes % 4 == 0 && (uintptr_t)dst % 4 == 0 && (uintptr_t)src % 4 == 0 &&
+      (pinned || bytes == 4)) {
+    for (size_t i = bytes / 4; i-- > 0;) {
+      const uint32_t v = __atomic_load_n((const uint32_t*)src + i, __ATOMIC_RELAXED);
+      __atomic_store_n((uint32_t*)dst + i, v, __ATOMIC_RELEASE);
+      record_row(op, kCopy, dst + 4 * i, 4, 1, 4);
+    }
+    return;
+  }
+  memmove(dst, src, bytes);
+  record_row(op, kCopy, dst, bytes, 1, bytes);
+}
+
 // 0, or the status the operation failed with.
 static int execute(const Op* op) {
+  if (op->kind == kBatch) {
+    for (size_t i = 0; i < op->n_batch; ++i) {
+      const BatchCopy* c = &op->batch[i];
+      if (poisoned(c->dst, c->bytes, c->bytes, 1, 1) != NULL ||
+          poisoned(c->src, c->bytes, c->bytes, 1, 1) != NULL)
+        return kFakeIllegalAddress;
+    }
+    for (size_t i = op->n_batch; i-- > 0;)
+      copy_1d(op, op->batch[i].dst, op->batch[i].src, op->batch[i].bytes, op->batch[i].pinned_src);
+    return 0;
+  }
   if (op->kind != kMark) {
     if (poisoned(op->dst, op->dpitch, op->width, op->height, 1) != NULL ||
         (op->src != NULL && poisoned(op->src, op->spitch, op->width, op->height, 1) != NULL))
@@ -316,18 +392,20 @@ static int execute(const Op* op) {
   switch (op->kind) {
     case kCopy:
     case kCopy2D:
-      if (op->height == 1 && op->width == 4 && (uintptr_t)op->dst % 4 == 0 &&
-          (uintptr_t)op->src % 4 == 0) {
-        // A flag word: read now (not when queued), publish with a release store.
-        const uint32_t v = __atomic_load_n((const uint32_t*)op->src, __ATOMIC_RELAXED);
-        __atomic_store_n((uint32_t*)op->dst, v, __ATOMIC_RELEASE);
+      if (op->height == 1) {
+        copy_1d(op, op->dst, op->src, op->width, op->pinned_src);
       } else {
         for (size_t r = 0; r < op->height; ++r)
           memmove(op->dst + r * op->dpitch, op->src + r * op->spitch, op->width);
+        record_row(op, op->kind, op->dst, op->width, op->height, op->dpitch);
       }
       break;
     case kStore32:
       __atomic_store_n((uint32_t*)op->dst, op->value, __ATOMIC_RELEASE);
+      record_row(op, op->kind, op->dst, 4, 1, 4);
+      break;
+    case kMark:
+      record_row(op, op->kind, NULL, 0, 1, 0);
       break;
     default:
       break;
@@ -335,24 +413,9 @@ static int execute(const Op* op) {
   return 0;
 }
 
-static void record_trace(const Op* op) {
-  if (__atomic_load_n(&trace_cap, __ATOMIC_ACQUIRE) == 0) return;
-  const int64_t at = __atomic_fetch_add(&trace_len, 1, __ATOMIC_RELAXED);
-  if (at >= __atomic_load_n(&trace_cap, __ATOMIC_ACQUIRE)) {
-    bump(kTraceDropped, 1);
-    return;
-  }
-  int64_t value = -1;
-  if (op->kind != kMark && op->height == 1 && op->width == 4 && (uintptr_t)op->dst % 4 == 0)
-    value = __atomic_load_n((const uint32_t*)op->dst, __ATOMIC_ACQUIRE);
-  trace_rows[at] = (TraceRow){at,
-                              op->kind,
-                              op->kind == kMark ? (int64_t)(uintptr_t)op->event
-                                                : (int64_t)(uintptr_t)op->dst,
-                              (int64_t)op->width,
-                              (int64_t)op->height,
-                              (int64_t)op->dpitch,
-                              value};
+static void free_op(Op* op) {
+  free(op->batch);
+  free(op);
 }
 
 static void* worker_main(void* arg) {
@@ -371,7 +434,6 @@ static void* worker_main(void* arg) {
       bump(kSkipped, 1);
     } else {
       status = execute(op);
-      if (status == 0) record_trace(op);
     }
     pthread_mutex_lock(&s->mu);
     if (status != 0 && s->sticky == 0) s->sticky = status;
@@ -381,7 +443,7 @@ static void* worker_main(void* arg) {
     s->executed += 1;
     bump(kExecuted, 1);
     pthread_cond_broadcast(&s->progress);
-    free(op);
+    free_op(op);
   }
   pthread_mutex_unlock(&s->mu);
   return NULL;
@@ -398,6 +460,8 @@ static FakeStream* new_stream(void) {
     return NULL;
   }
   s->magic = kStreamMagic;
+  static int64_t next_id = 0;
+  s->id = __atomic_add_fetch(&next_id, 1, __ATOMIC_RELAXED);
   bump(kLiveStreams, 1);
   return s;
 }
@@ -427,10 +491,11 @@ static FakeEvent* event_of(void* handle) {
 // Queues ``op`` (taking it) on ``s``, with the stream lock held; 0 or the stream's failure.
 static int append_locked(FakeStream* s, Op* op) {
   if (s->sticky != 0) {
-    free(op);
+    free_op(op);
     return s->sticky;
   }
   op->next = NULL;
+  op->stream_id = s->id;
   if (s->tail == NULL) {
     s->head = op;
   } else {
@@ -535,6 +600,7 @@ EXPORT int cudaStreamCreateWithFlags(void** stream, unsigned flags) {
   FakeStream* s = new_stream();
   if (s == NULL) return set_error(kFakeMemoryAllocation);
   *stream = s;
+  bump(kStreamsCreated, 1);
   return 0;
 }
 
@@ -569,6 +635,36 @@ EXPORT int cudaStreamDestroy(void* stream) {
   return 0;
 }
 
+// cudaHostAlloc blocks, so a copy knows its source is pinned memory (a staged flag word).
+enum { kMaxPinned = 256 };
+static struct { uintptr_t lo, hi; } pinned[kMaxPinned];
+static pthread_mutex_t pinned_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void pin(void* p, size_t bytes, int on) {
+  pthread_mutex_lock(&pinned_mu);
+  for (int i = 0; i < kMaxPinned; ++i) {
+    if (on && pinned[i].lo == 0) {
+      pinned[i].lo = (uintptr_t)p;
+      pinned[i].hi = (uintptr_t)p + bytes;
+      break;
+    }
+    if (!on && pinned[i].lo == (uintptr_t)p) {
+      pinned[i].lo = pinned[i].hi = 0;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&pinned_mu);
+}
+
+static int is_pinned(const void* p) {
+  const uintptr_t a = (uintptr_t)p;
+  int found = 0;
+  pthread_mutex_lock(&pinned_mu);
+  for (int i = 0; i < kMaxPinned && !found; ++i) found = pinned[i].lo <= a && a < pinned[i].hi;
+  pthread_mutex_unlock(&pinned_mu);
+  return found;
+}
+
 static int queue_copy(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                       size_t height, int kind, void* stream, int op_kind) {
   if (kind < 0 || kind > 4) return set_error(kFakeInvalidMemcpyDirection);
@@ -585,6 +681,7 @@ static int queue_copy(void* dst, size_t dpitch, const void* src, size_t spitch, 
   op->height = height;
   op->dpitch = dpitch;
   op->spitch = spitch;
+  op->pinned_src = is_pinned(src);
   const Poison* p = poisoned(dst, dpitch, width, height, 0);
   if (p == NULL) p = poisoned(src, spitch, width, height, 0);
   if (p != NULL) {
@@ -606,6 +703,74 @@ EXPORT int cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t s
   return queue_copy(dst, dpitch, src, spitch, width, height, kind, stream, kCopy2D);
 }
 
+EXPORT int cudaRuntimeGetVersion(int* version) {
+  FAIL_POINT("cudaRuntimeGetVersion");
+  if (version == NULL) return set_error(kFakeInvalidValue);
+  *version = __atomic_load_n(&runtime_version, __ATOMIC_RELAXED);
+  return 0;
+}
+
+// CUDA 12.8's cudaMemcpyAttributes: srcAccessOrder, srcLocHint, dstLocHint, flags.
+typedef struct {
+  int src_access_order;
+  int src_loc_type, src_loc_id;
+  int dst_loc_type, dst_loc_id;
+  unsigned flags;
+} FakeMemcpyAttributes;
+
+// cudaMemcpyBatchAsync with CUDA 12.8's signature. One queued operation whose copies execute in
+// reverse order (CUDA orders the batch as a whole in the stream, and nothing within it).
+// Checked as CUDA documents: every copy covered by an attribute entry, attrsIdxs starting at 0
+// and increasing, a valid srcAccessOrder (1 stream, 2 during the call, 3 any). A poisoned range
+// fails the call with ``*failIdx`` = the copy's index.
+EXPORT int cudaMemcpyBatchAsync(void** dsts, void** srcs, size_t* sizes, size_t count,
+                                FakeMemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
+                                size_t* fail_idx, void* stream) {
+  FAIL_POINT("cudaMemcpyBatchAsync");
+  if (fail_idx != NULL) *fail_idx = (size_t)-1;
+  if (count == 0 || dsts == NULL || srcs == NULL || sizes == NULL || attrs == NULL ||
+      attrs_idxs == NULL || num_attrs == 0 || num_attrs > count || attrs_idxs[0] != 0)
+    return set_error(kFakeInvalidValue);
+  for (size_t a = 0; a < num_attrs; ++a) {
+    if (attrs[a].src_access_order < 1 || attrs[a].src_access_order > 3 ||
+        (a > 0 && attrs_idxs[a] <= attrs_idxs[a - 1]) || attrs_idxs[a] >= count)
+      return set_error(kFakeInvalidValue);
+  }
+  FakeStream* s = stream_of(stream);
+  if (s == NULL) return set_error(kFakeInvalidHandle);
+  Op* op = new_op(kBatch);
+  BatchCopy* copies = calloc(count, sizeof(BatchCopy));
+  if (op == NULL || copies == NULL) {
+    free(op);
+    free(copies);
+    return set_error(kFakeMemoryAllocation);
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const Poison* p = NULL;
+    if (dsts[i] == NULL || srcs[i] == NULL || sizes[i] == 0) {
+      free(op);
+      free(copies);
+      if (fail_idx != NULL) *fail_idx = i;
+      return set_error(kFakeInvalidValue);
+    }
+    p = poisoned(dsts[i], sizes[i], sizes[i], 1, 0);
+    if (p == NULL) p = poisoned(srcs[i], sizes[i], sizes[i], 1, 0);
+    if (p != NULL) {
+      free(op);
+      free(copies);
+      if (fail_idx != NULL) *fail_idx = i;
+      return set_error(p->status);
+    }
+    copies[i] = (BatchCopy){dsts[i], srcs[i], sizes[i], is_pinned(srcs[i])};
+  }
+  op->batch = copies;
+  op->n_batch = count;
+  op->height = 1;
+  bump(kEnqBatch, 1);
+  bump(kBatchCopies, (int64_t)count);
+  return enqueue(s, op);
+}
+
 EXPORT int fakecuda_enqueue_store32(void* stream, uint64_t address, uint32_t value,
                                     unsigned flags, int version) {
   FAIL_POINT("cuStreamWriteValue32");
@@ -625,7 +790,6 @@ EXPORT int fakecuda_enqueue_store32(void* stream, uint64_t address, uint32_t val
   bump(version == 1 ? kStoreV1 : kStoreV2, 1);
   if (__atomic_load_n(&unordered_stores, __ATOMIC_RELAXED)) {
     execute(op);
-    record_trace(op);
     free(op);
     return 0;
   }
@@ -643,12 +807,14 @@ EXPORT int cudaHostAlloc(void** ptr, size_t bytes, unsigned flags) {
   memset(p, 0xA5, bytes);
   *ptr = p;
   bump(kLiveHost, 1);
+  pin(p, bytes, 1);
   return 0;
 }
 
 EXPORT int cudaFreeHost(void* ptr) {
   FAIL_POINT("cudaFreeHost");
   if (ptr == NULL) return 0;
+  pin(ptr, 0, 0);
   free(ptr);
   bump(kLiveHost, -1);
   return 0;

@@ -116,6 +116,11 @@ class NativeProxy:
     ``idle_sleep_us`` is the longest sleep between polls of an empty ring; 0 never sleeps (the
     loop spins, then yields its core to any runnable thread): for a GPU's proxy, which must see
     a command within microseconds, at the cost of keeping one core busy.
+    ``streams``: copy streams for GPU memory (``Settings.proxy_streams``); a command runs on
+    stream ``lane mod streams`` and a flag word keeps one stream (mover.h, "Several streams"),
+    with data copies and flags batched per stream and batch; 1 keeps the single-stream path.
+    ``allow_batch``: with several streams, use cudaMemcpyBatchAsync where the CUDA runtime has
+    it (``batch_api`` says whether it will).
     """
 
     def __init__(
@@ -134,6 +139,8 @@ class NativeProxy:
         bandwidth: float = 0.0,
         idle_sleep_us: int = 200,
         flag_copy: bool = False,
+        streams: int = 1,
+        allow_batch: bool = True,
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
@@ -141,6 +148,11 @@ class NativeProxy:
             raise ProxyError(
                 f"proxy {name}: idle_sleep_us must be an int >= 0, got {idle_sleep_us!r}",
                 hint="0 never sleeps (a GPU's proxy); 200 suits a CPU runtime",
+            )
+        if not isinstance(streams, int) or isinstance(streams, bool) or not 1 <= streams <= 64:
+            raise ProxyError(
+                f"proxy {name}: streams must be an int in [1, 64], got {streams!r}",
+                hint="Settings.proxy_streams / MGRAPH_PROXY_STREAMS (1..8 for the megakernel)",
             )
         native = load()
         for r, t in (counters or {}).items():
@@ -166,6 +178,9 @@ class NativeProxy:
         self._drain.bytes_per_s = float(bandwidth)
         self._drain.idle_sleep_us = idle_sleep_us
         self._drain.flag_copy = bool(flag_copy)  # read when the loop starts (cuda flags only)
+        self._drain.streams = streams  # likewise
+        self._drain.allow_batch = bool(allow_batch)
+        self.streams = streams
         # Keep what the loop points into alive as long as the loop.
         self._keep = (fifo, dict(counters or {}))
         transport.attach_native(self._drain, rank, dict(counters or {}))
@@ -241,9 +256,16 @@ class NativeProxy:
 
     def loop_stats(self) -> dict[str, int]:
         """The loop's own counters: ``stats``' fields plus ``events`` (event raises the
-        commands asked for on this process's ranks) and ``raises`` (word updates made for them
-        once repeats within a batch were merged; ``raises <= events``)."""
+        commands asked for on this process's ranks), ``raises`` (word updates made for them
+        once repeats within a batch were merged; ``raises <= events``), ``streams``, and with
+        several streams ``data_copies``/``flag_copies`` (copy operations queued; a staged run of
+        neighbouring flag words is one) and ``batch_calls`` (cudaMemcpyBatchAsync calls)."""
         return dict(self._drain.stats())
+
+    @property
+    def batch_api(self) -> bool:
+        """cudaMemcpyBatchAsync is used (known once the transport attached CUDA)."""
+        return bool(self._drain.batch_api)
 
     def __enter__(self) -> NativeProxy:
         return self.start()

@@ -27,6 +27,7 @@ enum Word : int {
   kBytes = 11,
   kEvent = 12,
   kDoneEvent = 13,
+  kLane = 14,
 };
 
 enum Opcode : int { kNop = 1, kWrite = 2, kSignal = 3, kShutdown = 4 };
@@ -47,7 +48,7 @@ struct Command {
   int64_t seq = 0;
   int opcode = 0;
   int64_t task = -1, epoch = 0, src_rank = 0, dst_rank = 0, bytes = 0, event = -1,
-          done_event = -1;
+          done_event = -1, lane = 0;
   Rect src, dst;
 };
 
@@ -72,6 +73,7 @@ inline Command decode(const int64_t* w, int64_t ticket) {
   c.bytes = w[kBytes];
   c.event = w[kEvent];
   c.done_event = w[kDoneEvent];
+  c.lane = w[kLane];
   return c;
 }
 

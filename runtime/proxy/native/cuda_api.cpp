@@ -64,6 +64,11 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
   decltype(memcpy_2d_async) copy = nullptr;
   resolve(runtime_, "cudaMemcpy2DAsync", copy, missing);
   if (!missing.empty()) return "CUDA libraries lack:" + missing;
+  // Optional: the batch API (CUDA >= 12.8). Absent or another signature: the fallback.
+  Status (*version)(int*) = reinterpret_cast<Status (*)(int*)>(dlsym(runtime_, "cudaRuntimeGetVersion"));
+  if (version != nullptr && version(&runtime_version_) != 0) runtime_version_ = 0;
+  if (runtime_version_ >= 12080 && runtime_version_ < 13000)
+    memcpy_batch_ = reinterpret_cast<decltype(memcpy_batch_)>(dlsym(runtime_, "cudaMemcpyBatchAsync"));
   memcpy_2d_async = copy;  // last: loaded() is true only when every symbol resolved
   return "";
 }
@@ -144,6 +149,28 @@ void CudaApi::wait_event(void* event) const {
 
 void CudaApi::copy(void* dst, const void* src, size_t bytes, void* stream) const {
   check(memcpy_async_(dst, src, bytes, kMemcpyDefault, stream), "cudaMemcpyAsync");
+}
+
+namespace {
+// cudaMemcpyAttributes of CUDA 12.8: srcAccessOrder, srcLocHint {type, id}, dstLocHint, flags.
+struct MemcpyAttributes {
+  int src_access_order;
+  int src_loc_type, src_loc_id;
+  int dst_loc_type, dst_loc_id;
+  unsigned flags;
+};
+constexpr int kSrcAccessOrderStream = 1;  // read the source in stream order: staged words
+}  // namespace
+
+void CudaApi::copy_batch(void* const* dsts, void* const* srcs, const size_t* sizes, size_t n,
+                         void* stream, size_t& failed) const {
+  MemcpyAttributes attrs{kSrcAccessOrderStream, 0, 0, 0, 0, 0};  // location hints: none
+  size_t first = 0;
+  failed = n;
+  size_t blamed = static_cast<size_t>(-1);
+  const Status status = memcpy_batch_(dsts, srcs, sizes, n, &attrs, &first, 1, &blamed, stream);
+  if (status != 0 && blamed < n) failed = blamed;
+  check(status, "cudaMemcpyBatchAsync");
 }
 
 int CudaApi::enable_peers(int device) const {

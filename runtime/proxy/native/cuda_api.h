@@ -22,6 +22,9 @@ class CudaApi {
   std::string load(const std::vector<std::string>& runtime_libs,
                    const std::vector<std::string>& driver_libs);
   bool loaded() const { return memcpy_2d_async != nullptr; }
+  // cudaMemcpyBatchAsync was found, with the signature this file calls (CUDA 12.8..12.9).
+  bool has_batch() const { return memcpy_batch_ != nullptr; }
+  int runtime_version() const { return runtime_version_; }
 
   // Each throws Failure{-1, ...} naming the call when CUDA reports an error.
   void set_device(int device) const;
@@ -39,6 +42,11 @@ class CudaApi {
   void record(void* event, void* stream) const;
   void wait_event(void* event) const;
   void copy(void* dst, const void* src, size_t bytes, void* stream) const;
+  // ``n`` 1-D copies in ONE cudaMemcpyBatchAsync call (has_batch() only): ordered as a whole
+  // after earlier work of ``stream``, in no order among themselves. On failure ``failed`` holds
+  // the index CUDA blamed (or n when it named none) and Failure{-1} is thrown.
+  void copy_batch(void* const* dsts, void* const* srcs, const size_t* sizes, size_t n,
+                  void* stream, size_t& failed) const;
   // Lets ``device``'s copies reach every peer GPU directly (NVLink), not staged through the
   // host; returns how many peers it enabled now.
   int enable_peers(int device) const;
@@ -66,6 +74,13 @@ class CudaApi {
   Status (*can_access_peer_)(int*, int, int) = nullptr;
   Status (*enable_peer_)(int, unsigned) = nullptr;
   Status (*last_error_)() = nullptr;
+  // CUDA 12.8's cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs,
+  // failIdx, stream). CUDA 13 dropped failIdx from it, so it is used only when
+  // cudaRuntimeGetVersion reports 12.8 or 12.9 (calling it through the wrong signature would
+  // pass the stream as failIdx): elsewhere the proxy falls back to one cudaMemcpyAsync per copy.
+  Status (*memcpy_batch_)(void* const*, void* const*, const size_t*, size_t, void*, size_t*,
+                          size_t, size_t*, void*) = nullptr;
+  int runtime_version_ = 0;
   void* runtime_ = nullptr;
   void* driver_ = nullptr;
 

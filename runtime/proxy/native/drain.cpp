@@ -138,15 +138,30 @@ void Drain::run() {
         n = peek();
         if (n > 0) execute(n);
       } catch (const Failure& f) {
-        const int index = f.index < 0 ? 0 : f.index;
+        int index = f.index < 0 ? 0 : f.index;
         err = {true, cmds_[static_cast<size_t>(index)].ticket, f.message};
-        mover.end_batch();  // the events of the commands before it
+        try {
+          mover.end_batch();  // the events of the commands before it
+        } catch (const Failure& g) {
+          if (g.index < 0 || g.index >= index) throw;
+          index = g.index;  // an earlier command's queued copy or flag failed: report that one
+          err = {true, cmds_[static_cast<size_t>(index)].ticket, g.message};
+        }
         release(index);  // the commands before it are done; the failing one stays at the tail
         commands.fetch_add(index);
         break;
       }
       if (n > 0) {
-        mover.end_batch();  // events first: a freed slot means its command's events are out
+        try {
+          mover.end_batch();  // events first: a freed slot means its command's events are out
+        } catch (const Failure& f) {
+          if (f.index < 0) throw;
+          // Several streams: a copy or flag queued for the end of the batch failed there.
+          err = {true, cmds_[static_cast<size_t>(f.index)].ticket, f.message};
+          release(f.index);
+          commands.fetch_add(f.index);
+          break;
+        }
         release(n);
         commands.fetch_add(n);
         backoff.reset();
@@ -215,8 +230,8 @@ void Drain::release(int n) {
 bool Drain::extends(Group& g, const Command& c) const {
   const Command& first = g.cmd;
   if (!(coalesce_ && c.src_rank == first.src_rank && c.dst_rank == first.dst_rank &&
-        c.epoch == first.epoch))
-    return false;
+        c.epoch == first.epoch && mover.stream_index(c.lane) == mover.stream_index(first.lane)))
+    return false;  // one copy runs on one stream: its commands' flags must belong to that one
   int src_way = 0, dst_way = 0;
   if (!continues(g.src, c.src, src_way) || !continues(g.dst, c.dst, dst_way)) return false;
   if (src_way != dst_way) return false;
@@ -230,7 +245,8 @@ bool Drain::extends(Group& g, const Command& c) const {
 
 void Drain::send(const Group& g) {
   try {
-    mover.write(g.cmd.src_rank, g.src, g.cmd.dst_rank, g.dst, g.events, g.done, g.cmd.epoch);
+    mover.write(g.cmd.src_rank, g.src, g.cmd.dst_rank, g.dst, g.events, g.done, g.cmd.epoch,
+                g.cmd.lane, g.first);
     mover.raise_ready(g.first + g.count - 1);  // the group is consecutive commands
   } catch (const Failure& f) {
     throw Failure{g.first, f.message};
@@ -244,6 +260,14 @@ void Drain::execute(int n) {
   bool open = false;
   for (int i = 0; i < n; ++i) {
     const Command& c = cmds_[static_cast<size_t>(i)];
+    if (c.opcode == kWrite || c.opcode == kSignal) {
+      try {
+        mover.check_lane(c);
+      } catch (const Failure& f) {
+        if (open) send(group);
+        throw Failure{i, f.message};
+      }
+    }
     if (c.opcode == kWrite) {
       try {
         mover.check_write(c);
@@ -267,7 +291,7 @@ void Drain::execute(int n) {
       case kSignal:
         try {
           if (c.event < 0) throw Failure{i, "a SIGNAL needs an event id >= 0"};
-          mover.signal(c.src_rank, c.dst_rank, c.event, c.epoch);
+          mover.signal(c.src_rank, c.dst_rank, c.event, c.epoch, c.lane, i);
           mover.raise_ready(i);
         } catch (const Failure& f) {
           throw Failure{i, f.message};

@@ -92,7 +92,7 @@ PYBIND11_MODULE(_drain, m) {
                                 {"DST_RANK", kDstRank}, {"DST_BUF", kDstBuf},
                                 {"DST_ROWS", kDstRows}, {"DST_COLS", kDstCols},
                                 {"BYTES", kBytes}, {"EVENT", kEvent},
-                                {"DONE_EVENT", kDoneEvent}});
+                                {"DONE_EVENT", kDoneEvent}, {"LANE", kLane}});
   m.attr("OPCODES") =
       table({{"NOP", kNop}, {"WRITE", kWrite}, {"SIGNAL", kSignal}, {"SHUTDOWN", kShutdown}});
   m.attr("FRAME") = table({{"HEADER_WORDS", wire::kHeaderWords}, {"MAGIC", wire::kMagic},
@@ -164,6 +164,27 @@ PYBIND11_MODULE(_drain, m) {
                         throw py::value_error("flag_copy is fixed once the loop has started");
                       d.mover.flag_copy = v;
                     })
+      .def_property("streams", [](const Drain& d) { return d.mover.n_streams; },
+                    [](Drain& d, int n) {
+                      // the loop creates its streams when it starts
+                      if (d.started())
+                        throw py::value_error("streams is fixed once the loop has started");
+                      if (n < 1 || n > 64)
+                        throw py::value_error("streams must be in [1, 64], got " +
+                                              std::to_string(n));
+                      d.mover.n_streams = n;
+                    })
+      .def_property("allow_batch", [](const Drain& d) { return d.mover.allow_batch; },
+                    [](Drain& d, bool v) {
+                      if (d.started())
+                        throw py::value_error("allow_batch is fixed once the loop has started");
+                      d.mover.allow_batch = v;
+                    })
+      .def_property_readonly("batch_api", [](const Drain& d) { return d.mover.batch_api(); },
+                             "cudaMemcpyBatchAsync will be used (several streams, a CUDA 12.8 "
+                             "or 12.9 runtime that has it, allow_batch)")
+      .def_property_readonly("cuda_runtime_version",
+                             [](const Drain& d) { return d.mover.cuda.runtime_version(); })
       .def_property("doorbell_fd", [](const Drain& d) { return d.mover.doorbell_fd; },
                     [](Drain& d, int fd) { d.mover.doorbell_fd = fd; })
       .def_property("idle_sleep_us", [](const Drain& d) { return d.idle_sleep_us; },
@@ -194,6 +215,10 @@ PYBIND11_MODULE(_drain, m) {
         s["bytes"] = d.mover.stats.bytes.load();
         s["events"] = d.mover.stats.events.load();
         s["raises"] = d.mover.stats.raises.load();
+        s["streams"] = d.mover.n_streams;
+        s["data_copies"] = d.mover.stats.data_copies.load();
+        s["flag_copies"] = d.mover.stats.flag_copies.load();
+        s["batch_calls"] = d.mover.stats.batch_calls.load();
         return s;
       })
       .def("sent_to", [](const Drain& d) {

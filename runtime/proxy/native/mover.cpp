@@ -47,6 +47,19 @@ Mover::~Mover() {
       // The process may be tearing CUDA down already; nothing useful to report.
     }
   }
+  if (!cuda.loaded()) return;
+  for (StreamState& st : streams_) {
+    try {  // each stream on its own: one that failed must not leak the others
+      if (st.stream != nullptr) cuda.synchronize(st.stream);
+    } catch (const Failure&) {
+    }
+    try {
+      for (void* e : st.marks) cuda.destroy_event(e);
+      cuda.free_host(st.stage);
+      cuda.destroy_stream(st.stream);
+    } catch (const Failure&) {
+    }
+  }
 }
 
 const Buffer& Mover::check_region(int64_t rank, const Rect& r, const char* role) const {
@@ -109,6 +122,17 @@ void Mover::start_thread() {
   // Without peer access a copy into another GPU's memory is staged through the host: measured
   // on H200 as ~40 us per copy whatever its size (benchmarks/NOTES.md).
   cuda.enable_peers(cuda_device);
+  if (multi()) {
+    streams_.resize(static_cast<size_t>(n_streams));  // filled one by one: a failure leaks nothing
+    for (StreamState& st : streams_) {
+      st.stream = cuda.create_stream();
+      if (!flag_copy) continue;
+      st.stage = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
+      for (size_t r = 0; r < kStageWords / kRegionWords; ++r) st.marks.push_back(cuda.create_event());
+      st.marked.assign(st.marks.size(), false);
+    }
+    return;
+  }
   stream_ = cuda.create_stream();
   if (flag_copy) {
     stage_ = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
@@ -127,7 +151,30 @@ void Mover::begin_batch(const std::vector<Command>& cmds, int n) {
   }
 }
 
-void Mover::defer_raise(int64_t rank, int64_t event) {
+void Mover::check_lane(const Command& c) {
+  if (!multi()) return;
+  const int s = stream_index(c.lane);
+  auto claim = [&](int64_t rank, int64_t event) {
+    if (event < 0) return;
+    auto it = ranks.find(rank);
+    if (it == ranks.end() || it->second.place != Place::kCuda) return;  // host: atomic adds
+    auto [at, fresh] = word_stream_.try_emplace(EventKey{rank, event}, s);
+    if (!fresh && at->second != s)
+      fail("flag word " + std::to_string(event) + " of rank " + std::to_string(rank) +
+           " is raised from copy stream " + std::to_string(at->second) + " and now from stream " +
+           std::to_string(s) + " (lane " + std::to_string(c.lane) + " of " +
+           std::to_string(n_streams) + " streams): a running count needs ONE writer, so every "
+           "command raising a word must carry lanes that map to one stream");
+  };
+  if (c.opcode == kWrite) {
+    claim(c.dst_rank, c.event);
+    claim(c.src_rank, c.done_event);
+  } else if (c.opcode == kSignal) {
+    claim(c.dst_rank, c.event);
+  }
+}
+
+void Mover::defer_raise(int64_t rank, int64_t event, int stream, int index) {
   const RankMemory& m = ranks.at(rank);
   const bool host = m.place == Place::kHost && (m.counters != nullptr || m.host_flags != nullptr);
   const bool gpu = m.place == Place::kCuda && m.shadow != nullptr && cuda.loaded();
@@ -135,6 +182,16 @@ void Mover::defer_raise(int64_t rank, int64_t event) {
     fail("cannot raise event " + std::to_string(event) + " on rank " + std::to_string(rank) +
          " from here (" + place_name(m.place) + " memory without matching event words)");
   const EventKey key{rank, event};
+  if (gpu && multi()) {  // raised with its stream's flags at the end of the batch
+    StreamState& st = streams_.at(static_cast<size_t>(stream));
+    auto [at, fresh] = st.raise_at.try_emplace(key, st.raises.size());
+    if (fresh) {
+      st.raises.push_back(StreamRaise{key, 1, index});
+    } else {
+      st.raises[at->second].count += 1;
+    }
+    return;
+  }
   auto [at, fresh] = pending_at_.try_emplace(key, pending_.size());
   // A word raised again after it went out this batch (not foreseen by begin_batch) starts anew.
   if (!fresh && at->second < emitted_) {
@@ -209,12 +266,13 @@ void Mover::pace(int64_t nbytes) {
 
 void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rect& dst,
                   const std::vector<int64_t>& events, const std::vector<int64_t>& done,
-                  int64_t epoch) {
+                  int64_t epoch, int64_t lane, int index) {
   const Buffer& s = check_region(src_rank, src, "source");
   const Buffer& d = check_region(dst_rank, dst, "destination");
   const int64_t width = src.cols() * s.itemsize, nbytes = width * src.rows();
   const uint8_t* from = s.base + src.row0 * s.row_bytes + src.col0 * s.itemsize;
   RankMemory& dm = ranks.at(dst_rank);
+  bool done_raised = false;
   pace(nbytes);
   if (dm.place == Place::kHost) {
     uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
@@ -225,6 +283,34 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
         std::memmove(to + r * d.row_bytes, from + r * s.row_bytes, static_cast<size_t>(width));
     }
     for (int64_t e : events) defer_raise(dst_rank, e);
+  } else if (dm.place == Place::kCuda && multi()) {
+    const int si = stream_index(lane);
+    StreamState& st = streams_.at(static_cast<size_t>(si));
+    uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
+    const bool flat = src.rows() == 1 || (width == s.row_bytes && width == d.row_bytes);
+    if (flat && bytes_per_s <= 0) {
+      // Collected for one submission at the end of the batch. Copies of one submission run in
+      // no promised order, so one that overlaps an earlier destination goes after them.
+      const auto lo = reinterpret_cast<uintptr_t>(to), hi = lo + static_cast<uintptr_t>(nbytes);
+      for (const Copy1D& c : st.data) {
+        const auto clo = reinterpret_cast<uintptr_t>(c.dst);
+        if (clo < hi && lo < clo + c.bytes) {
+          flush_data(st);
+          break;
+        }
+      }
+      st.data.push_back(Copy1D{to, from, static_cast<size_t>(nbytes), index});
+    } else {
+      // Strided, or paced like a NIC (a paced copy leaves when the link would start it): now,
+      // after what the stream already holds.
+      flush_data(st);
+      cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
+                   static_cast<size_t>(width), static_cast<size_t>(src.rows()), st.stream);
+      stats.data_copies.fetch_add(1, std::memory_order_relaxed);
+    }
+    for (int64_t e : events) defer_raise(dst_rank, e, si, index);
+    for (int64_t e : done) defer_raise(src_rank, e, si, index);
+    done_raised = true;
   } else if (dm.place == Place::kCuda) {
     uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
     cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
@@ -235,7 +321,8 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
   } else {
     fail("rank " + std::to_string(dst_rank) + " has no registered memory");
   }
-  for (int64_t e : done) defer_raise(src_rank, e);
+  if (!done_raised)
+    for (int64_t e : done) defer_raise(src_rank, e);
   stats.writes.fetch_add(1, std::memory_order_relaxed);
   stats.bytes.fetch_add(nbytes, std::memory_order_relaxed);
   auto& sent = sent_to[dst_rank];
@@ -243,7 +330,8 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
   sent.second += 1;
 }
 
-void Mover::signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t epoch) {
+void Mover::signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t epoch,
+                   int64_t lane, int index) {
   auto it = ranks.find(dst_rank);
   if (it == ranks.end() || it->second.place == Place::kNone)
     fail("rank " + std::to_string(dst_rank) + " has no registered memory");
@@ -251,7 +339,7 @@ void Mover::signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t ep
     send_frame(src_rank, dst_rank, wire::kSignal, Rect{}, {event}, epoch, nullptr);
   } else {
     check_event(dst_rank, event, "event");
-    defer_raise(dst_rank, event);
+    defer_raise(dst_rank, event, multi() ? stream_index(lane) : 0, index);
   }
   stats.signals.fetch_add(1, std::memory_order_relaxed);
 }
@@ -324,6 +412,25 @@ void Mover::end_batch() {
   pending_at_.clear();
   emitted_ = 0;
   for (const PendingRaise& p : left) raise_now(p.key, p.count);
+  if (multi()) {
+    // Every stream, even after one failed (commands before the failing one are reported done);
+    // the failure of the earliest command is the one thrown.
+    bool failed = false;
+    Failure first{0, ""};
+    for (StreamState& st : streams_) {
+      try {
+        flush_data(st);
+        flush_raises(st);
+      } catch (const Failure& f) {
+        st.data.clear();
+        st.raises.clear();
+        st.raise_at.clear();
+        if (!failed || f.index < first.index) first = f;
+        failed = true;
+      }
+    }
+    if (failed) throw first;
+  }
   if (!rang_ || doorbell_fd < 0) return;
   rang_ = false;
   const uint64_t one = 1;
@@ -334,6 +441,117 @@ void Mover::end_batch() {
 
 void Mover::finish() {
   if (stream_ != nullptr) cuda.synchronize(stream_);
+  for (StreamState& st : streams_)
+    if (st.stream != nullptr) cuda.synchronize(st.stream);
+}
+
+size_t Mover::take_stage(StreamState& st, size_t n) {
+  // Runs never straddle a region: one that does not fit closes the region (its event is
+  // recorded after the copies already taken from it are queued) and starts the next.
+  const size_t off = st.next % kRegionWords;
+  if (off != 0 && off + n > kRegionWords) {
+    st.to_mark.push_back((st.next % kStageWords) / kRegionWords);
+    st.next += kRegionWords - off;
+  }
+  if (st.next % kRegionWords == 0) {
+    const size_t region = (st.next % kStageWords) / kRegionWords;
+    // Reused a lap later: its last copies must have read their words (cf. raise_now).
+    if (st.marked[region]) cuda.wait_event(st.marks[region]);
+  }
+  const size_t slot = st.next % kStageWords;
+  st.next += n;
+  if (st.next % kRegionWords == 0) st.to_mark.push_back(slot / kRegionWords);
+  return slot;
+}
+
+void Mover::submit(StreamState& st, std::vector<Copy1D>& copies, bool flags) {
+  if (!copies.empty()) {
+    if (copies.size() > 1 && batch_api()) {
+      std::vector<void*> dsts, srcs;
+      std::vector<size_t> sizes;
+      for (const Copy1D& c : copies) {
+        dsts.push_back(c.dst);
+        srcs.push_back(const_cast<void*>(c.src));
+        sizes.push_back(c.bytes);
+      }
+      size_t failed = copies.size();
+      try {
+        cuda.copy_batch(dsts.data(), srcs.data(), sizes.data(), copies.size(), st.stream, failed);
+      } catch (const Failure& f) {
+        throw Failure{copies[failed < copies.size() ? failed : 0].index, f.message};
+      }
+      stats.batch_calls.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      for (const Copy1D& c : copies) {
+        try {
+          cuda.copy(c.dst, c.src, c.bytes, st.stream);
+        } catch (const Failure& f) {
+          throw Failure{c.index, f.message};
+        }
+      }
+    }
+    (flags ? stats.flag_copies : stats.data_copies)
+        .fetch_add(static_cast<int64_t>(copies.size()), std::memory_order_relaxed);
+  }
+  copies.clear();
+  for (size_t region : st.to_mark) {  // after the copies that read the region
+    cuda.record(st.marks[region], st.stream);
+    st.marked[region] = true;
+  }
+  st.to_mark.clear();
+}
+
+void Mover::flush_data(StreamState& st) { submit(st, st.data, false); }
+
+void Mover::flush_raises(StreamState& st) {
+  if (st.raises.empty()) return;
+  std::vector<StreamRaise> raises;
+  raises.swap(st.raises);
+  st.raise_at.clear();
+  std::sort(raises.begin(), raises.end(), [](const StreamRaise& a, const StreamRaise& b) {
+    return a.key.rank != b.key.rank ? a.key.rank < b.key.rank : a.key.event < b.key.event;
+  });
+  std::vector<Copy1D> copies;
+  for (size_t i = 0; i < raises.size();) {
+    // A run: neighbouring words of one rank's flag array, at most one staging region.
+    size_t j = i + 1;
+    while (j < raises.size() && raises[j].key.rank == raises[i].key.rank &&
+           raises[j].key.event == raises[j - 1].key.event + 1 && j - i < kRegionWords)
+      ++j;
+    RankMemory& m = ranks.at(raises[i].key.rank);
+    int index = raises[i].index;
+    for (size_t k = i; k < j; ++k) index = std::min(index, raises[k].index);
+    const unsigned long long address =
+        m.flags + 4ull * static_cast<unsigned long long>(raises[i].key.event);
+    if (flag_copy) {
+      // The submission before may have filled regions this run now needs to wait for.
+      if (st.to_mark.size() >= kStageWords / kRegionWords / 2) submit(st, copies, true);
+      const size_t slot = take_stage(st, j - i);
+      for (size_t k = i; k < j; ++k) {
+        const int64_t value =
+            __atomic_add_fetch(&m.shadow[raises[k].key.event], raises[k].count, __ATOMIC_RELAXED);
+        st.stage[slot + (k - i)] = static_cast<uint32_t>(value);
+      }
+      copies.push_back(Copy1D{reinterpret_cast<void*>(address), &st.stage[slot], 4 * (j - i), index});
+    } else {
+      for (size_t k = i; k < j; ++k) {
+        const int64_t value =
+            __atomic_add_fetch(&m.shadow[raises[k].key.event], raises[k].count, __ATOMIC_RELAXED);
+        try {
+          cuda.write_value32(st.stream, address + 4ull * (k - i), static_cast<unsigned>(value));
+        } catch (const Failure& f) {
+          throw Failure{raises[k].index, f.message};
+        }
+        stats.flag_copies.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    for (size_t k = i; k < j; ++k) {
+      stats.raises.fetch_add(1, std::memory_order_relaxed);
+      stats.events.fetch_add(raises[k].count, std::memory_order_relaxed);
+    }
+    i = j;
+  }
+  submit(st, copies, true);
 }
 
 }  // namespace mgraph

@@ -19,6 +19,20 @@
 // for cuda, ahead of the update in stream order), and words are raised in the order their first
 // raise appeared, so "seeing word B means an earlier-raised word A is visible" still holds. In a
 // batch where no word repeats, every word goes out exactly when it did before merging existed.
+//
+// Several streams (``n_streams`` > 1, Settings.proxy_streams). A command runs on copy stream
+// ``lane mod n_streams`` (command word LANE). The streams run concurrently and in no order
+// relative to each other, so a flag word raised from two of them could go backwards: the first
+// command raising a word binds it to its stream, and a command raising it from another stream
+// is refused by name (check_lane; runtime/megakernel/netplan.py gives every word one lane). Per
+// stream and per batch: contiguous data copies are collected and go out together
+// (cudaMemcpyBatchAsync where the runtime has it, else one cudaMemcpyAsync each; strided ones
+// one cudaMemcpy2DAsync each, in order), then the batch's flag words of that stream, raised
+// together: each word once with the batch's total, words that are neighbours in one rank's flag
+// array in ONE staged copy. So a stream's flags always follow all of its data of the batch
+// (stream order: data before flags, the property every waiter rests on), while flags of one
+// batch go out in no particular order among themselves. With one stream the single-stream path
+// above is kept exactly (words raised as soon as their last command executed).
 #pragma once
 
 #include <atomic>
@@ -58,6 +72,9 @@ struct MoverStats {
   // events: raises commands asked for on this process's ranks; raises: word updates made for
   // them after merging repeats within a batch (raises <= events).
   std::atomic<int64_t> writes{0}, signals{0}, bytes{0}, events{0}, raises{0};
+  // Several streams only: copy operations queued for data and for flags (a staged run of
+  // neighbouring words is one), and cudaMemcpyBatchAsync calls (each counts its copies above).
+  std::atomic<int64_t> data_copies{0}, flag_copies{0}, batch_calls{0};
 };
 
 struct EventKey {
@@ -85,6 +102,14 @@ class Mover {
   // ordered after the data copy by the stream (see raise_now for why both exist).
   bool flag_copy = false;
   const std::atomic<bool>* abort = nullptr;
+  // Copy streams (fixed once the loop starts); 1 keeps the single-stream path.
+  int n_streams = 1;
+  bool allow_batch = true;  // several streams: use cudaMemcpyBatchAsync where it exists
+  bool multi() const { return n_streams > 1; }
+  bool batch_api() const { return multi() && allow_batch && cuda.has_batch(); }
+  int stream_index(int64_t lane) const {
+    return static_cast<int>(static_cast<uint64_t>(lane) % static_cast<uint64_t>(n_streams));
+  }
   MoverStats stats;
   // By destination rank: (bytes, writes), for the transport's per-link counters.
   std::unordered_map<int64_t, std::pair<int64_t, int64_t>> sent_to;
@@ -93,16 +118,24 @@ class Mover {
   const Buffer& check_region(int64_t rank, const Rect& rect, const char* role) const;
   void check_write(const Command& c) const;
   void check_event(int64_t rank, int64_t event, const char* what) const;
+  // Several streams: the GPU words ``c`` raises are bound to its stream (see the top).
+  void check_lane(const Command& c);
 
   // The batch's commands ``cmds[0..n)``, before any executes: where each word is last raised.
   void begin_batch(const std::vector<Command>& cmds, int n);
+  // ``lane`` picks the stream; ``index`` (the command's place in the batch) names it when a
+  // copy or flag queued for the end of the batch fails there.
   void write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rect& dst,
-             const std::vector<int64_t>& events, const std::vector<int64_t>& done, int64_t epoch);
-  void signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t epoch);
+             const std::vector<int64_t>& events, const std::vector<int64_t>& done, int64_t epoch,
+             int64_t lane = 0, int index = 0);
+  void signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t epoch, int64_t lane = 0,
+              int index = 0);
   // Commands up to index ``done_upto`` of the batch have executed: raise what is complete.
   void raise_ready(int done_upto);
   void start_thread();   // in the drain thread: CUDA device and stream
-  void end_batch();      // raise what is left (a failed batch), ring the doorbell if host rang
+  // Raise what is left (a failed batch), ring the doorbell if host rang; several streams: flush
+  // every stream's copies and flags (throws Failure{index of the command} if one fails).
+  void end_batch();
   void finish();         // wait for queued GPU work
   ~Mover();
 
@@ -128,7 +161,37 @@ class Mover {
   std::unordered_map<EventKey, size_t, EventKeyHash> pending_at_;  // word -> index in pending_
   std::unordered_map<EventKey, int, EventKeyHash> last_use_;       // word -> last command index
 
-  void defer_raise(int64_t rank, int64_t event);
+  // One copy stream of the several-streams path and what this batch queued on it.
+  struct Copy1D {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    int index;  // command (batch index) named if it fails
+  };
+  struct StreamRaise {
+    EventKey key;
+    int64_t count;
+    int index;
+  };
+  struct StreamState {
+    void* stream = nullptr;
+    uint32_t* stage = nullptr;  // flag_copy: this stream's ring of staging words
+    size_t next = 0;
+    std::vector<void*> marks;
+    std::vector<bool> marked;
+    std::vector<size_t> to_mark;  // regions filled: record their event after the next submit
+    std::vector<Copy1D> data;     // contiguous data copies of this batch, not yet queued
+    std::vector<StreamRaise> raises;
+    std::unordered_map<EventKey, size_t, EventKeyHash> raise_at;
+  };
+  std::vector<StreamState> streams_;
+  std::unordered_map<EventKey, int, EventKeyHash> word_stream_;  // GPU word -> its stream
+
+  void defer_raise(int64_t rank, int64_t event, int stream = 0, int index = 0);
+  size_t take_stage(StreamState& st, size_t n);
+  void submit(StreamState& st, std::vector<Copy1D>& copies, bool flags);
+  void flush_data(StreamState& st);
+  void flush_raises(StreamState& st);
   void raise_now(const EventKey& key, int64_t count);
   void pace(int64_t nbytes);
   void send_frame(int64_t src_rank, int64_t dst_rank, int kind, const Rect& dst,
