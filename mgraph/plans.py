@@ -17,7 +17,9 @@ A plan maps module paths (as ``model.get_submodule`` names them; ``""`` is the r
 - ``ExpertParallel()``: a mixture-of-experts block, traced as ONE ``moe_dispatch_combine``
   (tokens and experts sharded over all ranks). The block follows Mixtral's form: a router
   ``nn.Linear(H, E, bias=False)`` (or router logits passed as its second input), top-k on the
-  logits then softmax over the k, experts that are SwiGLU MLPs of three bias-free linears.
+  logits then softmax over the k, experts that are SwiGLU MLPs of three bias-free linears, or
+  stacked expert weights (``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]) with a router
+  module holding an [E, H] ``weight``.
 
 ``options`` are passed to the fused op the style lowers to (e.g. ``{"tile": [64, 128]}``,
 ``{"block": 64}``; see ``mgraph ops``).
@@ -95,4 +97,5 @@ class ExpertParallel(ParallelStyle):
     gate_proj: str = "gate_proj"
     up_proj: str = "up_proj"
     down_proj: str = "down_proj"
+    gate_up_proj: str = "gate_up_proj"  # stacked experts: [E, 2F, H], gate rows first
     top_k: int | None = None  # None: the block's ``top_k`` attribute

@@ -3,7 +3,10 @@
 - ``custom:<name>``: a call of an op made with ``mg.register_op`` (one node in the export);
 - ``leaf``: a module the plan lowers as a unit. ExpertParallel: a Mixtral-style MoE block ->
   (its router as a local matmul, unless the logits are its second input) + moe_dispatch_combine,
-  tokens and experts sharded over all ranks.
+  tokens and experts sharded over all ranks. The experts are a ModuleList of SwiGLU MLPs, or one
+  module holding them stacked as recent transformers releases write Mixtral/Qwen-MoE: a
+  ``gate_up_proj`` parameter ``[E, 2F, H]`` (gate rows first, as ``.chunk(2, dim=-1)`` cuts its
+  product) and a ``down_proj`` ``[E, H, F]``, applied with ``F.linear``.
 """
 
 from __future__ import annotations
@@ -98,9 +101,12 @@ def moe_block(
         raise UnsupportedOpError(f"{where}: the block takes (x) or (x, router_logits)")
     H = x.shape[-1]
     T = flat_shape(x.shape)[0]
-    E = len(experts)
-    gate0 = getattr(experts[0], style.gate_proj)
-    F = gate0.out_features
+    if isinstance(experts, list):
+        E, F = len(experts), getattr(experts[0], style.gate_proj).out_features
+    else:
+        E, two_f, _ = getattr(experts, style.gate_up_proj).shape
+        F = two_f // 2
+    _check_routing(block, where)
     top_k = style.top_k if style.top_k is not None else getattr(block, "top_k", None)
     if not isinstance(top_k, int):
         raise PlanError(
@@ -118,9 +124,16 @@ def moe_block(
         logits = inputs[1]
     else:
         router = getattr(block, style.router, None)
-        if not isinstance(router, nn.Linear) or router.bias is not None:
+        weight = getattr(router, "weight", None)
+        if (
+            not isinstance(router, nn.Module)
+            or not isinstance(weight, nn.Parameter)
+            or tuple(weight.shape) != (E, H)
+            or getattr(router, "bias", None) is not None
+        ):
             raise PlanError(
-                f"{where}: the block has no bias-free nn.Linear router {style.router!r}",
+                f"{where}: the block has no bias-free router {style.router!r} (an nn.Linear, or "
+                f"a module whose `weight` is [experts, hidden] = [{E}, {H}])",
                 hint="name it with ExpertParallel(router=...), or pass the logits as the "
                 "block's second input",
             )
@@ -146,13 +159,19 @@ def moe_block(
     if math.prod(logits.shape) != T * E:
         raise UnsupportedOpError(f"{where}: router logits {list(logits.shape)} are not [T, E]")
     weights = {}
-    for proj, shape in (
-        (style.gate_proj, (E, H, F)),
-        (style.up_proj, (E, H, F)),
-        (style.down_proj, (E, F, H)),
+    for proj, shape, stacked_from in (
+        (style.gate_proj, (E, H, F), ("gate_up_proj", "gate_t")),
+        (style.up_proj, (E, H, F), ("gate_up_proj", "up_t")),
+        (style.down_proj, (E, F, H), ("down_proj", "batch_t")),
     ):
-        fqns = [f"{prefix}{style.experts}.{i}.{proj}.weight" for i in range(E)]
-        weights[proj] = tr.stacked(f"{prefix}{style.experts}.{proj}.stacked", fqns, shape)
+        if isinstance(experts, list):
+            fqns = [f"{prefix}{style.experts}.{i}.{proj}.weight" for i in range(E)]
+            weights[proj] = tr.stacked(f"{prefix}{style.experts}.{proj}.stacked", fqns, shape)
+        else:
+            attr, transform = stacked_from
+            fqn = f"{prefix}{style.experts}.{getattr(style, attr)}"
+            name = f"{prefix}{style.experts}.{proj}.{transform}"
+            weights[proj] = tr.stacked(name, [fqn], shape, transform=transform)
     params = {"T": T, "H": H, "E": E, "top_k": top_k, "F": F, **style.options}
     inputs_map = {
         "x": x,
@@ -166,13 +185,20 @@ def moe_block(
     )
 
 
-def expert_modules(block: nn.Module, style: ExpertParallel, path: str) -> list[nn.Module]:
-    """The block's experts, checked to be SwiGLU MLPs of bias-free linears."""
+def expert_modules(
+    block: nn.Module, style: ExpertParallel, path: str
+) -> list[nn.Module] | nn.Module:
+    """The block's experts, checked: a list of SwiGLU MLPs of bias-free linears, or one module
+    with stacked ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F] parameters."""
     where = f"plan {path or '<root>'!r} ExpertParallel"
     experts = getattr(block, style.experts, None)
+    if isinstance(experts, nn.Module) and not isinstance(experts, (nn.ModuleList, nn.Sequential)):
+        return _stacked_experts(experts, style, where)
     if not isinstance(experts, (nn.ModuleList, nn.Sequential)) or len(experts) == 0:
         raise PlanError(
-            f"{where}: {type(block).__name__} has no expert list {style.experts!r}",
+            f"{where}: {type(block).__name__} has no expert list {style.experts!r} (a ModuleList "
+            f"of SwiGLU MLPs, or a module with stacked {style.gate_up_proj!r} [E, 2F, H] and "
+            f"{style.down_proj!r} [E, H, F] weights)",
             hint="name it with ExpertParallel(experts=...)",
         )
     for i, e in enumerate(experts):
@@ -185,3 +211,51 @@ def expert_modules(block: nn.Module, style: ExpertParallel, path: str) -> list[n
                     "down_proj=)",
                 )
     return list(experts)
+
+
+def _stacked_experts(experts: nn.Module, style: ExpertParallel, where: str) -> nn.Module:
+    gate_up = getattr(experts, style.gate_up_proj, None)
+    down = getattr(experts, style.down_proj, None)
+    ok = isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)
+    if ok:
+        E, two_f, H = gate_up.shape if gate_up.dim() == 3 else (0, 1, 0)
+        ok = two_f % 2 == 0 and tuple(down.shape) == (E, H, two_f // 2) and E > 0
+    if not ok:
+        shapes = [tuple(getattr(t, "shape", ())) for t in (gate_up, down)]
+        raise PlanError(
+            f"{where}: {type(experts).__name__} is neither an expert list nor stacked experts: "
+            f"{style.gate_up_proj!r} must be an [E, 2F, H] and {style.down_proj!r} an [E, H, F] "
+            f"parameter (got shapes {shapes})",
+            hint="name them with ExpertParallel(gate_up_proj=..., down_proj=...)",
+        )
+    if getattr(experts, "has_bias", False) or any(
+        "bias" in name for name, _ in experts.named_parameters()
+    ):
+        raise PlanError(f"{where}: stacked experts with biases are not supported")
+    act = getattr(experts, "act_fn", None)
+    if (
+        act is not None
+        and not isinstance(act, nn.SiLU)
+        and "silu" not in type(act).__name__.lower()
+    ):
+        raise PlanError(
+            f"{where}: the experts' activation is {type(act).__name__}; moe_dispatch_combine "
+            "computes SwiGLU experts (silu(gate) * up)",
+            hint="only SiLU-gated experts (Mixtral, Qwen-MoE) are supported",
+        )
+    return experts
+
+
+def _check_routing(block: nn.Module, where: str) -> None:
+    """moe_dispatch_combine weighs the top-k experts by a softmax over their k logits, which is
+    a softmax over all experts renormalised over the top k; without the renormalisation the
+    block means something else."""
+    for owner in (block, *block.children()):
+        if getattr(owner, "norm_topk_prob", True) is False:
+            raise PlanError(
+                f"{where}: {type(owner).__name__}.norm_topk_prob is False (top-k weights are "
+                "not renormalised); moe_dispatch_combine weighs the top k by a softmax over "
+                "their logits",
+                hint="set norm_topk_prob=True (Mixtral's routing), or keep the block out of "
+                "the plan",
+            )

@@ -28,7 +28,9 @@ class ParamSource:
     """How a parameter value is built from the module's tensors.
 
     ``transform``: ``none`` (as stored), ``t`` (a linear's weight, transposed to [in, out] as the
-    GEMM ops read it), ``stack_t`` (expert weights, each transposed, stacked on a new dim 0).
+    GEMM ops read it), ``stack_t`` (expert weights, each transposed, stacked on a new dim 0);
+    from one stacked ``[E, 2F, H]`` gate-up tensor: ``gate_t`` / ``up_t`` (its first / last F
+    rows per expert, as [E, H, F]); ``batch_t`` (an [E, H, F] down tensor as [E, F, H]).
     """
 
     fqns: tuple[str, ...]
@@ -40,8 +42,16 @@ class ParamSource:
             return parts[0]
         if self.transform == "t":
             return parts[0].t().contiguous()
-        assert self.transform == "stack_t", self.transform
-        return torch.stack([p.t() for p in parts]).contiguous()
+        if self.transform == "stack_t":
+            return torch.stack([p.t() for p in parts]).contiguous()
+        w = parts[0]
+        half = w.shape[1] // 2
+        if self.transform == "gate_t":
+            return w[:, :half].transpose(1, 2).contiguous()
+        if self.transform == "up_t":
+            return w[:, half:].transpose(1, 2).contiguous()
+        assert self.transform == "batch_t", self.transform
+        return w.transpose(1, 2).contiguous()
 
 
 @dataclass
