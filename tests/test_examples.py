@@ -8,8 +8,10 @@ from test_trace import EXAMPLES, _load
 NAMES = sorted(p.stem for p in EXAMPLES.glob("*.py") if not p.stem.startswith("_"))
 
 
-def test_the_five_examples_exist():
-    assert {"tp_mlp", "transformer_block", "ring_attention", "moe_layer", "custom_op"} <= set(NAMES)
+def test_the_examples_exist():
+    assert {
+        "tp_mlp", "transformer_block", "ring_attention", "moe_layer", "custom_op", "llama_block"
+    } <= set(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
