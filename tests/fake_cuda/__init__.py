@@ -151,8 +151,17 @@ class FakeCuda:
         return rows[:got]
 
 
+_BUILT: FakeCuda | None = None
+
+
 def build(folder: Path) -> FakeCuda:
-    """Compile the fake libraries into ``folder``; RuntimeError with gcc's output on failure."""
+    """Compile the fake libraries into ``folder``; RuntimeError with gcc's output on failure.
+    Once per process: a second build elsewhere would be a second runtime the first driver does
+    not see (the driver finds its runtime by soname, and the first one loaded wins), so later
+    calls return the first build."""
+    global _BUILT
+    if _BUILT is not None:
+        return _BUILT
     if shutil.which("gcc") is None:
         raise RuntimeError("fake cuda: gcc is not on PATH")
     folder.mkdir(parents=True, exist_ok=True)
@@ -163,4 +172,5 @@ def build(folder: Path) -> FakeCuda:
     link = ["-L", str(folder), "-lfakecudart", "-Wl,-rpath,$ORIGIN"]
     _gcc(folder / "libfakecuda.so", ["fake_cuda.c"], *link)
     _gcc(folder / "libfakecuda_v1.so", ["fake_cuda.c"], "-DFAKE_CUDA_V1_ONLY", *link)
-    return FakeCuda(runtime, folder / "libfakecuda.so", folder / "libfakecuda_v1.so")
+    _BUILT = FakeCuda(runtime, folder / "libfakecuda.so", folder / "libfakecuda_v1.so")
+    return _BUILT

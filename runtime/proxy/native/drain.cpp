@@ -138,17 +138,18 @@ void Drain::run() {
         n = peek();
         if (n > 0) execute(n);
       } catch (const Failure& f) {
-        int index = f.index < 0 ? 0 : f.index;
+        const int index = f.index < 0 ? 0 : f.index;
         err = {true, cmds_[static_cast<size_t>(index)].ticket, f.message};
+        int done = index;
         try {
           mover.end_batch();  // the events of the commands before it
         } catch (const Failure& g) {
-          if (g.index < 0 || g.index >= index) throw;
-          index = g.index;  // an earlier command's queued copy or flag failed: report that one
-          err = {true, cmds_[static_cast<size_t>(index)].ticket, g.message};
+          if (g.index < 0) throw;
+          done = 0;  // their queued copies or flags failed too (several streams): none is done
+          if (g.index < index) err = {true, cmds_[static_cast<size_t>(g.index)].ticket, g.message};
         }
-        release(index);  // the commands before it are done; the failing one stays at the tail
-        commands.fetch_add(index);
+        release(done);  // the commands before it are done; the failing one stays at the tail
+        commands.fetch_add(done);
         break;
       }
       if (n > 0) {
@@ -156,10 +157,9 @@ void Drain::run() {
           mover.end_batch();  // events first: a freed slot means its command's events are out
         } catch (const Failure& f) {
           if (f.index < 0) throw;
-          // Several streams: a copy or flag queued for the end of the batch failed there.
+          // Several streams: a copy or flag queued for the end of the batch failed there. The
+          // batch's copies went out together, so none of it is known done: nothing released.
           err = {true, cmds_[static_cast<size_t>(f.index)].ticket, f.message};
-          release(f.index);
-          commands.fetch_add(f.index);
           break;
         }
         release(n);

@@ -299,7 +299,7 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
           break;
         }
       }
-      st.data.push_back(Copy1D{to, from, static_cast<size_t>(nbytes), index});
+      st.data.push_back(Copy1D{to, from, static_cast<size_t>(nbytes), index, ""});
     } else {
       // Strided, or paced like a NIC (a paced copy leaves when the link would start it): now,
       // after what the stream already holds.
@@ -478,7 +478,8 @@ void Mover::submit(StreamState& st, std::vector<Copy1D>& copies, bool flags) {
       try {
         cuda.copy_batch(dsts.data(), srcs.data(), sizes.data(), copies.size(), st.stream, failed);
       } catch (const Failure& f) {
-        throw Failure{copies[failed < copies.size() ? failed : 0].index, f.message};
+        const Copy1D& c = copies[failed < copies.size() ? failed : 0];
+        throw Failure{c.index, c.what + f.message};
       }
       stats.batch_calls.fetch_add(1, std::memory_order_relaxed);
     } else {
@@ -486,7 +487,7 @@ void Mover::submit(StreamState& st, std::vector<Copy1D>& copies, bool flags) {
         try {
           cuda.copy(c.dst, c.src, c.bytes, st.stream);
         } catch (const Failure& f) {
-          throw Failure{c.index, f.message};
+          throw Failure{c.index, c.what + f.message};
         }
       }
     }
@@ -532,7 +533,10 @@ void Mover::flush_raises(StreamState& st) {
             __atomic_add_fetch(&m.shadow[raises[k].key.event], raises[k].count, __ATOMIC_RELAXED);
         st.stage[slot + (k - i)] = static_cast<uint32_t>(value);
       }
-      copies.push_back(Copy1D{reinterpret_cast<void*>(address), &st.stage[slot], 4 * (j - i), index});
+      copies.push_back(Copy1D{reinterpret_cast<void*>(address), &st.stage[slot], 4 * (j - i), index,
+                              "raising flag words " + std::to_string(raises[i].key.event) + ".." +
+                                  std::to_string(raises[j - 1].key.event) + " of rank " +
+                                  std::to_string(raises[i].key.rank) + ": "});
     } else {
       for (size_t k = i; k < j; ++k) {
         const int64_t value =

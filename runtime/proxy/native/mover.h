@@ -167,6 +167,7 @@ class Mover {
     const void* src;
     size_t bytes;
     int index;  // command (batch index) named if it fails
+    std::string what;  // flags: which words, for the error
   };
   struct StreamRaise {
     EventKey key;
