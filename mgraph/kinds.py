@@ -2,8 +2,9 @@
 
 A kind is what a task does to its regions. Its facets are attached by decorators in the file of
 the op that owns it (STYLE rule 1): ``cpu`` (torch on CPU tensors: the reference tile body the CPU
-runtimes execute), ``flops`` (the cost hint the scheduler and simulator use) and, later, ``triton``
-(the megakernel's tile body). Attaching a facet twice is a RegistrationError. Custom ops add kinds
+runtimes execute), ``flops`` (the cost hint the scheduler and simulator use) and ``triton`` (the
+megakernel's tile body: the megakernel's dispatch is generated from the kinds that have one,
+runtime/megakernel/dispatch.py). Attaching a facet twice is a RegistrationError. Custom ops add kinds
 with :func:`define_kind`; the builtin names below are the closed set mgraph ships.
 """
 
@@ -70,6 +71,9 @@ class KindSpec:
     flops_fn: FlopsFn | None = None
     triton_body: Any = None
     extra: dict = field(default_factory=dict)
+    # The task params a tile body reads on the GPU, in order (each task's ``params[name]``,
+    # an int or a float): the megakernel packs them into the task's row of its params table.
+    params: tuple[str, ...] = ()
 
     def _attach(self, facet: str, fn: Any) -> Any:
         if getattr(self, facet) is not None:
@@ -104,13 +108,17 @@ class KindSpec:
 KINDS: dict[str, KindSpec] = {}
 
 
-def define_kind(name: str, roles: Sequence[Role | str], doc: str) -> KindSpec:
-    """Register a new task kind; a name defined twice is a RegistrationError."""
+def define_kind(
+    name: str, roles: Sequence[Role | str], doc: str, *, params: Sequence[str] = ()
+) -> KindSpec:
+    """Register a new task kind; a name defined twice is a RegistrationError. ``params``: the
+    task params its Triton body reads (abi.param_i32/param_f32 by position), in order."""
     if name in KINDS:
         raise RegistrationError(
             f"task kind {name!r} is already defined", hint="pick another name for the new kind"
         )
-    spec = KindSpec(name=name, roles=frozenset(Role(r) for r in roles), doc=doc)
+    spec = KindSpec(name=name, roles=frozenset(Role(r) for r in roles), doc=doc,
+                    params=tuple(params))
     KINDS[name] = spec
     return spec
 

@@ -14,7 +14,16 @@ import torch
 
 import mgraph as mg
 from mgraph.kinds import ROLES
-from mgraph.ops.abi import F_KIND, F_NREAD, F_NWAIT, F_NWRITE, Q_STATIC, TASK_FIELDS
+from mgraph.ops.abi import (
+    F_KIND,
+    F_NPARAM,
+    F_NREAD,
+    F_NWAIT,
+    F_NWRITE,
+    F_PARAM0,
+    Q_STATIC,
+    TASK_FIELDS,
+)
 from mgraph.runtime.megakernel import encode_rank, layout
 from mgraph.runtime.megakernel.encode import ALIGN, ROLE_ALL, kind_id
 from mgraph.runtime.megakernel.runtime import TritonRuntime
@@ -185,7 +194,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 21, proc.stdout
+    assert len(rows) == 22, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at
@@ -202,6 +211,10 @@ def test_megakernel_under_the_interpreter_matches_torch():
     assert "buf999" in bad["message"] and "has no buffer 999" in bad["message"], bad
     # A wait that never completes inside the kernel: the error record becomes a named
     # WatchdogTimeout that says which task waited for which event on which rank.
+    # A kind defined outside mgraph (declared params, a Triton body) runs through the generated
+    # dispatch, each task reading its own params.
+    custom = next(r for r in rows if r["case"] == "custom-kind")
+    assert custom["errors"][0] < 1e-6, custom
     dog = next(r for r in rows if r["case"] == "kernel-watchdog")
     assert dog["outcome"] == "WatchdogTimeout", dog
     assert f"event {dog['event']!r} (rank {dog['rank']})" in dog["message"], dog
@@ -235,3 +248,49 @@ def test_event_scopes_are_gpu_unless_they_cross_gpus():
     solo = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x1", tile=[32, 32])
     ts = encode_rank(mg.schedule(solo), 0)
     assert set(ts.signals[:, 1].tolist()) == {0} and set(ts.waits[:, 3].tolist()) == {0}
+
+
+def test_generated_dispatch_names_a_body_it_cannot_call():
+    from mgraph.runtime.megakernel.dispatch import ABI_NAMES, _params_of, dispatch_source
+
+    def body(tp, regions, scale_factor):  # 'scale_factor' is no value of the kernel's
+        pass
+
+    with pytest.raises(mg.RegistrationError, match="scale_factor"):
+        _params_of("mine", body)
+    block, _ = dispatch_source({"gemm": kind_id("gemm"), "copy": kind_id("copy")}, "    ")
+    assert f"if kind == {kind_id('gemm')}:" in block and f"if kind == {kind_id('copy')}:" in block
+    # every argument the generated call passes is an ABI value the kernel has in scope
+    for line in block.splitlines():
+        if "(" in line and "if kind" not in line:
+            args = line[line.index("(") + 1 : line.rindex(")")].split(", ")
+            assert set(args) <= set(ABI_NAMES), line
+
+
+def test_task_params_are_packed_in_declared_order():
+    import struct
+
+    from mgraph.builder import GraphBuilder, piece
+    from mgraph.kinds import KINDS, Role
+    from mgraph.topology import Topology
+
+    b = GraphBuilder("p", Topology.parse("1x1"), "float32", {})
+    b.global_input("x", (16, 16))
+    b.global_output("out", (16, 16))
+    x = b.bound_buffer("x", 0, "x", [piece((16, 16))])
+    out = b.bound_buffer("out", 0, "out", [piece((16, 16))], role="output")
+    b.task(0, Role.COMPUTE, "copy", [x.region()], [out.region()], params={"alpha": 1.5, "n": 7})
+    graph = b.finish()
+    saved = KINDS["copy"].params
+    KINDS["copy"].params = ("n", "alpha")  # as if copy declared two params
+    try:
+        t = encode_rank(mg.schedule(graph), 0)
+        row = t.tasks[0]
+        p0, n = int(row[F_PARAM0]), int(row[F_NPARAM])
+        words = t.params[p0 : p0 + n].tolist()
+        assert words == [7, struct.unpack("<i", struct.pack("<f", 1.5))[0]]
+        graph.tasks[0].params = {"n": 7}
+        with pytest.raises(mg.ScheduleError, match="no param 'alpha'"):
+            encode_rank(mg.schedule(graph), 0)
+    finally:
+        KINDS["copy"].params = saved

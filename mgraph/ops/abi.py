@@ -4,7 +4,9 @@ The encoder (mgraph/runtime/megakernel/encode.py) writes these int32 tables and 
 (in each op's file) read them, so both sides import the field indices from here.
 
 - tasks   [T, TASK_FIELDS]: kind id, first/number of reads, writes, waits, signals, graph task id,
-  first/number of FIFO commands (rdma tasks: the rows of the command table the worker pushes)
+  first/number of FIFO commands (rdma tasks: the rows of the command table the worker pushes),
+  first/number of params (int32 words of ``params``: ints as they are, floats as float32 bits,
+  in the order the kind declares them: ``define_kind(..., params=(...))``)
 - regions [R, REGION_FIELDS]: buffer slot, row0, row1, col0, col1
 - waits   [Wn, WAIT_FIELDS]: event slot, count, signals per launch (target = (epoch-1)*total+count),
   and 1 when a signaller runs on another GPU (the wait then needs system scope)
@@ -28,6 +30,19 @@ __all__ = [
     "F_GID",
     "F_CMD0",
     "F_NCMD",
+    "F_PARAM0",
+    "F_NPARAM",
+    "R_SLOT",
+    "R_ROW0",
+    "R_ROW1",
+    "R_COL0",
+    "R_COL1",
+    "W_SLOT",
+    "W_COUNT",
+    "W_TOTAL",
+    "W_SYS",
+    "G_SLOT",
+    "G_SYS",
     "REGION_FIELDS",
     "WAIT_FIELDS",
     "SIGNAL_FIELDS",
@@ -60,12 +75,16 @@ __all__ = [
     "HAVE_TRITON",
 ]
 
-TASK_FIELDS = 12
+TASK_FIELDS = 14
 F_KIND, F_READ0, F_NREAD, F_WRITE0, F_NWRITE, F_WAIT0, F_NWAIT, F_SIG0, F_NSIG, F_GID = range(10)
 F_CMD0, F_NCMD = 10, 11
+F_PARAM0, F_NPARAM = 12, 13  # the task's row of ``params`` (its kind's declared params, in order)
 REGION_FIELDS = 5
+R_SLOT, R_ROW0, R_ROW1, R_COL0, R_COL1 = range(5)
 WAIT_FIELDS = 4
+W_SLOT, W_COUNT, W_TOTAL, W_SYS = range(4)
 SIGNAL_FIELDS = 2
+G_SLOT, G_SYS = range(2)
 # qinfo [roles + 1, QINFO_FIELDS]: where a role's queue starts in ``queues``, its length, its
 # workers, and how many of its first tasks are GEMM segment tasks (run statically, see below)
 QINFO_FIELDS = 4
@@ -105,4 +124,16 @@ if HAVE_TRITON:
         """Typed pointer to the first element of buffer ``slot`` (local or a peer's)."""
         return tl.load(bufaddr + slot).to(tl.pointer_type(DT))
 
-    __all__ += ["load_region", "buffer_base"]
+    _PARAM0, _NPARAM = tl.constexpr(F_PARAM0), tl.constexpr(F_NPARAM)
+
+    @triton.jit
+    def param_i32(params, tp, index):
+        """Integer param ``index`` of the task whose row is ``tp``."""
+        return tl.load(params + tl.load(tp + _PARAM0) + index)
+
+    @triton.jit
+    def param_f32(params, tp, index):
+        """Float param ``index`` of the task whose row is ``tp`` (stored as float32 bits)."""
+        return tl.load(params + tl.load(tp + _PARAM0) + index).to(tl.float32, bitcast=True)
+
+    __all__ += ["load_region", "buffer_base", "param_i32", "param_f32"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .encode import Layout, RankTables, encode_rank, layout
-from .runtime import SUPPORTED_KINDS, TritonRuntime, assemble_local, local_shards, run_in_process
+from .runtime import TritonRuntime, assemble_local, local_shards, run_in_process, supported_kinds
 
 __all__ = [
     "Layout",
@@ -11,7 +11,7 @@ __all__ = [
     "encode_rank",
     "layout",
     "TritonRuntime",
-    "SUPPORTED_KINDS",
+    "supported_kinds",
     "local_shards",
     "assemble_local",
     "run_in_process",

@@ -24,7 +24,19 @@ from mgraph.graph import ITEMSIZE, TaskGraph
 from mgraph.kinds import KINDS, ROLES, Role
 from mgraph.ops.abi import (
     F_CMD0,
+    F_GID,
+    F_KIND,
     F_NCMD,
+    F_NPARAM,
+    F_NREAD,
+    F_NSIG,
+    F_NWAIT,
+    F_NWRITE,
+    F_PARAM0,
+    F_READ0,
+    F_SIG0,
+    F_WAIT0,
+    F_WRITE0,
     POS_FIELDS,
     QINFO_FIELDS,
     REGION_FIELDS,
@@ -42,7 +54,8 @@ __all__ = [
 ]
 
 ROLE_ALL = len(ROLES)  # role index of a program that serves every queue (interpreter mode)
-PUSH_ID = len(KINDS)  # the kind id of an rdma task: push its FIFO commands (not a tile body)
+PUSH_ID = 1 << 16  # the kind id of an rdma task (push its FIFO commands): past every registry
+# index, so kinds defined later (custom ops) never collide with it
 ALIGN = 256  # bytes: TMA needs 16-byte aligned bases; 256 keeps every tile row-aligned too
 
 
@@ -102,6 +115,7 @@ class RankTables:
     queues: torch.Tensor  # concatenated role queues (local task indices), then the ALL queue
     qinfo: torch.Tensor  # [len(ROLES) + 1, QINFO_FIELDS]: offset, length, workers, static
     roles: torch.Tensor  # [programs]: role index of each worker program
+    params: torch.Tensor  # int32 words: each task's declared params (floats as float32 bits)
     segs: torch.Tensor  # [S, SEG_FIELDS]: the GEMM segments of the static queue prefix
     segwaits: torch.Tensor  # [n, WAIT_FIELDS]: the segments' hoisted waits
     segpos: torch.Tensor  # [static tasks, POS_FIELDS]: per static position, its tile coordinates
@@ -153,7 +167,7 @@ def encode_rank(
     local = {tid: i for i, tid in enumerate(order)}
     slot_of: dict[str, int] = {}
     ev_slot: dict[int, int] = {}
-    tasks, regions, waits, signals = [], [], [], []
+    tasks, regions, waits, signals, params = [], [], [], [], []
 
     def slot(buffer_id: str) -> int:
         if buffer_id not in slot_of:
@@ -176,28 +190,31 @@ def encode_rank(
     for tid in order:
         t = graph.tasks[tid]
         row = [0] * TASK_FIELDS
-        row[5], row[6] = len(waits), len(t.waits)
+        row[F_WAIT0], row[F_NWAIT] = len(waits), len(t.waits)
         waits += [
             [eslot(e), c, total[e], int(crosses[e] or graph.events[e].rank != t.rank)]
             for e, c in t.waits
         ]
-        row[9] = tid
+        row[F_GID] = tid
         tasks.append(row)
         if t.role == Role.RDMA.value:  # a push of its commands; the proxies raise its events
             kinds.add("push")
-            row[0] = PUSH_ID
+            row[F_KIND] = PUSH_ID
             row[F_CMD0] = len(cmd_rows)
             cmd_rows += [_cmd_row(c) for c in net.commands[tid]]
             row[F_NCMD] = len(cmd_rows) - row[F_CMD0]
-            row[7] = len(signals)
+            row[F_SIG0] = len(signals)
             continue
         kinds.add(t.kind)
-        row[0] = kind_id(t.kind)
-        row[1], row[2] = len(regions), len(t.reads)
+        row[F_KIND] = kind_id(t.kind)
+        row[F_READ0], row[F_NREAD] = len(regions), len(t.reads)
         regions += [[slot(r.buffer), r.row0, r.row1, r.col0, r.col1] for r in t.reads]
-        row[3], row[4] = len(regions), len(t.writes)
+        row[F_WRITE0], row[F_NWRITE] = len(regions), len(t.writes)
         regions += [[slot(w.buffer), w.row0, w.row1, w.col0, w.col1] for w in t.writes]
-        row[7], row[8] = len(signals), len(t.signals)
+        row[F_SIG0], row[F_NSIG] = len(signals), len(t.signals)
+        row[F_PARAM0] = len(params)
+        params += _param_words(t)
+        row[F_NPARAM] = len(params) - row[F_PARAM0]
         signals += [
             [eslot(e), int(crosses[e] or graph.events[e].rank != t.rank)] for e in t.signals
         ]
@@ -266,6 +283,7 @@ def encode_rank(
         queues=i32(flat),
         qinfo=i32(qrows, QINFO_FIELDS),
         roles=i32(roles),
+        params=i32(params) if params else torch.zeros(1, dtype=torch.int32),
         segs=i32(prefix.segs, SEG_FIELDS),
         segwaits=i32(prefix.waits, WAIT_FIELDS),
         segpos=i32(prefix.pos, POS_FIELDS),
@@ -378,6 +396,34 @@ class _Prefix:
         self.segs[-1][-2] = len(self.waits)
         self.segs[-1][-1] = len(rows)
         self.waits += rows
+
+
+def _param_words(task) -> list[int]:
+    """The task's params in its kind's declared order, one int32 word each (floats as float32
+    bits); a declared param the task lacks, or a value of another type, is a ScheduleError."""
+    import struct
+
+    words = []
+    for name in KINDS[task.kind].params:
+        if name not in task.params:
+            raise ScheduleError(
+                f"task {task.name!r} (kind {task.kind!r}) has no param {name!r}",
+                hint=f"the kind declares params {KINDS[task.kind].params}: set each in the "
+                "task's params",
+            )
+        value = task.params[name]
+        if isinstance(value, bool) or isinstance(value, int):
+            if not -(2**31) <= int(value) < 2**31:
+                raise ScheduleError(f"task {task.name!r}: param {name}={value} exceeds int32")
+            words.append(int(value))
+        elif isinstance(value, float):
+            words.append(struct.unpack("<i", struct.pack("<f", value))[0])
+        else:
+            raise ScheduleError(
+                f"task {task.name!r}: param {name}={value!r} is not an int or a float",
+                hint="the megakernel passes params as int32 or float32 words",
+            )
+    return words
 
 
 def _cmd_row(cmd) -> list[int]:

@@ -1,7 +1,8 @@
 """The persistent megakernel: one launch per rank runs that rank's whole schedule.
 
 Grid = the rank's worker programs (<= SMs, all resident: they spin on each other). Program p has
-role ``roles[p]``.
+role ``roles[p]``. This module is the template of the kernel: runtime.py launches a generated
+copy (dispatch.megakernel_for).
 
 The data path (v2): communication rides the compute tiles. The compute queue starts with its
 wait-free GEMM tasks (the "static prefix", cut into segments by encode.py): position j of it runs
@@ -13,9 +14,12 @@ after its last tile (one bulk-store fence, one barrier, a release per signal), s
 polls flags that are raised per program, not per tile.
 
 Then each program takes the next task of its role's queue with an atomic fetch-add on the
-queue head, waits for the task's events, runs the kind's tile body (only kinds the schedule uses
-are compiled in: HAS_* constexprs; reduce and gemm bodies also store into every further write
-region, e.g. a two-shot sum into its peers' outputs), then signals. Heads are never reset:
+queue head, waits for the task's events, runs the kind's tile body, then signals. The dispatch
+is not written here: dispatch.py generates it from the kinds that have a Triton body (one branch
+per kind the schedule runs, each body called with the kernel values its parameter names name)
+into a copy of this module; the rdma push (``push_commands``) is dispatched the same way. Every
+argument is passed by name (runtime.py), tables have named fields (mgraph/ops/abi.py) and a task
+carries its kind's declared params in a row of ``params``. Heads are never reset:
 launch ``epoch`` sees each head start at ``(epoch - 1) * (dynamic length + workers)`` (every
 worker takes one ticket past the end), and event targets are ``(epoch - 1) * signals per launch +
 count``. Program 0 finally waits for the rank's "exit events": events only peers raise and no
@@ -44,7 +48,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mgraph.ops import tiles
 from mgraph.ops.abi import (
     F_CMD0,
     F_GID,
@@ -56,6 +59,8 @@ from mgraph.ops.abi import (
     F_SIG0,
     F_WAIT0,
     F_WRITE0,
+    G_SLOT,
+    G_SYS,
     P_AM,
     P_BK,
     P_BN,
@@ -82,7 +87,13 @@ from mgraph.ops.abi import (
     S_W1,
     S_WAIT0,
     SEG_FIELDS,
+    SIGNAL_FIELDS,
     TASK_FIELDS,
+    W_COUNT,
+    W_SLOT,
+    W_SYS,
+    W_TOTAL,
+    WAIT_FIELDS,
     buffer_base,
 )
 
@@ -97,6 +108,9 @@ ERR_FIELDS = 8  # flag, rank, program, task, event slot, value, target, epoch
 _GID, _KIND, _NSIG, _NWAIT = tl.constexpr(F_GID), tl.constexpr(F_KIND), tl.constexpr(F_NSIG), tl.constexpr(F_NWAIT)
 _SIG0, _WAIT0, _FIELDS = tl.constexpr(F_SIG0), tl.constexpr(F_WAIT0), tl.constexpr(TASK_FIELDS)
 _CMD0, _NCMD = tl.constexpr(F_CMD0), tl.constexpr(F_NCMD)
+_WF, _WSLOT, _WCOUNT = tl.constexpr(WAIT_FIELDS), tl.constexpr(W_SLOT), tl.constexpr(W_COUNT)
+_WTOTAL, _WSYS = tl.constexpr(W_TOTAL), tl.constexpr(W_SYS)
+_GF, _GSLOT, _GSYS = tl.constexpr(SIGNAL_FIELDS), tl.constexpr(G_SLOT), tl.constexpr(G_SYS)
 _READ0, _WRITE0, _RF = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0), tl.constexpr(REGION_FIELDS)
 _QF, _QOFF, _QLEN = tl.constexpr(QINFO_FIELDS), tl.constexpr(Q_OFF), tl.constexpr(Q_LEN)
 _QWORKERS, _QSTATIC = tl.constexpr(Q_WORKERS), tl.constexpr(Q_STATIC)
@@ -108,9 +122,6 @@ _PF, _PAM, _PBK, _PBN = tl.constexpr(POS_FIELDS), tl.constexpr(P_AM), tl.constex
 _PW0M, _PW0N, _PW1M = tl.constexpr(P_W0M), tl.constexpr(P_W0N), tl.constexpr(P_W1M)
 _PW1N, _PTASK = tl.constexpr(P_W1N), tl.constexpr(P_TASK)
 
-gemm_tile = tiles.GEMM.triton_body
-reduce_tile = tiles.REDUCE.triton_body
-copy_tile = tiles.COPY.triton_body
 
 
 @triton.jit
@@ -174,17 +185,30 @@ def _segment_waits(pid, segwaits, w0, nwait, evaddr, epoch, limit, abort, err, r
     nothing, encode._Prefix), then the proxy fence: peers wrote the data with plain stores and
     the segment reads it through TMA."""
     for q in range(nwait):
-        wp = segwaits + (w0 + q) * 4
-        slot = tl.load(wp)
-        target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
+        wp = segwaits + (w0 + q) * _WF
+        slot = tl.load(wp + _WSLOT)
+        target = (epoch - 1) * tl.load(wp + _WTOTAL) + tl.load(wp + _WCOUNT)
         flag = tl.load(evaddr + slot).to(tl.pointer_type(tl.int32))
-        if tl.load(wp + 3) != 0:
+        if tl.load(wp + _WSYS) != 0:
             v = wait(flag, target, limit, abort, USE_TIMER, True)
         else:
             v = wait(flag, target, limit, abort, USE_TIMER, False)
         if v < target:
             _record(err, abort, rank, pid, -5, slot, v, target, epoch)
     fence_proxy_async(USE_TIMER)
+
+
+@triton.jit
+def push_commands(tp, cmds, ring, dhead, tail, capacity, epoch, limit, abort, err, rank, pid,
+                  USE_TIMER: tl.constexpr):
+    """The body of an rdma task (kind id encode.PUSH_ID, dispatched like any other kind): push
+    its precomputed FIFO commands into pinned host memory for the rank's proxy."""
+    c0 = tl.load(tp + _CMD0)
+    for c in range(tl.load(tp + _NCMD)):
+        ticket, seen = push(ring, dhead, tail, capacity, cmds + (c0 + c) * CMD_WORDS, epoch,
+                            limit, abort, USE_TIMER)
+        if ticket - seen >= capacity:
+            _record(err, abort, rank, pid, tl.load(tp + _GID), -2, ticket, seen, epoch)
 
 
 @triton.jit
@@ -280,9 +304,9 @@ def _signal_segments(pid, nprog, segpos, nstatic, tasks, signals, evaddr,
         tp = tasks + tl.load(segpos + j * _PF + _PTASK) * _FIELDS
         s0 = tl.load(tp + _SIG0)
         for q in range(tl.load(tp + _NSIG)):
-            sp = signals + (s0 + q) * 2
-            flag = tl.load(evaddr + tl.load(sp)).to(tl.pointer_type(tl.int32))
-            if tl.load(sp + 1) != 0:
+            sp = signals + (s0 + q) * _GF
+            flag = tl.load(evaddr + tl.load(sp + _GSLOT)).to(tl.pointer_type(tl.int32))
+            if tl.load(sp + _GSYS) != 0:
                 tl.atomic_add(flag, 1, sem="release", scope="sys")
             else:
                 tl.atomic_add(flag, 1, sem="release", scope="gpu")
@@ -290,7 +314,7 @@ def _signal_segments(pid, nprog, segpos, nstatic, tasks, signals, evaddr,
 
 @triton.jit
 def megakernel(
-    tasks, regions, waits, signals, bufaddr, bufrows, bufcols, evaddr,
+    tasks, regions, waits, signals, params, bufaddr, bufrows, bufcols, evaddr,
     queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch_ptr, rank, limit, err, abort,
     go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
@@ -298,10 +322,9 @@ def megakernel(
     exitaddr, exitcount, nexit, exitev, exittotal, nexitev,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
-    GEMM_ID: tl.constexpr, REDUCE_ID: tl.constexpr, COPY_ID: tl.constexpr,
-    HAS_GEMM: tl.constexpr, HAS_REDUCE: tl.constexpr, HAS_COPY: tl.constexpr,
+    NEED_AB: tl.constexpr,
     USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
-    PUSH_ID: tl.constexpr, HAS_NET: tl.constexpr,
+    HAS_NET: tl.constexpr,
     HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
     SEG_WAITS: tl.constexpr, SEG_P: tl.constexpr, SEG_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
@@ -316,12 +339,12 @@ def megakernel(
         # Peers' inputs (written before their launch) may be read through TMA: order the
         # barrier's acquire before this program's async-proxy loads.
         fence_proxy_async(USE_TIMER)
-    if HAS_GEMM:  # the rank's usual A and B: one descriptor each per launch, not per tile
+    if NEED_AB:  # the rank's usual A and B: one descriptor each per launch, not per tile
         a_cols = tl.load(bufcols + a0_slot)
-        ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),
+        ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),  # noqa: F841 - read by the generated dispatch
                                         [tl.load(bufrows + a0_slot), a_cols], [a_cols, 1], [BM, BK])
         b_cols = tl.load(bufcols + b0_slot)
-        bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, b0_slot, DT),
+        bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, b0_slot, DT),  # noqa: F841 - read by the generated dispatch
                                         [tl.load(bufrows + b0_slot), b_cols], [b_cols, 1], [BK, BN])
     role = tl.load(roles + pid)
     qp = qinfo + role * _QF
@@ -348,9 +371,9 @@ def megakernel(
         ok = 1
         nwait = tl.load(tp + _NWAIT)
         for q in range(nwait):
-            wp = waits + (w0 + q) * 4
-            slot = tl.load(wp)
-            target = (epoch - 1) * tl.load(wp + 2) + tl.load(wp + 1)
+            wp = waits + (w0 + q) * _WF
+            slot = tl.load(wp + _WSLOT)
+            target = (epoch - 1) * tl.load(wp + _WTOTAL) + tl.load(wp + _WCOUNT)
             flag = tl.load(evaddr + slot).to(tl.pointer_type(tl.int32))
             nnet = 0
             if HAS_NET:
@@ -358,7 +381,7 @@ def megakernel(
             if nnet > 0:
                 net = netaddr + tl.load(netfirst + slot)  # the words' addresses
                 v = wait_sum(flag, net, nnet, target, limit, abort, USE_TIMER, True)
-            elif tl.load(wp + 3) != 0:
+            elif tl.load(wp + _WSYS) != 0:
                 v = wait(flag, target, limit, abort, USE_TIMER, True)
             else:
                 v = wait(flag, target, limit, abort, USE_TIMER, False)
@@ -367,33 +390,19 @@ def megakernel(
                     _record(err, abort, rank, pid, tl.load(tp + _GID), slot, v, target, epoch)
                 ok = 0
         if ok == 1:
-            kind = tl.load(tp + _KIND)
-            if HAS_GEMM:
-                if kind == GEMM_ID:
-                    if nwait > 0:  # data that peers stored (generic proxy) read through TMA
-                        fence_proxy_async(USE_TIMER)
-                    gemm_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
-                              DT, BM, BN, BK)
-            if HAS_REDUCE:
-                if kind == REDUCE_ID:
-                    reduce_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
-            if HAS_COPY:
-                if kind == COPY_ID:
-                    copy_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
-            if HAS_NET:
-                if kind == PUSH_ID:
-                    c0 = tl.load(tp + _CMD0)
-                    for c in range(tl.load(tp + _NCMD)):
-                        ticket, seen = push(ring, dhead, tail, capacity, cmds + (c0 + c) * CMD_WORDS,
-                                            epoch, limit, abort, USE_TIMER)
-                        if ticket - seen >= capacity:
-                            _record(err, abort, rank, pid, tl.load(tp + _GID), -2, ticket, seen,
-                                    epoch)
+            if nwait > 0:  # data peers stored (generic proxy) may be read through TMA
+                fence_proxy_async(USE_TIMER)
+            kind = tl.load(tp + _KIND)  # noqa: F841 - read by the generated dispatch
+            # <dispatch> runtime/megakernel/dispatch.py replaces this block, in a generated copy
+            # of this module, with one branch per kind the schedule runs, each calling that
+            # kind's Triton body with the ABI values its parameters name (dispatch.ABI_NAMES).
+            pass
+            # </dispatch>
             s0 = tl.load(tp + _SIG0)
             for q in range(tl.load(tp + _NSIG)):
-                sp = signals + (s0 + q) * 2
-                flag = tl.load(evaddr + tl.load(sp)).to(tl.pointer_type(tl.int32))
-                if tl.load(sp + 1) != 0:
+                sp = signals + (s0 + q) * _GF
+                flag = tl.load(evaddr + tl.load(sp + _GSLOT)).to(tl.pointer_type(tl.int32))
+                if tl.load(sp + _GSYS) != 0:
                     signal(flag, True)
                 else:
                     signal(flag, False)

@@ -25,20 +25,32 @@ import torch
 
 from mgraph.errors import DTypeError, InputError, MgraphError, ScheduleError, WatchdogTimeout
 from mgraph.graph import ITEMSIZE, TaskGraph, torch_dtype
-from mgraph.kinds import ROLES, TaskKind
+from mgraph.kinds import KINDS, ROLES, TaskKind
 from mgraph.ops.abi import POS_FIELDS, Q_WORKERS, S_K0, S_K1, S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
 from ..memory import check_inputs, gather_outputs
 from ..trace import TaskRecord, Trace
+from .dispatch import PUSH_KIND, has_body, megakernel_for
 from .encode import PUSH_ID, ROLE_ALL, RankTables, encode_rank, kind_id, layout
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
 
-__all__ = ["TritonRuntime", "SUPPORTED_KINDS", "local_shards", "assemble_local", "run_in_process"]
+__all__ = ["TritonRuntime", "supported_kinds", "local_shards", "assemble_local", "run_in_process"]
 
-SUPPORTED_KINDS = {TaskKind.GEMM.value, TaskKind.REDUCE.value, TaskKind.COPY.value}
+def supported_kinds() -> set[str]:
+    """The kinds with a Triton body (the megakernel's dispatch is generated from them)."""
+    return {k for k in KINDS if has_body(k)}
+
+
+def _body_params(kind: str) -> list[str]:
+    import inspect
+
+    from .dispatch import _body
+
+    body = _body(kind)
+    return list(inspect.signature(getattr(body, "fn", body)).parameters)
 BK = 64
 GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8}
 # Sub-block of the reduce/copy bodies: 32 KiB bf16 per load, 128 B per thread in flight. 32x128
@@ -147,6 +159,14 @@ class TritonRuntime:
         self.net = None
         self._allocate()
         self._upload()
+        # The kernel with one dispatch branch per kind this rank runs (dispatch.py).
+        used = {k: kind_id(k) for k in self.tables.kinds if k != PUSH_KIND}
+        if "push" in self.tables.kinds:
+            used[PUSH_KIND] = PUSH_ID
+        self._kernel = megakernel_for(used)
+        self._need_ab = any(
+            n in ("ad0", "bd0") for k in used for n in _body_params(k)
+        )
         if self.layout.net is not None:
             from .net import KernelNet
 
@@ -156,7 +176,7 @@ class TritonRuntime:
     # -- set-up -------------------------------------------------------------------------------
     @staticmethod
     def _check_graph(graph: TaskGraph) -> None:
-        unsupported = {t.kind for t in graph.tasks} - SUPPORTED_KINDS
+        unsupported = {t.kind for t in graph.tasks if t.role != "rdma"} - supported_kinds()
         if unsupported:
             raise ScheduleError(
                 f"{graph.op}: backend='triton' has no tile bodies for {sorted(unsupported)} yet",
@@ -261,6 +281,7 @@ class TritonRuntime:
             name: tensor.to(dev)
             for name, tensor in dict(
                 tasks=t.tasks, regions=t.regions, waits=t.waits, signals=t.signals,
+                params=t.params,
                 queues=t.queues, qinfo=t.qinfo, roles=t.roles, bufaddr=self.bufaddr,
                 bufrows=self.bufrows, bufcols=self.bufcols, evaddr=self.evaddr,
                 peer_flags=self.peer_flags, netaddr=self.netaddr, netfirst=self.netfirst,
@@ -339,40 +360,43 @@ class TritonRuntime:
             self._capture()
 
     def _zero_and_launch(self) -> None:
-        from .kernel import megakernel
+        megakernel = self._kernel
 
         for buf in self.graph.buffers.values():
             if buf.rank in self.mine and buf.zeroed:
                 # epilogues reduce-add into it; peers only after the entry barrier
                 self.views[buf.id].zero_()
-        d, kinds, t, net = self.d, self.tables.kinds, self.tables, self.net
+        d, t, net = self.d, self.tables, self.net
         # The interpreter counts polls, not nanoseconds: ~200k polls per watchdog second (the
         # default 5 s gives 1M polls, enough for a proxy round trip under the interpreter).
         limit = (int(self.settings.watchdog_s * 1e9) if not self.interpret
                  else max(1000, int(self.settings.watchdog_s * 2e5)))
         if net is not None:
-            fifo = (net.fifo.ring, net.dhead, net.fifo.tail, net.fifo.capacity)
-        else:
-            fifo = (d["exitaddr"], d["exitaddr"], d["exitaddr"], 1)  # unused: HAS_NET is off
+            fifo = dict(ring=net.fifo.ring, dhead=net.dhead, tail=net.fifo.tail,
+                        capacity=net.fifo.capacity)
+        else:  # unused: HAS_NET is off
+            fifo = dict(ring=d["exitaddr"], dhead=d["exitaddr"], tail=d["exitaddr"], capacity=1)
         nseg = int(t.segs.shape[0])
         cfg = self.gemm_config
         ksizes = {int(r[S_K1]) - int(r[S_K0]) for r in t.segs.tolist()}
+        # Every argument by its name in kernel.megakernel's signature: nothing positional to
+        # keep in step between the two files (a misspelt name fails at the first launch).
+        tables = {name: d[name] for name in (
+            "tasks", "regions", "waits", "signals", "params", "bufaddr", "bufrows", "bufcols",
+            "evaddr", "queues", "qinfo", "roles", "heads", "segs", "segpos", "segwaits", "err",
+            "abort", "go", "peer_flags", "trace", "cmds", "startaddr", "netaddr", "netfirst",
+            "netn", "exitaddr", "exitcount", "exitev", "exittotal")}
         self.compiled = megakernel[(self.tables.programs,)](
-            d["tasks"], d["regions"], d["waits"], d["signals"], d["bufaddr"], d["bufrows"],
-            d["bufcols"], d["evaddr"], d["queues"], d["qinfo"], d["roles"], d["heads"],
-            d["segs"], nseg, d["segpos"], d["segwaits"],
-            d["epoch"], -1 if self.rank is None else self.rank, limit, d["err"], d["abort"],
-            d["go"], self.start_flag,
-            d["peer_flags"], self.npeers, d["trace"], self.tables.a0_slot, self.tables.b0_slot,
-            *fifo, d["cmds"], t.start_cmds, d["startaddr"], d["netaddr"], d["netfirst"], d["netn"],
-            d["exitaddr"], d["exitcount"], len(t.exits),
-            d["exitev"], d["exittotal"], len(t.exit_events),
+            **tables, **fifo,
+            epoch_ptr=d["epoch"], rank=-1 if self.rank is None else self.rank, limit=limit,
+            nseg=nseg, start_flags=self.start_flag, npeers=self.npeers,
+            a0_slot=t.a0_slot, b0_slot=t.b0_slot, start_cmds=t.start_cmds,
+            nexit=len(t.exits), nexitev=len(t.exit_events),
             DT=_tl_dtype(self.graph.dtype), BM=self.bm, BN=self.bn, BK=BK, RB_M=RB_M, RB_N=RB_N,
-            GEMM_ID=kind_id("gemm"), REDUCE_ID=kind_id("reduce"), COPY_ID=kind_id("copy"),
-            HAS_GEMM="gemm" in kinds, HAS_REDUCE="reduce" in kinds, HAS_COPY="copy" in kinds,
+            NEED_AB=self._need_ab,
             USE_TIMER=not self.interpret, TRACE=self.trace_enabled,
             BARRIER=self.npeers > 0 or t.start_cmds > 0,
-            PUSH_ID=PUSH_ID, HAS_NET=net is not None,
+            HAS_NET=net is not None,
             HAS_SEGS=nseg > 0, SEG_NW=int(t.segs[0][S_NW]) if nseg else 1,
             SEG_ADD=t.prefix_adds, SEG_WAITS=bool(t.segwaits.shape[0]),
             SEG_P=max(1, int(t.qinfo[ROLE_ALL if self.interpret else 0][Q_WORKERS])),

@@ -1,0 +1,154 @@
+"""The megakernel's dispatch, generated from the kinds that have a Triton body.
+
+kernel.py holds the megakernel with a placeholder block between ``# <dispatch>`` and
+``# </dispatch>``. For a schedule, :func:`megakernel_for` writes a copy of kernel.py whose block
+has one branch per kind the schedule runs::
+
+    if kind == 0:  # gemm: mgraph.ops.tiles.gemm_tile
+        _body_gemm(tp, regions, bufaddr, ...)
+
+and imports that copy (Triton compiles from source files), with each ``_body_<id>`` bound to the
+kind's Triton body in the copy's namespace. A body's PARAMETER NAMES say what it
+receives: each must be one of :data:`ABI_NAMES`, the values the kernel has in scope at the
+dispatch point (its task row ``tp``, the tables, the rank's A/B descriptors, constexpr block
+sizes...). So a new tile body is one decorated function in its op's file: no kernel argument,
+no positional list kept in lockstep, no literal table offsets (the fields are named in
+mgraph/ops/abi.py). The rdma push is dispatched the same way (kernel.push_commands).
+
+The generated file is named by a hash of its text, so every process that runs the same kinds
+writes the same file and Triton's on-disk cache reuses its compiled kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from mgraph.errors import RegistrationError
+from mgraph.kinds import KINDS
+
+__all__ = ["ABI_NAMES", "PUSH_KIND", "megakernel_for", "dispatch_source", "has_body"]
+
+# What a tile body may name as a parameter: the kernel's values at the dispatch point.
+ABI_NAMES = {
+    "tp": "the task's row of the task table (mgraph/ops/abi.py names its fields)",
+    "params": "the int32 params table (abi.param_i32 / abi.param_f32)",
+    "regions": "the region table: (slot, row0, row1, col0, col1) per region",
+    "bufaddr": "int64 address per buffer slot (this GPU's or a peer's memory)",
+    "bufrows": "rows per buffer slot",
+    "bufcols": "columns per buffer slot",
+    "ad0": "TMA descriptor of the rank's most used GEMM A buffer",
+    "bd0": "TMA descriptor of the rank's most used GEMM B buffer",
+    "a0_slot": "buffer slot of ad0",
+    "b0_slot": "buffer slot of bd0",
+    "cmds": "the FIFO command rows (rdma tasks)",
+    "ring": "the pinned host FIFO ring",
+    "dhead": "the FIFO's device head counter",
+    "tail": "the FIFO's host tail",
+    "capacity": "FIFO slots",
+    "epoch": "this launch's epoch",
+    "limit": "the watchdog bound (ns on the GPU, polls in the interpreter)",
+    "abort": "the abort flag",
+    "err": "the error record",
+    "rank": "this rank (-1: every rank in one interpreter program)",
+    "pid": "this program's id",
+    "DT": "constexpr: the graph's element type",
+    "BM": "constexpr: GEMM tile rows",
+    "BN": "constexpr: GEMM tile columns",
+    "BK": "constexpr: GEMM K step",
+    "RB_M": "constexpr: reduce/copy sub-block rows",
+    "RB_N": "constexpr: reduce/copy sub-block columns",
+    "USE_TIMER": "constexpr: on a GPU (inline PTX, %globaltimer) rather than the interpreter",
+}
+PUSH_KIND = "push"  # the rdma push: not a registry kind (it has no CPU body), dispatched alike
+_BEGIN, _END = "# <dispatch>", "# </dispatch>"
+
+
+def has_body(kind: str) -> bool:
+    spec = KINDS.get(kind)
+    return spec is not None and spec.triton_body is not None
+
+
+def _body(kind: str):
+    if kind == PUSH_KIND:
+        from .kernel import push_commands
+
+        return push_commands
+    return KINDS[kind].triton_body
+
+
+def _params_of(kind: str, body) -> list[str]:
+    fn = getattr(body, "fn", body)  # a JITFunction wraps the Python function
+    names = list(inspect.signature(fn).parameters)
+    unknown = [n for n in names if n not in ABI_NAMES]
+    if unknown:
+        raise RegistrationError(
+            f"the Triton body of kind {kind!r} ({fn.__module__}.{fn.__qualname__}) takes "
+            f"{unknown}, which the megakernel does not provide",
+            hint=f"name parameters after the kernel's values: {', '.join(ABI_NAMES)}",
+        )
+    return names
+
+
+def dispatch_source(kinds: dict[str, int], indent: str) -> tuple[str, str]:
+    """(the dispatch block, the import lines) for ``kinds`` (name -> kind id)."""
+    block, imports = [], []
+    for name, kid in sorted(kinds.items(), key=lambda kv: kv[1]):
+        body = _body(name)
+        fn = getattr(body, "fn", body)
+        alias = f"_body_{kid}"
+        args = ", ".join(_params_of(name, body))
+        # bound into the module's namespace before it runs (a body may live anywhere, even
+        # in a function or __main__, where an import by name could not reach it)
+        imports.append(f"# {alias} = {fn.__module__}.{fn.__qualname__}  ({name})")
+        block.append(f"{indent}if kind == {kid}:  # {name}: {fn.__module__}.{fn.__qualname__}")
+        block.append(f"{indent}    {alias}({args})")
+    if not block:
+        block.append(f"{indent}pass")
+    return "\n".join(block) + "\n", "\n".join(imports) + "\n"
+
+
+def megakernel_for(kinds: dict[str, int]):
+    """The megakernel JITFunction whose dispatch runs ``kinds`` (name -> kind id)."""
+    from . import kernel
+
+    template = Path(kernel.__file__).read_text()
+    start = template.index(_BEGIN)
+    line_start = template.rindex("\n", 0, start) + 1
+    indent = template[line_start:start]
+    end = template.index("\n", template.index(_END)) + 1
+    block, imports = dispatch_source(kinds, indent)
+    # the copy lives outside the package: its relative imports become absolute
+    template = template.replace("\nfrom .", "\nfrom mgraph.runtime.megakernel.")
+    start = template.index(_BEGIN)
+    line_start = template.rindex("\n", 0, start) + 1
+    end = template.index("\n", template.index(_END)) + 1
+    text = (template[:line_start] + block + template[end:] +
+            "\n\n# -- generated by mgraph.runtime.megakernel.dispatch: the kinds' bodies --\n" +
+            imports)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    name = f"mgraph_megakernel_{digest}"
+    cached = sys.modules.get(name)
+    if cached is not None and all(
+        getattr(cached, f"_body_{kid}", None) is _body(kind) for kind, kid in kinds.items()
+    ):
+        return cached.megakernel
+    folder = Path(tempfile.gettempdir()) / f"mgraph-kernels-{os.getuid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.py"
+    if not path.exists() or path.read_text() != text:
+        partial = folder / f".{name}.{os.getpid()}.tmp"
+        partial.write_text(text)
+        os.replace(partial, path)  # atomic: a concurrent rank never reads half a file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    for kind, kid in kinds.items():
+        setattr(module, f"_body_{kid}", _body(kind))
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.megakernel
