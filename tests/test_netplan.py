@@ -214,3 +214,40 @@ def test_native_proxy_carries_the_flag_mode():
         proxy = NativeProxy(CommandFifo(8), transport, rank=0, flag_copy=copy)
         assert proxy._drain.flag_copy is copy
         proxy.stop()
+
+
+@pytest.mark.parametrize("op,topo,kw", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_every_net_word_is_raised_from_one_lane(op, topo, kw):
+    """A proxy runs lane L on stream L mod streams: a word raised from two lanes could have two
+    writing streams and its running count could go backwards, whatever the stream count."""
+    graph = _graph(op, topo, kw)
+    plan = net_plan(graph, block=1)  # every task its own lane (mod LANES): the hardest case
+    lanes: dict = {}
+    for r in graph.topology.ranks:
+        for c in plan.start_commands(r):
+            assert c.lane == 0
+            lanes.setdefault((c.dst_rank, c.event), set()).add(c.lane)
+    for tid, cmds in plan.commands.items():
+        for c in cmds:
+            assert c.lane == plan.lanes[tid]
+            lanes.setdefault((c.dst_rank, c.event), set()).add(c.lane)
+            if c.done_event >= 0:
+                lanes.setdefault((c.src_rank, c.done_event), set()).add(c.lane)
+    assert lanes and all(len(v) == 1 for v in lanes.values()), lanes
+    assert len(set(plan.lanes.values())) > 1  # the check above had several lanes to compare
+
+
+def test_lanes_go_in_blocks_per_rank():
+    from mgraph.runtime.megakernel.netplan import LANE_BLOCK, LANES, lane_of
+
+    graph = mg.ops.gemm_allreduce(M=128, N=128, K=128, tile=[32, 32], chunk_bytes=1024,
+                                  topology="2x1")
+    lanes = lane_of(graph)
+    for r in graph.topology.ranks:
+        mine = sorted(t.id for t in graph.tasks if t.role == "rdma" and t.rank == r)
+        assert [lanes[t] for t in mine] == [(i // LANE_BLOCK) % LANES for i in range(len(mine))]
+    plan = net_plan(graph)
+    # per-lane words: one "sent" per lane used on a rank, summed by the exit
+    for r in graph.topology.ranks:
+        used = {lanes[t.id] for t in graph.tasks if t.role == "rdma" and t.rank == r}
+        assert {k[1] for k in plan.words[r] if k[0] == "sent"} == used
