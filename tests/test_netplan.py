@@ -234,7 +234,9 @@ def test_every_net_word_is_raised_from_one_lane(op, topo, kw):
             if c.done_event >= 0:
                 lanes.setdefault((c.src_rank, c.done_event), set()).add(c.lane)
     assert lanes and all(len(v) == 1 for v in lanes.values()), lanes
-    assert len(set(plan.lanes.values())) > 1  # the check above had several lanes to compare
+    per_rank = Counter(t.rank for t in graph.tasks if t.role == "rdma")
+    if max(per_rank.values()) > 1:  # the check above had several lanes to compare
+        assert len(set(plan.lanes.values())) > 1
 
 
 def test_lanes_go_in_blocks_per_rank():
