@@ -16,6 +16,10 @@ latency_us_median/p10/p90, ok, error):
             the destination flag on the proxy's stream): push -> destination flag, per command.
             ``roundtrip_us_median`` (push -> done flag, both on GPU0's clock) bounds it.
   bandwidth 64 KiB / 256 KiB / 1 MiB WRITEs, uncapped and paced at 50 GB/s, data checked.
+``--streams 1 4`` runs every case with each number of proxy copy streams (NativeProxy
+``streams``, Settings.proxy_streams): commands carry lanes as netplan.py assigns them (flag word
+f on lane (f // LANE_BLOCK) % LANES, so a word keeps one stream and neighbouring words of a lane
+go out in one flag copy).
 Every row is checked (statuses, final flag counts, destination == source); a failed check makes
 the row an error with no numbers, and the exit status non-zero.
 
@@ -50,6 +54,7 @@ import triton.language as tl  # noqa: E402
 
 from mgraph.errors import ProxyError  # noqa: E402
 from mgraph.runtime.megakernel.hostfifo import CMD_WORDS, push  # noqa: E402
+from mgraph.runtime.megakernel.netplan import LANE_BLOCK, LANES  # noqa: E402
 from mgraph.runtime.megakernel.sync import now, wait  # noqa: E402
 from mgraph.runtime.proxy import Command, CommandFifo, InProcessTransport, Rect, Word  # noqa: E402
 from mgraph.runtime.proxy.command import encode  # noqa: E402
@@ -114,6 +119,7 @@ class Case:
     path: str  # gpu0->gpu1 | loopback | cpu-interpreter
     producers: int = 8
     flags: str = "copy"  # how the proxy raises GPU flags: copy-engine copy | stream memop
+    streams: int = 1  # the proxy's copy streams
 
 
 class Rig:
@@ -173,6 +179,8 @@ def build(case: Case, cols: int, n_slots: int) -> tuple[torch.Tensor, torch.Tens
     rows[raises & (case.kind == "nop")] = signal
     rows[:, Word.HEADER] &= 0xFF  # the kernel writes the sequence number
     rows[:, Word.EVENT] = flag
+    # Lanes as netplan.py gives them: every raise of a flag word from one lane (one stream).
+    rows[:, Word.LANE] = torch.where(flag >= 0, (flag // LANE_BLOCK) % LANES, 0)
     if case.kind == "write":
         j = i % n_slots
         rows[:, Word.SRC_ROWS] = rows[:, Word.DST_ROWS] = (j << 32) | (j + 1)
@@ -212,7 +220,7 @@ def run_case(case: Case, rig: Rig) -> dict:
     # idle_sleep_us=0: the loop spins, as a GPU's proxy must to see a push within microseconds.
     proxy = NativeProxy(fifo, transport, 32, rank=0, timeout=30, coalesce=False,
                         bandwidth=case.cap_gbps * 1e9, idle_sleep_us=0,
-                        flag_copy=case.flags == "copy")  # fmt: skip
+                        flag_copy=case.flags == "copy", streams=case.streams)  # fmt: skip
 
     def full(size: int, dtype: torch.dtype, dev: torch.device, fill: int = 0) -> torch.Tensor:
         return torch.full((size,), fill, dtype=dtype, device=dev)
@@ -330,7 +338,12 @@ def _launch(producer, consumer, n, n_watch, asm, devices, deadline, proxy) -> fl
     return time.perf_counter() - start
 
 
-def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",)) -> list[Case]:
+def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",), streams=(1,)) -> list[Case]:
+    return [Case(**{**asdict(c), "streams": k}) for k in streams
+            for c in _plan(rig, quick, two_gpus, flag_modes)]  # fmt: skip
+
+
+def _plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",)) -> list[Case]:
     far = "cpu-interpreter" if rig.cpu else ("gpu0->gpu1" if two_gpus else "loopback")
     near = "cpu-interpreter" if rig.cpu else "loopback"
     if rig.cpu:  # GPU sizes / 256; counts just big enough to wrap the 16-slot ring
@@ -378,11 +391,12 @@ def target(row: dict, cpu: bool) -> str:
 
 
 def table(rows: list[dict], cpu: bool) -> str:
-    lines = ["| bench | kind | flags | path | chunk | cap GB/s | cmds | ms | k cmd/s | GB/s | "
-             "lat p10 / med / p90 us | target |", "|---" * 12 + "|"]  # fmt: skip
+    lines = ["| bench | kind | flags | streams | path | chunk | cap GB/s | cmds | ms | k cmd/s | "
+             "GB/s | lat p10 / med / p90 us | target |", "|---" * 13 + "|"]  # fmt: skip
     for r in rows:
         flags = r["flags"] if r["kind"] != "nop" else "-"
-        head = f"| {r['bench']} | {r['kind']} | {flags} | {r['path']} | {r['chunk_bytes']} | " \
+        head = f"| {r['bench']} | {r['kind']} | {flags} | {r.get('streams', 1)} | {r['path']} | " \
+               f"{r['chunk_bytes']} | " \
                f"{r['cap_gbps'] or '-'} | {r['commands']} |"  # fmt: skip
         if not r["ok"]:
             lines.append(f"{head} ERROR: {r['error']} | | | | |")
@@ -402,6 +416,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="Triton interpreter, host memory")
     parser.add_argument("--gpu-flags", nargs="+", default=["copy", "memop"],
                         choices=["copy", "memop"], help="how the proxy raises GPU flag words")
+    parser.add_argument("--streams", nargs="+", type=int, default=[1],
+                        help="proxy copy streams to run every case with (e.g. 1 4)")
     args = parser.parse_args()
     rig = Rig(args.cpu)
     if not args.cpu and not torch.cuda.is_available():
@@ -413,7 +429,9 @@ def main() -> None:
         torch.ones(1, device="cuda:1").copy_(torch.ones(1, device="cuda:0"))
     rows = []
     modes = ["copy"] if args.cpu else args.gpu_flags  # host flags have one mode
-    for case in plan(rig, args.quick, two_gpus, modes):
+    if not all(1 <= k <= LANES for k in args.streams):
+        parser.error(f"--streams {args.streams}: each in [1, {LANES}]")
+    for case in plan(rig, args.quick, two_gpus, modes, args.streams):
         if case.bench == "drain" and not args.cpu:
             case = calibrate(case, rig, 0.05 if args.quick else 0.2)
         row = run_case(case, rig)

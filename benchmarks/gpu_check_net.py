@@ -1,7 +1,7 @@
-"""Issue 15's GPU check on 2 H200s, in one run under 4 minutes: the crash repro first, then the
+"""Issue 15's GPU check on 2 H200s, in one run under 7 minutes: the crash repro first, then the
 emulated-node GPU tests, then the emulated benchmark at every chunk size, then a compact summary.
 
-Run (repository root, 2 GPUs): python3 benchmarks/gpu_check_net.py [--budget 230]
+Run (repository root, 2 GPUs): python3 benchmarks/gpu_check_net.py [--budget 420]
 
 Steps, each bounded by its own timeout and by what is left of ``--budget`` seconds (a step that
 does not fit is recorded as skipped, never silently dropped):
@@ -13,7 +13,11 @@ does not fit is recorded as skipped, never silently dropped):
    tests never launch back to back, the bench's warm-up does), ``MGRAPH_PROXY_BATCH=1`` (no
    merged WRITEs or raises) and ``MGRAPH_GPU_FLAGS=memop`` (no pinned staging words);
 4. ``pytest -m multi_gpu -k emulated tests/test_megakernel_gpu.py``;
-5. the bench at 256 KiB and 4 MiB (cap 50), then GEMM+RS and AG+GEMM at 1 MiB (cap 50).
+5. proxy copy streams, 1 vs 4 (``Settings.proxy_streams``; step 2 is the 1-stream run): the
+   fused GEMM+AR bench at 1 MiB (caps 50 and 0) with ``MGRAPH_PROXY_STREAMS=4``, then
+   ``bench_proxy.py --quick --gpu-flags copy --streams 1 4`` (drains, latency, and bandwidth at
+   256 KiB uncapped and capped, each with 1 and 4 streams);
+6. the bench at 256 KiB and 4 MiB (cap 50), then GEMM+RS and AG+GEMM at 1 MiB (cap 50).
 JSON: ``$OUT/gpu_check_net.json`` (OUT defaults to benchmarks/results), each bench's rows under
 ``$OUT/emulated_<kib>k*/``; the summary table is printed last.
 """
@@ -111,7 +115,7 @@ def summary(steps: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=230.0, help="seconds for everything")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for everything")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -135,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                     55, env, rows=out / f"emulated_1024k_{name}")
     run.run("tests_emulated", [sys.executable, "-m", "pytest", "-q", "-x", "-m", "multi_gpu",
                                "-k", "emulated", "tests/test_megakernel_gpu.py"], 100)
+    run.run("ar_1m_streams4", bench_cmd(1024, out / "emulated_1024k_streams4", "--ops",
+                                        "gemm_allreduce"),
+            75, {"MGRAPH_PROXY_STREAMS": "4"}, rows=out / "emulated_1024k_streams4")
+    run.run("bench_proxy_streams", [sys.executable, "benchmarks/bench_proxy.py", "--out",
+                                    str(out / "bench_proxy_streams"), "--quick", "--gpu-flags",
+                                    "copy", "--streams", "1", "4"], 120)
     for kib in (256, 4096):
         run.run(f"ar_{kib}k", bench_cmd(kib, out / f"emulated_{kib}k", "--ops", "gemm_allreduce",
                                         "--nic-gbps", "50"), 60, rows=out / f"emulated_{kib}k")
