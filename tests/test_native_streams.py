@@ -294,3 +294,15 @@ def test_rect_lanes_round_trip_through_the_fifo() -> None:
     assert words[14] == 7
     with pytest.raises(ProxyError, match="lane"):
         Command.signal(0, 1, 2, lane=256)
+
+
+@pytest.mark.parametrize("value", ["0", "9", "two"])
+def test_the_setting_names_its_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    from mgraph.errors import SettingsError
+    from mgraph.settings import Settings
+
+    monkeypatch.setenv("MGRAPH_PROXY_STREAMS", value)
+    with pytest.raises(SettingsError, match=f"MGRAPH_PROXY_STREAMS={value}"):
+        Settings.from_env()
+    monkeypatch.setenv("MGRAPH_PROXY_STREAMS", "4")
+    assert Settings.from_env().proxy_streams == 4 and Settings().proxy_streams == 1
