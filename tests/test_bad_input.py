@@ -68,6 +68,11 @@ API = [
      "MGRAPH_MAX_BYTES"),
     ("too many tasks", lambda: small(settings=Settings(max_tasks=10)), E.SizeLimitError,
      "MGRAPH_MAX_TASKS"),
+    # refused from the op's lower bound, before any rank's buffers are made (a 10^6-rank
+    # topology is instant, not a minute of building)
+    ("huge topology", lambda: mg.ops.gemm_allreduce(M=128, N=128, K=1_000_000, tile=[64, 64],
+                                                    topology="1000x1000"),
+     E.SizeLimitError, "at least 4,000,000 tasks"),
     ("bytes limit of buffers", lambda: small(settings=Settings(max_bytes=40_000)),
      E.SizeLimitError, "MGRAPH_MAX_BYTES"),
     ("unknown policy", lambda: mg.schedule(small(), policy="fastest"), E.UnknownNameError,
@@ -123,7 +128,7 @@ ENV = [
     ("MGRAPH_TRANSPORT", "udp"), ("MGRAPH_THREADS_PER_ROLE", "0"),
     ("MGRAPH_THREADS_PER_ROLE", "2.5"), ("MGRAPH_PROXY_BATCH", "x"), ("MGRAPH_FIFO_SLOTS", "1"),
     ("MGRAPH_NIC_GBPS", "-5"), ("MGRAPH_GPU_FLAGS", "dma"), ("MGRAPH_MAX_TASKS", "1e6"),
-    ("MGRAPH_MAX_BYTES", "0"),
+    ("MGRAPH_MAX_BYTES", "0"), ("MGRAPH_PROXY_STREAMS", "0"), ("MGRAPH_PROXY_STREAMS", "9"),
 ]
 
 

@@ -76,6 +76,13 @@ def _shapes(
 allgather_gemm.reference(matmul_reference)
 
 
+@allgather_gemm.min_tasks
+def _min_tasks(topology: Topology, M: int, N: int, K: int, tile: list[int] = (128, 256),
+               **_: object) -> int:
+    """Every output tile is computed once, by the rank owning its columns."""
+    return -(-M // tile[0]) * -(-N // tile[1])
+
+
 @allgather_gemm.lower
 def _lower(
     b: GraphBuilder,

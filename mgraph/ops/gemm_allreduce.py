@@ -52,6 +52,13 @@ def _shapes(topology: Topology, M: int, N: int, K: int, **_: object) -> dict[str
 gemm_allreduce.reference(matmul_reference)
 
 
+@gemm_allreduce.min_tasks
+def _min_tasks(topology: Topology, M: int, N: int, K: int, tile: list[int] = (128, 256),
+               **_: object) -> int:
+    """Every rank computes a partial of every output tile."""
+    return topology.world_size * -(-M // tile[0]) * -(-N // tile[1])
+
+
 @gemm_allreduce.lower
 def _lower(
     b: GraphBuilder,

@@ -82,6 +82,13 @@ def _shapes(
 gemm_reduce_scatter.reference(matmul_reference)
 
 
+@gemm_reduce_scatter.min_tasks
+def _min_tasks(topology: Topology, M: int, N: int, K: int, tile: list[int] = (128, 256),
+               **_: object) -> int:
+    """Every rank computes a partial of every output tile (tiles are at most ``tile``)."""
+    return topology.world_size * -(-M // tile[0]) * -(-N // tile[1])
+
+
 @gemm_reduce_scatter.lower
 def _lower(
     b: GraphBuilder,

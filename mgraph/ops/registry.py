@@ -50,6 +50,9 @@ class OpDef:
         self.lower_fn: Callable[..., None] | None = None
         self.reference_fn: Callable[..., dict[str, torch.Tensor]] | None = None
         self.make_inputs_fn: Callable[..., dict[str, torch.Tensor]] | None = None
+        # (topology, **params) -> the fewest tasks the lowering makes: checked against
+        # max_tasks before building, so an oversized graph is refused at once
+        self.min_tasks_fn: Callable[..., int] | None = None
         OPS[name] = self
 
     def _attach(self, facet: str, fn: Callable) -> Callable:
@@ -72,6 +75,10 @@ class OpDef:
 
     def make_inputs(self, fn: Callable) -> Callable:
         return self._attach("make_inputs", fn)
+
+    def min_tasks(self, fn: Callable) -> Callable:
+        """Decorator: ``fn(topology, **params) -> int``, a lower bound of the graph's tasks."""
+        return self._attach("min_tasks", fn)
 
     # -- use ----------------------------------------------------------------------------------
     @property
@@ -141,6 +148,15 @@ class OpDef:
         shapes = self.check_params(topo, full)
         limits = settings or Settings.from_env()
         self._check_size(topo, dt, shapes, limits)
+        if self.min_tasks_fn is not None:
+            at_least = self.min_tasks_fn(topo, **full)
+            if at_least > limits.max_tasks:
+                raise SizeLimitError(
+                    f"{self.name}: on {topo} this graph has at least {at_least:,} tasks, above "
+                    f"the limit {limits.max_tasks:,}",
+                    hint="use a smaller topology, larger tiles or smaller sizes, or raise the "
+                    "limit: MGRAPH_MAX_TASKS=<n> or Settings(max_tasks=...) passed as settings=",
+                )
         builder = GraphBuilder(self.name, topo, dt, full, limits=limits)
         # A graph is 10^4-10^6 small objects that all live on: the cyclic collector would rescan
         # them over and over (measured: 3x the build time at 133k tasks) and can free none.
