@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 import mgraph as mg  # noqa: E402  (installed: mgraph.runtime comes from the package-dir map)
 from mgraph.runtime.megakernel import TritonRuntime, local_shards  # noqa: E402
+from mgraph.runtime.memory import worst_tile_error as worst_tile  # noqa: E402
 
 SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (2048, 8192, 8192),
           (1024, 8192, 8192)]
@@ -313,20 +314,6 @@ class Bench:
 
         self.mgraph("allgather_gemm", shape, dict(M=M, N=N * w, K=K), want,
                     self.sweep("allgather_gemm"))
-
-
-def worst_tile(got: torch.Tensor, want: torch.Tensor, rows: int = 128, cols: int = 128) -> float:
-    """The largest relative error of any rows x cols tile (NaN if any element is NaN): one racy
-    or unwritten tile shows here even when the whole-output norm hides it."""
-    g, w = got.float(), want.float()
-    if torch.isnan(g).any():
-        return float("nan")
-    R, C = g.shape[0] // rows * rows, g.shape[-1] // cols * cols
-    d = (g[:R, :C] - w[:R, :C]).reshape(R // rows, rows, C // cols, cols)
-    ref = w[:R, :C].reshape(R // rows, rows, C // cols, cols)
-    num = d.pow(2).sum(dim=(1, 3)).sqrt()
-    den = ref.pow(2).sum(dim=(1, 3)).sqrt().clamp_min(1e-30)
-    return (num / den).max().item()
 
 
 def busy_fractions(trace, workers: dict[str, int]) -> dict[str, float]:

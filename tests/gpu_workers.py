@@ -71,17 +71,8 @@ def _local_reference(graph, rank, full):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=buf.binding.cat_dim)
 
 
-def worst_tile(got, want, rows: int = 128, cols: int = 128) -> float:
-    """The largest relative error of any rows x cols tile; inf if an element is NaN (outputs
-    are poisoned with NaN before every launch, so an unwritten tile shows here): one racy tile
-    fails the check even when the whole-output norm would hide it."""
-    import torch
+def worst_tile(got, want):
+    """The largest relative error of any 128x128 tile (mgraph.runtime.memory)."""
+    from mgraph.runtime.memory import worst_tile_error
 
-    if not torch.isfinite(got).all():
-        return float("inf")
-    R, C = got.shape[0] // rows * rows, got.shape[-1] // cols * cols
-    d = (got[:R, :C] - want[:R, :C]).reshape(R // rows, rows, C // cols, cols)
-    w = want[:R, :C].reshape(R // rows, rows, C // cols, cols)
-    num = d.pow(2).sum(dim=(1, 3)).sqrt()
-    den = w.pow(2).sum(dim=(1, 3)).sqrt().clamp_min(1e-30)
-    return (num / den).max().item()
+    return worst_tile_error(got, want)

@@ -294,3 +294,16 @@ def test_task_params_are_packed_in_declared_order():
             encode_rank(mg.schedule(graph), 0)
     finally:
         KINDS["copy"].params = saved
+
+
+def test_worst_tile_error_finds_one_bad_tile():
+    from mgraph.runtime.memory import worst_tile_error
+
+    want = torch.randn(512, 512)
+    got = want + 1e-4 * torch.randn(512, 512)
+    assert worst_tile_error(got, want) < 1e-3
+    got[300:303, 40:43] += 1.0  # 9 wrong elements in one tile (a race in one tile)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2  # the whole-output norm passes it
+    assert worst_tile_error(got, want) > 1e-2  # the tile check at the same tolerance does not
+    got[0, 0] = float("nan")
+    assert worst_tile_error(got, want) == float("inf")
