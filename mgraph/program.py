@@ -149,6 +149,13 @@ class Program:
         values = [outputs[name] for name in self.opgraph.output_names]
         return values[0] if self.opgraph.single_output else tuple(values)
 
+    def view(self, path: str | None = None, **kw: Any):
+        """Write the offline HTML viewer of this program's graph, schedule and last run's
+        timeline; returns the file's path (mgraph.viz.view)."""
+        from .viz import view
+
+        return view(self, path, **kw)
+
     def __repr__(self) -> str:
         g = self.graph
         return (

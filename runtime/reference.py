@@ -53,6 +53,13 @@ class RunResult:
     epoch: int
     stats: dict[str, int] = field(default_factory=dict)
 
+    def view(self, path: str | None = None, *, schedule: Schedule, **kw):
+        """Write the offline HTML viewer with this run's timeline (``schedule``: the schedule
+        that ran); returns the file's path (mgraph.viz.view)."""
+        from mgraph.viz import view
+
+        return view(self, path, schedule=schedule, **kw)
+
 
 class ReferenceRuntime:
     """Holds one schedule's memory, counters and proxies across launches."""

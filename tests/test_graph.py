@@ -233,3 +233,27 @@ def test_load_gives_named_errors_and_view_writes_one_page(tmp_path):
     text = page.read_text()
     assert text.startswith("<!DOCTYPE html>") or "<html" in text[:200]
     assert g.tasks[0].name in text  # the graph's tasks are in the page, offline
+
+
+def test_program_and_run_result_write_the_viewer(tmp_path):
+    import torch
+    import torch.nn as nn
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    model, x = Tiny().eval(), torch.randn(2, 8, 16)
+    prog = mg.compile(model, (x,), plan={"up": mg.ColwiseParallel(), "down": mg.RowwiseParallel()},
+                      topology="1x2", backend="reference")
+    prog(x)
+    assert "<html" in prog.view(str(tmp_path / "prog.html")).read_text()[:500].lower()
+    sched = mg.schedule(mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x2", tile=[32, 32]))
+    result = mg.run(sched, mg.ops.get_op("gemm_allreduce").random_inputs(sched.graph),
+                    backend="reference")
+    page = result.view(str(tmp_path / "run.html"), schedule=sched)
+    assert sched.graph.tasks[0].name in page.read_text()
