@@ -14,6 +14,7 @@ from ..builder import GraphBuilder
 from ..graph import Task
 from ..kinds import Role, define_kind
 from ..topology import Topology
+from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 from .tilewise import lower_tilewise, tile_shapes
 
@@ -22,7 +23,8 @@ __all__ = ["layer_norm"]
 layer_norm = OpDef(
     "layer_norm", dims=("rows", "cols"), inputs=("x", "weight", "bias"), outputs=("out",)
 )
-LAYER_NORM = define_kind("layer_norm", [Role.COMPUTE], "LayerNorm of whole rows (params: eps)")
+LAYER_NORM = define_kind("layer_norm", [Role.COMPUTE], "LayerNorm of whole rows (params: eps)",
+                         params=("eps", "weight", "bias"))
 
 
 def _operands(weight: bool, bias: bool) -> dict[str, str]:
@@ -92,7 +94,8 @@ def _lower(
         shape=shape,
         layout=layout,
         operands=_operands(has_weight, has_bias),
-        params={"eps": eps, "weight": has_weight, "bias": has_bias},
+        # eps a float and the flags bools: the GPU body reads float32 bits and int words
+        params={"eps": float(eps), "weight": bool(has_weight), "bias": bool(has_bias)},
         tile_rows=tile_rows,
     )
 
@@ -114,3 +117,65 @@ def _layer_norm_flops(
 ):
     rows, cols = writes[0]
     return 6.0 * rows * cols
+
+
+# -- megakernel tile body ------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import load_region, param_f32, param_i32
+    from .tilewise import tile_ptrs
+
+    _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
+
+    @LAYER_NORM.triton
+    @triton.jit
+    def layer_norm_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                        RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """(x - mean) * rsqrt(var + eps) * weight + bias. Assumes the task's x region holds whole
+        rows (the tilewise lowering guarantees it): per RB_M-row block, three passes over the
+        row in RB_N-column blocks: the mean, the variance around it (no E[x^2] - mean^2
+        cancellation), then the normalised store. The weight and bias reads follow x when the
+        params say they exist."""
+        r0 = tl.load(tp + _READ0)
+        w0 = tl.load(tp + _WRITE0)
+        eps = param_f32(params, tp, 0)
+        has_w = param_i32(params, tp, 1)
+        has_b = param_i32(params, tp, 2)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        n = xn1 - xn0
+        nf = n.to(tl.float32)
+        for i in range(0, xm1 - xm0, RB_M):
+            om = i + tl.arange(0, RB_M)
+            rmask = om < xm1 - xm0
+            total = tl.zeros((RB_M,), dtype=tl.float32)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=0.0).to(tl.float32)
+                total += tl.sum(x, axis=1)
+            mean = total / nf
+            sq = tl.zeros((RB_M,), dtype=tl.float32)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=0.0).to(tl.float32)
+                d = tl.where(mask, x - mean[:, None], 0.0)
+                sq += tl.sum(d * d, axis=1)
+            rstd = tl.rsqrt(sq / nf + eps)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=0.0).to(tl.float32)
+                y = (x - mean[:, None]) * rstd[:, None]
+                if has_w != 0:
+                    y = y * tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + 1, om, on, DT),
+                                    mask=mask, other=0.0).to(tl.float32)
+                if has_b != 0:
+                    y = y + tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + 1 + has_w, om, on,
+                                              DT), mask=mask, other=0.0).to(tl.float32)
+                tl.store(tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), y.to(DT), mask=mask)

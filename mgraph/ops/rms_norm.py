@@ -15,13 +15,15 @@ from ..builder import GraphBuilder
 from ..graph import Task
 from ..kinds import Role, define_kind
 from ..topology import Topology
+from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 from .tilewise import lower_tilewise, tile_shapes
 
 __all__ = ["rms_norm"]
 
 rms_norm = OpDef("rms_norm", dims=("rows", "cols"), inputs=("x", "weight"), outputs=("out",))
-RMS_NORM = define_kind("rms_norm", [Role.COMPUTE], "RMSNorm of whole rows (params: eps)")
+RMS_NORM = define_kind("rms_norm", [Role.COMPUTE], "RMSNorm of whole rows (params: eps)",
+                       params=("eps",))
 
 
 def _operands(weight: bool) -> dict[str, str]:
@@ -70,7 +72,7 @@ def _lower(
         shape=shape,
         layout=layout,
         operands=_operands(has_weight),
-        params={"eps": eps},
+        params={"eps": float(eps)},  # a float: the GPU body reads float32 bits
         tile_rows=tile_rows,
     )
 
@@ -90,3 +92,49 @@ def _rms_norm_flops(
 ):
     rows, cols = writes[0]
     return 4.0 * rows * cols
+
+
+# -- megakernel tile body ------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import load_region, param_f32
+    from .tilewise import tile_ptrs
+
+    _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
+
+    @RMS_NORM.triton
+    @triton.jit
+    def rms_norm_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                      RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """x * rsqrt(mean(x^2) + eps) * weight. Assumes the task's x region holds whole rows
+        (the tilewise lowering guarantees it): per RB_M-row block, one pass over the row in
+        RB_N-column blocks sums the squares, a second one scales and stores."""
+        r0 = tl.load(tp + _READ0)
+        nread = tl.load(tp + _NREAD)
+        w0 = tl.load(tp + _WRITE0)
+        eps = param_f32(params, tp, 0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        n = xn1 - xn0
+        for i in range(0, xm1 - xm0, RB_M):
+            om = i + tl.arange(0, RB_M)
+            rmask = om < xm1 - xm0
+            ss = tl.zeros((RB_M,), dtype=tl.float32)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=0.0).to(tl.float32)
+                ss += tl.sum(x * x, axis=1)
+            rstd = tl.rsqrt(ss / n.to(tl.float32) + eps)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=0.0).to(tl.float32)
+                y = x * rstd[:, None]
+                if nread > 1:  # the weight: a row operand, broadcast over the rows
+                    y = y * tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + 1, om, on, DT),
+                                    mask=mask, other=0.0).to(tl.float32)
+                tl.store(tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), y.to(DT), mask=mask)

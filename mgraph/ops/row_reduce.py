@@ -15,13 +15,16 @@ from ..errors import UnknownNameError
 from ..graph import Task
 from ..kinds import Role, define_kind
 from ..topology import Topology
+from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 from .tilewise import lower_tilewise, tile_shapes
 
 __all__ = ["row_reduce", "REDUCTIONS"]
 
 row_reduce = OpDef("row_reduce", dims=("rows", "cols"), inputs=("x",), outputs=("out",))
-ROW_REDUCE = define_kind("row_reduce", [Role.COMPUTE], "reduce whole rows to one column (fn)")
+# GPU param: the fn as its index in REDUCTIONS (mean, sum, amax, amin)
+ROW_REDUCE = define_kind("row_reduce", [Role.COMPUTE], "reduce whole rows to one column (fn)",
+                         params=("code",))
 
 REDUCTIONS = {
     "mean": lambda x: x.mean(dim=-1, keepdim=True),
@@ -72,7 +75,7 @@ def _lower(
         layout=layout,
         operands={},
         out_cols=1,
-        params={"fn": fn},
+        params={"fn": fn, "code": list(REDUCTIONS).index(fn)},
         tile_rows=tile_rows,
         label=f"row-{fn}",
     )
@@ -91,3 +94,50 @@ def _row_reduce_flops(
 ):
     rows, cols = reads[0]
     return float(rows * cols)
+
+
+# -- megakernel tile body ------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import buffer_base, load_region, param_i32
+    from .tilewise import tile_ptrs
+
+    _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
+
+    @ROW_REDUCE.triton
+    @triton.jit
+    def row_reduce_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                        RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """out[:, 0] = mean/sum/amax/amin of each row (code 0-3), fp32. Assumes the task's x
+        region holds whole rows (the tilewise lowering guarantees it): one pass over the row in
+        RB_N-column blocks per RB_M-row block, then one column stored."""
+        r0 = tl.load(tp + _READ0)
+        code = param_i32(params, tp, 0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
+        dst = buffer_base(bufaddr, d, DT)
+        d_cols = tl.load(bufcols + d).to(tl.int64)
+        n = xn1 - xn0
+        # the reduction's identity: masked elements never change the result
+        init = tl.where(code == 2, float("-inf"), tl.where(code == 3, float("inf"), 0.0))
+        for i in range(0, xm1 - xm0, RB_M):
+            om = i + tl.arange(0, RB_M)
+            rmask = om < xm1 - xm0
+            acc = tl.zeros((RB_M,), dtype=tl.float32) + init
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=0.0).to(tl.float32)
+                x = tl.where(mask, x, init)
+                if code == 2:
+                    acc = tl.maximum(acc, tl.max(x, axis=1))
+                elif code == 3:
+                    acc = tl.minimum(acc, tl.min(x, axis=1))
+                else:
+                    acc = acc + tl.sum(x, axis=1)
+            if code == 0:
+                acc = acc / n.to(tl.float32)
+            tl.store(dst + (dm0 + om).to(tl.int64) * d_cols + dn0, acc.to(DT), mask=rmask)

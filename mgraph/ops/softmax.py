@@ -10,6 +10,7 @@ from ..builder import GraphBuilder
 from ..graph import Task
 from ..kinds import Role, define_kind
 from ..topology import Topology
+from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 from .tilewise import lower_tilewise, tile_shapes
 
@@ -68,3 +69,48 @@ def _softmax_flops(
 ):
     rows, cols = writes[0]
     return 4.0 * rows * cols
+
+
+# -- megakernel tile body ------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import load_region
+    from .tilewise import tile_ptrs
+
+    _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
+
+    @SOFTMAX.triton
+    @triton.jit
+    def softmax_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
+                     RB_N: tl.constexpr):
+        """exp(x - max) / sum over whole rows, in fp32. Assumes the task's x region holds whole
+        rows (the tilewise lowering guarantees it): per RB_M-row block, one pass over the row in
+        RB_N-column blocks keeps a running max and a sum rescaled to it (online softmax), a
+        second one stores the normalised exponentials."""
+        r0 = tl.load(tp + _READ0)
+        w0 = tl.load(tp + _WRITE0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        n = xn1 - xn0
+        for i in range(0, xm1 - xm0, RB_M):
+            om = i + tl.arange(0, RB_M)
+            rmask = om < xm1 - xm0
+            m = tl.full((RB_M,), float("-inf"), dtype=tl.float32)
+            total = tl.zeros((RB_M,), dtype=tl.float32)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=float("-inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                # rows past the tile stay -inf (NaN here): never stored
+                total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+                m = m_new
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                            other=float("-inf")).to(tl.float32)
+                y = tl.exp(x - m[:, None]) / total[:, None]
+                tl.store(tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), y.to(DT), mask=mask)

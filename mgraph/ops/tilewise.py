@@ -136,3 +136,28 @@ def lower_tilewise(
                 name=f"{label} r{r} [{t0}:{t1}]",
                 params=dict(params or {}),
             )
+
+
+# -- helpers of the row-tile Triton bodies (elementwise, norms, softmax, row_reduce, concat) -----
+from .abi import HAVE_TRITON  # noqa: E402  (after the CPU side: triton is optional)
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import buffer_base, load_region
+
+    @triton.jit
+    def tile_ptrs(regions, bufaddr, bufcols, index, om, on, DT: tl.constexpr):
+        """Pointers into region ``index`` at its rows ``om`` and columns ``on`` (offsets from
+        the region's corner). A region one row or one column wide is broadcast along that dim
+        (stride 0): a ``row`` operand (a weight) is read by every row of the tile, a ``col``
+        operand by every column, as torch broadcasts them in the CPU bodies."""
+        s, r0, r1, c0, c1 = load_region(regions, index)
+        base = buffer_base(bufaddr, s, DT)
+        cols = tl.load(bufcols + s).to(tl.int64)
+        rs = (r1 - r0 > 1).to(tl.int64)
+        cs = (c1 - c0 > 1).to(tl.int64)
+        return base + (r0 + om.to(tl.int64) * rs)[:, None] * cols + (c0 + on.to(tl.int64) * cs)[None, :]
+
+    __all__ += ["tile_ptrs"]
