@@ -20,6 +20,7 @@ from ..graph import Task
 from ..kinds import Role, define_kind
 from ..layout import check_layout, layout_runs, runs_pieces
 from ..topology import Topology
+from .abi import F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 from .tilewise import parse_layout, parse_shape
 
@@ -107,3 +108,40 @@ def _concat_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torc
 @CONCAT.flops
 def _concat_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params):
     return 0.0
+
+
+# -- megakernel tile body ------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import load_region
+    from .tilewise import tile_ptrs
+
+    _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
+
+    @triton.jit
+    def _copy_into(regions, bufaddr, bufcols, src, dst, col0, DT: tl.constexpr,
+                   RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """Region ``src`` stored into region ``dst`` from its column ``col0`` on."""
+        _s, m0, m1, n0, n1 = load_region(regions, src)
+        for i in range(0, m1 - m0, RB_M):
+            for j in range(0, n1 - n0, RB_N):
+                om = i + tl.arange(0, RB_M)
+                on = j + tl.arange(0, RB_N)
+                mask = (om < m1 - m0)[:, None] & (on < n1 - n0)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, src, om, on, DT), mask=mask)
+                tl.store(tile_ptrs(regions, bufaddr, bufcols, dst, om, col0 + on, DT), x,
+                         mask=mask)
+
+    @CONCAT.triton
+    @triton.jit
+    def concat_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
+                    RB_N: tl.constexpr):
+        """out = [x | y] for the task's rows: x's columns, then y's after them (a plain copy,
+        no rounding)."""
+        r0 = tl.load(tp + _READ0)
+        w0 = tl.load(tp + _WRITE0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        _copy_into(regions, bufaddr, bufcols, r0, w0, 0, DT, RB_M, RB_N)
+        _copy_into(regions, bufaddr, bufcols, r0 + 1, w0, xn1 - xn0, DT, RB_M, RB_N)

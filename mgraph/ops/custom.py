@@ -8,9 +8,9 @@ lower and run.
 The decorated function is the op's meaning (its torch reference). Registration makes:
 - a torch custom op ``mgraph_user::<name>``: calling the returned object runs the reference
   eagerly and appears as ONE node when torch.export traces a module that calls it;
-- a task kind ``<name>`` whose CPU body runs the reference on one row tile. ``triton=`` is
-  stored on the kind as its megakernel tile body, but the megakernel does not run user kinds
-  yet: a graph with a custom op runs on the reference (CPU) backend;
+- a task kind ``<name>`` whose CPU body runs the reference on one row tile, and whose
+  megakernel tile body is ``triton=`` (a ``@triton.jit`` function; without one, graphs with the
+  op run on the reference backend only);
 - an OpDef ``<name>`` (dims rows x cols) lowered to one task per ``tile_rows`` rows of each
   rank's part, in the layout of the first tensor argument, like the builtin norms.
 
@@ -20,6 +20,18 @@ given, maps the arguments (tensors replaced by their shapes) to the output shape
 keep the leading dims; the default is the first argument's shape. ``whole_rows=True`` (the
 default) promises the op needs complete rows (a norm); False allows column-sharded inputs (a
 pure elementwise op).
+
+The ``triton=`` body follows the megakernel's convention (runtime/megakernel/dispatch.py): its
+PARAMETER NAMES say which kernel values it receives (``tp``, ``params``, ``regions``,
+``bufaddr``, ``bufcols``, ``DT``, ``RB_M``, ``RB_N``...: dispatch.ABI_NAMES). One task covers a
+row tile: its reads are the tensor arguments in signature order (read ``i`` is region
+``tl.load(tp + F_READ0) + i``; a ``row`` operand's region is one row, to broadcast), its write
+0 is ``out``; the float/int/bool scalar arguments are the task's params in signature order
+(``abi.param_f32(params, tp, i)`` for a float, ``abi.param_i32`` for an int or bool; other
+scalars reach the CPU body only). Regions are ``abi.load_region(regions, index)``; a buffer's
+typed base is ``abi.buffer_base(bufaddr, slot, DT)``; mgraph.ops.tilewise.tile_ptrs builds
+broadcasting pointers. The body computes in fp32 and casts once to ``DT`` on the store, as the
+reference does.
 """
 
 from __future__ import annotations
@@ -90,7 +102,20 @@ class CustomOp:
                 hint="annotate every parameter (torch.Tensor, float, int, bool) and the return",
             ) from e
         self.torch_op.register_fake(self._fake)
-        self.kind = define_kind(name, [Role.COMPUTE], f"user op {name} on one row tile")
+        # the scalars a Triton body reads as task params (float32 or int32 words), in order
+        self.gpu_scalars = {
+            p.name: (float if _is_annotation(p.annotation, float) else int, p.default)
+            for p in sig.parameters.values()
+            if any(_is_annotation(p.annotation, t) for t in (float, int, bool))
+        }
+        reserved = {"forms", "scalars"} & set(self.gpu_scalars)
+        if reserved:
+            raise RegistrationError(
+                f"op {name!r}: scalar argument name(s) {sorted(reserved)} are reserved",
+                hint="rename them",
+            )
+        self.kind = define_kind(name, [Role.COMPUTE], f"user op {name} on one row tile",
+                                params=tuple(self.gpu_scalars))
         self.kind.cpu(self._cpu_body)
         self.kind.flops(
             lambda reads, writes, params: float(
@@ -115,6 +140,18 @@ class CustomOp:
         if self.shape_fn is None:
             return tuple(shapes[self.tensor_args[0]])
         return tuple(int(s) for s in self.shape_fn(**shapes))
+
+    def gpu_params(self, scalars: dict[str, Any]) -> dict[str, float | int]:
+        """The scalars as the Triton body reads them: every declared one (the reference's
+        default where the call left it out), floats as floats and ints/bools as ints. One with
+        no value is left out: the reference backend never needs it, and the megakernel's
+        encoder names it (a ScheduleError) before anything launches."""
+        out = {}
+        for name, (kind, default) in self.gpu_scalars.items():
+            value = scalars.get(name, default)
+            if value is not inspect.Parameter.empty and value is not None:
+                out[name] = kind(value)
+        return out
 
     def _fake(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         first = next(a for a in args if isinstance(a, torch.Tensor))
@@ -193,12 +230,17 @@ def _make_opdef(op: CustomOp) -> OpDef:
             layout=layout,
             operands=operands(forms or {}),
             out_cols=out_cols,
-            params={"forms": dict(forms or {}), "scalars": dict(scalars or {})},
+            params={"forms": dict(forms or {}), "scalars": dict(scalars or {}),
+                    **op.gpu_params(scalars or {})},
             tile_rows=tile_rows,
             label=op.name,
         )
 
     return opdef
+
+
+def _is_annotation(annotation: Any, kind: type) -> bool:
+    return annotation is kind or annotation == kind.__name__
 
 
 def _is_tensor_annotation(annotation: Any) -> bool:
