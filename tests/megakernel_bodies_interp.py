@@ -125,6 +125,28 @@ def row_cases() -> None:
             compare(f"row_reduce-{fn}-{dt}", g, seed=7, lift_row_check=True)
 
 
+def relayout_cases() -> None:
+    """The tracer's relayout chains: head split + transpose, the merge back, repeat_kv's
+    expand, slices (a step, a last-dim prefix); tiles smaller than the buffer (tile_rows)."""
+    B, S, H, D = 2, 16, 4, 16
+    chains = {
+        "split-heads": ([B, S, H * D], [["view", [B, S, H, D]], ["permute", [0, 2, 1, 3]]]),
+        "merge-heads": ([B, H, S, D], [["permute", [0, 2, 1, 3]], ["view", [B, S, H * D]]]),
+        "repeat-kv": ([B, 2, S, D], [["view", [B, 2, 1, S, D]], ["expand", [B, 2, 3, S, D]],
+                                     ["view", [B, 6, S, D]]]),
+        "slice": ([B, S, 4 * D], [["slice", [1, 1, S, 2]], ["slice", [2, 8, 40, 1]]]),
+    }
+    for dt in (F32, BF16):
+        for name, (shape, steps) in chains.items():
+            rows = 1
+            for n in shape[:-1]:
+                rows *= n
+            g = mg.ops.relayout(topology="1x1", rows=rows, cols=shape[-1], in_shape=shape,
+                                steps=steps, tile_rows=16, dtype=dt)
+            assert all("base" in t.params for t in g.tasks), name  # every tile's map fits
+            compare(f"relayout-{name}-{dt}", g, seed=13)
+
+
 def concat_cases() -> None:
     """[x | y] with x wider than one RB_N block, y narrower (masked edges in both)."""
     for dt in (F32, BF16):
@@ -220,7 +242,7 @@ def traced_mlp() -> None:
     print(json.dumps({"case": "mlp-eager-float32", "kinds": sorted(kinds), "dtype": "float32",
                       "error": err}), flush=True)
 
-CASES = {"ewise": ewise_cases, "rows": row_cases, "concat": concat_cases,
+CASES = {"ewise": ewise_cases, "rows": row_cases, "concat": concat_cases, "relayout": relayout_cases,
          "custom": custom_cases, "mlp": traced_mlp}
 
 if __name__ == "__main__":

@@ -80,3 +80,29 @@ def test_traced_mlp_runs_entirely_in_the_megakernel():
     for case, r in got.items():
         assert "ewise" in r["kinds"] and "gemm" in r["kinds"], r
         assert r["error"] < 1e-5, (case, r)
+
+
+def test_relayout_chains():
+    _check("relayout-", 8)
+
+
+def test_relayout_map_without_the_gather_form_is_refused_before_launch():
+    """Tiles of 20 rows over 8-row heads (8 + 8 + 4) have no mixed-radix form: the tiles get no
+    GPU params, the reference backend still runs it, and the megakernel refuses the graph with
+    the missing param named, before anything launches."""
+    import torch
+
+    import mgraph as mg
+    from mgraph.runtime.megakernel import TritonRuntime
+
+    B, S, H, D = 1, 8, 4, 16
+    g = mg.ops.relayout(topology="1x1", rows=B * S, cols=H * D, in_shape=[B, S, H * D],
+                        steps=[["view", [B, S, H, D]], ["permute", [0, 2, 1, 3]]], tile_rows=20)
+    fits = ["base" in t.params for t in g.tasks]
+    assert fits == [False, False], fits  # rows 0-20 and 20-32 (4 + 8) both cut a head
+    x = torch.randn(B * S, H * D)
+    out = mg.run(mg.schedule(g), {"x": x}).outputs["out"]
+    want = x.view(B, S, H, D).permute(0, 2, 1, 3).reshape(-1, D)
+    assert torch.equal(out, want)
+    with pytest.raises(mg.ScheduleError, match="no param 'base'"):
+        TritonRuntime(mg.schedule(g), interpret=True)

@@ -12,7 +12,15 @@ op: the buffers' flat 2-D view is the same.
 
 Tasks: one ``relayout`` compute task per ``tile_rows`` rows of the rank's output buffer; each
 reads the rank's whole input buffer. CPU body: place the held runs in the global index space,
-apply the steps, gather this tile's runs (index arithmetic a GPU body does with a gather).
+apply the steps, gather this tile's runs.
+
+GPU body: the lowering runs that same CPU body once per rank on an index tensor, which gives each
+output element's position in the rank's input buffer, and fits every tile's map as
+``base + f(row) + g(col)`` with ``f`` and ``g`` mixed-radix sums of up to :data:`DIGITS` digits
+(``((i // div_k) % radix_k) * stride_k``): head splits and merges, transposes, expands (stride 0)
+and slices all have that form. The fit is checked element by element; a tile whose map does not
+fit gets no GPU params, so the megakernel's encoder refuses the graph (naming the task) before
+anything launches, and the reference backend still runs it.
 """
 
 from __future__ import annotations
@@ -29,13 +37,18 @@ from ..graph import Task
 from ..kinds import Role, define_kind
 from ..layout import Layout, check_layout, flat_shape, layout_runs, runs_pieces
 from ..topology import Topology
+from .abi import F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 
 __all__ = ["relayout", "apply_steps", "steps_shape", "relayout_feasible"]
 
 OP = "relayout"
 relayout = OpDef(OP, dims=("rows", "cols"), inputs=("x",), outputs=("out",))
-RELAYOUT = define_kind("relayout", [Role.COMPUTE], "view/permute chain of a rank's part (steps)")
+DIGITS = 4  # mixed-radix digits per axis of a tile's gather map (see the module docstring)
+_GPU_PARAMS = ("base", *(f"{axis}{k}{what}" for axis in "rc" for k in range(DIGITS)
+                         for what in ("n", "s")))
+RELAYOUT = define_kind("relayout", [Role.COMPUTE], "view/permute chain of a rank's part (steps)",
+                       params=_GPU_PARAMS)
 
 Steps = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -183,6 +196,15 @@ def _lower(
         x = b.bound_buffer("x", r, "x", runs_pieces(layout_runs(shape, src, r, b.world)))
         pieces = runs_pieces(layout_runs(out_shape, dst, r, b.world))
         out = b.bound_buffer("out", r, "out", pieces, role="output")
+        common = {
+            "in_shape": list(shape),
+            "steps": [[k, list(a)] for k, a in _steps(steps)],
+            "in_layout": src.to_json(),
+            "out_layout": dst.to_json(),
+            "rank": r,
+            "world": b.world,
+        }
+        where = _gather_map(common, (x.rows, x.cols), (out.rows, out.cols))
         for t0, t1 in split(out.rows, tile_rows):
             b.task(
                 r,
@@ -191,16 +213,73 @@ def _lower(
                 [x.region()],
                 [out.region((t0, t1))],
                 name=f"relayout r{r} [{t0}:{t1}]",
-                params={
-                    "in_shape": list(shape),
-                    "steps": [[k, list(a)] for k, a in _steps(steps)],
-                    "in_layout": src.to_json(),
-                    "out_layout": dst.to_json(),
-                    "rank": r,
-                    "world": b.world,
-                    "rows": [t0, t1],
-                },
+                params={**common, "rows": [t0, t1], **fit_gather(where[t0:t1])},
             )
+
+
+class _Params:  # what _relayout_cpu reads of a task
+    def __init__(self, params: dict) -> None:
+        self.params = params
+
+
+def _gather_map(params: dict, in_size: tuple[int, int], out_size: tuple[int, int]) -> torch.Tensor:
+    """Each element of the rank's output buffer: its flat position in the rank's input buffer
+    (the CPU body run on the positions themselves)."""
+    index = torch.arange(in_size[0] * in_size[1], dtype=torch.int64).reshape(in_size)
+    where = torch.empty(out_size, dtype=torch.int64)
+    _relayout_cpu(_Params({**params, "rows": [0, out_size[0]]}), [index], [where])
+    return where
+
+
+def _fit_axis(v: torch.Tensor) -> list[tuple[int, int]] | None:
+    """(radix, stride) digits, innermost first, with v[i] - v[0] = sum of digit_k(i) * stride_k;
+    None when more than DIGITS digits are needed."""
+    n, v = len(v), v - v[0]
+    digits, period = [], 1
+    while period < n:
+        if len(digits) == DIGITS:
+            return None
+        stride = int(v[period])
+        # the longest run of whole periods that steps by ``stride``, then the largest radix
+        # within it that divides what is left of n (the later digits repeat whole blocks)
+        run = 1
+        while period * (run + 1) <= n and bool(
+            (v[period * run : period * (run + 1)] == v[:period] + run * stride).all()
+        ):
+            run += 1
+        radix = max(r for r in range(1, run + 1) if (n // period) % r == 0)
+        if radix == 1:
+            return None
+        digits.append((radix, stride))
+        period *= radix
+    return digits
+
+
+def _digits_value(n: int, digits: list[tuple[int, int]]) -> torch.Tensor:
+    i, out, div = torch.arange(n), torch.zeros(n, dtype=torch.int64), 1
+    for radix, stride in digits:
+        out += (i // div) % radix * stride
+        div *= radix
+    return out
+
+
+def fit_gather(where: torch.Tensor) -> dict[str, int]:
+    """The GPU params of one tile's gather map (see the module docstring); {} when it has no
+    such form."""
+    rows = _fit_axis(where[:, 0])
+    cols = _fit_axis(where[0, :])
+    if rows is None or cols is None:
+        return {}
+    base = int(where[0, 0])
+    f, g = _digits_value(where.shape[0], rows), _digits_value(where.shape[1], cols)
+    if not bool((where == base + f[:, None] + g[None, :]).all()):
+        return {}
+    out = {"base": base}
+    for axis, digits in (("r", rows), ("c", cols)):
+        digits = digits + [(1, 0)] * (DIGITS - len(digits))
+        for k, (radix, stride) in enumerate(digits):
+            out[f"{axis}{k}n"], out[f"{axis}{k}s"] = radix, stride
+    return out
 
 
 @RELAYOUT.cpu
@@ -232,3 +311,50 @@ def _relayout_flops(
     reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict
 ):
     return 0.0
+
+
+# -- megakernel tile body ------------------------------------------------------------------------
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import buffer_base, load_region, param_i32
+
+    _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
+    _DIGITS = tl.constexpr(DIGITS)
+
+    @triton.jit
+    def _digits(params, tp, first, i):
+        """sum over the axis's digits of ((i // div_k) % radix_k) * stride_k (params from
+        ``first``: radix, stride per digit, innermost first)."""
+        i = i.to(tl.int64)
+        out = tl.zeros_like(i)
+        div = 1
+        for k in tl.static_range(_DIGITS):
+            radix = param_i32(params, tp, first + 2 * k).to(tl.int64)
+            out += ((i // div) % radix) * param_i32(params, tp, first + 2 * k + 1).to(tl.int64)
+            div = div * radix
+        return out
+
+    @RELAYOUT.triton
+    @triton.jit
+    def relayout_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                      RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """A gather: out[i, j] = in_buffer.flat[base + f(i) + g(j)] over the task's output
+        rows (the fit of fit_gather; no arithmetic, so no rounding)."""
+        s_in, _a, _b, _c, _d = load_region(regions, tl.load(tp + _READ0))
+        d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
+        src = buffer_base(bufaddr, s_in, DT)
+        dst = buffer_base(bufaddr, d, DT)
+        d_cols = tl.load(bufcols + d).to(tl.int64)
+        base = param_i32(params, tp, 0).to(tl.int64)
+        for i in range(0, dm1 - dm0, RB_M):
+            for j in range(0, dn1 - dn0, RB_N):
+                om = i + tl.arange(0, RB_M)
+                on = j + tl.arange(0, RB_N)
+                mask = (om < dm1 - dm0)[:, None] & (on < dn1 - dn0)[None, :]
+                pos = base + _digits(params, tp, 1, om)[:, None] + _digits(
+                    params, tp, 1 + 2 * _DIGITS, on)[None, :]
+                x = tl.load(src + pos, mask=mask)
+                tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * d_cols + (dn0 + on)[None, :],
+                         x, mask=mask)
