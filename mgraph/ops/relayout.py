@@ -242,11 +242,10 @@ def _fit_axis(v: torch.Tensor) -> list[tuple[int, int]] | None:
         stride = int(v[period])
         # the longest run of whole periods that steps by ``stride``, then the largest radix
         # within it that divides what is left of n (the later digits repeat whole blocks)
-        run = 1
-        while period * (run + 1) <= n and bool(
-            (v[period * run : period * (run + 1)] == v[:period] + run * stride).all()
-        ):
-            run += 1
+        blocks = v[: n // period * period].view(-1, period)
+        steps = torch.arange(blocks.shape[0]) * stride
+        ok = (blocks == blocks[0] + steps[:, None]).all(dim=1)
+        run = int(ok.long().cumprod(0).sum())  # whole periods before the first mismatch
         radix = max(r for r in range(1, run + 1) if (n // period) % r == 0)
         if radix == 1:
             return None
