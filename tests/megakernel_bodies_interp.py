@@ -24,7 +24,7 @@ def _positive(x: torch.Tensor) -> torch.Tensor:
     return x.float().abs().add(0.25).to(x.dtype)  # log/sqrt/rsqrt/pow: a domain without NaN
 
 
-def compare(case: str, graph, inputs: dict | None = None, seed: int = 0, lift_row_check=False):
+def compare(case: str, graph, inputs: dict | None = None, seed: int = 0):
     """Run ``graph`` in the megakernel (interpreter) and on the reference runtime; print the
     relative error of every output against the reference's."""
     if inputs is None:  # every global input, weights included: random, never zeros
@@ -35,40 +35,13 @@ def compare(case: str, graph, inputs: dict | None = None, seed: int = 0, lift_ro
                   for name, spec in graph.inputs.items()}
     sched = mg.schedule(graph)
     want = mg.run(sched, inputs).outputs
-    if lift_row_check:
-        rt = _without_row_check(sched)
-    else:
-        rt = TritonRuntime(sched, interpret=True)
+    rt = TritonRuntime(sched, interpret=True)
     got = rt.run(inputs).outputs
     err = max(((got[k].float() - want[k].float()).norm() / want[k].float().norm()).item()
               for k in want)
     kinds = sorted({t.kind for t in graph.tasks})
     dtype = str(next(iter(graph.buffers.values())).dtype)
     print(json.dumps({"case": case, "kinds": kinds, "dtype": dtype, "error": err}), flush=True)
-
-
-def _without_row_check(sched):
-    """TritonRuntime with runtime.py's 16-byte row rule lifted (its other checks kept): the
-    rule is for TMA, which only the GEMM path uses; a [rows, 1] buffer (a row reduction's
-    output, a per-row operand) has 4-byte rows. The bodies store such buffers with plain
-    pointer stores, which these cases prove; the runtime keeps refusing the graphs until
-    _check_graph limits the rule to buffers a GEMM reads or writes."""
-    from mgraph.errors import ScheduleError
-
-    check = TritonRuntime._check_graph
-
-    def lifted(graph):
-        try:
-            check(graph)
-        except ScheduleError as exc:
-            if "16 bytes" not in str(exc):
-                raise
-
-    TritonRuntime._check_graph = staticmethod(lifted)
-    try:
-        return TritonRuntime(sched, interpret=True)
-    finally:
-        TritonRuntime._check_graph = staticmethod(check)
 
 
 def ewise_cases() -> None:
@@ -98,7 +71,7 @@ def ewise_cases() -> None:
     # a column operand ([rows, 1]: one value per row) has 4-byte rows (see _without_row_check)
     for dt in (F32, BF16):
         g = ew(topology="1x1", rows=40, cols=80, fn="mul", other="col", dtype=dt, tile_rows=24)
-        compare(f"ewise-mul-col-{dt}", g, seed=3, lift_row_check=True)
+        compare(f"ewise-mul-col-{dt}", g, seed=3)
 
 
 # Rows of 328 columns: two RB_N=256 blocks, the second one masked; 16-byte rows in fp32 and bf16.
@@ -122,7 +95,7 @@ def row_cases() -> None:
         compare(f"softmax-{dt}", g, x)
         for fn in ("mean", "sum", "amax", "amin"):
             g = mg.ops.row_reduce(**ROW, dtype=dt, fn=fn)
-            compare(f"row_reduce-{fn}-{dt}", g, seed=7, lift_row_check=True)
+            compare(f"row_reduce-{fn}-{dt}", g, seed=7)
 
 
 def relayout_cases() -> None:

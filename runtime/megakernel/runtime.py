@@ -185,8 +185,12 @@ class TritonRuntime:
         dtypes = {b.dtype for b in graph.buffers.values()}
         if len(dtypes) != 1:
             raise DTypeError(f"{graph.op}: backend='triton' needs one dtype, graph has {dtypes}")
+        # TMA (16-byte aligned rows) is used only for what GEMM tasks read and write; the other
+        # bodies use masked pointer loads and stores (a row reduction's [rows, 1] output).
+        tma = {r.buffer for t in graph.tasks if t.kind == TaskKind.GEMM.value
+               for r in (*t.reads, *t.writes)}
         for b in graph.buffers.values():
-            if (b.cols * ITEMSIZE[b.dtype]) % 16:
+            if b.id in tma and (b.cols * ITEMSIZE[b.dtype]) % 16:
                 raise ScheduleError(
                     f"{graph.op}: buffer {b.id} rows are {b.cols} elements, not a multiple of 16 "
                     "bytes (TMA needs 16-byte aligned rows)",
