@@ -50,6 +50,7 @@ from ..errors import ShapeError
 from ..graph import ITEMSIZE, Buffer, Region, Task, torch_dtype
 from ..kinds import Role, TaskKind, kind_spec
 from ..topology import Topology
+from . import attention_tiles  # noqa: F401  (the kinds' Triton bodies; their params)
 from .registry import OpDef
 
 if TYPE_CHECKING:
@@ -251,6 +252,7 @@ def _lower(
                         "mask": causal and k_start == q_start,  # the diagonal block
                         "first": chain is None,
                         "scale": scale,
+                        "bias": False,  # no additive mask (a declared param of the GPU body)
                     }
                     k_rows = (base + k_row, base + k_row + blk)
                     name = f"attn r{r} bh{bh} q{q_start} k{k_start} (slice r{src})"
