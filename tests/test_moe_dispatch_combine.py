@@ -95,6 +95,7 @@ def test_route_tile_packs_segments():
     logits[:, 4] += 50.0  # expert 4's segment fills up to its capacity
     send = torch.full((E * T_loc, H), float("nan"))
     meta = torch.full((E * T_loc, 3), float("nan"))
+    counts = torch.full((E // E_loc, E_loc), float("nan"))
     task = Task(
         0,
         "route",
@@ -105,8 +106,7 @@ def test_route_tile_packs_segments():
         [],
         params={"top_k": k, "experts_per_rank": E_loc},
     )
-    kind_spec("moe_route").run_cpu(task, [x, logits], [send, meta])
-    assert not send.isnan().any() and not meta.isnan().any()
+    kind_spec("moe_route").run_cpu(task, [x, logits], [send, meta, counts])
     weights, experts = torch.softmax(logits.topk(k).values, -1), logits.topk(k).indices
     seen = torch.zeros(T_loc, dtype=torch.long)
     for e in range(E):
@@ -119,10 +119,13 @@ def test_route_tile_packs_segments():
         for row in range(n):
             t = tokens[row]
             assert seg_meta[row, 1] == weights[t][experts[t] == e].item()
-        assert (seg_meta[n:] == torch.tensor([-1.0, 0.0, -1.0])).all() and (seg[n:] == 0).all()
+        assert counts.view(-1)[e] == n
+        # Capacity bounds the buffer, not the work: rows past the count are never written.
+        assert seg[n:].isnan().all() and seg_meta[n:].isnan().all()
         seen[tokens] += 1
     assert (seen == k).all()
-    assert (meta[4 * T_loc : 5 * T_loc, 0] >= 0).all()
+    assert counts.view(-1)[4] == T_loc  # exactly full
+    assert counts.sum() == T_loc * k
 
 
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
@@ -164,10 +167,11 @@ def test_traffic_rail_peers_and_nvlink_inside_nodes(topology):
             want = "rdma" if topo.node_of(s) != topo.node_of(d) and hop == s else "nvlink"
             assert back.role == want
     remote_pairs = sum(topo.node_of(s) != topo.node_of(d) for s in topo.ranks for d in topo.ranks)
-    assert len(rdma) == 3 * remote_pairs  # rows + metadata out, expert outputs back
+    # counts, rows and metadata out, expert outputs back; the proxy moves whole regions
+    assert len(rdma) == 4 * remote_pairs
     st = g.stats()
-    assert st.bytes_by_link["rdma"] == remote_pairs * block * (2 * H * 4 + 3 * 4)
-    for name in ("relay", "relay_meta", "relay_ret"):
+    assert st.bytes_by_link["rdma"] == remote_pairs * (block * (2 * H * 4 + 3 * 4) + E_loc * 4)
+    for name in ("relay", "relay_meta", "relay_ret", "relay_counts", "counts", "recv_counts"):
         written_once(g, name)
 
 
@@ -191,6 +195,8 @@ def test_cost_hints_use_expected_rows():
         ("compute", "moe_route"): W,
         ("compute", "moe_expert"): len(experts),
         ("compute", "moe_combine"): W * 2,
+        # rows, metadata and return of the 24 same-node pairs and the 24 relayed ones
+        ("nvlink", "moe_move"): 3 * (24 + 24),
     }
 
 

@@ -45,7 +45,13 @@ def test_conservation(op, topology, adaptive):
     sched = small(op, topology)
     res = simulate(sched, adaptive=adaptive)
     graph = sched.graph
-    assert res.bytes_by_link == graph.stats().bytes_by_link
+    whole = simulate(sched, adaptive=adaptive, fill=lambda t: 1.0)  # every byte of every region
+    assert whole.bytes_by_link == graph.stats().bytes_by_link
+    # By default, MoE transfers that move only the routed rows (moe_move) cost their expected
+    # share of the capacity-sized regions (params["expected_fill"]); every other byte is moved.
+    routed = any(t.kind == "moe_move" for t in graph.tasks)
+    assert (res.bytes_by_link["nvlink"] < whole.bytes_by_link["nvlink"]) == routed
+    assert res.bytes_by_link["rdma"] == whole.bytes_by_link["rdma"]
     assert res.stats["rdma_bytes"] == sum(t.bytes for t in res.transfers)
     assert sorted(r.task for r in res.trace.records) == list(range(len(graph.tasks)))
     assert res.outputs == {} and res.wall_s == res.predicted_s > res.makespan_s > 0

@@ -7,20 +7,32 @@ weight * SwiGLU_expert(x).
 
 Lowering (a static graph; the CONTENTS of its buffers are data-dependent, see moe_tiles.py):
 1. route (compute, source s): top-k, then pack ``x`` rows into ``send[s]``, one segment of T_loc
-   rows per global expert (worst-case capacity: nothing is dropped), plus fp32 metadata rows.
+   rows per global expert (worst-case capacity: nothing is dropped), plus fp32 metadata rows and
+   ``counts[s]`` [W, E_loc], the filled rows of each segment (row d: destination d's experts).
    Segments of destination d's experts are contiguous: one block per (s, d) pair.
-2. dispatch: the block and its metadata go to ``recv[d]`` (slot of s). Inside a node: an NVLink
-   copy. Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network joins),
-   which forwards over NVLink, or lands directly when that rail peer is d.
+2. dispatch: d's row of the counts, then the block and its metadata, go to ``recv[d]`` (slot of
+   s). Inside a node: an NVLink ``moe_move`` that copies only the filled rows of each segment.
+   Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network joins), which
+   forwards over NVLink (a ``moe_move`` reading the count that landed at d), or lands directly
+   when that rail peer is d. The RDMA legs move whole blocks: the proxy encodes its WRITEs at
+   launch from static regions, so a count-sized WRITE needs the proxy to read the count.
 3. experts (compute, d): one task per (source, local expert, row tile) computes the SwiGLU expert
-   on the tile's valid rows. Tiles of one source start as soon as that source's block arrived.
-   Rows of d's own tokens never leave d: their tiles read ``send[d]`` and write ``back[d]``.
-4. return: ``ret[d]`` slot of s goes back to ``back[s]`` by the reverse path.
+   on the tile's filled rows (its segment's count); a tile past the count returns at once. Tiles
+   of one source start as soon as that source's block arrived. Rows of d's own tokens never
+   leave d: their tiles read ``send[d]`` and write ``back[d]``.
+4. return: ``ret[d]`` slot of s goes back to ``back[s]`` by the reverse path (filled rows only on
+   NVLink legs, which read s's own counts).
 5. combine (compute, s, one task per column tile): out[token] += weight * y over the token's k
-   rows, found through s's own metadata.
+   rows: the filled rows of s's segments (its counts) and s's own metadata.
+
+No host synchronisation: counts are data in the graph's buffers. Buffers stay capacity-sized
+(static regions); traffic follows the routing.
 
 Cost hints: an expert tile's flops use the EXPECTED routed rows (T_loc * top_k / E per source and
-expert, packed at the front of the segment as the route tile packs them), not its capacity.
+expert, packed at the front of the segment as the route tile packs them), not its capacity. Tasks
+whose bytes follow the routing carry ``params["expected_fill"]``: the expected fraction of their
+region bytes that is really touched (top_k / E of a capacity block). It is an expectation for a
+uniform router, not a measurement: the simulator has no data (runtime/sim/model.py reads it).
 """
 
 from __future__ import annotations
@@ -29,10 +41,10 @@ import torch
 
 from ..builder import GraphBuilder, pick_tile, piece, shard_range, split
 from ..errors import ShapeError
-from ..graph import Buffer, Region, Task, torch_dtype
+from ..graph import ITEMSIZE, Buffer, Region, Task, torch_dtype
 from ..kinds import Role, TaskKind
 from ..topology import Topology
-from .moe_tiles import META_COLS, combine_flops, expert_flops, route_topk, swiglu
+from .moe_tiles import META_COLS, MOE_MOVE, combine_flops, expert_flops, route_topk, swiglu
 from .registry import OpDef
 
 moe_dispatch_combine = OpDef(
@@ -142,6 +154,7 @@ class _Lowering:
         self.tile_rows = pick_tile(OP, "T/W", self.T_loc, rows)
         self.tile_cols = pick_tile(OP, "H", H, cols)
         self.block = self.E_loc * self.T_loc  # rows one (source, destination) pair exchanges
+        self.fill = top_k / E  # expected filled rows / capacity rows of a segment
 
     def run(self) -> None:
         self.declare()
@@ -192,33 +205,56 @@ class _Lowering:
             rows = slots * self.block
             return [b.buffer(name, r, rows, META_COLS, dtype="float32") for r in topo.ranks]
 
+        def counts(name: str, slots: int) -> list[Buffer]:
+            # One row per slot: the filled rows of that slot's E_loc segments (fp32 is exact).
+            return [b.buffer(name, r, slots, self.E_loc, dtype="float32") for r in topo.ranks]
+
         self.send, self.send_meta = data("send", W), meta("send_meta", W)
+        self.counts = counts("counts", W)
         self.back = data("back", W)
         # recv/ret: one slot per OTHER rank (own tokens stay in send/back).
         if W > 1:
             self.recv, self.recv_meta = data("recv", W - 1), meta("recv_meta", W - 1)
+            self.recv_counts = counts("recv_counts", W - 1)
             self.ret = data("ret", W - 1)
         # Relay staging on a rail peer: one slot per (remote rail source, node peer destination).
         relays = (topo.nodes - 1) * (topo.gpus_per_node - 1)
         self.relay: list[Buffer] | None = None
         self.relay_meta: list[Buffer] | None = None
         self.relay_ret: list[Buffer] | None = None
+        self.relay_counts: list[Buffer] | None = None
         if relays:
             self.relay, self.relay_meta = data("relay", relays), meta("relay_meta", relays)
             self.relay_ret = data("relay_ret", relays)
+            self.relay_counts = counts("relay_counts", relays)
 
     def _slot_rows(self, slot: int) -> tuple[int, int]:
         return (slot * self.block, (slot + 1) * self.block)
 
+    def _peer_index(self, holder: int, other: int) -> int:
+        """Index of ``other``'s slot in ``holder``'s recv/ret/recv_counts buffers."""
+        return other if other < holder else other - 1
+
     def _peer_slot(self, holder: int, other: int) -> tuple[int, int]:
         """Rows of ``other``'s slot in ``holder``'s recv/ret buffers."""
-        return self._slot_rows(other if other < holder else other - 1)
+        return self._slot_rows(self._peer_index(holder, other))
 
-    def _relay_slot(self, relay: int, src: int, dst: int) -> tuple[int, int]:
+    def _relay_index(self, relay: int, src: int, dst: int) -> int:
         topo = self.topo
         nodes = [n for n in range(topo.nodes) if n != topo.node_of(relay)]
         peers = [q for q in topo.node_ranks(topo.node_of(relay)) if q != relay]
-        return self._slot_rows(nodes.index(topo.node_of(src)) * len(peers) + peers.index(dst))
+        return nodes.index(topo.node_of(src)) * len(peers) + peers.index(dst)
+
+    def _nbytes(self, region: Region) -> int:
+        buf = self.b.buffers[region.buffer]
+        return (region.row1 - region.row0) * (region.col1 - region.col0) * ITEMSIZE[buf.dtype]
+
+    def _expected_fill(self, whole: list[Region], routed: list[Region]) -> float:
+        """Expected touched fraction of a task's bytes: ``whole`` regions are touched entirely,
+        ``routed`` ones (capacity-sized) by ``self.fill``."""
+        fixed = sum(self._nbytes(r) for r in whole)
+        varying = sum(self._nbytes(r) for r in routed)
+        return (fixed + varying * self.fill) / (fixed + varying)
 
     def _sources(self, d: int) -> list[int]:
         """Sources in expected arrival order: own rows, then node peers, then remote ranks."""
@@ -228,26 +264,41 @@ class _Lowering:
 
     # -- stages -------------------------------------------------------------------------------
     def route(self, s: int) -> Task:
+        reads = [self.x[s].region(), self.logits[s].region()]
+        packed = [self.send[s].region(), self.send_meta[s].region()]
+        counts = self.counts[s].region()
         return self.b.task(
             s,
             Role.COMPUTE,
             ROUTE,
-            [self.x[s].region(), self.logits[s].region()],
-            [self.send[s].region(), self.send_meta[s].region()],
+            reads,
+            [*packed, counts],
             name=f"route r{s}",
-            params={"top_k": self.top_k, "experts_per_rank": self.E_loc},
+            params={
+                "top_k": self.top_k,
+                "experts_per_rank": self.E_loc,
+                "expected_fill": self._expected_fill([*reads, counts], packed),
+            },
         )
 
     def dispatch(self, s: int, d: int, route: Task) -> list[Task]:
-        """The tasks after which d's block from s (rows and metadata) is in recv[d]."""
+        """The tasks after which d's block from s (counts, rows, metadata) is in recv[d]."""
         src_rows, dst_rows = self._slot_rows(d), self._peer_slot(d, s)
+        at_src = self.counts[s].region((d, d + 1))
+        at_dst = self.recv_counts[d].region((self._peer_index(d, s), self._peer_index(d, s) + 1))
+        count = self.move(
+            at_src, at_dst, self.relay_counts, [route], f"dispatch-counts r{s}->r{d}", unit=1
+        )
+        counts = (at_src, at_dst, [count])
         return [
+            count,
             self.move(
                 self.send[s].region(src_rows),
                 self.recv[d].region(dst_rows),
                 self.relay,
                 [route],
                 f"dispatch r{s}->r{d}",
+                counts=counts,
             ),
             self.move(
                 self.send_meta[s].region(src_rows),
@@ -255,6 +306,7 @@ class _Lowering:
                 self.relay_meta,
                 [route],
                 f"dispatch-meta r{s}->r{d}",
+                counts=counts,
             ),
         ]
 
@@ -263,9 +315,11 @@ class _Lowering:
         T_loc, H, F = self.T_loc, self.H, self.F
         if s == d:
             rows, meta, out, base = self.send[d], self.send_meta[d], self.back[d], d * self.block
+            counts, slot = self.counts[d], d
         else:
             rows, meta, out = self.recv[d], self.recv_meta[d], self.ret[d]
             base = self._peer_slot(d, s)[0]
+            counts, slot = self.recv_counts[d], self._peer_index(d, s)
         expected = T_loc * self.top_k / self.E  # per (source, expert); <= T_loc as top_k <= E
         waits = self.b.after(d, ready)
         tiles = []
@@ -275,6 +329,7 @@ class _Lowering:
                 self.w_up[d].region((j * H, (j + 1) * H)),
                 self.w_down[d].region((j * F, (j + 1) * F)),
             ]
+            count = counts.region((slot, slot + 1), cols=(j, j + 1))
             for r0, r1 in split(T_loc, self.tile_rows):
                 # The route tile packs routed rows at the front of a segment.
                 rows_expected = min(max(expected - r0, 0.0), float(r1 - r0))
@@ -284,11 +339,11 @@ class _Lowering:
                         d,
                         Role.COMPUTE,
                         EXPERT,
-                        [rows.region(span), meta.region(span), *weights],
+                        [rows.region(span), meta.region(span), count, *weights],
                         [out.region(span)],
                         waits=waits,
                         name=f"expert r{d} e{d * self.E_loc + j} from r{s} [{r0}:{r1}]",
-                        params={"local_expert": j, "expected_rows": rows_expected},
+                        params={"local_expert": j, "row0": r0, "expected_rows": rows_expected},
                         flops=expert_flops(rows_expected, H, F),
                     )
                 )
@@ -296,58 +351,84 @@ class _Lowering:
 
     def give_back(self, d: int, s: int, tiles: list[Task]) -> Task:
         """The expert outputs d computed for s, back into s's ``back`` buffer."""
+        i = self._peer_index(d, s)
+        # The counts are at both ends already: d received them, s wrote them.
+        counts = (self.recv_counts[d].region((i, i + 1)), self.counts[s].region((d, d + 1)), [])
         return self.move(
             self.ret[d].region(self._peer_slot(d, s)),
             self.back[s].region(self._slot_rows(d)),
             self.relay_ret,
             tiles,
             f"return r{d}->r{s}",
+            counts=counts,
         )
 
     def combine(self, s: int, finished: list[Task]) -> None:
         waits = self.b.after(s, finished)
         expected = self.T_loc * self.top_k  # routed rows of s's tokens, wherever they are
         for c0, c1 in split(self.H, self.tile_cols):
+            routed = [self.back[s].region(cols=(c0, c1)), self.send_meta[s].region()]
+            whole = [self.counts[s].region(), self.out[s].region(cols=(c0, c1))]
             self.b.task(
                 s,
                 Role.COMPUTE,
                 COMBINE,
-                [self.back[s].region(cols=(c0, c1)), self.send_meta[s].region()],
-                [self.out[s].region(cols=(c0, c1))],
+                [*routed, whole[0]],
+                [whole[1]],
                 waits=waits,
                 name=f"combine r{s} [:,{c0}:{c1}]",
-                params={"expected_rows": expected},
+                params={
+                    "expected_rows": expected,
+                    "expected_fill": self._expected_fill(whole, routed),
+                },
                 flops=combine_flops(expected, c1 - c0),
             )
 
     # -- transport ----------------------------------------------------------------------------
     def move(
-        self, src: Region, dst: Region, relay: list[Buffer] | None, ready: list[Task], name: str
+        self,
+        src: Region,
+        dst: Region,
+        relay: list[Buffer] | None,
+        ready: list[Task],
+        name: str,
+        *,
+        unit: int | None = None,
+        counts: tuple[Region, Region, list[Task]] | None = None,
     ) -> Task:
         """Copy src to dst by the links the network has; return the task that lands it.
 
         Same node: one NVLink push. Other node: RDMA to the source's rail peer on the destination
         node; when that is not the destination, the rail peer forwards over NVLink from a relay
-        slot reserved for this (source, destination) pair.
+        slot reserved for this (source, destination) pair (``unit`` rows per slot; default a
+        block). ``counts``: (counts at the source, counts at the destination, tasks that land the
+        latter): the NVLink legs are ``moe_move`` tasks that copy only the filled rows; RDMA legs
+        copy the whole region (the proxy's WRITEs are encoded at launch from static regions).
         """
         b, topo = self.b, self.topo
         s, d = b.buffers[src.buffer].rank, b.buffers[dst.buffer].rank
+
+        def nvlink(rank: int, a: Region, z: Region, count: Region | None, waits, name: str):
+            if count is None:
+                return b.task(rank, Role.NVLINK, COPY, [a], [z], waits=waits, name=name)
+            params = {"segment_rows": self.T_loc, "expected_fill": self.fill}
+            return b.task(
+                rank, Role.NVLINK, MOE_MOVE, [a, count], [z], waits=waits, name=name, params=params
+            )
+
         if topo.link(s, d) == "nvlink":
-            return b.task(s, Role.NVLINK, COPY, [src], [dst], waits=b.after(s, ready), name=name)
+            count = counts[0] if counts else None
+            return nvlink(s, src, dst, count, b.after(s, ready), name)
         hop = topo.rail_peer(s, topo.node_of(d))
         if hop == d:
             return b.task(s, Role.RDMA, COPY, [src], [dst], waits=b.after(s, ready), name=name)
         assert relay is not None, (name, hop)
-        stage = relay[hop].region(self._relay_slot(hop, s, d))
+        i, rows = self._relay_index(hop, s, d), unit or self.block
+        stage = relay[hop].region((i * rows, (i + 1) * rows))
         first = b.task(
             s, Role.RDMA, COPY, [src], [stage], waits=b.after(s, ready), name=f"{name} via r{hop}"
         )
-        return b.task(
-            hop,
-            Role.NVLINK,
-            COPY,
-            [stage],
-            [dst],
-            waits=b.after(hop, [first]),
-            name=f"{name} relay r{hop}",
-        )
+        # The forwarding leg reads the count where it landed (d, a node peer of the hop).
+        count, landed = (counts[1], counts[2]) if counts else (None, [])
+        waits = b.after(hop, [first, *landed])
+        return nvlink(hop, stage, dst, count, waits, f"{name} relay r{hop}")

@@ -7,10 +7,16 @@ routing, so the same graph is exact for any router output.
 
 Send-slot layout (one per source rank): segment ``e`` (global expert) holds rows
 ``[e * T_loc, (e + 1) * T_loc)``; the tokens routed to ``e`` fill its first rows in ascending
-token order and the rest are empty. A token picks an expert at most once, so ``T_loc`` rows per
-segment is the worst case: no token is ever dropped. Metadata columns (``META_COLS``):
-token index (local to the source rank), routing weight, local expert index; empty rows hold
-``EMPTY_ROW`` = (-1, 0, -1) and zeros in the data rows.
+token order. A token picks an expert at most once, so ``T_loc`` rows per segment is the worst
+case: no token is ever dropped. Metadata columns (``META_COLS``): token index (local to the
+source rank), routing weight, local expert index.
+
+Counts travel as data: the route tile also writes ``counts [W, E_loc]`` (fp32, exact below
+2**24), the filled rows of each segment, and every later tile reads them. Capacity bounds the
+buffers, not the traffic: ``moe_move`` copies only the filled rows of each segment, an expert
+tile computes only its filled rows (a tile past its segment's count returns at once), combine
+reads only filled rows. Rows past a count are never written nor read (they hold whatever the
+buffer held: stale or poison).
 """
 
 from __future__ import annotations
@@ -20,24 +26,47 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..errors import GraphError
 from ..graph import Task
-from ..kinds import TaskKind, kind_spec
+from ..kinds import Role, TaskKind, define_kind, kind_spec
 
 __all__ = [
     "META_COLS",
-    "EMPTY_ROW",
     "route_topk",
     "swiglu",
     "expert_flops",
     "combine_flops",
+    "MOE_MOVE",
+    "filled_rows",
 ]
 
 META_COLS = 3  # token index, weight, local expert
-EMPTY_ROW = (-1.0, 0.0, -1.0)
+MOE_MOVE = "moe_move"
 
 ROUTE = kind_spec(TaskKind.MOE_ROUTE)
 EXPERT = kind_spec(TaskKind.MOE_EXPERT)
 COMBINE = kind_spec(TaskKind.MOE_COMBINE)
+# A transfer whose size is data: the COPY kind moves whole regions, and the builtin kinds are not
+# ours to change, so the data-dependent copy is a kind of its own. RDMA is not among its roles:
+# the proxy encodes its WRITEs at launch from the static regions (runtime/network.py).
+MOVE = define_kind(
+    MOE_MOVE,
+    [Role.NVLINK],
+    "copy the first counts[j] rows of each segment j (segment_rows rows) of reads[0] to writes[0]",
+    params=("segment_rows",),
+)
+
+
+def filled_rows(counts: torch.Tensor, segment_rows: int) -> torch.Tensor:
+    """Row indices of the filled rows of consecutive segments with these counts (flattened)."""
+    n = counts.reshape(-1).long()
+    if bool(((n < 0) | (n > segment_rows)).any()):
+        raise GraphError(
+            f"a segment count in {n.tolist()} is outside [0, {segment_rows}]",
+            hint="the counts buffer was not written by a moe_route tile of this graph",
+        )
+    filled = torch.arange(segment_rows, device=n.device)[None, :] < n[:, None]
+    return filled.reshape(-1).nonzero().flatten()
 
 
 def route_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,12 +101,12 @@ def combine_flops(rows: float, cols: int) -> float:
 @ROUTE.cpu
 def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     x, logits = reads
-    send, meta = writes
+    send, meta, counts = writes
     tokens, experts_total = logits.shape
     per_rank = task.params["experts_per_rank"]
     weights, experts = route_topk(logits, task.params["top_k"])
-    send.zero_()
-    meta.copy_(torch.tensor(EMPTY_ROW, dtype=meta.dtype).expand_as(meta))
+    flat = counts.view(-1)  # [W, E_loc] row-major: global expert e is flat[e]
+    flat.zero_()
     for e in range(experts_total):
         # nonzero() lists tokens in ascending order. Nothing downstream depends on the order
         # (the metadata names each row's token), but it keeps runs reproducible row for row.
@@ -86,6 +115,7 @@ def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch
         if n == 0:
             continue
         assert n <= tokens, (task.name, e, n)  # top-k picks distinct experts
+        flat[e] = n
         rows = slice(e * tokens, e * tokens + n)
         send[rows] = x[token].to(send.dtype)
         meta[rows, 0] = token.to(meta.dtype)
@@ -100,35 +130,50 @@ def _route_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, i
     return float(tokens * experts + 4 * tokens * params.get("top_k", 1))
 
 
-# -- moe_expert: reads [rows (n, H), meta (n, 3), w_gate (H, F), w_up (H, F), w_down (F, H)] ------
+# -- moe_move: reads [src (S*seg, cols), counts (1, S)], writes [dst (S*seg, cols)] ---------------
+@MOVE.cpu
+def _move_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
+    src, counts = reads
+    (dst,) = writes
+    seg = task.params["segment_rows"]
+    for j, n in enumerate(counts.reshape(-1).long().tolist()):
+        if n:  # an empty segment moves nothing
+            dst[j * seg : j * seg + n] = src[j * seg : j * seg + n]
+
+
+@MOVE.flops
+def _move_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict):
+    return 0.0
+
+
+# -- moe_expert: reads [rows (n, H), meta (n, 3), count (1, 1), w_gate, w_up, w_down] -------------
 @EXPERT.cpu
 def _expert_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
-    rows, meta, w_gate, w_up, w_down = reads
+    rows, meta, count, w_gate, w_up, w_down = reads
     (y,) = writes
-    valid = meta[:, 0] >= 0
-    assert bool((meta[valid, 2] == task.params["local_expert"]).all()), task.name
-    # Empty rows are written too (zeros) so the return buffer never carries poison, but the
-    # GEMMs only see the routed rows: on the GPU an empty tile exits after reading its metadata.
-    y.zero_()
-    if bool(valid.any()):
-        y[valid] = swiglu(rows[valid], w_gate, w_up, w_down).to(y.dtype)
+    # The tile covers rows [row0, row0 + len) of its segment; the count says how many are filled.
+    n = min(max(int(count.item()) - task.params["row0"], 0), rows.shape[0])
+    if n == 0:
+        return  # an empty tile exits at once; its output rows are never moved nor read
+    assert bool((meta[:n, 2] == task.params["local_expert"]).all()), task.name
+    y[:n] = swiglu(rows[:n], w_gate, w_up, w_down).to(y.dtype)
 
 
 @EXPERT.flops
 def _expert_flops(
     reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict
 ):
-    (capacity, hidden), (_, ffn) = reads[0], reads[2]
+    (capacity, hidden), (_, ffn) = reads[0], reads[3]
     # The lowering records the EXPECTED routed rows; without it this is the worst case.
     return expert_flops(params.get("expected_rows", capacity), hidden, ffn)
 
 
-# -- moe_combine: reads [back (E*T_loc, cols), meta (E*T_loc, 3)], writes [out (T_loc, cols)] -----
+# -- moe_combine: reads [back (E*T_loc, cols), meta (E*T_loc, 3), counts (W, E_loc)], writes out --
 @COMBINE.cpu
 def _combine_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
-    back, meta = reads
+    back, meta, counts = reads
     (out,) = writes
-    valid = meta[:, 0] >= 0
+    valid = filled_rows(counts, out.shape[0])  # segments of T_loc rows, one per global expert
     token = meta[valid, 0].long()
     weight = meta[valid, 1].float()
     acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)

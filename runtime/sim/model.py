@@ -29,7 +29,9 @@ from mgraph.hardware import HardwareProfile
 from mgraph.kinds import Role, TaskKind
 from mgraph.scheduler.costmodel import hbm_rate_per_sm, nvlink_rate_per_sm
 
-__all__ = ["COMPUTE", "NVLINK", "RDMA", "MATH_RATE", "TaskModel", "task_model", "kind_rate"]
+__all__ = [
+    "COMPUTE", "NVLINK", "RDMA", "MATH_RATE", "TaskModel", "task_model", "kind_rate", "expected_fill",
+]  # fmt: skip
 
 COMPUTE, NVLINK, RDMA = 0, 1, 2
 _ROLE_CODE = {Role.COMPUTE.value: COMPUTE, Role.NVLINK.value: NVLINK, Role.RDMA.value: RDMA}
@@ -88,10 +90,21 @@ def port_capacities(world: int, hw: HardwareProfile) -> list[float]:
 Fill = Callable[[Task], float]  # fraction of a task's bytes that is really moved or touched
 
 
+def expected_fill(task: Task) -> float:
+    """What a task reports of its own data-dependent bytes: ``params["expected_fill"]``, the
+    expected touched fraction of its region bytes (MoE tasks whose bodies follow the routed
+    counts, sized by capacity). An expectation set at lowering, not data: the sim has none."""
+    return task.params.get("expected_fill", 1.0)
+
+
 def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) -> TaskModel:
-    """``fill``: a what-if for data-dependent tasks sized for the worst case (MoE blocks hold
-    capacity rows; only the routed ones need to move): it scales the bytes of transfers and of
-    memory-bound compute tasks (math kinds are costed by flops). None: every byte counts."""
+    """``fill``: the fraction of a task's bytes that is really moved or touched, for tasks sized
+    for the worst case (MoE blocks hold capacity rows; only the routed ones move): it scales the
+    bytes of transfers and of memory-bound compute tasks (math kinds are costed by flops). None:
+    each task's own ``expected_fill`` (1 unless its lowering says otherwise); ``lambda t: 1.0``
+    costs every byte of every region (capacity)."""
+    if fill is None:
+        fill = expected_fill
     topo = graph.topology
     world = topo.world_size
     node = [topo.node_of(r) for r in topo.ranks]
@@ -121,8 +134,9 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
             dst = buf_rank[w[0]]
             m.dst[tid] = dst
             m.remote[tid] = (w[2] - w[1]) * (w[4] - w[3]) * buf_item[w[0]]
-            if fill is not None:
-                m.remote[tid] *= fill(t)
+            f = fill(t)
+            if f != 1.0:
+                m.remote[tid] *= f
             m.dst_events[tid] = [e for e in t.signals if ev_rank[e] == dst]
             m.src_events[tid] = [e for e in t.signals if ev_rank[e] != dst]
             m.commands[tid] = (
@@ -136,7 +150,8 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
             if rate is not None:
                 m.duration[tid] = t.flops / rate
             else:
-                nbytes = t.bytes if fill is None else t.bytes * fill(t)
+                f = fill(t)
+                nbytes = t.bytes if f == 1.0 else t.bytes * f
                 a, b = t.flops / tile_rate, nbytes / hbm
                 m.duration[tid] = a if a > b else b
             if all(buf_rank[w[0]] == rank for w in t.writes):
@@ -162,8 +177,8 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
                 for port in (base["egress"] + src, base["ingress"] + dst):
                     load[port] = load.get(port, 0) + nbytes
                 total += nbytes
-        if fill is not None and total:
-            f = fill(t)
+        f = fill(t) if total else 1.0
+        if f != 1.0:
             load = {p: b * f for p, b in load.items()}
             total *= f
         if total:

@@ -1,0 +1,121 @@
+"""MoE traffic follows the routed counts (data), not the capacity of the buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mgraph as mg
+from helpers import rel_err
+from mgraph.graph import Task
+from mgraph.kinds import kind_spec
+from mgraph.runtime import run_sequential
+from runtime.sequential import execute_sequential
+from runtime.sim.model import task_model
+
+OP = "moe_dispatch_combine"
+
+
+def build(topology: str, *, T_loc: int = 16, E_loc: int = 2, top_k: int = 2, **kw):
+    world = mg.Topology.parse(topology).world_size
+    kw = {"H": 16, "F": 32, "expert_rows": 8, "combine_cols": 8, **kw}
+    return mg.ops.moe_dispatch_combine(
+        T=T_loc * world, E=E_loc * world, top_k=top_k, topology=topology, **kw
+    )
+
+
+def routed(kind: str, topology: str, E: int, seed: int) -> tuple[mg.TaskGraph, dict]:
+    """A graph and inputs whose routing is random, or skewed to leave experts empty or full."""
+    g = build(topology)
+    inputs = mg.ops.get_op(OP).random_inputs(g, seed=seed)
+    logits = inputs["router_logits"]
+    if kind == "empty":  # experts 1 and E-1 get no token at all
+        logits[:, [1, E - 1]] -= 50.0
+    elif kind == "full":  # experts 0 and 3 get every token: their segments hit capacity exactly
+        logits[:, [0, 3]] += 50.0
+    return g, inputs
+
+
+@pytest.mark.parametrize("topology", ["1x4", "2x2", "2x4"])
+@pytest.mark.parametrize("kind", ["random", "empty", "full"])
+def test_exact_on_both_runtimes(topology, kind):
+    E = 2 * mg.Topology.parse(topology).world_size
+    for seed in (0, 1):
+        g, inputs = routed(kind, topology, E, seed)
+        g.validate()
+        want = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
+        assert rel_err(run_sequential(g, inputs)["out"], want) < 1e-4
+        got = mg.run(mg.schedule(g), inputs).outputs["out"]  # threads, NaN-free output
+        assert not got.isnan().any() and rel_err(got, want) < 1e-4
+
+
+def test_capacity_cannot_overflow():
+    """Capacity is T_loc rows per (source, expert): a token picks an expert at most once, so even
+    a router that sends every token to the same top_k experts fills them exactly and drops
+    nothing (the semantics the op always had)."""
+    g, inputs = routed("full", "1x4", 8, 0)
+    mem = execute_sequential(g, inputs)
+    counts = torch.stack([mem[g.buffers[f"counts@{r}"].id] for r in range(4)])
+    assert (counts.view(4, -1)[:, [0, 3]] == 16).all() and counts.sum() == 4 * 16 * 2
+
+
+def test_move_copies_only_filled_rows():
+    seg, cols = 4, 3
+    src = torch.randn(3 * seg, cols)
+    dst = torch.full_like(src, float("nan"))
+    task = Task(0, "m", 0, "nvlink", "moe_move", [], [], params={"segment_rows": seg})
+    kind_spec("moe_move").run_cpu(task, [src, torch.tensor([[2.0, 0.0, 4.0]])], [dst])
+    assert torch.equal(dst[:2], src[:2]) and torch.equal(dst[8:], src[8:])
+    assert dst[2:8].isnan().all()  # past the count of segment 0, and all of empty segment 1
+
+
+def test_empty_expert_tile_exits_at_once():
+    H, F, rows = 4, 6, 8
+    w = [torch.randn(H, F), torch.randn(H, F), torch.randn(F, H)]
+    x, meta = torch.randn(rows, H), torch.zeros(rows, 3)
+    y = torch.full((rows, H), float("nan"))
+    task = Task(0, "e", 0, "compute", "moe_expert", [], [], params={"local_expert": 0, "row0": 8})
+    kind_spec("moe_expert").run_cpu(task, [x, meta, torch.tensor([[8.0]]), *w], [y])
+    assert y.isnan().all()  # the count (8) ends before this tile's first row: nothing written
+    task.params["row0"] = 5
+    kind_spec("moe_expert").run_cpu(task, [x, meta, torch.tensor([[8.0]]), *w], [y])
+    assert not y[:3].isnan().any() and y[3:].isnan().all()
+
+
+def test_sim_costs_routed_bytes():
+    """On one node every block moves over NVLink. With the counts of a fixed routing the sim's
+    bytes per (source, destination) link are routed tokens x H x itemsize; with the lowering's
+    expectation they are top_k / E of capacity, i.e. capacity / (E / top_k)."""
+    g, inputs = routed("random", "1x4", 8, 2)
+    mem = execute_sequential(g, inputs)
+    T_loc, E_loc, H, k, E = 16, 2, 16, 2, 8
+    block = E_loc * T_loc
+
+    def actual(t: Task) -> float:  # a fill read from the run's counts: the moved rows / capacity
+        if t.kind != "moe_move":
+            return 1.0
+        c = t.reads[1]
+        n = mem[c.buffer][c.row0 : c.row1, c.col0 : c.col1].sum().item()
+        return n / block
+
+    hw = mg.H200
+    by_fill = {
+        "capacity": task_model(g, hw, lambda t: 1.0),
+        "expected": task_model(g, hw),
+        "actual": task_model(g, hw, actual),
+    }
+    _, experts = inputs["router_logits"].float().topk(k, dim=-1)
+    item = 4  # float32 rows
+    seen = 0
+    for t in g.tasks:
+        if not t.name.startswith("dispatch r") or t.kind != "moe_move":
+            continue
+        s, d = (int(p) for p in t.name.split()[1][1:].split("->r"))
+        mine = experts[s * T_loc : (s + 1) * T_loc]
+        tokens = ((mine >= d * E_loc) & (mine < (d + 1) * E_loc)).sum().item()
+        # The count row it reads is local to the sender: no link bytes.
+        assert by_fill["actual"].remote[t.id] == tokens * H * item
+        seen += tokens
+        assert by_fill["capacity"].remote[t.id] == block * H * item
+        assert by_fill["expected"].remote[t.id] == pytest.approx(block * H * item * k / E)
+    assert 0 < seen < 4 * 3 * block  # tokens did cross links, far fewer than capacity
