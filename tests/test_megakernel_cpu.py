@@ -169,9 +169,14 @@ def test_reduce_scatter_pushes_ride_the_gemm_epilogues():
 
 
 def test_triton_backend_rejects_what_it_cannot_run():
-    ring = mg.ops.ring_attention(B=1, H=1, S=32, D=16, topology="1x1")
-    with pytest.raises(mg.ScheduleError, match="attn_block"):
-        TritonRuntime(mg.schedule(ring), interpret=True)
+    # a user op registered without triton=: its kind has no tile body
+    @mg.register_op("test_mk_cpu_no_body", whole_rows=False)
+    def no_body(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    g = no_body.opdef(topology="1x1", rows=32, cols=16)
+    with pytest.raises(mg.ScheduleError, match="test_mk_cpu_no_body"):
+        TritonRuntime(mg.schedule(g), interpret=True)
     odd = mg.ops.gemm(M=32, N=36, K=64, topology="1x1", tile=[16, 36], dtype=torch.bfloat16)
     with pytest.raises(mg.ScheduleError, match="16 bytes"):
         TritonRuntime(mg.schedule(odd), interpret=True)
