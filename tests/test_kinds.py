@@ -13,7 +13,7 @@ from mgraph.kinds import KINDS, TaskKind
 
 # Kinds the megakernel has no tile body for: graphs using them run on the reference backend.
 NO_TRITON_BODY = {
-    "moe_route", "moe_expert", "moe_combine",
+    "moe_route", "moe_expert", "moe_combine", "moe_move",
 }
 
 _PROBE = """
