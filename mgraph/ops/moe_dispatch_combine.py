@@ -44,7 +44,8 @@ from ..errors import ShapeError
 from ..graph import ITEMSIZE, Buffer, Region, Task, torch_dtype
 from ..kinds import Role, TaskKind
 from ..topology import Topology
-from .moe_tiles import META_COLS, MOE_MOVE, combine_flops, expert_flops, route_topk, swiglu
+from .moe_tiles import META_COLS, combine_flops, expert_flops, route_topk, swiglu
+from .moe_transport import Counted, move
 from .registry import OpDef
 
 moe_dispatch_combine = OpDef(
@@ -55,7 +56,6 @@ moe_dispatch_combine = OpDef(
 )
 
 OP = "moe_dispatch_combine"
-COPY = TaskKind.COPY.value
 ROUTE, EXPERT, COMBINE = (
     TaskKind.MOE_ROUTE.value,
     TaskKind.MOE_EXPERT.value,
@@ -239,12 +239,6 @@ class _Lowering:
         """Rows of ``other``'s slot in ``holder``'s recv/ret buffers."""
         return self._slot_rows(self._peer_index(holder, other))
 
-    def _relay_index(self, relay: int, src: int, dst: int) -> int:
-        topo = self.topo
-        nodes = [n for n in range(topo.nodes) if n != topo.node_of(relay)]
-        peers = [q for q in topo.node_ranks(topo.node_of(relay)) if q != relay]
-        return nodes.index(topo.node_of(src)) * len(peers) + peers.index(dst)
-
     def _nbytes(self, region: Region) -> int:
         buf = self.b.buffers[region.buffer]
         return (region.row1 - region.row0) * (region.col1 - region.col0) * ITEMSIZE[buf.dtype]
@@ -384,51 +378,11 @@ class _Lowering:
                 flops=combine_flops(expected, c1 - c0),
             )
 
-    # -- transport ----------------------------------------------------------------------------
-    def move(
-        self,
-        src: Region,
-        dst: Region,
-        relay: list[Buffer] | None,
-        ready: list[Task],
-        name: str,
-        *,
-        unit: int | None = None,
-        counts: tuple[Region, Region, list[Task]] | None = None,
-    ) -> Task:
-        """Copy src to dst by the links the network has; return the task that lands it.
-
-        Same node: one NVLink push. Other node: RDMA to the source's rail peer on the destination
-        node; when that is not the destination, the rail peer forwards over NVLink from a relay
-        slot reserved for this (source, destination) pair (``unit`` rows per slot; default a
-        block). ``counts``: (counts at the source, counts at the destination, tasks that land the
-        latter): the NVLink legs are ``moe_move`` tasks that copy only the filled rows; RDMA legs
-        copy the whole region (the proxy's WRITEs are encoded at launch from static regions).
-        """
-        b, topo = self.b, self.topo
-        s, d = b.buffers[src.buffer].rank, b.buffers[dst.buffer].rank
-
-        def nvlink(rank: int, a: Region, z: Region, count: Region | None, waits, name: str):
-            if count is None:
-                return b.task(rank, Role.NVLINK, COPY, [a], [z], waits=waits, name=name)
-            params = {"segment_rows": self.T_loc, "expected_fill": self.fill}
-            return b.task(
-                rank, Role.NVLINK, MOE_MOVE, [a, count], [z], waits=waits, name=name, params=params
-            )
-
-        if topo.link(s, d) == "nvlink":
-            count = counts[0] if counts else None
-            return nvlink(s, src, dst, count, b.after(s, ready), name)
-        hop = topo.rail_peer(s, topo.node_of(d))
-        if hop == d:
-            return b.task(s, Role.RDMA, COPY, [src], [dst], waits=b.after(s, ready), name=name)
-        assert relay is not None, (name, hop)
-        i, rows = self._relay_index(hop, s, d), unit or self.block
-        stage = relay[hop].region((i * rows, (i + 1) * rows))
-        first = b.task(
-            s, Role.RDMA, COPY, [src], [stage], waits=b.after(s, ready), name=f"{name} via r{hop}"
-        )
-        # The forwarding leg reads the count where it landed (d, a node peer of the hop).
-        count, landed = (counts[1], counts[2]) if counts else (None, [])
-        waits = b.after(hop, [first, *landed])
-        return nvlink(hop, stage, dst, count, waits, f"{name} relay r{hop}")
+    def move(self, src: Region, dst: Region, relay: list[Buffer] | None, ready: list[Task],
+             name: str, *, unit: int | None = None,
+             counts: tuple[Region, Region, list[Task]] | None = None) -> Task:  # fmt: skip
+        """moe_transport.move with this layout's slots (``unit`` rows, default a block) and,
+        given ``counts`` (at the source, at the destination, tasks landing the latter), NVLink
+        legs that move only the filled rows of each segment."""
+        counted = None if counts is None else Counted(*counts, self.T_loc, self.fill)
+        return move(self.b, src, dst, relay, ready, name, unit or self.block, counted)
