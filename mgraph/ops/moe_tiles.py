@@ -1,8 +1,8 @@
-"""Tile bodies of the MoE kinds: moe_route, moe_expert, moe_combine (CPU bodies and flops).
+"""Tile bodies of the MoE kinds: moe_route, moe_move, moe_expert, moe_combine (CPU bodies, flops).
 
 The graph is static but what flows through it is data-dependent: the route tile decides at run
-time which rows of a send slot are filled, and writes that decision next to the rows as fp32
-metadata, which travels with them. Every later tile reads the metadata instead of assuming a
+time which rows of a send slot are filled, and writes that decision as counts and fp32
+metadata rows, which travel with the data. Every later tile reads them instead of assuming a
 routing, so the same graph is exact for any router output.
 
 Send-slot layout (one per source rank): segment ``e`` (global expert) holds rows
@@ -97,7 +97,7 @@ def combine_flops(rows: float, cols: int) -> float:
     return 2.0 * rows * cols
 
 
-# -- moe_route: reads [x (T_loc, H), logits (T_loc, E)], writes [send (E*T_loc, H), meta] --------
+# -- moe_route: reads [x (T_loc, H), logits (T_loc, E)], writes [send, meta, counts (W, E_loc)] --
 @ROUTE.cpu
 def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     x, logits = reads
