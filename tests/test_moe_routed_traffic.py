@@ -10,8 +10,9 @@ from helpers import rel_err
 from mgraph.graph import Task
 from mgraph.kinds import kind_spec
 from mgraph.runtime import run_sequential
-from runtime.sequential import execute_sequential
-from runtime.sim.model import task_model
+from mgraph.runtime.reference import ReferenceRuntime
+from mgraph.runtime.sequential import execute_sequential
+from mgraph.runtime.sim.model import task_model
 
 OP = "moe_dispatch_combine"
 
@@ -119,3 +120,14 @@ def test_sim_costs_routed_bytes():
         assert by_fill["capacity"].remote[t.id] == block * H * item
         assert by_fill["expected"].remote[t.id] == pytest.approx(block * H * item * k / E)
     assert 0 < seen < 4 * 3 * block  # tokens did cross links, far fewer than capacity
+
+
+def test_relaunch_with_another_routing():
+    """One runtime, launches with different counts: rows past a count (NaN-poisoned each launch,
+    or left from a fuller routing) never reach the output."""
+    rt = ReferenceRuntime(mg.schedule(build("2x4")))
+    for kind, seed in (("full", 0), ("empty", 1), ("random", 2)):
+        g, inputs = routed(kind, "2x4", 16, seed)
+        want = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
+        got = rt.run(inputs).outputs["out"]
+        assert not got.isnan().any() and rel_err(got, want) < 1e-4, kind
