@@ -59,3 +59,21 @@ def written_once(graph: TaskGraph, buffer_name: str) -> None:
                 f"{bid}: plain writes {c.min()}..{c.max()}, adds {a.min()}..{a.max()}")
             continue
         assert int(c.min()) == 1 and int(c.max()) == 1, f"{bid}: writes per element {c.min()}..{c.max()}"
+
+
+def interpreter_rows(script: str, timeout: int = 300) -> dict[str, dict]:
+    """Run ``tests/<script>`` under TRITON_INTERPRET=1 in a subprocess (the flag must be set
+    before triton is imported) and return its JSON lines by their "case"."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(here))
+    proc = subprocess.run([sys.executable, str(here / script)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in out}

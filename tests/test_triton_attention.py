@@ -6,14 +6,12 @@ dtype per graph and the attention state is fp32."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from helpers import interpreter_rows
 
 pytest.importorskip("triton")
 
@@ -26,12 +24,7 @@ TOL = 3e-6
 
 @cache
 def rows() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run([sys.executable, str(HERE / "megakernel_attention_interp.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r for r in out}
+    return interpreter_rows("megakernel_attention_interp.py")
 
 
 def _check(prefix: str, expect: int, kinds: set[str]) -> None:

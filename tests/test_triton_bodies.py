@@ -4,14 +4,12 @@ with the reference runtime on the same graphs (tests/megakernel_bodies_interp.py
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from helpers import interpreter_rows
 
 pytest.importorskip("triton")
 
@@ -23,12 +21,7 @@ TOL = {"float32": 2e-6, "bfloat16": 1e-2}
 
 @cache
 def rows() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run([sys.executable, str(HERE / "megakernel_bodies_interp.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["case"]: r for r in out}
+    return interpreter_rows("megakernel_bodies_interp.py")
 
 
 def _check(prefix: str, expect: int) -> None:
