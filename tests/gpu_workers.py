@@ -28,6 +28,7 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
 
         import mgraph as mg
         from mgraph.runtime.megakernel import TritonRuntime, local_shards
+        from mgraph.runtime.memory import worst_tile_error as worst_tile
         from mgraph.settings import Settings
 
         op = mg.ops.get_op(op_name)
@@ -69,10 +70,3 @@ def _local_reference(graph, rank, full):
     import torch
 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=buf.binding.cat_dim)
-
-
-def worst_tile(got, want):
-    """The largest relative error of any 128x128 tile (mgraph.runtime.memory)."""
-    from mgraph.runtime.memory import worst_tile_error
-
-    return worst_tile_error(got, want)

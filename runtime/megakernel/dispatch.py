@@ -32,7 +32,7 @@ from pathlib import Path
 from mgraph.errors import RegistrationError
 from mgraph.kinds import KINDS
 
-__all__ = ["ABI_NAMES", "PUSH_KIND", "megakernel_for", "dispatch_source", "has_body"]
+__all__ = ["ABI_NAMES", "PUSH_KIND", "megakernel_for", "dispatch_source", "has_body", "body_params"]
 
 # What a tile body may name as a parameter: the kernel's values at the dispatch point.
 ABI_NAMES = {
@@ -80,6 +80,11 @@ def _body(kind: str):
 
         return push_commands
     return KINDS[kind].triton_body
+
+
+def body_params(kind: str) -> list[str]:
+    """The ABI values the Triton body of ``kind`` takes, by name (checked against ABI_NAMES)."""
+    return _params_of(kind, _body(kind))
 
 
 def _params_of(kind: str, body) -> list[str]:

@@ -222,7 +222,7 @@ def encode_rank(
     qrows, flat = [], []
     # One program running every task in global order cannot hoist a wait: its signaller may
     # come later in that same order.
-    prefix = _Prefix(graph, rank, slot, eslot, total, crosses, net, hoist=not single_program)
+    prefix = _Prefix(graph, slot, eslot, total, crosses, net, hoist=not single_program)
     for role in ROLES:
         q = [] if rank is None else [local[tid] for tid in rs.queues.get(role.value, [])]
         n = rs.workers.get(role.value, 0) if q else 0
@@ -318,9 +318,9 @@ class _Prefix:
     its signallers always finish. Waits on events the network proxies raise are not hoisted.
     """
 
-    def __init__(self, graph: TaskGraph, rank, slot, eslot, total, crosses, net, *,
+    def __init__(self, graph: TaskGraph, slot, eslot, total, crosses, net, *,
                  hoist: bool) -> None:
-        self.graph, self.rank, self.slot, self.eslot = graph, rank, slot, eslot
+        self.graph, self.slot, self.eslot = graph, slot, eslot
         self.hoist = hoist
         self.total, self.crosses, self.net = total, crosses, net
         self.segs: list[list[int]] = []

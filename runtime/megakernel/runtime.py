@@ -31,7 +31,7 @@ from mgraph.settings import Settings
 
 from ..memory import check_inputs, gather_outputs
 from ..trace import TaskRecord, Trace
-from .dispatch import PUSH_KIND, has_body, megakernel_for
+from .dispatch import PUSH_KIND, body_params, has_body, megakernel_for
 from .encode import PUSH_ID, ROLE_ALL, RankTables, encode_rank, kind_id, layout
 
 if TYPE_CHECKING:
@@ -44,13 +44,6 @@ def supported_kinds() -> set[str]:
     return {k for k in KINDS if has_body(k)}
 
 
-def _body_params(kind: str) -> list[str]:
-    import inspect
-
-    from .dispatch import _body
-
-    body = _body(kind)
-    return list(inspect.signature(getattr(body, "fn", body)).parameters)
 BK = 64
 GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8}
 # Sub-block of the reduce/copy bodies: 32 KiB bf16 per load, 128 B per thread in flight. 32x128
@@ -161,12 +154,16 @@ class TritonRuntime:
         self._upload()
         # The kernel with one dispatch branch per kind this rank runs (dispatch.py).
         used = {k: kind_id(k) for k in self.tables.kinds if k != PUSH_KIND}
-        if "push" in self.tables.kinds:
+        if PUSH_KIND in self.tables.kinds:
             used[PUSH_KIND] = PUSH_ID
         self._kernel = megakernel_for(used)
-        self._need_ab = any(
-            n in ("ad0", "bd0") for k in used for n in _body_params(k)
+        self._need_ab = any(n in ("ad0", "bd0") for k in used for n in body_params(k))
+        # Counts one launch adds to a counter or a queue head (the epoch overflow bound).
+        t = self.tables
+        self._per_launch = max(
+            [int(x) for x in t.waits[:, 2].tolist()] + [int(t.qinfo[:, 1].max()) + t.programs, 1]
         )
+        self._args: dict | None = None  # the kernel's arguments, built at the first launch
         if self.layout.net is not None:
             from .net import KernelNet
 
@@ -364,12 +361,18 @@ class TritonRuntime:
             self._capture()
 
     def _zero_and_launch(self) -> None:
-        megakernel = self._kernel
-
         for buf in self.graph.buffers.values():
             if buf.rank in self.mine and buf.zeroed:
                 # epilogues reduce-add into it; peers only after the entry barrier
                 self.views[buf.id].zero_()
+        if self._args is None:
+            self._args = self._kernel_args()
+        self.compiled = self._kernel[(self.tables.programs,)](**self._args)
+
+    def _kernel_args(self) -> dict:
+        """Every kernel argument by its name in kernel.megakernel's signature (nothing
+        positional to keep in step between the two files; a misspelt name fails at the first
+        launch). All are fixed for the runtime's life: the epoch is read from the device."""
         d, t, net = self.d, self.tables, self.net
         # The interpreter counts polls, not nanoseconds: ~200k polls per watchdog second (the
         # default 5 s gives 1M polls, enough for a proxy round trip under the interpreter).
@@ -383,14 +386,12 @@ class TritonRuntime:
         nseg = int(t.segs.shape[0])
         cfg = self.gemm_config
         ksizes = {int(r[S_K1]) - int(r[S_K0]) for r in t.segs.tolist()}
-        # Every argument by its name in kernel.megakernel's signature: nothing positional to
-        # keep in step between the two files (a misspelt name fails at the first launch).
         tables = {name: d[name] for name in (
             "tasks", "regions", "waits", "signals", "params", "bufaddr", "bufrows", "bufcols",
             "evaddr", "queues", "qinfo", "roles", "heads", "segs", "segpos", "segwaits", "err",
             "abort", "go", "peer_flags", "trace", "cmds", "startaddr", "netaddr", "netfirst",
             "netn", "exitaddr", "exitcount", "exitev", "exittotal")}
-        self.compiled = megakernel[(self.tables.programs,)](
+        return dict(
             **tables, **fifo,
             epoch_ptr=d["epoch"], rank=-1 if self.rank is None else self.rank, limit=limit,
             nseg=nseg, start_flags=self.start_flag, npeers=self.npeers,
@@ -429,9 +430,7 @@ class TritonRuntime:
 
     def _check_epoch(self) -> None:
         """Counters are never reset; refuse the launch whose targets would overflow int32."""
-        t = self.tables
-        per_launch = max([int(x) for x in t.waits[:, 2].tolist()] + [1])
-        per_launch = max(per_launch, int(t.qinfo[:, 1].max()) + self.tables.programs)
+        per_launch = self._per_launch
         if self.epoch * per_launch >= 2**31 - 1:
             self.failed = MgraphError(
                 f"{self.graph.op}: launch {self.epoch} would overflow the int32 event counters "
