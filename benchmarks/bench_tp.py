@@ -3,7 +3,7 @@ symmetric-memory ops, and cuBLAS + two-shot all-reduce, on the same inputs in th
 
 Run: torchrun --nproc_per_node=2 benchmarks/bench_tp.py [--shapes 8192,8192,4096 ...] [--out DIR]
 
-Shapes are PER-RANK GEMMs (M, N, K), as in ../shared/GPU.md's baselines: GEMM+AR and GEMM+RS
+Shapes are PER-RANK GEMMs (M, N, K), as in the team's GPU baselines (GPU.md, outside this repository): GEMM+AR and GEMM+RS
 multiply [M, K] @ [K, N] on every rank (global K = world * K); AG+GEMM gathers A [M/world, K]
 shards into [M, K] and multiplies by the rank's [K, N] columns (global N = world * N).
 Medians of CUDA-event timings, max over ranks. Writes JSON rows {op, M, N, K, world, impl, ms}

@@ -2,7 +2,7 @@
 
 Cluster (mKernel's setup): 2 nodes x 8 H200, 50 GB/s per GPU between nodes (one 400 Gb/s NIC per
 GPU, rail-optimised), 450 GB/s NVLink per GPU per direction. Every other constant is the H200
-profile of mgraph/hardware.py (calibrated to ../shared/GPU.md). For each configuration: build the
+profile of mgraph/hardware.py (calibrated to GPU.md, the team's H200 notes). For each configuration: build the
 op's task graph, schedule it (critical-path queues, work-balance SM split), simulate it, and
 model the baselines (cuBLAS/FA2/grouped GEMM + NCCL-like collectives) on the same hardware.
 
@@ -474,7 +474,7 @@ def markdown(rows, calib, gpu, elapsed: float, command: str) -> str:
             if abs(r.get("diff", 0.0)) > 0.20:
                 lines += explain_row(r)
         lines.append("")
-    lines += ["## Calibration against ../shared/GPU.md (1 node x 2 H200, bf16)", "",
+    lines += ["## Calibration against GPU.md (the team's H200 notes) (1 node x 2 H200, bf16)", "",
               "| what | measured | simulated | error |", "|---|---|---|---|"]  # fmt: skip
     for c in calib:
         if "what" in c:

@@ -1,8 +1,9 @@
 """Hardware profiles: the numbers the scheduler and the simulator plan with.
 
-Each field of the H200 profile says where its number comes from (../shared/GPU.md, measured on a
-2x H200 machine, or the vendor sheet where nothing was measured). Profiles load from and save to
-JSON so users can describe their own clusters.
+Each field of the H200 profile says where its number comes from: "GPU.md" is the team's record
+of measurements on the lent 2x H200 machines (kept outside this repository; the repository's own
+GPU measurements are benchmarks/NOTES.md and benchmarks/results/), "vendor sheet" where nothing
+was measured. Profiles load from and save to JSON so users can describe their own clusters.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def test_flows_share_the_push_rate():
         assert simulate(sched, hardware=hw_rate).predicted_s * 1e6 == pytest.approx(want_us)
 
 
-# -- calibration against ../shared/GPU.md (bf16, 2 GPUs of one node) -----------------------------
+# -- calibration against GPU.md (the team's H200 notes) (bf16, 2 GPUs of one node) -----------------------------
 def within(got_s: float, lo_ms: float, hi_ms: float | None = None, tol: float = 0.10) -> bool:
     hi_ms = lo_ms if hi_ms is None else hi_ms
     return lo_ms * (1 - tol) <= got_s * 1e3 <= hi_ms * (1 + tol)

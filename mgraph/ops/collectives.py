@@ -162,7 +162,8 @@ def shard_tile(op: str, dim: str, size: int, parts: int, preferred: int) -> int:
 def grouped(tiles: Sequence[Tile], group_rows: int = 8) -> list[Tile]:
     """Row-major tiles reordered in bands of ``group_rows`` tile rows, column by column inside a
     band: consecutive GEMM tiles then share A rows and B columns in L2 (the order Triton's
-    matmul tutorial uses; ../shared/probes/interp_gemm.py measured 0.96x of cuBLAS with it)."""
+    matmul tutorial uses; the megakernel's GEMM in this order measured 0.96x of cuBLAS at
+    8192x8192x4096: benchmarks/NOTES.md v7)."""
     rows = sorted({t[0] for t in tiles})
     band_of = {r: i // group_rows for i, r in enumerate(rows)}
     return sorted(tiles, key=lambda t: (band_of[t[0]], t[2], t[0]))
