@@ -314,7 +314,7 @@ def _signal_segments(pid, nprog, segpos, nstatic, tasks, signals, evaddr,
 
 @triton.jit
 def megakernel(
-    tasks, regions, waits, signals, params, bufaddr, bufrows, bufcols, evaddr,
+    tasks, regions, waits, signals, param_table, bufaddr, bufrows, bufcols, evaddr,
     queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch_ptr, rank, limit, err, abort,
     go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
@@ -329,6 +329,9 @@ def megakernel(
     SEG_WAITS: tl.constexpr, SEG_P: tl.constexpr, SEG_K: tl.constexpr, FLATTEN: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    # Bodies name it ``params``; the argument may not be called that (Triton 3.6's generated
+    # argument binder keeps its own dict in a local named ``params``).
+    params = param_table  # noqa: F841 - read by the generated dispatch
     # The launch's epoch lives on the device (a CUDA graph replay increments it before the
     # kernel), so the kernel's arguments never change between launches.
     epoch = tl.load(epoch_ptr)

@@ -391,6 +391,7 @@ class TritonRuntime:
             "evaddr", "queues", "qinfo", "roles", "heads", "segs", "segpos", "segwaits", "err",
             "abort", "go", "peer_flags", "trace", "cmds", "startaddr", "netaddr", "netfirst",
             "netn", "exitaddr", "exitcount", "exitev", "exittotal")}
+        tables["param_table"] = tables.pop("params")  # see kernel.megakernel
         return dict(
             **tables, **fifo,
             epoch_ptr=d["epoch"], rank=-1 if self.rank is None else self.rank, limit=limit,
