@@ -1,18 +1,33 @@
-"""Hardware profiles: the numbers the scheduler and the simulator plan with.
+"""Hardware profiles: the ONE set of numbers the scheduler, the simulator and the controller use.
 
-Each field of the H200 profile says where its number comes from: "GPU.md" is the team's record
-of measurements on the lent 2x H200 machines (kept outside this repository; the repository's own
-GPU measurements are benchmarks/NOTES.md and benchmarks/results/), "vendor sheet" where nothing
-was measured. Profiles load from and save to JSON so users can describe their own clusters.
+The H200 profile is data, not code: ``mgraph/profiles/h200.json`` (package data), written by
+``benchmarks/calibrate.py`` on the GPU machine. Every value carries its provenance in
+``sources`` (field name -> where the number comes from: a calibration run, a committed benchmark
+result, GPU.md, the team's record of probes on the lent 2x H200 machines, or "estimate" where
+nothing was measured). Users describe their own clusters with ``HardwareProfile.load(path)`` or
+``H200.model_copy(update={...})``.
+
+Who reads what: the scheduler's cost model (mgraph/scheduler/costmodel.py) and the simulator
+(runtime/sim/model.py) both cost an NVLink worker at ``nvlink_worker_gbps`` and a GEMM epilogue's
+peer stores at ``epilogue_peer_gbps``; the static partition and the simulator's controller cap
+NVLink workers at ``nvlink_max_sms``; the proxy costs ``proxy_command_us`` per command in both.
 """
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["HardwareProfile", "H200"]
+__all__ = ["HardwareProfile", "H200", "PROFILES", "load_profile"]
+
+# Fields older profile JSON used, and what replaced them: an old file still loads.
+_RENAMED = {"nvlink_task_gbps": "nvlink_worker_gbps"}
+# ``nvlink_push_sms`` was a second NVLink worker cap (16, the simulator's controller) beside
+# ``nvlink_max_sms`` (32, the static partition): one cap now, so the old value is dropped.
+_DROPPED = ("nvlink_push_sms",)
 
 
 class HardwareProfile(BaseModel):
@@ -27,18 +42,24 @@ class HardwareProfile(BaseModel):
     hbm_gbps: float = Field(gt=0, description="device memory bandwidth")
     nvlink_gbps: float = Field(gt=0, description="NVLink per GPU per direction, link rate")
     nvlink_push_gbps: float = Field(gt=0, description="NVLink per direction that SM stores reach")
-    nvlink_push_sms: int = Field(gt=0, description="communication SMs that saturate NVLink push")
     rdma_gbps: float = Field(gt=0, description="inter-node bandwidth per GPU (its NIC)")
     rdma_latency_us: float = Field(ge=0, description="one RDMA write, post to remote visibility")
     proxy_command_us: float = Field(ge=0, description="host proxy cost per FIFO command")
     chunk_bytes: int = Field(gt=0, description="smallest network chunk worth a proxy command")
     proxy_batch: int = Field(gt=0, description="most commands the proxy submits at once")
-    # -- simulator constants (runtime/sim/); defaults are H200's, so older profile JSON loads --
+    # -- simulator constants (runtime/sim/). Defaults are the H200 values before calibration,
+    # so profile JSON saved before a field existed still loads. --
     grouped_gemm_tflops: float = Field(600.0, gt=0, description="MoE grouped expert GEMM rate")
     launch_us: float = Field(4.0, ge=0, description="one kernel launch, host call to first SM")
+    multi_gpu_launch_us: float = Field(
+        0.0, ge=0, description="added to a launch spanning several GPUs: entry barrier, exit wait"
+    )
     nvlink_latency_us: float = Field(1.0, ge=0, description="a flag store seen by a peer GPU")
     fifo_push_us: float = Field(1.0, ge=0, description="GPU writes one command to host FIFO")
     rdma_chunk_us: float = Field(0.5, ge=0, description="NIC cost per RDMA write (+ flag)")
+    copy_engine_gbps: float = Field(
+        92.0, gt=0, description="copy-engine copy into a node peer (the emulated wire, uncapped)"
+    )
     nccl_nvlink_gbps: float = Field(259.0, gt=0, description="NCCL bus bandwidth over NVLink")
     nccl_rdma_efficiency: float = Field(
         0.92, gt=0, le=1, description="fraction of NIC bandwidth NCCL reaches"
@@ -47,13 +68,39 @@ class HardwareProfile(BaseModel):
     nccl_nvlink_step_us: float = Field(3.4, ge=0, description="NCCL latency per NVLink step")
     nccl_net_step_us: float = Field(9.6, ge=0, description="NCCL latency per network step")
     nccl_sms: int = Field(16, ge=0, description="SMs NCCL kernels occupy while they run")
-    # -- the megakernel as measured (benchmarks/NOTES.md); the scheduler's partition uses them --
-    nvlink_task_gbps: float = Field(
-        3.0, gt=0, description="bytes/s one megakernel NVLink worker moves in per-tile tasks"
+    # -- the megakernel as measured; the scheduler's partition and the simulator both use them --
+    nvlink_worker_gbps: float = Field(
+        3.0, gt=0, description="bytes/s over NVLink one megakernel NVLink worker moves in tasks"
     )
     nvlink_max_sms: int = Field(
-        32, gt=0, description="most SMs the static partition gives NVLink tasks"
+        32, gt=0, description="most SMs NVLink tasks get (static partition and controller)"
     )
+    epilogue_peer_gbps: float = Field(
+        8.8, gt=0, description="bytes/s of peer stores a GEMM epilogue retires while its SM waits"
+    )
+    sources: dict[str, str] = Field(
+        default_factory=dict, description="field name -> where its value comes from"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(k in data for k in (*_RENAMED, *_DROPPED)):
+            data = {_RENAMED.get(k, k): v for k, v in data.items() if k not in _DROPPED}
+        return data
+
+    @model_validator(mode="after")
+    def _sources_name_fields(self) -> HardwareProfile:
+        unknown = sorted(set(self.sources) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"sources names fields the profile does not have: {unknown}")
+        return self
+
+    @property
+    def nvlink_push_sms(self) -> int:
+        """The NVLink worker cap under its old name (the simulator's controller reads it):
+        ``nvlink_max_sms``, the one cap."""
+        return self.nvlink_max_sms
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
@@ -66,37 +113,27 @@ class HardwareProfile(BaseModel):
         """Fraction of the full-chip compute rate that ``sms`` compute SMs deliver."""
         return max(0, min(sms, self.sms)) / self.sms
 
+    def source(self, field: str) -> str:
+        """Where ``field``'s value comes from ("not recorded" when the profile does not say)."""
+        if field not in type(self).model_fields:
+            raise KeyError(f"HardwareProfile has no field {field!r}")
+        return self.sources.get(field, "not recorded")
 
-H200 = HardwareProfile(
-    name="H200",
-    sms=132,  # GPU.md: 132 SMs each
-    tile_gemm_tflops=725.0,  # GPU.md: cuBLAS 8192x8192x4096 bf16 in 0.74-0.77 ms (710-742 TF/s)
-    attention_tflops=354.0,  # GPU.md: SDPA FA2 backend B4 H16 S16384 D128 (cuDNN reaches 617)
-    hbm_gbps=4800.0,  # vendor sheet: 4.8 TB/s HBM3e
-    nvlink_gbps=478.0,  # GPU.md: 18 NVLinks, about 478 GB/s per direction
-    nvlink_push_gbps=340.0,  # GPU.md: Triton pointer stores from 132 programs, 340 GB/s
-    nvlink_push_sms=16,  # GPU.md: 10-16 programs saturate what SMs can push (278 GB/s at 16)
-    rdma_gbps=50.0,  # mKernel's cluster: 400 Gb/s NIC per GPU; GPU.md uses the same cap
-    rdma_latency_us=3.0,  # typical InfiniBand RC write latency (not measured here)
-    proxy_command_us=5.0,  # a native drain loop must beat 200 k commands/s (GPU.md)
-    chunk_bytes=256 * 1024,  # GPU.md: 256 KiB chunks at 50 GB/s need 200 k commands/s
-    proxy_batch=8,  # at most 8 commands per proxy submission (DESIGN)
-    # Simulator constants. Measured ones come from GPU.md; the rest are marked as estimates.
-    grouped_gemm_tflops=600.0,  # GPU.md: MoE T=4096/GPU H=7168 F=2048 top-8: the two grouped
-    # GEMMs (3 x 2 x 32768 x 7168 x 2048 = 2.89 TFLOP) take 4.8 ms: 601 TF/s
-    launch_us=4.0,  # estimate: CUDA launch overhead is 3-5 us on Hopper (not measured here)
-    nvlink_latency_us=1.0,  # estimate: sys-scope release + remote atomic over NVLink, ~1 us
-    fifo_push_us=1.0,  # estimate: claim a FIFO slot + 64 B command + release store over PCIe
-    rdma_chunk_us=0.5,  # estimate: per-write NIC work (WQE + trailing flag write); NICs reach
-    # line rate from ~64 KiB messages, so it is small beside a 256 KiB chunk's 5.2 us
-    nccl_nvlink_gbps=259.0,  # GPU.md: NCCL all_reduce 128 MB on 2 GPUs, algbw 259 GB/s (=
-    # busbw for 2 ranks)
-    nccl_rdma_efficiency=0.92,  # estimate: NCCL over 400 Gb/s IB reaches ~46 of 50 GB/s
-    nccl_base_us=8.4,  # NCCL's tuning model (src/graph/tuning.cc): ring/Simple base latency
-    nccl_nvlink_step_us=3.4,  # NCCL tuning.cc: ring/Simple latency per step over NVLink
-    nccl_net_step_us=9.6,  # NCCL tuning.cc: ring/Simple latency per step over the network
-    nccl_sms=16,  # estimate: NCCL runs 16 channels (one CTA = one SM each) on NVLink nodes
-    nvlink_task_gbps=3.0,  # bench_tp v3/v4 (2x H200): ~2.5-3 GB/s per NVLink worker at 32
-    # workers with per-tile push tasks (sync per 64 KiB tile), far below GPU.md's 17 GB/s bulk push
-    nvlink_max_sms=32,  # bench_tp v1-v4: fused GEMM+AR/RS times fall up to 24-32 NVLink workers
-)
+
+PROFILES = ("h200",)  # the profiles shipped in mgraph/profiles/<name>.json
+
+
+def load_profile(name: str) -> HardwareProfile:
+    """A shipped profile by name (see ``PROFILES``)."""
+    if name not in PROFILES:
+        from .errors import UnknownNameError
+
+        raise UnknownNameError(
+            f"no shipped hardware profile {name!r}; shipped: {', '.join(PROFILES)}",
+            hint="load your own with HardwareProfile.load(path)",
+        )
+    text = resources.files("mgraph").joinpath("profiles", f"{name}.json").read_text()
+    return HardwareProfile.model_validate_json(text)
+
+
+H200 = load_profile("h200")

@@ -453,13 +453,60 @@ def test_summary_rows():
 def test_cost_model():
     g = build("gemm_allreduce", "2x2")
     costs = task_costs(g, mg.H200)
-    assert costs == [task_cost(t, mg.H200) for t in g.tasks]
+    assert costs == [task_cost(t, mg.H200, g) for t in g.tasks]
     assert all(c > 0 for c in costs)
     gemm = next(t for t in g.tasks if t.kind == "gemm")
     per_sm = mg.H200.tile_gemm_tflops * 1e12 / mg.H200.sms
-    assert task_cost(gemm, mg.H200) >= gemm.flops / per_sm
+    assert task_cost(gemm, mg.H200, g) >= gemm.flops / per_sm
     facts = policy_input(g, costs)
     assert sorted(facts.order) == list(range(len(g.tasks)))
+
+
+@pytest.mark.parametrize("op", ["gemm_allreduce", "allgather_gemm", "ring_attention"])
+def test_scheduler_and_simulator_cost_a_task_alike(op):
+    """One profile: a task alone on its worker costs the scheduler what it costs the simulator
+    (compute: math + epilogue wait; nvlink: remote bytes at the measured per-worker rate)."""
+    from mgraph.runtime.sim.model import COMPUTE, NVLINK, task_model
+
+    g = build(op, "2x4")
+    costs = task_costs(g, mg.H200)
+    m = task_model(g, mg.H200)
+    checked = {COMPUTE: 0, NVLINK: 0}
+    for t in g.tasks:
+        role = m.role[t.id]
+        if role == COMPUTE:
+            assert m.duration[t.id] == pytest.approx(costs[t.id], rel=1e-12)
+        elif role == NVLINK and m.remote[t.id]:
+            assert m.remote[t.id] / m.nvlink_demand == pytest.approx(costs[t.id], rel=1e-12)
+        else:
+            continue
+        checked[role] += 1
+    assert checked[COMPUTE] and checked[NVLINK]
+    assert m.nvlink_demand == mg.H200.nvlink_worker_gbps * 1e9
+
+
+def test_first_pushes_rotate_over_the_node():
+    """Each rank of a 1x4 node writes one tile into every peer, emitted peer 0 first: under
+    critical_path and remote_first rank r pushes first to GPU r+1 (no incast), topological keeps
+    the program order (every rank starts with GPU 0, or 1 for rank 0)."""
+    b = GraphBuilder("hand", mg.Topology.parse("1x4"), "float32", {})
+    src = [b.buffer("x", r, 64, 64) for r in range(4)]
+    dst = {(r, p): b.buffer(f"y{r}", p, 64, 64) for r in range(4) for p in range(4) if p != r}
+    for r in range(4):
+        for p in range(4):
+            if p != r:
+                b.task(r, Role.NVLINK, "copy", [src[r].region()], [dst[r, p].region()])
+    g = b.finish().validate()
+
+    def first_target(s, r):
+        t = g.tasks[s.ranks[r].queues["nvlink"][0]]
+        return g.buffers[t.writes[0].buffer].rank
+
+    for policy in ("critical_path", "remote_first"):
+        s = mg.schedule(g, policy=policy)
+        assert [first_target(s, r) for r in range(4)] == [1, 2, 3, 0]
+    s = mg.schedule(g, policy="topological")
+    assert [first_target(s, r) for r in range(4)] == [1, 0, 0, 0]
 
 
 def test_schedule_2x8_large():

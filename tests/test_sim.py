@@ -77,12 +77,13 @@ def test_busy_never_exceeds_wall(op):
 
 # -- critical paths on hand graphs, one worker per role ------------------------------------------
 # Round numbers: 1 GFLOP/s and 1 GB/s per SM, so a 64x64x64 gemm takes 524.288 us.
-HW = mg.H200.model_copy(
-    update=dict(
+HW = mg.HardwareProfile.model_validate(
+    mg.H200.model_dump()
+    | dict(
         name="toy", sms=4, tile_gemm_tflops=0.004, hbm_gbps=4.0, nvlink_push_gbps=2.0,
-        nvlink_push_sms=2, nvlink_gbps=100.0, rdma_gbps=1.0, rdma_latency_us=3.0,
+        nvlink_worker_gbps=1.0, nvlink_gbps=100.0, rdma_gbps=1.0, rdma_latency_us=3.0,
         proxy_command_us=5.0, rdma_chunk_us=0.5, fifo_push_us=2.0, nvlink_latency_us=10.0,
-        launch_us=0.0,
+        launch_us=0.0, multi_gpu_launch_us=0.0, sources={},
     )
 )  # fmt: skip
 GEMM_US = 2 * 64**3 / 1e9 * 1e6  # 524.288
@@ -144,10 +145,9 @@ def test_flows_share_the_push_rate():
         b.task(0, Role.NVLINK, "copy", [s.region()], [d.region()])
     graph = b.finish().validate()
     for push_gbps, want_us in ((2.0, 16.384), (1.0, 32.768)):
-        hw = HW.model_copy(update={"nvlink_push_gbps": push_gbps, "nvlink_push_sms": 1})
+        hw = HW.model_copy(update={"nvlink_push_gbps": push_gbps})  # 1 GB/s per worker
         sched = mg.schedule(graph, hw, workers={"nvlink": 2})
-        hw_rate = hw.model_copy(update={"nvlink_push_sms": int(push_gbps)})  # 1 GB/s per SM
-        assert simulate(sched, hardware=hw_rate).predicted_s * 1e6 == pytest.approx(want_us)
+        assert simulate(sched).predicted_s * 1e6 == pytest.approx(want_us)
 
 
 # -- calibration against GPU.md (the team's H200 notes) (bf16, 2 GPUs of one node) -----------------------------
@@ -163,8 +163,9 @@ def test_calibration_gemm_allreduce():
     assert within(seq.parts["compute_s"], 0.74, 0.77)  # cuBLAS 8192x8192x4096
     assert within(seq.parts["comm_s"], 0.52)  # NCCL all_reduce 128 MB
     assert within(seq.time_s, 1.23)  # cuBLAS then NCCL
-    # The fused kernel cannot beat the GEMM alone, nor lose to doing things one after another.
-    assert seq.parts["compute_s"] < res.predicted_s < seq.time_s
+    # The fused kernel cannot beat the GEMM alone. How it compares with sequential is what the
+    # GPU measured, checked against the committed predictions in test_profile.py.
+    assert seq.parts["compute_s"] < res.predicted_s
 
 
 def test_calibration_collectives():
@@ -307,11 +308,19 @@ def test_fill_what_if_and_old_profile_json():
     stats = sched.graph.stats().bytes_by_link
     assert half.bytes_by_link == {k: v / 2 for k, v in stats.items()}
     assert half.predicted_s < full.predicted_s
-    # A profile saved before the simulator's constants existed still loads, with H200's values.
+    # A profile saved before the simulator's constants existed still loads, with the defaults;
+    # the old names of the NVLink worker constants are migrated (one cap: nvlink_max_sms).
     doc = json.loads(mg.H200.model_dump_json())
-    for key in ("launch_us", "nccl_nvlink_gbps", "grouped_gemm_tflops", "nccl_sms"):
+    for key in ("launch_us", "nccl_nvlink_gbps", "grouped_gemm_tflops", "nccl_sms", "sources"):
         del doc[key]
-    assert mg.HardwareProfile.model_validate(doc) == mg.H200
+    doc["nvlink_task_gbps"] = doc.pop("nvlink_worker_gbps")
+    doc["nvlink_push_sms"] = 16
+    old = mg.HardwareProfile.model_validate(doc)
+    fields = mg.HardwareProfile.model_fields
+    for key in ("launch_us", "nccl_nvlink_gbps", "grouped_gemm_tflops", "nccl_sms"):
+        assert getattr(old, key) == fields[key].default
+    assert old.nvlink_worker_gbps == mg.H200.nvlink_worker_gbps
+    assert old.nvlink_push_sms == old.nvlink_max_sms == mg.H200.nvlink_max_sms
 
 
 def test_deadlocked_queues_raise():

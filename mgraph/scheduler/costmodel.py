@@ -1,29 +1,54 @@
 """Cost model: how long one task takes on ONE worker of its role, from the graph's cost hints
-(``Task.flops``, ``Task.bytes``) and a HardwareProfile.
+(``Task.flops``, region bytes) and a HardwareProfile.
 
 The scheduler uses these numbers twice: summed per rank and role they are the work the static SM
 partition splits (balance.py), and along paths they are the critical-path priorities
-(policies.py). They are estimates for ordering and partitioning, not predictions of wall time:
-the simulator owns timing.
+(policies.py). The simulator (runtime/sim/model.py) costs a task alone on its worker with the
+SAME rules and constants (``MATH_RATE``, ``nvlink_worker_gbps``, ``epilogue_peer_gbps``); it
+adds what a schedule decides (bandwidth shared between concurrent flows, waits, the proxy's
+queue), so it owns timing.
+
+- compute: a math kind at its full-chip rate over the SM count; any other kind is memory bound
+  (the larger of its flops at the tile rate and its bytes at one SM's share of HBM); plus the
+  bytes its epilogue stores into node peers at ``epilogue_peer_gbps`` (the SM waits for them).
+- nvlink: the bytes it reads from or writes to other GPUs at ``nvlink_worker_gbps`` (what one
+  megakernel NVLink worker was measured to move); a task with none is a local copy at HBM rate.
+- rdma: proxy command + latency + wire, what delays the consumer (the worker only pushes).
 """
 
 from __future__ import annotations
 
-from ..graph import Task, TaskGraph
+from ..graph import ITEMSIZE, Task, TaskGraph
 from ..hardware import HardwareProfile
-from ..kinds import ROLES, Role
+from ..kinds import ROLES, Role, TaskKind
 
 __all__ = [
+    "MATH_RATE",
+    "kind_rate",
     "compute_rate_per_sm",
     "hbm_rate_per_sm",
     "nvlink_rate_per_sm",
-    "nvlink_task_rate",
+    "epilogue_rate_per_sm",
+    "remote_bytes",
     "task_cost",
     "task_costs",
     "role_work",
 ]
 
 _COMPUTE, _NVLINK, _RDMA = Role.COMPUTE.value, Role.NVLINK.value, Role.RDMA.value
+
+# Kinds whose cost is their math, at the named profile rate (TFLOP/s on all SMs). Tiles of these
+# reuse their operands through L2 and shared memory, so their region bytes are not HBM traffic.
+MATH_RATE: dict[str, str] = {
+    TaskKind.GEMM.value: "tile_gemm_tflops",
+    TaskKind.ATTN_BLOCK.value: "attention_tflops",
+    TaskKind.MOE_EXPERT.value: "grouped_gemm_tflops",
+}
+
+
+def kind_rate(kind: str, hw: HardwareProfile) -> float:
+    """FLOP/s of ``kind`` on the whole chip (non-math kinds: the tile GEMM rate)."""
+    return getattr(hw, MATH_RATE.get(kind, "tile_gemm_tflops")) * 1e12
 
 
 def compute_rate_per_sm(hw: HardwareProfile) -> float:
@@ -36,51 +61,75 @@ def hbm_rate_per_sm(hw: HardwareProfile) -> float:
 
 
 def nvlink_rate_per_sm(hw: HardwareProfile) -> float:
-    """Bytes/s one nvlink worker pushes: the SM push rate is reached by ``nvlink_push_sms``
-    workers, so each contributes an equal share of it (more workers add nothing)."""
-    return hw.nvlink_push_gbps * 1e9 / hw.nvlink_push_sms
+    """Bytes/s over NVLink one megakernel NVLink worker moves through its tasks, as measured
+    (per-tile tasks pay waits and system-scope signals; far below a bulk push probe's rate)."""
+    return hw.nvlink_worker_gbps * 1e9
 
 
-def nvlink_task_rate(hw: HardwareProfile) -> float:
-    """Bytes/s one megakernel NVLink worker moves through its tasks, as measured (per-tile tasks
-    pay a wait and a system-scope signal each): what the SM partition plans with."""
-    return hw.nvlink_task_gbps * 1e9
+def epilogue_rate_per_sm(hw: HardwareProfile) -> float:
+    """Bytes/s of node-peer stores one compute SM's GEMM epilogue retires while the SM waits."""
+    return hw.epilogue_peer_gbps * 1e9
 
 
-def task_cost(task: Task, hw: HardwareProfile) -> float:
+def remote_bytes(graph: TaskGraph) -> tuple[list[int], list[int]]:
+    """Per task id: (bytes it reads from other ranks' buffers, bytes it writes into them)."""
+    bufs = graph.buffers
+    holder = {bid: b.rank for bid, b in bufs.items()}
+    item = {bid: ITEMSIZE[b.dtype] for bid, b in bufs.items()}
+    reads = [0] * len(graph.tasks)
+    writes = [0] * len(graph.tasks)
+    for t in graph.tasks:
+        rank = t.rank
+        for regions, out in ((t.reads, reads), (t.writes, writes)):
+            n = 0
+            for r in regions:
+                if holder[r[0]] != rank:
+                    n += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
+            out[t.id] = n
+    return reads, writes
+
+
+def task_cost(task: Task, hw: HardwareProfile, graph: TaskGraph) -> float:
     """Seconds one worker of the task's role spends on it (rdma: until the data has landed)."""
-    if task.role == _COMPUTE:
-        # flops / per-SM GEMM rate is the rule; the HBM term keeps memory-bound tiles (reduce,
-        # copy: few flops, many bytes) from looking free.
-        return max(task.flops / compute_rate_per_sm(hw), task.bytes / hbm_rate_per_sm(hw))
-    if task.role == _NVLINK:
-        return task.bytes / nvlink_task_rate(hw)
+    return _cost(task, hw, *_remote_of(graph, task))
+
+
+def _remote_of(graph: TaskGraph, task: Task) -> tuple[int, int]:
+    bufs = graph.buffers
+    out = []
+    for regions in (task.reads, task.writes):
+        out.append(sum(
+            (r[2] - r[1]) * (r[4] - r[3]) * ITEMSIZE[bufs[r[0]].dtype]
+            for r in regions if bufs[r[0]].rank != task.rank
+        ))  # fmt: skip
+    return out[0], out[1]
+
+
+def _cost(t: Task, hw: HardwareProfile, remote_read: int, remote_write: int) -> float:
+    fill = t.params.get("expected_fill", 1.0) if t.params else 1.0
+    if t.role == _COMPUTE:
+        rate = MATH_RATE.get(t.kind)
+        if rate is not None:
+            base = t.flops / (getattr(hw, rate) * 1e12 / hw.sms)
+        else:
+            base = max(t.flops / compute_rate_per_sm(hw), t.bytes * fill / hbm_rate_per_sm(hw))
+        return base + remote_write / epilogue_rate_per_sm(hw)
+    if t.role == _NVLINK:
+        remote = remote_read + remote_write
+        if remote:
+            return remote * fill / nvlink_rate_per_sm(hw)
+        return t.bytes * fill / hbm_rate_per_sm(hw)
     # An rdma worker only pushes a command; the transfer itself is the NIC's and the proxy's.
     # For the critical path it is what delays the consumer: proxy + wire + latency. Task.bytes
     # counts both ends of the copy, the wire carries one.
-    wire = task.bytes / 2 / (hw.rdma_gbps * 1e9)
+    wire = t.bytes / 2 / (hw.rdma_gbps * 1e9)
     return (hw.proxy_command_us + hw.rdma_latency_us) * 1e-6 + wire
 
 
 def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
     """``task_cost`` of every task, indexed by task id."""
-    comp = compute_rate_per_sm(hw)
-    hbm = hbm_rate_per_sm(hw)
-    nvl = nvlink_task_rate(hw)
-    rdma_fixed = (hw.proxy_command_us + hw.rdma_latency_us) * 1e-6
-    rdma_rate = 2 * hw.rdma_gbps * 1e9
-    out = [0.0] * len(graph.tasks)
-    # Inlined task_cost: this runs over 40k+ tasks per schedule.
-    for t in graph.tasks:
-        role = t.role
-        if role == _COMPUTE:
-            a, b = t.flops / comp, t.bytes / hbm
-            out[t.id] = a if a > b else b
-        elif role == _NVLINK:
-            out[t.id] = t.bytes / nvl
-        else:
-            out[t.id] = rdma_fixed + t.bytes / rdma_rate
-    return out
+    reads, writes = remote_bytes(graph)
+    return [_cost(t, hw, reads[t.id], writes[t.id]) for t in graph.tasks]
 
 
 def role_work(graph: TaskGraph, costs: list[float]) -> dict[int, dict[str, tuple[int, float]]]:

@@ -11,6 +11,10 @@ for any policy, including user ones.
 
 The builtin policies differ only in the priority a ready task gets; ``list_order`` turns a
 priority into an order by simulating the counters and always taking the best ready task.
+``critical_path`` and ``remote_first`` break ties between equally urgent tasks by
+``push_rotation``: rank r pushes first to its node's GPU r+1, then r+2, ..., so the GPUs of a node
+do not all start by writing into the same peer (an NVLink incast: 7 senders sharing one GPU's
+ingress while the other links idle), whatever order the lowering emitted the tiles in.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ __all__ = [
     "list_order",
     "critical_path_lengths",
     "network_waves",
+    "push_rotation",
     "topological",
     "critical_path",
     "remote_first",
@@ -177,6 +182,32 @@ def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     return need
 
 
+def push_rotation(graph: TaskGraph) -> list[int]:
+    """For each task that writes into exactly one node peer (an epilogue store or an NVLink
+    push), how far that peer is from the task's GPU, starting at the next one: (peer - gpu - 1)
+    mod gpus_per_node. 0 for tasks writing no peer or several (a broadcast loads all links
+    alike)."""
+    topo = graph.topology
+    per_node = topo.gpus_per_node
+    holder = {bid: b.rank for bid, b in graph.buffers.items()}
+    out = [0] * len(graph.tasks)
+    if per_node == 1:
+        return out
+    for t in graph.tasks:
+        peer = -1
+        for w in t.writes:
+            h = holder[w[0]]
+            if h == t.rank or h == peer or h // per_node != t.rank // per_node:
+                continue
+            if peer >= 0:  # a second peer: no single target
+                peer = -2
+                break
+            peer = h
+        if peer >= 0:
+            out[t.id] = (peer - t.rank - 1) % per_node
+    return out
+
+
 # -- the builtin policies ----------------------------------------------------------------------
 @register_policy("topological")
 def topological(graph: TaskGraph, facts: PolicyInput) -> list[int]:
@@ -186,10 +217,12 @@ def topological(graph: TaskGraph, facts: PolicyInput) -> list[int]:
 
 @register_policy("critical_path")
 def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
-    """Longest remaining path (by estimated cost) first, ties by id: the classic list-scheduling
-    priority; it starts the tiles whose results still have the longest way to go."""
+    """Longest remaining path (by estimated cost) first, ties by ``push_rotation`` then id: the
+    classic list-scheduling priority; it starts the tiles whose results still have the longest
+    way to go."""
     length = critical_path_lengths(facts)
-    return list_order(graph, [-x for x in length])
+    turn = push_rotation(graph)
+    return list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
 
 
 @register_policy("remote_first")
@@ -201,4 +234,5 @@ def remote_first(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     """
     waves = network_waves(graph, facts)
     length = critical_path_lengths(facts)
-    return list_order(graph, [(w, -x) for w, x in zip(waves, length, strict=True)])
+    turn = push_rotation(graph)
+    return list_order(graph, [(w, -x, r) for w, x, r in zip(waves, length, turn, strict=True)])

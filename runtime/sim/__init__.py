@@ -35,6 +35,7 @@ __all__ = [
     "register_baseline",
     "baselines",
     "collective_times",
+    "launch_overhead",
     "SweepPoint",
     "sweep_comm_sms",
     "with_comm_sms",
@@ -80,7 +81,7 @@ def simulate(
          if (held := engine.held[rank][code]) > 0}
         for rank in graph.topology.ranks
     ]  # fmt: skip
-    predicted = makespan + hw.launch_us * 1e-6
+    predicted = makespan + launch_overhead(graph, hw)
     stats = {
         "commands": engine.commands,
         "batches": engine.proxy_rounds,
@@ -113,6 +114,19 @@ def simulate(
         baselines=_baselines(graph, hw) if baselines else {},
         adaptive=adaptive,
     )
+
+
+def launch_overhead(graph, hw: HardwareProfile) -> float:
+    """Seconds a launch costs outside the tasks: the kernel launch; on several GPUs the entry
+    barrier, the ranks' host skew and the exit wait (``multi_gpu_launch_us``); and zeroing the
+    ``zeroed`` buffers (accumulating outputs) at HBM rate before the kernel starts, as every
+    runtime does (the megakernel with memsets in its CUDA graph), on the busiest rank."""
+    zeroed = [0] * graph.topology.world_size
+    for b in graph.buffers.values():
+        if b.zeroed:
+            zeroed[b.rank] += b.nbytes
+    multi = hw.multi_gpu_launch_us if graph.topology.world_size > 1 else 0.0
+    return (hw.launch_us + multi) * 1e-6 + max(zeroed) / (hw.hbm_gbps * 1e9)
 
 
 def _baselines(graph, hw: HardwareProfile) -> dict[str, BaselineResult]:

@@ -9,12 +9,17 @@
   GPU.md measured 340 GB/s however many SMs try), the NVLink egress of the GPU that holds the
   data and the ingress of the GPU that receives it (link rate each; flows.py shares them). A
   task with no remote bytes is a local copy at the SM's share of HBM bandwidth.
-- compute tasks whose epilogue also stores into node peers (the v2 data path): after the math
-  the peer bytes drain through the GPU's push port (one FIFO pipe per GPU at
-  ``nvlink_push_gbps``, not shared with NVLink workers' flows) while the SM takes its next task
-  (TMA stores are asynchronous); the task ends, and signals, when its bytes have drained.
-- rdma: the worker only pushes FIFO commands (a WRITE, plus a SIGNAL per extra event, as
-  runtime/network.py encodes them); the transfer is the proxy's and the NIC's (engine.py).
+- compute tasks whose epilogue also stores into node peers (the v2 data path): the SM waits
+  for those stores at ``epilogue_peer_gbps`` (measured: 7-8 us per 64 KiB tile beside the same
+  GEMM storing locally), then takes its next task while the bytes drain through the GPU's push
+  port (one FIFO pipe per GPU at ``nvlink_push_gbps``, not shared with NVLink workers' flows);
+  the task ends, and signals, when its bytes have drained.
+- rdma: the worker only pushes FIFO commands, as the megakernel's network plan encodes them
+  (runtime/megakernel/netplan.py): one WRITE whose arrival raises one flag that every event of
+  the destination counts, plus a SIGNAL per extra event on the source; the transfer is the
+  proxy's and the NIC's (engine.py).
+
+Every per-worker constant is the scheduler's (mgraph/scheduler/costmodel.py): one profile.
 
 Signals to a counter on another GPU of the node become visible ``nvlink_latency_us`` later.
 """
@@ -27,7 +32,13 @@ from dataclasses import dataclass
 from mgraph.graph import ITEMSIZE, Task, TaskGraph
 from mgraph.hardware import HardwareProfile
 from mgraph.kinds import Role, TaskKind
-from mgraph.scheduler.costmodel import hbm_rate_per_sm, nvlink_rate_per_sm
+from mgraph.scheduler.costmodel import (
+    MATH_RATE,
+    epilogue_rate_per_sm,
+    hbm_rate_per_sm,
+    kind_rate,
+    nvlink_rate_per_sm,
+)
 
 __all__ = [
     "COMPUTE", "NVLINK", "RDMA", "MATH_RATE", "TaskModel", "task_model", "kind_rate", "expected_fill",
@@ -36,26 +47,12 @@ __all__ = [
 COMPUTE, NVLINK, RDMA = 0, 1, 2
 _ROLE_CODE = {Role.COMPUTE.value: COMPUTE, Role.NVLINK.value: NVLINK, Role.RDMA.value: RDMA}
 
-# Kinds whose cost is their math, at the named profile rate (TFLOP/s on all SMs). Tiles of these
-# reuse their operands through L2 and shared memory, so their region bytes are not HBM traffic.
-MATH_RATE: dict[str, str] = {
-    TaskKind.GEMM.value: "tile_gemm_tflops",
-    TaskKind.ATTN_BLOCK.value: "attention_tflops",
-    TaskKind.MOE_EXPERT.value: "grouped_gemm_tflops",
-}
-
-
-def kind_rate(kind: str, hw: HardwareProfile) -> float:
-    """FLOP/s of ``kind`` on the whole chip (non-math kinds: the tile GEMM rate)."""
-    return getattr(hw, MATH_RATE.get(kind, "tile_gemm_tflops")) * 1e12
-
-
 @dataclass
 class TaskModel:
     """Per task id: role code, fixed duration, remote bytes and flow ports, rdma plumbing."""
 
     role: list[int]
-    duration: list[float]  # compute / local nvlink: run time; rdma: command push time
+    duration: list[float]  # compute: math + epilogue wait; local nvlink: run time; rdma: push
     remote: list[int]  # nvlink: bytes over NVLink; rdma: bytes over the wire
     ports: list[tuple[tuple[int, float], ...]]  # nvlink flows: (port, share of the rate)
     dst: list[int]  # rdma: destination rank
@@ -118,6 +115,7 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
     hbm = hbm_rate_per_sm(hw)
     nvl_lat = hw.nvlink_latency_us * 1e-6
     push = hw.fifo_push_us * 1e-6
+    epilogue = epilogue_rate_per_sm(hw)
     n = len(graph.tasks)
     m = TaskModel(
         role=[0] * n, duration=[0.0] * n, remote=[0] * n, ports=[()] * n, dst=[-1] * n,
@@ -139,9 +137,8 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
                 m.remote[tid] *= f
             m.dst_events[tid] = [e for e in t.signals if ev_rank[e] == dst]
             m.src_events[tid] = [e for e in t.signals if ev_rank[e] != dst]
-            m.commands[tid] = (
-                1 + max(0, len(m.dst_events[tid]) - 1) + max(0, len(m.src_events[tid]) - 1)
-            )
+            # netplan: the WRITE's one arrival flag serves every destination event
+            m.commands[tid] = 1 + max(0, len(m.src_events[tid]) - 1)
             m.duration[tid] = push * m.commands[tid]
             continue
         m.signals[tid] = [(e, 0.0 if ev_rank[e] == rank else nvl_lat) for e in t.signals]
@@ -156,12 +153,14 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
                 m.duration[tid] = a if a > b else b
             if all(buf_rank[w[0]] == rank for w in t.writes):
                 continue
-            # An epilogue that stores into node peers: after the math, those bytes drain
-            # through the GPU's push port while the SM goes on (engine.epilogue).
+            # An epilogue that stores into node peers: the SM waits for its stores to retire,
+            # then those bytes drain through the GPU's push port while the SM goes on
+            # (engine.epilogue).
             m.remote[tid] = sum(
                 (w[2] - w[1]) * (w[4] - w[3]) * buf_item[w[0]]
                 for w in t.writes if buf_rank[w[0]] != rank
             )
+            m.duration[tid] += m.remote[tid] / epilogue
             continue
         # nvlink: per port, the share of the task's remote bytes that crosses it
         load: dict[int, int] = {}
