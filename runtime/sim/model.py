@@ -47,6 +47,7 @@ __all__ = [
 COMPUTE, NVLINK, RDMA = 0, 1, 2
 _ROLE_CODE = {Role.COMPUTE.value: COMPUTE, Role.NVLINK.value: NVLINK, Role.RDMA.value: RDMA}
 
+
 @dataclass
 class TaskModel:
     """Per task id: role code, fixed duration, remote bytes and flow ports, rdma plumbing."""
