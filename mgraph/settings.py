@@ -63,6 +63,16 @@ class Settings(BaseModel):
         "lane (netplan.py) picks stream lane mod streams, so each flag word keeps one writer",
     )
 
+    adaptive: bool = Field(
+        False, description="CPU reference runtime: each rank's compute and nvlink threads change "
+        "role at task boundaries as the controller (mgraph.scheduler.controller.decide) says; "
+        "off: each keeps its role. The Triton megakernel has no controller yet and ignores it",
+    )
+    adaptive_window_us: float = Field(
+        200.0, gt=0, allow_inf_nan=False, description="CPU reference runtime, adaptive: least "
+        "time between two of a rank's controller decisions (taken when a task ends)",
+    )
+
     max_tasks: int = Field(
         1_000_000, ge=1, description="size guard: building a graph with more tasks than this "
         "stops early with SizeLimitError (a 2x8 GEMM+AllReduce at 8192^2x4096 has ~45k)",

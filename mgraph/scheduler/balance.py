@@ -1,18 +1,11 @@
-"""The work-balance rule (DESIGN: Controller) and the static SM partition derived from it.
+"""The static SM partition: workers per role before anything is measured.
 
-``balance_workers`` is the ONE definition of how workers are split between compute and
-communication. Today the simulator's adaptive mode (``simulate(..., adaptive=True)``) and the
-static partition below call it; the CPU reference runtime and the Triton megakernel do not run a
-controller yet (their split is the schedule's, fixed per launch). It is written with only what a
-kernel has (+, *, /, floor, min, max; rounding half up, never Python's banker's round) so that a
-GPU controller can follow it line by line, and be tested against it, once one is built.
-
-    comm = N * Rs*Cs / (Rp*Cp + Rs*Cs)
-
-R: tasks remaining, C: measured cost per task, p: compute, s: communication. The target is
-rounded, clamped so every role with work keeps a worker, and approached from the previous value
-by at most a ``damping`` fraction of the gap per step (at least one worker, so it converges).
-A role with no work left gets 0 at once: its workers are idle, so there is nothing to damp.
+``static_partition`` splits each rank's SMs between compute and NVLink workers with the
+controller's rule (``controller.decide``, the ONE definition of it) applied to the cost model's
+estimates: window 0, nothing measured, no previous decision, so no damping and no stall.
+``balance_workers`` is that call for float costs in seconds. Who else calls ``decide``: the
+simulator's adaptive mode and the CPU reference runtime with ``Settings(adaptive=True)``; the
+Triton megakernel keeps this static split for the whole launch (see controller.py).
 """
 
 from __future__ import annotations
@@ -23,11 +16,12 @@ from ..errors import ScheduleError
 from ..graph import TaskGraph
 from ..hardware import HardwareProfile
 from ..kinds import Role
+from .controller import COST_CAP, DAMP_DEN, DAMP_NUM, LEFT_CAP, RoleProgress, decide
 from .costmodel import role_work, task_costs
 
 __all__ = ["DAMPING", "balance_workers", "static_partition"]
 
-DAMPING = 0.5  # fraction of the gap closed per controller step
+DAMPING = DAMP_NUM / DAMP_DEN  # fraction of the gap the controller closes per decision
 
 _COMPUTE, _NVLINK, _RDMA = Role.COMPUTE.value, Role.NVLINK.value, Role.RDMA.value
 
@@ -39,63 +33,49 @@ def balance_workers(
     compute_cost: float,
     comm_remaining: int,
     comm_cost: float,
-    previous: int | None = None,
-    damping: float = DAMPING,
+    max_comm: int | None = None,
 ) -> int:
-    """Communication workers out of ``total``; the other ``total - result`` compute.
+    """Communication workers out of ``total`` by ``controller.decide`` with nothing measured:
+    the other ``total - result`` compute.
 
-    ``*_cost`` is seconds per task (``math.inf`` for a stalled role: no task finished, rate 0).
-    ``previous`` is the last decision (None: no history, jump to the target).
+    ``*_cost``: estimated seconds per task (``math.inf``: a role that never finishes; 0: no
+    estimate, costed like the other role). The costs are scaled so the larger maps to
+    ``COST_CAP`` ticks (the rule only compares them) and the smaller keeps at least one tick
+    when positive. ``max_comm``: most comm workers while compute has tasks (default: no cap).
     """
-    _check_args(
-        total, compute_remaining, compute_cost, comm_remaining, comm_cost, previous, damping
+    _check_args(total, compute_remaining, compute_cost, comm_remaining, comm_cost, max_comm)
+    cp, cs = _ticks(compute_cost, comm_cost)
+    if compute_remaining and comm_remaining:
+        comm_workers = min(max(total // 2, 1), total - 1)  # any split: no previous decision
+    else:
+        comm_workers = total if comm_remaining else 0
+    split = decide(
+        RoleProgress(min(compute_remaining, LEFT_CAP), 0, 0, 0, total - comm_workers, cp),
+        RoleProgress(min(comm_remaining, LEFT_CAP), 0, 0, 0, comm_workers, cs),
+        window=0,
+        max_comm=total if max_comm is None else max(1, min(max_comm, total)),
     )
-    if comm_remaining == 0:
-        return 0
-    if compute_remaining == 0:
-        return total
-    # Both roles have work: each keeps at least one worker.
-    lo, hi = 1, total - 1
-    comm_share = _comm_share(compute_remaining, compute_cost, comm_remaining, comm_cost)
-    target = math.floor(total * comm_share + 0.5)  # round half up, as the kernel does
-    target = min(max(target, lo), hi)
-    if previous is None:
-        return target
-    current = min(max(previous, lo), hi)
-    gap = target - current
-    if gap == 0:
-        return current
-    step = max(1, math.floor(damping * abs(gap)))  # >= 1 so it always converges
-    return current + step if gap > 0 else current - step
+    return split.comm
 
 
-def _comm_share(rp: int, cp: float, rs: int, cs: float) -> float:
-    """Rs*Cs / (Rp*Cp + Rs*Cs) without overflow, inf/inf or 0/0 (both rp, rs > 0)."""
+def _ticks(cp: float, cs: float) -> tuple[int, int]:
+    """Two float costs as integers in [0, COST_CAP] with their ratio kept (inf -> the cap)."""
     if math.isinf(cp) or math.isinf(cs):
-        if math.isinf(cp) and math.isinf(cs):
-            cp = cs = 1.0  # both stalled: nothing measured tells them apart but the task counts
-        else:
-            # The limit of the rule as one cost grows without bound: that role gets everything
-            # (the clamp leaves the other one worker). A huge finite cost decides the same way.
-            return 1.0 if math.isinf(cs) else 0.0
+        return (
+            COST_CAP if math.isinf(cp) else (1 if cp > 0 else 0),
+            COST_CAP if math.isinf(cs) else (1 if cs > 0 else 0),
+        )
     scale = max(cp, cs)
     if scale == 0.0:
-        cp = cs = 1.0  # nothing measured yet: split by task counts
-    else:
-        cp, cs = cp / scale, cs / scale  # <= 1, so R*C cannot overflow
-    wp, ws = rp * cp, rs * cs
-    return ws / (wp + ws)
+        return 0, 0
+
+    def tick(c: float) -> int:
+        return max(1, math.floor(c / scale * COST_CAP + 0.5)) if c > 0 else 0
+
+    return tick(cp), tick(cs)
 
 
-def _check_args(
-    total: int,
-    rp: int,
-    cp: float,
-    rs: int,
-    cs: float,
-    previous: int | None,
-    damping: float,
-) -> None:
+def _check_args(total: int, rp: int, cp: float, rs: int, cs: float, max_comm: int | None) -> None:
     def bad(what: str, hint: str) -> ScheduleError:
         return ScheduleError(f"balance_workers: {what}", hint=hint)
 
@@ -115,14 +95,11 @@ def _check_args(
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise bad(f"{name}={value!r} must be a number", "pass seconds per task")
         if math.isnan(value) or value < 0:
-            raise bad(f"{name}={value!r}", "a cost is >= 0 seconds per task (inf when stalled)")
-    if previous is not None:
-        if isinstance(previous, bool) or not isinstance(previous, int):
-            raise bad(f"previous={previous!r} must be an int or None", "pass the last decision")
-        if not 0 <= previous <= total:
-            raise bad(f"previous={previous} is outside 0..{total}", "pass the last decision")
-    if not (isinstance(damping, (int, float)) and 0.0 < damping <= 1.0):
-        raise bad(f"damping={damping!r}", "damping is the fraction of the gap closed: (0, 1]")
+            raise bad(f"{name}={value!r}", "a cost is >= 0 seconds per task (inf: never ends)")
+    if max_comm is not None and (
+        isinstance(max_comm, bool) or not isinstance(max_comm, int) or max_comm < 1
+    ):
+        raise bad(f"max_comm={max_comm!r}", "an int >= 1, or None for no cap")
 
 
 def static_partition(

@@ -11,10 +11,14 @@ flow through the source NIC's out port and the destination NIC's in port. Data i
 destination ``rdma_latency_us`` after its last byte left; the completion is back at the source
 one latency later.
 
-With ``adaptive=True`` a controller per rank re-splits the compute and nvlink workers every
-``period`` seconds with ``mgraph.scheduler.balance_workers`` (measured seconds per task, tasks
-left), and workers change role at task boundaries. This models a controller the megakernel does
-not have yet (its worker split is fixed per launch): a what-if, not a mirror of running code.
+With ``adaptive=True`` each rank's compute and nvlink workers are re-split every ``period``
+seconds by the controller's rule, ``mgraph.scheduler.controller.decide`` (the same function the
+CPU reference runtime calls with ``Settings(adaptive=True)``), fed in ns: tasks not yet taken,
+tasks done and their summed run time, time the role's SMs spent blocked on waits in the window,
+SMs per role, and the task model's estimate for the next queued task; comm capped at
+``hw.nvlink_max_sms`` as in the static partition. An SM changes role when it finishes a task.
+Every decision is kept in ``Engine.windows``. The Triton megakernel has no controller yet (its
+split is fixed per launch), so the adaptive prediction is a what-if of one.
 
 Ties are broken by a sequence number, so a run is deterministic.
 """
@@ -27,7 +31,8 @@ from collections import deque
 from mgraph.errors import ScheduleError
 from mgraph.hardware import HardwareProfile
 from mgraph.kinds import ROLES
-from mgraph.scheduler import Schedule, balance_workers
+from mgraph.scheduler import Schedule
+from mgraph.scheduler.controller import MAX_WORKERS, RoleProgress, Window, decide
 
 from ..trace import TaskRecord
 from .flows import Flow, FlowNet
@@ -103,6 +108,12 @@ class Engine:
         self.idle: list[list[list[int]]] = [[[], [], []] for _ in range(world)]
         self.done_time = [[0.0, 0.0] for _ in range(world)]  # summed seconds: compute, nvlink
         self.done_count = [[0, 0] for _ in range(world)]
+        # SMs of compute/nvlink blocked on waits now, and the integral of that count (SM-seconds)
+        self.waiting = [[0, 0] for _ in range(world)]
+        self.waited = [[0.0, 0.0] for _ in range(world)]
+        self.waited_at = [[0.0, 0.0] for _ in range(world)]
+        self.waited_mark = [[0.0, 0.0] for _ in range(world)]  # the integral at the last tick
+        self.windows: list[Window] = []  # the controller's decisions, in time order
         # rdma path
         self.fifo: list[deque[int]] = [deque() for _ in range(world)]
         self.fifo_used = [0] * world
@@ -183,6 +194,8 @@ class Engine:
         self.owner[tid] = sm
         if self.missing[tid] == 0:
             self.begin(tid, now)
+        elif self.adaptive and code != RDMA:
+            self.wait_count(rank, code, now, 1)
 
     def begin(self, tid: int, now: float) -> None:
         m = self.m
@@ -266,6 +279,8 @@ class Engine:
         for tid in table[c]:
             missing[tid] -= 1
             if missing[tid] == 0 and owner[tid] >= 0:
+                if self.adaptive and self.m.role[tid] != RDMA:
+                    self.wait_count(self.graph.tasks[tid].rank, self.m.role[tid], now, -1)
                 self.begin(tid, now)
 
     # -- the rdma path ------------------------------------------------------------------------
@@ -353,26 +368,39 @@ class Engine:
             self.qp_busy[qp] = False
 
     # -- the adaptive controller --------------------------------------------------------------
+    def wait_count(self, rank: int, code: int, now: float, delta: int) -> None:
+        """An SM of ``code`` starts (+1) or stops (-1) waiting: close the integral's span."""
+        self.waited[rank][code] += self.waiting[rank][code] * (now - self.waited_at[rank][code])
+        self.waited_at[rank][code] = now
+        self.waiting[rank][code] += delta
+
     def tick(self, rank: int, now: float) -> None:
-        left = self.unfinished[rank]
-        if not (left[COMPUTE] and left[NVLINK]):
-            return  # one role is finished: its workers already move over in claim()
-        cost = []
+        heads, queues = self.head[rank], self.queues[rank]
+        if heads[COMPUTE] >= len(queues[COMPUTE]) and heads[NVLINK] >= len(queues[NVLINK]):
+            return  # nothing left to take: no role can gain from a move
+        window = _ns(self.period)
+        progress = []
         for code in (COMPUTE, NVLINK):
-            done = self.done_count[rank][code]
-            cost.append(self.done_time[rank][code] / done if done else self.prior(rank, code))
+            self.wait_count(rank, code, now, 0)
+            waited = self.waited[rank][code] - self.waited_mark[rank][code]
+            self.waited_mark[rank][code] = self.waited[rank][code]
+            progress.append(
+                RoleProgress(
+                    left=len(queues[code]) - heads[code],
+                    done=self.done_count[rank][code],
+                    run=_ns(self.done_time[rank][code]),
+                    wait=_ns(waited),
+                    workers=self.assigned[rank][code],
+                    prior=max(1, _ns(self.prior(rank, code))),
+                )
+            )
         target = self.target[rank]
-        pool = target[COMPUTE] + target[NVLINK]
-        nvlink = balance_workers(
-            pool,
-            compute_remaining=left[COMPUTE],
-            compute_cost=cost[COMPUTE],
-            comm_remaining=left[NVLINK],
-            comm_cost=cost[NVLINK],
-            previous=target[NVLINK],
+        previous, cap = target[NVLINK], min(self.hw.nvlink_max_sms, MAX_WORKERS)
+        split = decide(progress[0], progress[1], window=window, previous=previous, max_comm=cap)
+        target[COMPUTE], target[NVLINK] = split
+        self.windows.append(
+            Window(rank, _ns(now), progress[0], progress[1], window, previous, cap, split)
         )
-        nvlink = min(nvlink, self.hw.nvlink_push_sms)  # as static_partition: more push no faster
-        target[NVLINK], target[COMPUTE] = nvlink, pool - nvlink
         self.at(now + self.period, _TICK, rank)
 
     def prior(self, rank: int, code: int) -> float:
@@ -388,7 +416,8 @@ class Engine:
 
     def rebalance(self, rank: int, code: int) -> int:
         """The role a freed compute/nvlink SM takes next: its own, unless the controller wants
-        it in the other one or its own queue is exhausted."""
+        it in the other one or its own queue is exhausted (reference.py's _Pool.next_role moves
+        its threads by the same test)."""
         other = NVLINK if code == COMPUTE else COMPUTE
         has_other = self.head[rank][other] < len(self.queues[rank][other])
         if not has_other:
@@ -413,3 +442,8 @@ class Engine:
             f"{blocked[:6]}",
             hint="the queues deadlock; mgraph.schedule() checks them (Schedule.check())",
         )
+
+
+def _ns(seconds: float) -> int:
+    """Simulated seconds as the controller's integer nanoseconds."""
+    return round(seconds * 1e9)
