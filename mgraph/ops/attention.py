@@ -7,11 +7,17 @@ online softmax on the same kinds: ``attn_block`` folds one KV block into the fp3
 (acc, ml), chained per q block; ``attn_finalize`` writes ``acc / l``. Causal masks skip the
 blocks above the diagonal and mask the diagonal one.
 
-Masks: option ``mask_shape`` is the 4-D shape ``[Bm, Hm, Qm, S]`` of an additive mask (input
-``mask``, in the compute dtype; -inf where a key is hidden) broadcast over the batch (Bm = 1),
-heads (Hm = 1) or queries (Qm = 1), as SDPA's ``attn_mask`` broadcasts. Every rank holds it
-whole; each ``attn_block`` adds its tile of it to the scores (its last read). A boolean mask
-becomes this form on the way in (mgraph/trace/attention_map.py).
+Masks: option ``mask_shape`` is the 4-D shape ``[Bm, Hm, Qm, S]`` of a mask (input ``mask``, in
+the compute dtype) broadcast over the batch (Bm = 1), heads (Hm = 1) or queries (Qm = 1), as
+SDPA's ``attn_mask`` broadcasts. ``mask_kind="additive"`` (the default): added to the scores,
+-inf where a key is hidden. ``mask_kind="boolean"``: nonzero where a key is shown, 0 where it is
+hidden (SDPA's boolean mask, as ``mask.to(dtype)``). Every rank holds it whole; each
+``attn_block`` reads its tile of it (its last read). The tracer turns a boolean SDPA mask into
+the additive form on the way in (mgraph/trace/attention_map.py).
+
+Grouped-query attention: option ``kv_heads`` (dividing H) gives k and v that many heads, each
+shared by H / kv_heads query heads (SDPA's ``enable_gqa``); the q blocks of a group read the
+same KV rows. ``kv_block`` (default ``block``): keys per ``attn_block`` task.
 """
 
 from __future__ import annotations
@@ -27,13 +33,16 @@ from ..errors import ShapeError
 from ..kinds import Role, TaskKind
 from ..layout import Layout, as_dim_shard, check_layout, layout_pieces
 from ..topology import Topology
+from .attention_tiles import BIAS_ADD, BIAS_BOOL
 from .registry import OpDef
+from .ring_attention import repeat_kv
 
 __all__ = ["attention"]
 
 OP = "attention"
 attention = OpDef(OP, dims=("B", "H", "S", "D"), inputs=("q", "k", "v", "mask"), outputs=("out",))
 ATTN_BLOCK, ATTN_FINALIZE = TaskKind.ATTN_BLOCK.value, TaskKind.ATTN_FINALIZE.value
+MASK_KINDS = {"additive": BIAS_ADD, "boolean": BIAS_BOOL}
 
 
 def _layout(shape: tuple[int, ...], layout: Sequence | None, world: int) -> Layout | None:
@@ -51,12 +60,21 @@ def _shapes(
     block: int = 128,
     layout: Sequence | None = None,
     mask_shape: Sequence[int] | None = None,
+    kv_heads: int | None = None,
+    kv_block: int | None = None,
+    mask_kind: str = "additive",
     **_: object,
 ) -> dict[str, tuple]:
     shape = (B, H, S, D)
-    out = {"q": shape, "k": shape, "v": shape, "out": shape}
+    kv = (B, _kv_heads(H, kv_heads), S, D)
+    out = {"q": shape, "k": kv, "v": kv, "out": shape}
     if mask_shape is not None:
         out["mask"] = _mask_shape(B, H, S, mask_shape)
+    if mask_kind not in MASK_KINDS:
+        raise ShapeError(
+            f"{OP}: mask_kind={mask_kind!r} is not one of {sorted(MASK_KINDS)}",
+            hint="additive: -inf where hidden; boolean: nonzero where shown",
+        )
     lay = _layout(shape, layout, topology.world_size)
     if lay is None or (lay.kind == "shard" and lay.dim % 4 >= 2):
         lay = Layout.from_json(layout)
@@ -65,10 +83,35 @@ def _shapes(
             hint="sequence-sharded attention is ring_attention (ContextParallel)",
         )
     check_layout(shape, lay, topology.world_size, OP, "choose heads divisible by the world size")
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        raise ShapeError(f"{OP}: block={block!r} must be a positive int")
-    pick_tile(OP, "S", S, block)
+    if lay.kind == "shard" and lay.dim == 1 and kv[1] % topology.world_size:
+        raise ShapeError(
+            f"{OP}: kv_heads={kv[1]} cannot be sharded over {topology.world_size} ranks with "
+            "the query heads",
+            hint="choose kv_heads divisible by the world size",
+        )
+    _blocks(S, block, kv_block)
     return out
+
+
+def _kv_heads(H: int, kv_heads: int | None) -> int:
+    if kv_heads is None:
+        return H
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or H % kv_heads:
+        raise ShapeError(
+            f"{OP}: kv_heads={kv_heads!r} must be a positive divisor of H={H}",
+            hint="grouped-query attention shares each KV head among H / kv_heads query heads",
+        )
+    return kv_heads
+
+
+def _blocks(S: int, block: int, kv_block: int | None) -> tuple[int, int]:
+    """(q rows, keys) per attn_block task."""
+    sizes = []
+    for name, value in (("block", block), ("kv_block", block if kv_block is None else kv_block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ShapeError(f"{OP}: {name}={value!r} must be a positive int")
+        sizes.append(pick_tile(OP, "S", S, value))
+    return sizes[0], sizes[1]
 
 
 def _mask_shape(B: int, H: int, S: int, mask: Sequence[int]) -> tuple[int, int]:
@@ -100,13 +143,17 @@ def _reference(
     bias = None
     if mask is not None:
         bias = mask.float().reshape(params["mask_shape"])
+        if params.get("mask_kind") == "boolean":
+            bias = torch.zeros_like(bias).masked_fill(bias == 0, float("-inf"))
         if causal:  # SDPA takes one or the other: fold the causal part into the bias
             S = q.shape[-2]
             hidden = torch.ones(S, S, dtype=torch.bool).triu(1)
             bias = bias.masked_fill(hidden, float("-inf"))
             causal = False
+    H = q.shape[1]
+    k, v = repeat_kv(k.float(), H), repeat_kv(v.float(), H)
     out = F.scaled_dot_product_attention(
-        q.float(), k.float(), v.float(), attn_mask=bias, is_causal=causal, scale=scale
+        q.float(), k, v, attn_mask=bias, is_causal=causal, scale=scale
     )
     return {"out": out.to(q.dtype)}
 
@@ -123,49 +170,63 @@ def _lower(
     block: int = 128,
     layout: list | None = None,
     mask_shape: list[int] | None = None,
+    kv_heads: int | None = None,
+    kv_block: int | None = None,
+    mask_kind: str = "additive",
 ) -> None:
     shape = (B, H, S, D)
-    blk = pick_tile(OP, "S", S, block)
+    blk, kvb = _blocks(S, block, kv_block)
+    Hkv = _kv_heads(H, kv_heads)
+    kv_shape = (B, Hkv, S, D)
     lay = _layout(shape, layout, b.world)
     assert lay is not None
-    for name in ("q", "k", "v"):
-        b.global_input(name, shape)
+    b.global_input("q", shape)
+    b.global_input("k", kv_shape)
+    b.global_input("v", kv_shape)
     if mask_shape is not None:
         b.global_input("mask", _mask_shape(B, H, S, mask_shape))
     b.global_output("out", shape)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     for r in b.topo.ranks:
         pieces, cat_dim = layout_pieces(shape, lay, r, b.world)
-        q, k, v = (b.bound_buffer(n, r, n, pieces, cat_dim=cat_dim) for n in ("q", "k", "v"))
+        kv_pieces, _ = layout_pieces(kv_shape, lay, r, b.world)
+        q = b.bound_buffer("q", r, "q", pieces, cat_dim=cat_dim)
+        k, v = (b.bound_buffer(n, r, n, kv_pieces, cat_dim=cat_dim) for n in ("k", "v"))
+        box = pieces[0]  # batch and head ranges are whole boxes: no zigzag below dim 2
+        heads = [(bi, hi) for bi in range(*box[0]) for hi in range(*box[1])]
+        kv_box = kv_pieces[0]
+        kv_group = {
+            bh: i
+            for i, bh in enumerate((bi, hi) for bi in range(*kv_box[0]) for hi in range(*kv_box[1]))
+        }
         bias = None
         if mask_shape is not None:
             rows = _mask_shape(B, H, S, mask_shape)[0]
             bias = b.bound_buffer("mask", r, "mask", [((0, rows), (0, S))])
-            box = pieces[0]  # batch and head ranges are whole boxes: no zigzag below dim 2
-            heads = [(bi, hi) for bi in range(*box[0]) for hi in range(*box[1])]
         out = b.bound_buffer("out", r, "out", pieces, cat_dim=cat_dim, role="output")
         acc = b.buffer("attn_acc", r, q.rows, D, dtype="float32")
         ml = b.buffer("attn_ml", r, q.rows, 2, dtype="float32")
         for group in range(q.rows // S):  # one (batch, head) per S buffer rows
             base = group * S
+            bi, hi = heads[group]
+            kv_base = kv_group[(bi, hi // (H // Hkv))] * S  # its KV head's rows in k and v
             for q0 in range(0, S, blk):
                 rows = (base + q0, base + q0 + blk)
                 state = [acc.region(rows), ml.region(rows)]
                 if bias is not None:
-                    bi, hi = heads[group]
                     Bm, Hm, Qm, _ = mask_shape
                     m0 = ((bi if Bm > 1 else 0) * Hm + (hi if Hm > 1 else 0)) * Qm
                     mask_rows = (m0 + q0, m0 + q0 + blk) if Qm > 1 else (m0, m0 + 1)
                 chain = None
-                for k0 in range(0, S, blk):
-                    if causal and k0 > q0:
-                        break
-                    krows = (base + k0, base + k0 + blk)
+                for k0 in range(0, S, kvb):
+                    if causal and k0 >= q0 + blk:
+                        break  # every key follows every query of the block
+                    krows = (kv_base + k0, kv_base + k0 + kvb)
                     reads = [q.region(rows), k.region(krows), v.region(krows)]
                     if chain is not None:
                         reads += state
                     if bias is not None:
-                        reads.append(bias.region(mask_rows, (k0, k0 + blk)))
+                        reads.append(bias.region(mask_rows, (k0, k0 + kvb)))
                     chain = b.task(
                         r,
                         Role.COMPUTE,
@@ -177,10 +238,10 @@ def _lower(
                         params={
                             "q_start": q0,
                             "k_start": k0,
-                            "mask": causal and k0 == q0,
+                            "mask": causal and k0 + kvb - 1 > q0,  # keys past the first query
                             "first": chain is None,
                             "scale": scale,
-                            "bias": bias is not None,
+                            "bias": MASK_KINDS[mask_kind] if bias is not None else 0,
                         },
                     )
                 b.task(

@@ -1,42 +1,50 @@
-"""Megakernel (Triton) tile bodies of ``attn_block`` and ``attn_finalize``.
+"""Megakernel (Triton) tile bodies of ``attn_block`` and ``attn_finalize``, and a standalone
+launcher of them (:func:`run_chains`).
 
 The CPU bodies in ring_attention.py are the meaning; both ring_attention and attention lower to
 these two kinds. ``attn_block`` folds one KV block into the fp32 state of one q block:
 acc [rows, D] and ml [rows, 2] = (running max m, running denominator l), the first block of a
 chain initialising it. It walks the q block in sub-blocks of ``_QB`` rows and the KV block in
 chunks of ``_KB`` keys (flash attention's inner loop): per chunk the scores go through exp2 with
-the scale folded into a log2(e) factor, the running max and sum are rescaled, and the partial
-acc is rescaled and accumulated. ``D`` is walked in chunks of ``_DB`` columns (any head size), so
-acc is updated in the state buffer itself, chunk by chunk, rather than held whole in registers.
+the scale folded into a log2(e) factor, the running max and sum are rescaled, and acc is
+rescaled and accumulated. A head size up to ``_DB`` (128) keeps q and acc in registers for the
+whole KV block (the fast path: acc is read from and written to the state once per task); a
+larger one walks D in ``_DB``-column chunks and updates acc in the state buffer chunk by chunk.
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
-``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (the
-diagonal block of a causal attention: hide keys after the query), ``first`` (initialise the
-state; the task then reads no acc/ml), ``scale`` (float), ``bias`` (an additive mask tile is the
-last read; one row wide when it broadcasts over the queries). A row still fully masked keeps
-m = -inf and is shifted by 0, so exp2 gives 0 rather than NaN, as the CPU body does. m is stored
-in the CPU body's units (natural-log scores) so the state means the same on both backends.
+``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
+causal block that reaches past the diagonal: hide keys after the query; chunks wholly below the
+diagonal skip the mask, chunks wholly above it are not computed), ``first`` (initialise the
+state; the task then reads no acc/ml), ``scale`` (float), ``bias`` (a mask tile is the task's
+last read, one row wide when it broadcasts over the queries: 1 = additive, added to the scores;
+2 = boolean, nonzero = attend). A row still fully masked keeps m = -inf and is shifted by 0, so
+exp2 gives 0 rather than NaN, as the CPU body does. m is stored in the CPU body's units
+(natural-log scores) so the state means the same on both backends.
 
-Dtypes. q, k, v, out and the bias are in the graph's dtype ``DT``; the state (acc, ml) is always
+Dtypes. q, k, v, out and the mask are in the graph's dtype ``DT``; the state (acc, ml) is always
 float32: both lowerings declare those buffers float32, and these bodies address them as float32
-whatever ``DT`` is. Today the megakernel runs one dtype per graph (runtime.py ``_check_graph``),
-so only float32 graphs run here. For bf16 data with fp32 partials the ABI needs per-buffer
-dtypes: the runtime must accept graphs whose buffers differ in dtype, lay each buffer out in the
-arena by its own itemsize and alignment, and keep the 16-byte row rule per buffer (ml's rows are
-8 bytes: no TMA on it). Nothing in these bodies changes: the state pointers are already float32,
-p is cast to ``DT`` before the p @ v dot (fp32 accumulate), as flash attention does in bf16.
+whatever ``DT`` is, so they need no per-slot dtype code. Scores and p @ v accumulate in fp32;
+p is rounded to ``DT`` before the p @ v dot, as flash attention does in bf16. Under Triton's
+interpreter (``USE_TIMER`` false) the dot operands are widened to float32 first: Triton 3.9's
+interpreter multiplies bf16 operands' raw bits. Today the megakernel runs one dtype per graph
+(runtime.py ``_check_graph``), so bf16 attention graphs (bf16 data, fp32 state) run only
+through :func:`run_chains`.
 
-Grouped-query attention is not a property of these kinds: q, k and v blocks have the same head
-layout (the tracer expands k/v heads with a relayout before the attention), so no GQA indexing
-exists here to follow.
+Grouped-query attention is a property of the lowering, not of these kinds: a q block of head h
+reads the KV rows of head h // (H / kv_heads), whichever rows its regions name.
 """
 
 from __future__ import annotations
 
-from ..kinds import TaskKind, kind_spec
-from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
+from typing import TYPE_CHECKING
 
-__all__ = ["ATTN_PARAMS"]
+from ..kinds import TaskKind, kind_spec
+from .abi import F_KIND, F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON, TASK_FIELDS
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ATTN_PARAMS", "BIAS_NONE", "BIAS_ADD", "BIAS_BOOL", "run_chains"]
 
 ATTN_BLOCK = kind_spec(TaskKind.ATTN_BLOCK)
 ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
@@ -44,6 +52,7 @@ ATTN_PARAMS = ("q_start", "k_start", "mask", "first", "scale", "bias")
 # The builtin kinds are defined in mgraph/kinds.py without params; the params a body reads are
 # declared beside the body that reads them (the encoder packs them in this order).
 ATTN_BLOCK.params = ATTN_PARAMS
+BIAS_NONE, BIAS_ADD, BIAS_BOOL = 0, 1, 2  # the ``bias`` param: what the task's last read is
 
 if HAVE_TRITON:
     import triton
@@ -54,9 +63,9 @@ if HAVE_TRITON:
 
     _READ0, _NREAD = tl.constexpr(F_READ0), tl.constexpr(F_NREAD)
     _WRITE0, _NWRITE = tl.constexpr(F_WRITE0), tl.constexpr(F_NWRITE)
-    # Sub-block sizes: q rows, keys, head columns per step (tl.dot needs each >= 16). A q block
-    # or a head size that is not a multiple of them is handled by masks.
-    _QB, _KB, _DB = tl.constexpr(64), tl.constexpr(64), tl.constexpr(128)
+    # q rows, keys, head columns per step: the 128 x 128 x 128 tile the probe measured fastest
+    # (tl.dot needs each >= 16). Shorter blocks and head sizes are handled by masks.
+    _QB, _KB, _DB = tl.constexpr(128), tl.constexpr(128), tl.constexpr(128)
     _LOG2E = tl.constexpr(1.4426950408889634)
     _F32 = tl.constexpr(tl.float32)
 
@@ -69,21 +78,107 @@ if HAVE_TRITON:
         return base, cols, r1 - r0, c1 - c0
 
     @triton.jit
-    def _scores(qp, q_stride, kp, k_stride, om, ok, nq, nk, D, DT: tl.constexpr):
-        """q[om] @ k[ok]^T over every head column (fp32 accumulate); zeros off the edges."""
-        s = tl.zeros((_QB, _KB), dtype=tl.float32)
-        for d0 in range(0, D, _DB):
-            od = d0 + tl.arange(0, _DB)
-            q = tl.load(qp + om.to(tl.int64)[:, None] * q_stride + od[None, :],
-                        mask=(om < nq)[:, None] & (od < D)[None, :], other=0.0)
-            k = tl.load(kp + ok.to(tl.int64)[:, None] * k_stride + od[None, :],
-                        mask=(ok < nk)[:, None] & (od < D)[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), s)
-        return s
+    def _operand(x, USE_TIMER: tl.constexpr):
+        """A dot operand: as loaded on a GPU; widened to float32 under the interpreter, whose
+        bf16 tl.dot multiplies raw bits."""
+        if USE_TIMER:
+            return x
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _tile(p, stride, rows, cols, n_rows, n_cols):
+        """Load p[rows][:, cols] (row stride ``stride``), zeros outside [n_rows, n_cols)."""
+        return tl.load(p + rows.to(tl.int64)[:, None] * stride + cols[None, :],
+                       mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
+
+    @triton.jit
+    def _scores(s, ok, om, nk, k_start, q_start, qk_scale, bias_ptrs, row_ok, has_bias,
+                CAUSAL: tl.constexpr):
+        """Scaled scores in log2 units with the mask applied: -inf where a key is hidden."""
+        s = s * qk_scale
+        if has_bias == 1:
+            b = tl.load(bias_ptrs, mask=row_ok[:, None] & (ok < nk)[None, :], other=0.0)
+            s += b.to(tl.float32) * _LOG2E
+        elif has_bias == 2:
+            b = tl.load(bias_ptrs, mask=row_ok[:, None] & (ok < nk)[None, :], other=0)
+            s = tl.where(b != 0, s, float("-inf"))
+        hide = (ok >= nk)[None, :] & (om >= 0)[:, None]  # keys past the block
+        if CAUSAL:
+            hide = hide | ((k_start + ok)[None, :] > (q_start + om)[:, None])
+        return tl.where(hide, float("-inf"), s)
+
+    @triton.jit
+    def _fold(acc, m_i, l_i, q, kp, k_stride, vp, v_stride, j_lo, j_hi, om, row_ok, nk, D,
+              k_start, q_start, qk_scale, regions, bufaddr, bufcols, bias_index, has_bias,
+              CAUSAL: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Fold keys [j_lo, j_hi) into (acc, m, l) held in registers (head size <= _DB)."""
+        od = tl.arange(0, _DB)
+        for j0 in range(j_lo, j_hi, _KB):
+            ok = j0 + tl.arange(0, _KB)
+            k = _operand(_tile(kp, k_stride, ok, od, nk, D), USE_TIMER)
+            s = tl.dot(q, tl.trans(k))
+            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
+            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, bias_ptrs, row_ok, has_bias,
+                        CAUSAL)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - shift[:, None])
+            alpha = tl.math.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _operand(_tile(vp, v_stride, ok, od, nk, D), USE_TIMER)
+            acc = tl.dot(_operand(p.to(DT), USE_TIMER), v, acc * alpha[:, None])
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq, kp, k_stride, vp,
+                   v_stride, j_lo, j_hi, om, row_ok, nk, D, k_start, q_start, qk_scale, fresh,
+                   from_state, regions, bufaddr, bufcols, bias_index, has_bias,
+                   CAUSAL: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Fold keys [j_lo, j_hi) for a head size past _DB: scores over D in chunks, acc
+        rescaled and accumulated in the state buffer chunk by chunk. acc's previous value on
+        the first chunk: zero if ``fresh``, else the state read ``sap`` if ``from_state``, else
+        what an earlier fold stored at ``ap``."""
+        om64 = om.to(tl.int64)
+        for j0 in range(j_lo, j_hi, _KB):
+            ok = j0 + tl.arange(0, _KB)
+            s = tl.zeros((_QB, _KB), dtype=tl.float32)
+            for d0 in range(0, D, _DB):
+                od = d0 + tl.arange(0, _DB)
+                q = _operand(_tile(qp, q_stride, om, od, nq, D), USE_TIMER)
+                k = _operand(_tile(kp, k_stride, ok, od, nk, D), USE_TIMER)
+                s = tl.dot(q, tl.trans(k), s)
+            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
+            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, bias_ptrs, row_ok, has_bias,
+                        CAUSAL)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - shift[:, None])
+            alpha = tl.math.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = _operand(p.to(DT), USE_TIMER)
+            if (j0 == j_lo) & from_state:
+                src, src_stride = sap, sa_stride
+            else:
+                src, src_stride = ap, a_stride
+            for d0 in range(0, D, _DB):
+                od = d0 + tl.arange(0, _DB)
+                cmask = row_ok[:, None] & (od < D)[None, :]
+                v = _operand(_tile(vp, v_stride, ok, od, nk, D), USE_TIMER)
+                if fresh & (j0 == j_lo):
+                    acc = tl.zeros((_QB, _DB), dtype=tl.float32)
+                else:
+                    acc = tl.load(src + om64[:, None] * src_stride + od[None, :], mask=cmask,
+                                  other=0.0)
+                acc = tl.dot(pv, v, acc * alpha[:, None])
+                tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
+            m_i = m_new
+        return m_i, l_i
 
     @ATTN_BLOCK.triton
     @triton.jit
-    def attn_block_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+    def attn_block_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                        USE_TIMER: tl.constexpr):
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
         w0 = tl.load(tp + _WRITE0)
@@ -93,13 +188,14 @@ if HAVE_TRITON:
         first = param_i32(params, tp, 3)
         qk_scale = param_f32(params, tp, 4) * _LOG2E  # scores in log2 units: exp2 below
         has_bias = param_i32(params, tp, 5)
+        bias_index = r0 + nread - 1
         qp, q_stride, nq, D = _rows_cols(regions, bufaddr, bufcols, r0, DT)
         kp, k_stride, nk, _dk = _rows_cols(regions, bufaddr, bufcols, r0 + 1, DT)
         vp, v_stride, _nv, _dv = _rows_cols(regions, bufaddr, bufcols, r0 + 2, DT)
         ap, a_stride, _na, _da = _rows_cols(regions, bufaddr, bufcols, w0, _F32)
         mp, m_stride, _nm, _dm = _rows_cols(regions, bufaddr, bufcols, w0 + 1, _F32)
         # the state read: the chain's acc/ml (the same rows as the writes, but read as declared);
-        # a first task has no such reads, so it names its writes (never loaded, see ``fresh``)
+        # a first task has no such reads, so it names its writes (never loaded)
         s0 = r0 + 3 + (first != 0).to(tl.int32) * (w0 - r0 - 3)
         sap, sa_stride, _nsa, _dsa = _rows_cols(regions, bufaddr, bufcols, s0, _F32)
         smp, sm_stride, _nsm, _dsm = _rows_cols(regions, bufaddr, bufcols, s0 + 1, _F32)
@@ -113,43 +209,52 @@ if HAVE_TRITON:
             else:
                 m_i = tl.load(smp + om64 * sm_stride, mask=row_ok, other=0.0) * _LOG2E
                 l_i = tl.load(smp + om64 * sm_stride + 1, mask=row_ok, other=0.0)
-            for j0 in range(0, nk, _KB):
-                ok = j0 + tl.arange(0, _KB)
-                s = _scores(qp, q_stride, kp, k_stride, om, ok, nq, nk, D, DT) * qk_scale
-                if has_bias != 0:
-                    bias = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + nread - 1, om, ok, DT),
-                                   mask=row_ok[:, None] & (ok < nk)[None, :], other=0.0)
-                    s += bias.to(tl.float32) * _LOG2E
-                hide = (ok >= nk)[None, :] & (om >= 0)[:, None]  # keys past the block
-                if causal != 0:
-                    hide = hide | ((k_start + ok)[None, :] > (q_start + om)[:, None])
-                s = tl.where(hide, float("-inf"), s)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s - shift[:, None])
-                alpha = tl.math.exp2(m_i - shift)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                pv = p.to(DT)
-                # acc's previous value: zero on the chain's first chunk, the declared state read
-                # on a later task's first chunk, then what the previous chunk stored
-                fresh = (first != 0) & (j0 == 0)
-                if j0 == 0:
-                    src, src_stride = sap, sa_stride
+            # Causal: keys [0, j_full) are at or before every row of this sub-block (no mask),
+            # keys [j_full, j_end) straddle the diagonal, keys past j_end follow every row.
+            last = tl.minimum(q_start + i0 + _QB, q_start + nq)  # one past the last row's key
+            j_end = tl.where(causal != 0, tl.minimum(tl.maximum(last - k_start, 0), nk), nk)
+            j_full = tl.where(causal != 0, tl.maximum(q_start + i0 + 1 - k_start, 0) // _KB * _KB,
+                              nk)
+            j_full = tl.minimum(j_full, j_end)
+            if D <= _DB:
+                od = tl.arange(0, _DB)
+                cmask = row_ok[:, None] & (od < D)[None, :]
+                q = _operand(_tile(qp, q_stride, om, od, nq, D), USE_TIMER)
+                if first != 0:
+                    acc = tl.zeros((_QB, _DB), dtype=tl.float32)
                 else:
-                    src, src_stride = ap, a_stride
-                for d0 in range(0, D, _DB):
-                    od = d0 + tl.arange(0, _DB)
-                    cmask = row_ok[:, None] & (od < D)[None, :]
-                    v = tl.load(vp + ok.to(tl.int64)[:, None] * v_stride + od[None, :],
-                                mask=(ok < nk)[:, None] & (od < D)[None, :], other=0.0)
-                    if fresh:
-                        acc = tl.zeros((_QB, _DB), dtype=tl.float32)
-                    else:
-                        acc = tl.load(src + om64[:, None] * src_stride + od[None, :], mask=cmask,
-                                      other=0.0)
-                    acc = tl.dot(pv, v, acc * alpha[:, None])
-                    tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
-                m_i = m_new
+                    acc = tl.load(sap + om64[:, None] * sa_stride + od[None, :], mask=cmask,
+                                  other=0.0)
+                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kp, k_stride, vp, v_stride, 0, j_full,
+                                      om, row_ok, nk, D, k_start, q_start, qk_scale, regions,
+                                      bufaddr, bufcols, bias_index, has_bias, False, DT,
+                                      USE_TIMER)
+                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kp, k_stride, vp, v_stride, j_full,
+                                      j_end, om, row_ok, nk, D, k_start, q_start, qk_scale,
+                                      regions, bufaddr, bufcols, bias_index, has_bias, True, DT,
+                                      USE_TIMER)
+                tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
+            else:
+                # acc lives in the state buffer: a first task with nothing to fold (every key
+                # hidden from this sub-block) must still write its zeros
+                fresh = first != 0
+                if fresh & (j_end == 0):
+                    for d0 in range(0, D, _DB):
+                        od = d0 + tl.arange(0, _DB)
+                        tl.store(ap + om64[:, None] * a_stride + od[None, :],
+                                 tl.zeros((_QB, _DB), dtype=tl.float32),
+                                 mask=row_ok[:, None] & (od < D)[None, :])
+                m_i, l_i = _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq,
+                                      kp, k_stride, vp, v_stride, 0, j_full, om, row_ok, nk, D,
+                                      k_start, q_start, qk_scale, fresh, True, regions, bufaddr,
+                                      bufcols, bias_index, has_bias, False, DT, USE_TIMER)
+                # the second range reads acc where the first one left it, if it folded any
+                none_yet = j_full == 0
+                m_i, l_i = _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq,
+                                      kp, k_stride, vp, v_stride, j_full, j_end, om, row_ok, nk,
+                                      D, k_start, q_start, qk_scale, fresh & none_yet, none_yet,
+                                      regions, bufaddr, bufcols, bias_index, has_bias, True, DT,
+                                      USE_TIMER)
             tl.store(mp + om64 * m_stride, m_i / _LOG2E, mask=row_ok)
             tl.store(mp + om64 * m_stride + 1, l_i, mask=row_ok)
 
@@ -170,3 +275,71 @@ if HAVE_TRITON:
                 acc = tl.load(ap + om[:, None] * a_stride + od[None, :], mask=mask, other=0.0)
                 tl.store(op + om[:, None] * o_stride + od[None, :], (acc / l_i[:, None]).to(DT),
                          mask=mask)
+
+    _FIELDS, _KIND = tl.constexpr(TASK_FIELDS), tl.constexpr(F_KIND)
+
+    @triton.jit
+    def _chains_kernel(tasks, order, starts, params, regions, bufaddr, bufcols,
+                       BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Program c runs chain c: its attn_block tasks in order, then its attn_finalize."""
+        c = tl.program_id(0)
+        for i in range(tl.load(starts + c), tl.load(starts + c + 1)):
+            tp = tasks + tl.load(order + i) * _FIELDS
+            if tl.load(tp + _KIND) == BLOCK_ID:
+                attn_block_tile(tp, params, regions, bufaddr, bufcols, DT, USE_TIMER)
+            else:
+                attn_finalize_tile(tp, regions, bufaddr, bufcols, DT)
+
+
+def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu",
+               num_warps: int = 8, num_stages: int = 3) -> dict[str, torch.Tensor]:
+    """Run an attention schedule's tasks through these bodies outside the megakernel: one
+    program per q block runs that block's attn_block chain and its attn_finalize (chains are
+    independent: each owns its state rows); every rank's copy tasks (the KV ring's movement)
+    run first on the host, since they read only the k/v inputs and what earlier copies wrote.
+    Each buffer is its own tensor in its own dtype (bf16 data, fp32 state), which the megakernel
+    cannot lay out yet. Returns the global outputs. Under TRITON_INTERPRET=1 ``device`` is "cpu"."""
+    import torch
+
+    from mgraph.runtime.megakernel.encode import encode_rank, kind_id
+    from mgraph.runtime.megakernel.runtime import _tl_dtype
+    from mgraph.runtime.memory import allocate, gather_outputs, region_view, shard_inputs
+
+    graph = schedule.graph
+    mem = allocate(graph, device)
+    shard_inputs(graph, {n: t.to(device) for n, t in inputs.items()}, mem)
+    for tid in schedule.order():
+        t = graph.tasks[tid]
+        if t.kind == TaskKind.COPY.value:
+            src = region_view(mem, t.reads[0])
+            for w in t.writes:
+                region_view(mem, w).copy_(src)
+    interpret = device == "cpu"
+    for rank in graph.topology.ranks:
+        tables = encode_rank(schedule, rank, single_program=True)
+        chains: dict[tuple[str, int], list[int]] = {}
+        for i, tid in enumerate(tables.local_tasks):
+            t = graph.tasks[tid]
+            if t.kind in (ATTN_BLOCK.name, ATTN_FINALIZE.name):
+                state = t.writes[0] if t.kind == ATTN_BLOCK.name else t.reads[0]
+                chains.setdefault((state.buffer, state.row0), []).append(i)
+        if not chains:
+            continue
+        order = [i for chain in chains.values() for i in chain]
+        starts = [0]
+        for chain in chains.values():
+            starts.append(starts[-1] + len(chain))
+
+        def dev(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device).contiguous()
+
+        addr = torch.tensor([mem[s].data_ptr() for s in tables.slots], dtype=torch.int64)
+        cols = torch.tensor([mem[s].shape[1] for s in tables.slots], dtype=torch.int32)
+        _chains_kernel[(len(chains),)](
+            dev(tables.tasks), dev(torch.tensor(order, dtype=torch.int32)),
+            dev(torch.tensor(starts, dtype=torch.int32)), dev(tables.params),
+            dev(tables.regions), dev(addr), dev(cols), BLOCK_ID=kind_id(ATTN_BLOCK.name),
+            DT=_tl_dtype(graph.dtype), USE_TIMER=not interpret, num_warps=num_warps,
+            num_stages=num_stages,
+        )
+    return gather_outputs(graph, mem)

@@ -2,21 +2,26 @@
 
 ``out = softmax(q k^T / sqrt(D)) v`` per (batch, head), optionally causal. Every rank keeps its own
 queries and must see every key/value slice (only the slices at or before its positions when
-causal); its output never leaves it.
+causal); its output never leaves it. Grouped-query attention: option ``kv_heads`` (dividing H)
+gives k and v that many heads, each shared by H / kv_heads query heads; the ring then moves
+kv_heads / H of the bytes of full multi-head KV, since no head is repeated before it moves.
 
 Layout. Non-causal: rank r holds the contiguous positions [r S/W, (r+1) S/W). Causal: the sequence
 is cut into 2W chunks and rank r holds chunks r and 2W-1-r (zigzag), so every rank owns the same
 number of unmasked (q block, k block) pairs; a contiguous split would leave rank 0 with almost no
 work and rank W-1 with most of it. A rank's 2-D buffers are ``[b, h, s_local]`` rows x D columns
 (the two zigzag pieces concatenated along S), so one (b, h, block) is a contiguous row range.
+A task folds ``kv_block`` keys (default: ``block``) into a ``block``-row q block: larger KV
+blocks read and write the fp32 state less often per key (the GPU tile's main overhead).
 
 Math (per q block, on its rank): online softmax in fp32 with the state acc [rows, D] and
 ml [rows, 2] = (running max m, running denominator l). ``attn_block`` folds one KV block into the
 state (the first block of a chain initialises it, so no zeroing task exists); successive blocks of
 one q block are chained by events because they rewrite the same state. ``attn_finalize`` writes
 ``acc / l`` in the op dtype. Causal masks use GLOBAL positions (task params ``q_start``,
-``k_start``): with the block dividing a zigzag chunk, a k block is either the diagonal block
-(masked), entirely before the q block (unmasked) or entirely after it (no task at all).
+``k_start``): with both block sizes dividing a zigzag chunk, a k block either reaches past the
+q block's first position (masked: the body hides keys after each query), lies entirely before
+it (unmasked) or entirely after its last position (no task at all).
 
 The KV "ring" is a CONSUMPTION ORDER, not the movement. Rank r folds its own slice first (no
 wait), then the slices of its node peers (r+1, r+2, ... wrapping inside the node), then the slices
@@ -50,7 +55,7 @@ from ..errors import ShapeError
 from ..graph import ITEMSIZE, Buffer, Region, Task, torch_dtype
 from ..kinds import Role, TaskKind, kind_spec
 from ..topology import Topology
-from . import attention_tiles  # noqa: F401  (the kinds' Triton bodies; their params)
+from .attention_tiles import BIAS_BOOL, BIAS_NONE  # (imports the kinds' Triton bodies too)
 from .registry import OpDef
 
 if TYPE_CHECKING:
@@ -80,15 +85,32 @@ def _segments(S: int, world: int, rank: int, causal: bool) -> list[Segment]:
     return [(rank * chunk, (rank + 1) * chunk), (mirror * chunk, (mirror + 1) * chunk)]
 
 
-def _block_size(S: int, world: int, causal: bool, block: int) -> int:
-    """Rows of sequence per tile; it must divide every segment so blocks never straddle one."""
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        raise ShapeError(
-            f"ring_attention: block={block!r} must be a positive integer",
-            hint="pass block as the number of sequence rows per tile, e.g. 128",
-        )
+def _block_size(
+    S: int, world: int, causal: bool, block: int, kv_block: int | None = None
+) -> tuple[int, int]:
+    """(q rows, keys) per tile; each must divide every segment so blocks never straddle one."""
     segment, dim = (S // (2 * world), "S/(2W)") if causal else (S // world, "S/W")
-    return pick_tile("ring_attention", dim, segment, block)
+    sizes = []
+    for name, value in (("block", block), ("kv_block", block if kv_block is None else kv_block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ShapeError(
+                f"ring_attention: {name}={value!r} must be a positive integer",
+                hint=f"pass {name} as the number of sequence rows per tile, e.g. 128",
+            )
+        sizes.append(pick_tile("ring_attention", dim, segment, value))
+    return sizes[0], sizes[1]
+
+
+def _kv_heads(H: int, kv_heads: int | None) -> int:
+    """KV heads; ShapeError unless they divide the query heads."""
+    if kv_heads is None:
+        return H
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or H % kv_heads:
+        raise ShapeError(
+            f"ring_attention: kv_heads={kv_heads!r} must be a positive divisor of H={H}",
+            hint="grouped-query attention shares each KV head among H / kv_heads query heads",
+        )
+    return kv_heads
 
 
 @ring_attention.shapes
@@ -101,6 +123,8 @@ def _shapes(
     causal: bool = False,
     block: int = 128,
     chunk_bytes: int = 256 * 1024,
+    kv_heads: int | None = None,
+    kv_block: int | None = None,
     **_: object,
 ) -> dict[str, tuple]:
     world = topology.world_size
@@ -111,21 +135,30 @@ def _shapes(
             f"ring_attention: S={S} is not divisible by {layout}",
             hint=f"choose S as a multiple of {parts}",
         )
-    _block_size(S, world, causal, block)
+    _block_size(S, world, causal, block, kv_block)
+    kv = (B, _kv_heads(H, kv_heads), S, D)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ShapeError(
             f"ring_attention: chunk_bytes={chunk_bytes!r} must be a positive integer",
             hint="the default, 256 KiB, keeps the proxy well under its command rate",
         )
     shape = (B, H, S, D)
-    return {"q": shape, "k": shape, "v": shape, "out": shape}
+    return {"q": shape, "k": kv, "v": kv, "out": shape}
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, S, D] -> [B, heads, S, D]: each KV head serves heads / Hkv query heads in turn
+    (SDPA's ``enable_gqa`` grouping)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 @ring_attention.reference
 def _reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, **_: object
 ) -> dict[str, torch.Tensor]:
-    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    H = q.shape[1]
+    k, v = repeat_kv(k.float(), H), repeat_kv(v.float(), H)
+    out = F.scaled_dot_product_attention(q.float(), k, v, is_causal=causal)
     return {"out": out.to(q.dtype)}
 
 
@@ -144,12 +177,15 @@ def _make_inputs(graph: TaskGraph, generator: torch.Generator) -> dict[str, torc
 def _attn_block_cpu(
     task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]
 ) -> None:
-    """reads: q, k, v blocks (+ acc, ml unless ``first``; + an additive mask tile last when
-    ``bias``, one row when it broadcasts over the queries); writes: acc, ml (same rows)."""
+    """reads: q, k, v blocks (+ acc, ml unless ``first``; + a mask tile last when ``bias``, one
+    row when it broadcasts over the queries: additive when bias is 1, boolean (nonzero = attend)
+    when 2); writes: acc, ml (same rows)."""
     p = task.params
     q, k, v = (t.float() for t in reads[:3])
     scores = (q @ k.T) * p["scale"]
-    if p.get("bias"):
+    if p.get("bias") == BIAS_BOOL:
+        scores = scores.masked_fill(reads[-1] == 0, float("-inf"))
+    elif p.get("bias"):
         scores = scores + reads[-1].float()
     if p["mask"]:
         q_pos = p["q_start"] + torch.arange(q.shape[0])
@@ -211,17 +247,22 @@ def _lower(
     causal: bool = False,
     block: int = 128,
     chunk_bytes: int = 256 * 1024,
+    kv_heads: int | None = None,
+    kv_block: int | None = None,
 ) -> None:
     topo, world = b.topo, b.world
-    blk = _block_size(S, world, causal, block)
-    shape = (B, H, S, D)
-    for name in ("q", "k", "v"):
-        b.global_input(name, shape)
+    blk, kvb = _block_size(S, world, causal, block, kv_block)
+    Hkv = _kv_heads(H, kv_heads)
+    shape, kv_shape = (B, H, S, D), (B, Hkv, S, D)
+    b.global_input("q", shape)
+    b.global_input("k", kv_shape)
+    b.global_input("v", kv_shape)
     b.global_output("out", shape)
     segments = [_segments(S, world, r, causal) for r in topo.ranks]
 
     def bound(name: str, rank: int, role: str) -> Buffer:
-        pieces = [piece(shape, d2=seg) for seg in segments[rank]]
+        full = kv_shape if name in ("k", "v") else shape
+        pieces = [piece(full, d2=seg) for seg in segments[rank]]
         return b.bound_buffer(name, rank, name, pieces, cat_dim=2, role=role)
 
     q = [bound("q", r, "input") for r in topo.ranks]
@@ -232,15 +273,18 @@ def _lower(
     acc = [b.buffer("attn_acc", r, rows, D, dtype="float32") for r in topo.ranks]
     ml = [b.buffer("attn_ml", r, rows, 2, dtype="float32") for r in topo.ranks]
 
-    moves = _Movement(b, k, v, blk, chunk_bytes)
+    moves = _Movement(b, k, v, kvb, chunk_bytes)
     scale = 1.0 / math.sqrt(D)
     s_local = rows // (B * H)
     for r in topo.ranks:
         orders = {
-            q0: _kv_order(topo, segments, r, blk, causal, q0) for _, q0 in _blocks(segments[r], blk)
+            q0: _kv_order(topo, segments, r, kvb, causal, q0, blk)
+            for _, q0 in _blocks(segments[r], blk)
         }
         for bh in range(B * H):
-            base = bh * s_local  # first row of this (b, h) in every rank's buffers
+            base = bh * s_local  # first row of this (b, h) in q's and out's buffers
+            # ... and of its KV head in every rank's k and v buffers
+            kv_base = ((bh // H) * Hkv + (bh % H) // (H // Hkv)) * s_local
             for q_row, q_start in _blocks(segments[r], blk):
                 q_rows = (base + q_row, base + q_row + blk)
                 state = [acc[r].region(q_rows), ml[r].region(q_rows)]
@@ -249,12 +293,14 @@ def _lower(
                     params = {
                         "q_start": q_start,
                         "k_start": k_start,
-                        "mask": causal and k_start == q_start,  # the diagonal block
+                        # keys past the q block's first position: the body hides those after
+                        # each query
+                        "mask": causal and k_start + kvb - 1 > q_start,
                         "first": chain is None,
                         "scale": scale,
-                        "bias": False,  # no additive mask (a declared param of the GPU body)
+                        "bias": BIAS_NONE,  # no mask tile (a declared param of the GPU body)
                     }
-                    k_rows = (base + k_row, base + k_row + blk)
+                    k_rows = (kv_base + k_row, kv_base + k_row + kvb)
                     name = f"attn r{r} bh{bh} q{q_start} k{k_start} (slice r{src})"
                     chain = _attn_step(
                         b, moves, r, q[r].region(q_rows), state, chain, src, k_rows, params, name
@@ -272,16 +318,22 @@ def _lower(
 
 
 def _kv_order(
-    topo: Topology, segments: list[list[Segment]], rank: int, blk: int, causal: bool, q_start: int
+    topo: Topology,
+    segments: list[list[Segment]],
+    rank: int,
+    kvb: int,
+    causal: bool,
+    q_start: int,
+    blk: int,
 ) -> list[tuple[int, int, int]]:
-    """(source rank, row offset within one (b, h), global start) of every KV block the q block
-    at ``q_start`` on ``rank`` folds, in consumption order; blocks above the diagonal are left out
-    (with the block dividing a segment, a k block starting after q_start lies wholly above it)."""
+    """(source rank, row offset within one (b, h), global start) of every ``kvb``-key block the
+    ``blk``-row q block at ``q_start`` on ``rank`` folds, in consumption order; causal blocks
+    starting after the q block's last position are left out (every key follows every query)."""
     return [
         (src, k_row, k_start)
         for src in _ring_order(topo, rank)
-        for k_row, k_start in _blocks(segments[src], blk)
-        if not (causal and k_start > q_start)
+        for k_row, k_start in _blocks(segments[src], kvb)
+        if not (causal and k_start >= q_start + blk)
     ]
 
 
