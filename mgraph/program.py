@@ -1,9 +1,31 @@
-"""``mg.compile``: nn.Module + example inputs + plan -> Program (trace, lower, validate, schedule).
+"""``mg.compile``: nn.Module + example inputs + plan -> Program (trace, fuse, lower, validate,
+schedule).
 
-A Program runs single-controller on the CPU backends: ``prog(*inputs)`` takes the module's
-GLOBAL inputs and returns its global outputs; the parameters are read from the module at every
-call (so updated weights are used), laid out as the ops read them. It runs through ``mg.run``,
-so any backend registered in ``mgraph.api.BACKENDS`` serves it.
+A Program runs on the backend it was compiled for:
+
+- ``reference`` (and any backend in ``mgraph.api.BACKENDS``): single-controller on the CPU.
+  ``prog(*inputs)`` takes the module's GLOBAL inputs and returns its global outputs.
+- ``triton`` on ONE rank (topology ``1x1``): the megakernel on the current CUDA device, GLOBAL
+  inputs and outputs as above. ``backend_options={"interpret": True}`` runs the same kernel in
+  Triton's interpreter on the CPU (TRITON_INTERPRET=1 set before triton is imported); a
+  multi-rank program then runs every rank in this one process, still with global tensors.
+- ``triton`` on several ranks: SPMD under torchrun, one process per GPU, torch.distributed
+  initialised and the rank's device current. Every rank calls ``prog(*inputs)`` with the same
+  module (full weights; the Program cuts each rank's shards of them). The convention is eager
+  tensor parallelism's (``parallelize_module`` with ``use_local_output=True``):
+
+  * each input is passed either whole (a replicated input, as ``ColwiseParallel`` reads it) or
+    as the rank's chunk along one dim, ``x.chunk(world, dim)[rank]`` (a ``Shard(dim)`` input,
+    as ``SequenceParallel`` reads it); which one is told by its shape. A chunk is gathered
+    from the other ranks only when the graph binds more of the input on this rank than the
+    chunk holds;
+  * each output comes back as eager TP returns it: whole on every rank where the traced output
+    is replicated (a ``RowwiseParallel`` result), the rank's chunk along the sharded dim where
+    it is sharded (a sequence-parallel output, ``Shard(1)``). An output in ring attention's
+    zigzag layout has no eager TP counterpart: it comes back whole.
+
+The parameters are read from the module at every call (so updated weights are used), laid out
+as the ops read them.
 """
 
 from __future__ import annotations
@@ -16,10 +38,11 @@ import torch
 import torch.nn as nn
 
 from .api import BACKENDS, backend_names, run
-from .errors import DTypeError, InputError, UnknownNameError
+from .errors import DTypeError, InputError, MgraphError, RegistrationError, UnknownNameError
 from .graph import TaskGraph, torch_dtype
 from .hardware import H200, HardwareProfile
-from .layout import flat_shape
+from .kinds import KINDS
+from .layout import REPLICATE, Layout, as_dim_shard, binding_runs, flat_shape, layout_runs
 from .lower import lower
 from .plans import ParallelStyle
 from .scheduler import Schedule, schedule
@@ -27,8 +50,10 @@ from .settings import Settings
 from .topology import Topology
 from .trace import OpGraph, trace
 from .trace.attention_map import additive_mask
+from .trace.opgraph import Value
+from .trace.pointwise import fuse_pointwise
 
-__all__ = ["compile", "Program"]
+__all__ = ["compile", "Program", "check_triton_bodies"]
 
 
 def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
@@ -42,24 +67,35 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     policy: str = "critical_path",
     workers: Mapping[str, int] | None = None,
     validate: bool = True,
+    fuse: bool = True,
+    backend_options: Mapping[str, Any] | None = None,
 ) -> Program:
-    """Trace ``module`` under ``plan``, lower it to ONE TaskGraph on ``topology``, validate and
-    schedule it; the Program runs it on ``backend``."""
+    """Trace ``module`` under ``plan``, fuse chains of pointwise ops (``fuse``), lower it to ONE
+    TaskGraph on ``topology``, validate and schedule it; the Program runs it on ``backend``
+    with ``backend_options`` (triton: ``interpret``, ``trace``, ``gemm_config``,
+    ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords). On
+    ``backend="triton"`` a kind with no Triton body is a RegistrationError here, before
+    anything launches."""
     check_backend(backend)
     opgraph = trace(module, example_inputs, plan, topology)
+    lowered = fuse_pointwise(opgraph) if fuse else opgraph
     # The graph is 10^4+ small objects that all live on: the cyclic collector would rescan
     # them again and again while validating and scheduling (see OpDef.__call__) and free none.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        graph = lower(opgraph)
+        graph = lower(lowered)
         if validate:
             graph.validate()
+        if backend == "triton":
+            check_triton_bodies(graph, lowered)
         sched = schedule(graph, hardware, policy, workers)
     finally:
         if was_enabled:
             gc.enable()
-    return Program(module, opgraph, sched, backend)
+    return Program(
+        module, opgraph, sched, backend, lowered=lowered, backend_options=backend_options
+    )
 
 
 def check_backend(backend: str) -> None:
@@ -68,16 +104,66 @@ def check_backend(backend: str) -> None:
     raise UnknownNameError(f"unknown backend {backend!r}; available: {', '.join(backend_names())}")
 
 
-class Program:
-    """A compiled module: ``prog(*inputs)`` runs it; ``graph``, ``schedule``, ``opgraph``
-    are the objects each stage produced."""
+def check_triton_bodies(graph: TaskGraph, opgraph: OpGraph) -> None:
+    """RegistrationError naming the first kind in ``graph`` with no megakernel tile body, the
+    traced op that produced its tasks and how to register one (the megakernel's checks of tile
+    shapes and alignment follow when its runtime is built, still before any launch)."""
+    from .ops.custom import CUSTOM
 
-    def __init__(self, module: nn.Module, opgraph: OpGraph, sched: Schedule, backend: str):
+    missing: dict[str, list[str]] = {}
+    for t in graph.tasks:
+        spec = KINDS.get(t.kind)
+        if t.role != "rdma" and (spec is None or spec.triton_body is None):
+            missing.setdefault(t.kind, []).append(t.name)
+    if missing:
+        kind, names = next(iter(missing.items()))
+        nodes = {n.name: n for n in opgraph.nodes}
+        node = nodes.get(names[0].split(":")[0])
+        where = node.where() if node is not None else f"task {names[0]!r}"
+        if kind in CUSTOM:
+            how = (
+                f"pass the body when registering the op: @mg.register_op({kind!r}, "
+                "triton=body), a @triton.jit function whose parameter names pick kernel "
+                "values (mgraph/ops/custom.py documents them)"
+            )
+        else:
+            how = (
+                f"attach one in the op's file with mgraph.kinds.kind_spec({kind!r}).triton "
+                "(runtime/megakernel/dispatch.py: ABI_NAMES), or compile with "
+                "backend='reference'"
+            )
+        others = f" (also without one: {sorted(missing)[1:]})" if len(missing) > 1 else ""
+        raise RegistrationError(
+            f"backend='triton': task kind {kind!r} has no Triton tile body; {where} made "
+            f"{len(names)} task(s) of it{others}",
+            hint=how,
+        )
+
+
+class Program:
+    """A compiled module: ``prog(*inputs)`` runs it; ``opgraph`` (as traced, one node per op),
+    ``lowered`` (pointwise chains fused: what was lowered), ``graph`` and ``schedule`` are the
+    objects each stage produced."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        opgraph: OpGraph,
+        sched: Schedule,
+        backend: str,
+        *,
+        lowered: OpGraph | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.module = module
         self.opgraph = opgraph
+        self.lowered = lowered if lowered is not None else opgraph
         self.schedule = sched
         self.backend = backend
+        self.backend_options = dict(backend_options or {})
         self.last_result: Any = None
+        self._runtime: Any = None  # the TritonRuntime of this process's rank (built once)
+        self._chunk_ok: dict[tuple[str, int, int], bool] = {}
 
     @property
     def graph(self) -> TaskGraph:
@@ -87,41 +173,51 @@ class Program:
     def topology(self) -> Topology:
         return self.opgraph.topology
 
-    def inputs(self, *args: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The graph's global inputs for module inputs ``args``: the arguments and parameters,
-        each flattened to the 2-D view its buffers use."""
+    # -- inputs -------------------------------------------------------------------------------
+    def _arg(self, value: Value, arg: Any, shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """``arg`` checked against ``value`` (one of ``shapes``, the compute dtype), a boolean
+        mask turned into its additive form."""
+        og = self.opgraph
+        if not isinstance(arg, torch.Tensor) or tuple(arg.shape) not in shapes:
+            got = tuple(arg.shape) if isinstance(arg, torch.Tensor) else type(arg).__name__
+            raise InputError(
+                f"{og.name}: input {value.name!r} is {got}, the program was compiled for "
+                f"{list(value.shape)}"
+                + (
+                    f" (or a rank's chunk: {[list(s) for s in shapes[1:]]})"
+                    if len(shapes) > 1
+                    else ""
+                ),
+                hint="compile again with example inputs of this shape",
+            )
+        dtype = torch_dtype(og.dtype)
+        if value.encoding == "bool_mask":
+            if arg.dtype != torch.bool:
+                raise DTypeError(
+                    f"{og.name}: input {value.name!r} is {arg.dtype}, compiled as a boolean "
+                    "attention mask",
+                    hint="pass a torch.bool mask (True = attend), as at compile time",
+                )
+            return additive_mask(arg, dtype)
+        if arg.dtype != dtype:
+            raise DTypeError(
+                f"{og.name}: input {value.name!r} is {arg.dtype}, compiled for {og.dtype}",
+                hint=f"cast it with .to(torch.{og.dtype})",
+            )
+        return arg
+
+    def _check_count(self, args: Sequence[Any]) -> None:
         og = self.opgraph
         if len(args) != len(og.inputs):
             raise InputError(
                 f"{og.name} was compiled for {len(og.inputs)} input(s), got {len(args)}",
                 hint="pass the same positional inputs as the example inputs",
             )
-        wanted = self.graph.inputs
+
+    def _params(self, out: dict[str, torch.Tensor]) -> None:
+        """The parameters the graph reads, built from the module now (global, flat 2-D)."""
+        og, wanted = self.opgraph, self.graph.inputs
         dtype = torch_dtype(og.dtype)
-        out: dict[str, torch.Tensor] = {}
-        for value, arg in zip(og.inputs, args, strict=True):
-            if not isinstance(arg, torch.Tensor) or tuple(arg.shape) != value.shape:
-                got = tuple(arg.shape) if isinstance(arg, torch.Tensor) else type(arg).__name__
-                raise InputError(
-                    f"{og.name}: input {value.name!r} is {got}, the program was compiled for "
-                    f"{list(value.shape)}",
-                    hint="compile again with example inputs of this shape",
-                )
-            if value.encoding == "bool_mask":
-                if arg.dtype != torch.bool:
-                    raise DTypeError(
-                        f"{og.name}: input {value.name!r} is {arg.dtype}, compiled as a boolean "
-                        "attention mask",
-                        hint="pass a torch.bool mask (True = attend), as at compile time",
-                    )
-                arg = additive_mask(arg, dtype)
-            elif arg.dtype != dtype:
-                raise DTypeError(
-                    f"{og.name}: input {value.name!r} is {arg.dtype}, compiled for {og.dtype}",
-                    hint=f"cast it with .to(torch.{og.dtype})",
-                )
-            if value.name in wanted:
-                out[value.name] = arg.reshape(flat_shape(value.shape))
         tensors = dict(self.module.named_parameters(remove_duplicate=False))
         tensors.update(self.module.named_buffers(remove_duplicate=False))
         tensors.update(og.constants)
@@ -130,17 +226,34 @@ class Program:
                 assert value.source is not None
                 t = value.source.build(tensors).to(dtype)
                 out[value.name] = t.reshape(flat_shape(value.shape))
+
+    def inputs(self, *args: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The graph's global inputs for module inputs ``args``: the arguments and parameters,
+        each flattened to the 2-D view its buffers use."""
+        self._check_count(args)
+        wanted = self.graph.inputs
+        out: dict[str, torch.Tensor] = {}
+        for value, arg in zip(self.opgraph.inputs, args, strict=True):
+            arg = self._arg(value, arg, [value.shape])
+            if value.name in wanted:
+                out[value.name] = arg.reshape(flat_shape(value.shape))
+        self._params(out)
         return out
 
+    # -- running ------------------------------------------------------------------------------
     def run(self, *args: torch.Tensor, settings: Settings | None = None, **options: Any) -> Any:
         """Run once; the RunResult's outputs are the module's outputs by name (out, out0, ...),
-        in their traced shapes."""
-        result = run(
-            self.schedule, self.inputs(*args), backend=self.backend, settings=settings, **options
-        )
-        for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
-            if name in result.outputs:  # timing-only backends (sim) compute no values
-                result.outputs[name] = result.outputs[name].reshape(value.shape)
+        in their traced shapes (under SPMD: this rank's part, see the module docstring)."""
+        opts = {**self.backend_options, **options}
+        if self.backend == "triton":
+            result = self._run_triton(args, settings or Settings.from_env(), opts)
+        else:
+            result = run(
+                self.schedule, self.inputs(*args), backend=self.backend, settings=settings, **opts
+            )
+            for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
+                if name in result.outputs:  # timing-only backends (sim) compute no values
+                    result.outputs[name] = result.outputs[name].reshape(value.shape)
         self.last_result = result
         return result
 
@@ -148,6 +261,157 @@ class Program:
         outputs = self.run(*args).outputs
         values = [outputs[name] for name in self.opgraph.output_names]
         return values[0] if self.opgraph.single_output else tuple(values)
+
+    def _run_triton(self, args: Sequence[torch.Tensor], settings: Settings, opts: dict) -> Any:
+        from .api import _triton_available
+        from .runtime.megakernel import TritonRuntime, run_in_process
+        from .runtime.reference import RunResult
+
+        interpret = bool(opts.get("interpret"))
+        if not interpret:
+            _triton_available()
+        world = self.topology.world_size
+        if world > 1 and not interpret:
+            return self._run_spmd(args, settings, opts)
+        inputs = self.inputs(*args)
+        if world > 1:  # the interpreter: every rank in one program of this process
+            outputs = run_in_process(self.schedule, inputs, settings=settings)
+            result = RunResult(outputs, None, 0.0, 1, {})
+        else:
+            if self._runtime is None:
+                self._runtime = TritonRuntime(self.schedule, settings=settings, **opts)
+            result = self._runtime.run(inputs)
+        for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
+            result.outputs[name] = result.outputs[name].reshape(value.shape)
+        return result
+
+    # -- SPMD (torchrun) ----------------------------------------------------------------------
+    def _run_spmd(self, args: Sequence[torch.Tensor], settings: Settings, opts: dict) -> Any:
+        import torch.distributed as dist
+
+        from .runtime.megakernel import TritonRuntime, local_shards
+        from .runtime.megakernel.runtime import assemble_local
+
+        world = self.topology.world_size
+        if not dist.is_initialized() or dist.get_world_size() != world:
+            raise MgraphError(
+                f"{self.opgraph.name}: compiled for {world} ranks on backend='triton', which "
+                "runs SPMD: one process per GPU with torch.distributed initialised "
+                f"(now: {dist.get_world_size() if dist.is_initialized() else 'not initialised'})",
+                hint=f"start it with torchrun --nproc_per_node={world}, call "
+                "dist.init_process_group('nccl') and torch.cuda.set_device(local_rank) first",
+            )
+        rank = dist.get_rank()
+        self._check_count(args)
+        globals_: dict[str, torch.Tensor] = {}
+        for value, arg in zip(self.opgraph.inputs, args, strict=True):
+            if value.name in self.graph.inputs:
+                globals_[value.name] = self._spmd_input(value, arg, rank, world)
+        self._params(globals_)
+        if self._runtime is None:
+            self._runtime = TritonRuntime(self.schedule, rank=rank, settings=settings, **opts)
+        result = self._runtime.run(local_shards(self.graph, rank, globals_))
+        for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
+            local = assemble_local(self.graph, rank, name, result.outputs[name])
+            result.outputs[name] = self._spmd_output(name, value, local, rank, world)
+        return result
+
+    def _spmd_input(self, value: Value, arg: Any, rank: int, world: int) -> torch.Tensor:
+        """The input's global flat 2-D tensor as far as this rank's buffers read it, from the
+        whole tensor or this rank's chunk along one dim (gathered only when needed)."""
+        import torch.distributed as dist
+
+        shape = value.shape
+        chunks = []
+        for d, n in enumerate(shape):
+            if n % world == 0:
+                chunks.append(shape[:d] + (n // world,) + shape[d + 1 :])
+        arg = self._arg(value, arg, [shape, *chunks])
+        if tuple(arg.shape) == shape:
+            return arg.reshape(flat_shape(shape))
+        d = next(d for d, n in enumerate(shape) if arg.shape[d] != n)
+        key = (value.name, rank, d)
+        if key not in self._chunk_ok:
+            self._chunk_ok[key] = self._within_chunk(value, rank, world, d)
+        if self._chunk_ok[key]:
+            # only the chunk's elements are read: the rest of this tensor is never touched
+            full = arg.new_empty(shape)
+        else:
+            parts = [torch.empty_like(arg) for _ in range(world)]
+            dist.all_gather(parts, arg.contiguous())
+            return torch.cat(parts, dim=d).reshape(flat_shape(shape))
+        lo = rank * (shape[d] // world)
+        full.narrow(d, lo, shape[d] // world).copy_(arg)
+        return full.reshape(flat_shape(shape))
+
+    def _within_chunk(self, value: Value, rank: int, world: int, d: int) -> bool:
+        """Whether every buffer this rank binds ``value`` to reads only its chunk along ``d``."""
+        flat = flat_shape(value.shape)
+        chunk = layout_runs(value.shape, Layout("shard", d), rank, world)
+        for buf in self.graph.buffers.values():
+            b = buf.binding
+            if buf.rank != rank or buf.role != "input" or b is None or b.tensor != value.name:
+                continue
+            for r0, r1, c0, c1 in binding_runs(flat, b.pieces, b.cat_dim):
+                row = r0
+                while row < r1:
+                    cover = next(
+                        (c for c in chunk if c[0] <= row < c[1] and c[2] <= c0 and c1 <= c[3]), None
+                    )
+                    if cover is None:
+                        return False
+                    row = cover[1]
+        return True
+
+    def _spmd_output(
+        self, name: str, value: Value, local: torch.Tensor, rank: int, world: int
+    ) -> torch.Tensor:
+        """This rank's output as eager TP returns it (the module docstring's convention)."""
+        import torch.distributed as dist
+
+        lay = value.layout or REPLICATE
+        want = as_dim_shard(value.shape, lay, world) if lay.kind == "rows" else lay
+        if want is None or want.zigzag:
+            want = REPLICATE
+        shape = list(value.shape)
+        if want.kind == "shard":
+            shape[want.dim] //= world
+        mine = self._output_runs(name, rank)
+        if mine == layout_runs(value.shape, want, rank, world):
+            return local.reshape(shape).clone()
+        # Held in another layout: every rank's output buffer, gathered, then cut as wanted.
+        flat_local = local.reshape(-1).contiguous()
+        size = torch.tensor([flat_local.numel()], device=local.device)
+        sizes = [torch.empty_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size)
+        most = int(max(int(s) for s in sizes))
+        padded = torch.zeros(most, dtype=local.dtype, device=local.device)
+        padded[: flat_local.numel()] = flat_local
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        rows, cols = flat_shape(value.shape)
+        full = torch.empty(rows, cols, dtype=local.dtype, device=local.device)
+        for r in range(world):
+            at = 0
+            for r0, r1, c0, c1 in self._output_runs(name, r):
+                n = (r1 - r0) * (c1 - c0)
+                full[r0:r1, c0:c1] = parts[r][at : at + n].view(r1 - r0, c1 - c0)
+                at += n
+        full = full.reshape(value.shape)
+        if want.kind == "shard":
+            return full.chunk(world, want.dim)[rank].contiguous()
+        return full
+
+    def _output_runs(self, name: str, rank: int) -> tuple:
+        buf = next(
+            b
+            for b in self.graph.buffers.values()
+            if b.rank == rank
+            and b.role == "output"
+            and b.binding is not None
+            and b.binding.tensor == name
+        )
+        return binding_runs(self.graph.outputs[name].shape, buf.binding.pieces, buf.binding.cat_dim)
 
     def view(self, path: str | None = None, **kw: Any):
         """Write the offline HTML viewer of this program's graph, schedule and last run's
@@ -160,5 +424,5 @@ class Program:
         g = self.graph
         return (
             f"Program({self.opgraph.name}, topology={self.topology}, backend={self.backend!r}, "
-            f"ops={len(self.opgraph.nodes)}, tasks={len(g.tasks)})"
+            f"ops={len(self.lowered.nodes)}, tasks={len(g.tasks)})"
         )

@@ -1,36 +1,55 @@
-"""Elementwise math: ``out = fn(x)`` or ``out = fn(x, y)`` (``y`` a tensor or a scalar).
+"""Elementwise math: a chain of pointwise fns over tensors of one shape, run as ONE tile task.
 
-The activations (silu, gelu, relu, ...), residual adds and scalings of a traced module lower to
-this op: one ``ewise`` compute task per row tile, in the layout of ``x`` (see tilewise.py for
-operand forms and layouts). Math runs in fp32 and is stored once in the buffer dtype.
+``out = fn(x)`` or ``fn(x, y)`` (``y`` a tensor or a scalar) is a chain of one step; the tracer
+fuses chains of pointwise ops (``silu(a) * b``, ``x * w + bias``, gelu, residual adds) into one
+op (mgraph/trace/pointwise.py: fuse_pointwise), so a traced SwiGLU runs one ``ewise`` task per
+row tile, not one per op. Layouts and operand forms are tilewise.py's: one compute task per row
+tile in the layout of ``x``; other operands full, a row vector or one value per row.
 
-The megakernel's body (``ewise_tile``) reads the function as an integer code: the lowering adds
-the GPU params ``code`` (index into :data:`CODES`), ``scalar_f``, ``alpha_f`` and ``swap`` next to
-the ``fn``/``scalar``/``alpha``/``swap`` the CPU body reads, so both bodies mean the same thing.
+A chain (option ``chain``) is a list of steps ``[fn, a, b, scalar]``: ``fn`` a key of
+:data:`UNARY` or :data:`BINARY`; ``a`` and ``b`` name values: ``0..n-1`` the op's inputs
+(``x``, then ``y``, ``y2``, ``y3``... whose forms ``operands`` lists), ``n + j`` the result of
+step ``j``, ``-1`` the step's ``scalar``. A unary step reads ``a`` (``b`` is -1). The chain's
+result is its last step. Math runs in fp32 and is stored once in the buffer dtype.
+
+The task carries the chain as a small bytecode in its params row (see :func:`compile_chain`):
+``nops``, ``result``, then four words per instruction ``(opcode, dst, a, b)`` over
+:data:`REGISTERS` fp32 tile registers: ``LOAD dst <- read a``, ``CONST dst <- float b``, or a
+fn of registers ``a`` (and ``b``). The CPU body and the Triton body both interpret that
+bytecode, so the reference runtime checks the compiler too; the op's reference (its meaning on
+global tensors) evaluates the chain itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..builder import GraphBuilder
-from ..errors import UnknownNameError
+from ..errors import OptionError, UnknownNameError
 from ..graph import Task
 from ..kinds import Role, define_kind
 from ..topology import Topology
-from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
+from .abi import F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 from .tilewise import lower_tilewise, tile_shapes
 
-__all__ = ["elementwise", "UNARY", "BINARY"]
+__all__ = [
+    "elementwise",
+    "UNARY",
+    "BINARY",
+    "MAX_OPS",
+    "REGISTERS",
+    "compile_chain",
+    "run_chain",
+    "single_chain",
+    "input_names",
+]
 
 elementwise = OpDef("elementwise", dims=("rows", "cols"), inputs=("x", "y"), outputs=("out",))
-# GPU params: the fn as a code, the scalar operand and alpha as floats, swap as 0/1
-EWISE = define_kind("ewise", [Role.COMPUTE], "elementwise math of one row tile (params: fn)",
-                    params=("code", "scalar_f", "alpha_f", "swap"))
 
 UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "neg": torch.neg,
@@ -57,45 +76,186 @@ BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "minimum": torch.minimum,
 }
 
-
-# The fn codes the Triton body switches on: unary fns first, then binary ones (a binary fn's
-# code is its index here too). Appending keeps old codes valid; ewise_tile must follow.
+# Opcodes: the fns (unary first, then binary: _ewise_math switches on these indices), then the
+# two data instructions. Appending keeps old codes valid; the Triton body must follow.
 CODES: tuple[str, ...] = (*UNARY, *BINARY)
+LOAD, CONST = len(CODES), len(CODES) + 1
+# Sizes of the bytecode: the params row is fixed per kind (2 + 4 * MAX_OPS int32 words), the
+# registers are the Triton body's loop-carried tiles. A chain that needs more is not fused
+# further (fuse_pointwise) or refused (an OptionError from the op's shape check).
+MAX_OPS = 16
+REGISTERS = 6
+WORDS = tuple(f"w{i}" for i in range(4 * MAX_OPS))
+
+EWISE = define_kind(
+    "ewise",
+    [Role.COMPUTE],
+    "a chain of elementwise fns over one row tile (params: its bytecode)",
+    params=("nops", "result", *WORDS),
+)
+
+Step = list  # [fn, a, b, scalar]
 
 
-def gpu_params(fn: str, scalar: float | None, alpha: float, swap: bool) -> dict:
-    """The ewise params the Triton body reads (see the module docstring)."""
-    return {"code": CODES.index(fn), "scalar_f": float(0.0 if scalar is None else scalar),
-            "alpha_f": float(alpha), "swap": int(bool(swap))}
+def input_names(n: int) -> list[str]:
+    """The op's input names for ``n`` inputs: x, y, y2, y3, ..."""
+    return ["x", "y", *(f"y{i}" for i in range(2, n))][:n]
 
 
-def _check_fn(fn: str, other: str | None, scalar: float | None) -> None:
-    binary = other is not None or scalar is not None
-    table = BINARY if binary else UNARY
-    if fn not in table:
-        raise UnknownNameError(
-            f"elementwise: unknown {'binary' if binary else 'unary'} fn {fn!r}; valid: "
-            f"{', '.join(sorted(table))}",
-            hint="a binary fn needs other= (a tensor operand) or scalar=",
+def single_chain(
+    fn: str, has_other: bool, scalar: float | None, alpha: float, swap: bool
+) -> list[Step]:
+    """The chain of ``fn(x)``, ``fn(x, alpha * y)`` or ``fn(x, alpha * scalar)`` (operands
+    swapped when ``swap``)."""
+    if not has_other and scalar is None:
+        return [[fn, 0, -1, 0.0]]
+    if not has_other:
+        s = float(scalar) * alpha  # type: ignore[arg-type]
+        return [[fn, -1, 0, s] if swap else [fn, 0, -1, s]]
+    steps: list[Step] = []
+    other = 1
+    if alpha != 1.0:
+        steps.append(["mul", 1, -1, float(alpha)])
+        other = 2  # 2 inputs, then step 0
+    steps.append([fn, other, 0, 0.0] if swap else [fn, 0, other, 0.0])
+    return steps
+
+
+def _check_chain(chain: Sequence, nin: int) -> None:
+    """OptionError (or UnknownNameError for a fn) unless ``chain`` is a valid chain over
+    ``nin`` inputs that fits the bytecode."""
+    if not chain:
+        raise OptionError(
+            "elementwise: option chain=[] has no step",
+            hint="a chain is a list of [fn, a, b, scalar] steps",
         )
+    for j, step in enumerate(chain):
+        if (
+            not isinstance(step, (list, tuple))
+            or len(step) != 4
+            or not isinstance(step[0], str)
+            or any(isinstance(r, bool) or not isinstance(r, int) for r in step[1:3])
+            or isinstance(step[3], bool)
+            or not isinstance(step[3], (int, float))
+        ):
+            raise OptionError(
+                f"elementwise: chain step {j} is {step!r}",
+                hint="each step is [fn, a, b, scalar] (a, b ints; scalar a number)",
+            )
+        fn, a, b, _ = step
+        if fn not in UNARY and fn not in BINARY:
+            raise UnknownNameError(
+                f"elementwise: chain step {j} has unknown fn {fn!r}; valid: "
+                f"{', '.join(sorted(UNARY) + sorted(BINARY))}"
+            )
+        refs = (a,) if fn in UNARY else (a, b)
+        for r in refs:
+            if not -1 <= r < nin + j:
+                raise OptionError(
+                    f"elementwise: chain step {j} reads value {r}, which is not an input "
+                    f"(0..{nin - 1}), an earlier step ({nin}..{nin + j - 1}) or the scalar (-1)"
+                )
+        if refs.count(-1) == len(refs):
+            raise OptionError(f"elementwise: chain step {j} ({fn}) reads no tensor")
+        if fn in UNARY and b != -1:
+            raise OptionError(f"elementwise: chain step {j}: unary {fn} takes b = -1, got {b}")
+    compile_chain(chain, nin)
 
 
-def apply(
+def compile_chain(chain: Sequence[Step], nin: int) -> dict[str, int | float]:
+    """The ``ewise`` params of ``chain`` over ``nin`` inputs: its bytecode, registers allocated
+    in one pass (an input is loaded at its first use, a register is reused after its value's
+    last use). OptionError when the chain needs more than MAX_OPS instructions or REGISTERS
+    registers."""
+    last_use: dict[int, int] = {}
+    for j, (fn, a, b, _) in enumerate(chain):
+        for r in (a,) if fn in UNARY else (a, b):
+            if r >= 0:
+                last_use[r] = j
+    last_use[nin + len(chain) - 1] = len(chain)  # the result lives to the store
+    free = list(range(REGISTERS))
+    reg: dict[int, int] = {}
+    code: list[tuple[int, int, int, int | float]] = []
+
+    def take() -> int:
+        if not free:
+            raise OptionError(
+                f"elementwise: the chain needs more than {REGISTERS} live tile registers",
+                hint="split the chain into several elementwise ops",
+            )
+        return free.pop(0)
+
+    for j, (fn, a, b, s) in enumerate(chain):
+        refs = (a,) if fn in UNARY else (a, b)
+        regs, temps = [], []
+        for r in refs:
+            if r == -1:
+                t = take()
+                code.append((CONST, t, 0, float(s)))
+                regs.append(t)
+                temps.append(t)
+            else:
+                if r not in reg:  # an input, first used here
+                    reg[r] = take()
+                    code.append((LOAD, reg[r], r, 0))
+                regs.append(reg[r])
+        for r in set(refs):  # values read for the last time: their registers are free again
+            if r >= 0 and last_use[r] == j:
+                free.insert(0, reg.pop(r))
+        free[:0] = temps
+        dst = take()
+        code.append((CODES.index(fn), dst, regs[0], regs[1] if len(regs) > 1 else 0))
+        reg[nin + j] = dst
+    if len(code) > MAX_OPS:
+        raise OptionError(
+            f"elementwise: the chain compiles to {len(code)} instructions, more than {MAX_OPS}",
+            hint="split the chain into several elementwise ops",
+        )
+    params: dict[str, int | float] = {"nops": len(code), "result": reg[nin + len(chain) - 1]}
+    for k in range(MAX_OPS):
+        op, dst, a, b = code[k] if k < len(code) else (0, 0, 0, 0)
+        params.update(
+            {WORDS[4 * k]: op, WORDS[4 * k + 1]: dst, WORDS[4 * k + 2]: a, WORDS[4 * k + 3]: b}
+        )
+    return params
+
+
+def run_chain(chain: Sequence[Step], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The chain's meaning on fp32 tensors (broadcasting like torch): its last step's value."""
+    values = list(inputs)
+    for fn, a, b, s in chain:
+        scalar = torch.tensor(float(s), dtype=torch.float32)
+        x = scalar if a == -1 else values[a]
+        values.append(
+            UNARY[fn](x) if fn in UNARY else BINARY[fn](x, scalar if b == -1 else values[b])
+        )
+    return values[-1]
+
+
+def _chain_of(
     fn: str,
-    x: torch.Tensor,
-    y: torch.Tensor | None,
+    other: str | None,
     scalar: float | None,
     alpha: float,
     swap: bool,
-) -> torch.Tensor:
-    """The op's meaning on fp32 tensors (tiles or whole tensors alike)."""
-    if y is None and scalar is None:
-        return UNARY[fn](x)
-    other = y if y is not None else torch.tensor(scalar, dtype=torch.float32)
-    if alpha != 1.0:
-        other = other * alpha
-    a, b = (other, x) if swap else (x, other)
-    return BINARY[fn](a, b)
+    chain: list | None,
+    operands: list[str] | None,
+) -> tuple[list[Step], list[str]]:
+    """(chain, forms of the inputs after x) of the op's options."""
+    if chain is not None:
+        forms = list(operands or [])
+        _check_chain(chain, 1 + len(forms))
+        return [list(s) for s in chain], forms
+    binary = other is not None or scalar is not None
+    if fn not in (BINARY if binary else UNARY):
+        raise UnknownNameError(
+            f"elementwise: unknown {'binary' if binary else 'unary'} fn {fn!r}; valid: "
+            f"{', '.join(sorted(BINARY if binary else UNARY))}",
+            hint="a binary fn needs other= (a tensor operand) or scalar=",
+        )
+    return single_chain(fn, other is not None, scalar, alpha, swap), [] if other is None else [
+        other
+    ]
 
 
 @elementwise.shapes
@@ -106,27 +266,37 @@ def _shapes(
     fn: str = "add",
     other: str | None = None,
     scalar: float | None = None,
+    alpha: float = 1.0,
+    swap: bool = False,
+    chain: list | None = None,
+    operands: list[str] | None = None,
     shape: Sequence[int] | None = None,
     layout: Sequence | None = None,
     **_: object,
 ) -> dict[str, tuple]:
-    _check_fn(fn, other, scalar)
-    operands = {} if other is None else {"y": other}
-    return tile_shapes("elementwise", topology, rows, cols, shape, layout, operands)
+    _, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
+    names = input_names(1 + len(forms))[1:]
+    return tile_shapes(
+        "elementwise", topology, rows, cols, shape, layout, dict(zip(names, forms, strict=True))
+    )
 
 
 @elementwise.reference
 def _reference(
     x: torch.Tensor,
-    y: torch.Tensor | None = None,
     fn: str = "add",
+    other: str | None = None,
     scalar: float | None = None,
     alpha: float = 1.0,
     swap: bool = False,
-    **_: object,
+    chain: list | None = None,
+    operands: list[str] | None = None,
+    **kw: Any,
 ) -> dict[str, torch.Tensor]:
-    out = apply(fn, x.float(), None if y is None else y.float(), scalar, alpha, swap)
-    return {"out": out.to(x.dtype)}
+    steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
+    names = input_names(1 + len(forms))
+    tensors = [x.float(), *(kw[n].float() for n in names[1:])]
+    return {"out": run_chain(steps, tensors).expand(x.shape).to(x.dtype)}
 
 
 @elementwise.lower
@@ -139,10 +309,14 @@ def _lower(
     scalar: float | None = None,
     alpha: float = 1.0,
     swap: bool = False,
+    chain: list | None = None,
+    operands: list[str] | None = None,
     shape: list[int] | None = None,
     layout: list | None = None,
     tile_rows: int = 64,
 ) -> None:
+    steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
+    names = input_names(1 + len(forms))[1:]
     lower_tilewise(
         b,
         EWISE.name,
@@ -150,25 +324,35 @@ def _lower(
         cols=cols,
         shape=shape,
         layout=layout,
-        operands={} if other is None else {"y": other},
-        params={"fn": fn, "scalar": scalar, "alpha": alpha, "swap": swap,
-                **gpu_params(fn, scalar, alpha, swap)},
+        operands=dict(zip(names, forms, strict=True)),
+        params=compile_chain(steps, 1 + len(forms)),
         tile_rows=tile_rows,
-        label=fn,
+        label="*".join(s[0] for s in steps) if chain is not None else fn,
     )
 
 
 @EWISE.cpu
 def _ewise_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
+    """Interprets the task's bytecode, as the Triton body does."""
     p = task.params
-    y = reads[1].float() if len(reads) > 1 else None
-    writes[0].copy_(apply(p["fn"], reads[0].float(), y, p["scalar"], p["alpha"], p["swap"]))
+    regs: list[Any] = [None] * REGISTERS
+    for k in range(p["nops"]):
+        op, dst, a, b = (p[WORDS[4 * k + i]] for i in range(4))
+        if op == LOAD:
+            regs[dst] = reads[a].float()
+        elif op == CONST:
+            regs[dst] = torch.tensor(float(b), dtype=torch.float32)
+        elif CODES[op] in UNARY:
+            regs[dst] = UNARY[CODES[op]](regs[a])
+        else:
+            regs[dst] = BINARY[CODES[op]](regs[a], regs[b])
+    writes[0].copy_(regs[p["result"]].expand(writes[0].shape))
 
 
 @EWISE.flops
 def _ewise_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict):
     rows, cols = writes[0]
-    return float(rows * cols)
+    return float(rows * cols * max(1, int(params.get("nops", 1))))
 
 
 # -- megakernel tile body ------------------------------------------------------------------------
@@ -176,10 +360,15 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .abi import load_region, param_f32, param_i32
+    from .abi import load_region, param_i32
     from .tilewise import tile_ptrs
 
-    _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
+    _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
+    _LOAD, _CONST = tl.constexpr(LOAD), tl.constexpr(CONST)
+    # The sub-block each pass of the interpreter loop computes: REGISTERS tiles of it stay live
+    # (6 x 16 x 128 fp32 = 48 KiB over the program's threads: 24 registers each at 8 warps), well
+    # under what the GEMM body already needs, so the megakernel's register budget is unchanged.
+    _EW_M, _EW_N = tl.constexpr(16), tl.constexpr(128)
 
     @triton.jit
     def _tanh(x):
@@ -241,35 +430,81 @@ if HAVE_TRITON:
             y = tl.minimum(a, b)
         return y  # code 12: identity
 
+    @triton.jit
+    def _pick(i, v0, v1, v2, v3, v4, v5):
+        """Register ``i`` (a uniform branch: every thread reads the same index)."""
+        v = v0
+        if i == 1:
+            v = v1
+        elif i == 2:
+            v = v2
+        elif i == 3:
+            v = v3
+        elif i == 4:
+            v = v4
+        elif i == 5:
+            v = v5
+        return v
+
+    @triton.jit
+    def _put(i, y, v0, v1, v2, v3, v4, v5):
+        """The registers with register ``i`` set to ``y``."""
+        if i == 0:
+            v0 = y
+        elif i == 1:
+            v1 = y
+        elif i == 2:
+            v2 = y
+        elif i == 3:
+            v3 = y
+        elif i == 4:
+            v4 = y
+        elif i == 5:
+            v5 = y
+        return v0, v1, v2, v3, v4, v5
+
     @EWISE.triton
     @triton.jit
-    def ewise_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
-                   RB_M: tl.constexpr, RB_N: tl.constexpr):
-        """out = fn(x) or fn(x, y) over the task's row tile, in RB_M x RB_N blocks. ``y`` is the
-        second read (full, row or col form: tile_ptrs broadcasts it) or, with one read, the
-        scalar param; fp32 math, one cast on the store."""
+    def ewise_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """The task's chain over its row tile, in _EW_M x _EW_N blocks: per block, the bytecode
+        runs over fp32 register tiles (LOAD reads region ``read0 + a``, broadcasting a row or
+        column operand through tile_ptrs), and the result register is stored once, cast to DT."""
         r0 = tl.load(tp + _READ0)
-        nread = tl.load(tp + _NREAD)
         w0 = tl.load(tp + _WRITE0)
-        code = param_i32(params, tp, 0)
-        scalar = param_f32(params, tp, 1)
-        alpha = param_f32(params, tp, 2)
-        swap = param_i32(params, tp, 3)
+        nops = param_i32(params, tp, 0)
+        result = param_i32(params, tp, 1)
         _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
-        for i in range(0, xm1 - xm0, RB_M):
-            for j in range(0, xn1 - xn0, RB_N):
-                om = i + tl.arange(0, RB_M)
-                on = j + tl.arange(0, RB_N)
+        for i in range(0, xm1 - xm0, _EW_M):
+            for j in range(0, xn1 - xn0, _EW_N):
+                om = i + tl.arange(0, _EW_M)
+                on = j + tl.arange(0, _EW_N)
                 mask = (om < xm1 - xm0)[:, None] & (on < xn1 - xn0)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT),
-                            mask=mask).to(tl.float32)
-                if nread > 1:
-                    other = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + 1, om, on, DT),
-                                    mask=mask).to(tl.float32)
-                else:
-                    other = tl.zeros((RB_M, RB_N), dtype=tl.float32) + scalar
-                other = other * alpha
-                a = tl.where(swap != 0, other, x)
-                b = tl.where(swap != 0, x, other)
-                y = _ewise_math(code, x, a, b)
-                tl.store(tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), y.to(DT), mask=mask)
+                zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
+                v0 = zero
+                v1 = zero
+                v2 = zero
+                v3 = zero
+                v4 = zero
+                v5 = zero
+                for k in range(0, nops):
+                    op = param_i32(params, tp, 2 + 4 * k)
+                    dst = param_i32(params, tp, 3 + 4 * k)
+                    a = param_i32(params, tp, 4 + 4 * k)
+                    b = param_i32(params, tp, 5 + 4 * k)
+                    if op == _LOAD:
+                        y = tl.load(
+                            tile_ptrs(regions, bufaddr, bufcols, r0 + a, om, on, DT),
+                            mask=mask,
+                            other=0.0,
+                        ).to(tl.float32)
+                    elif op == _CONST:
+                        y = zero + b.to(tl.float32, bitcast=True)
+                    else:
+                        xa = _pick(a, v0, v1, v2, v3, v4, v5)
+                        xb = _pick(b, v0, v1, v2, v3, v4, v5)
+                        y = _ewise_math(op, xa, xa, xb)
+                    v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
+                out = _pick(result, v0, v1, v2, v3, v4, v5)
+                tl.store(
+                    tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), out.to(DT), mask=mask
+                )

@@ -11,11 +11,11 @@ from ..errors import UnsupportedOpError
 from ..layout import REPLICATE, flat_shape
 from .capture import CNode
 from .mapping import BINARY, UNARY, broadcast_form, handles, whole_rows
-from .opgraph import Value
+from .opgraph import OpGraph, OpNode, Value
 from .slicing import broadcast
 from .tracer import Tracer
 
-__all__: list[str] = []
+__all__ = ["fuse_pointwise"]
 
 
 # -- elementwise -------------------------------------------------------------------------------
@@ -176,3 +176,165 @@ def _reduce(tr: Tracer, n: CNode) -> Any:
 
 
 # user-registered ops and leaf modules (ExpertParallel) map in modules.py
+
+
+# -- fusion of pointwise chains ----------------------------------------------------------------
+class _Chain:
+    """An elementwise node as a chain: its inputs (Value, form) and steps over them."""
+
+    def __init__(self, node: OpNode) -> None:
+        from ..ops.elementwise import _chain_of, input_names
+
+        p = node.params
+        steps, forms = _chain_of(
+            p.get("fn", "add"),
+            p.get("other"),
+            p.get("scalar"),
+            float(p.get("alpha", 1.0)),
+            bool(p.get("swap", False)),
+            p.get("chain"),
+            p.get("operands"),
+        )
+        names = input_names(1 + len(forms))
+        self.node = node
+        self.inputs: list[tuple[Value, str]] = [
+            (node.inputs[n], f) for n, f in zip(names, ["full", *forms], strict=True)
+        ]
+        self.steps = steps
+        self.origins = [node.origin]
+
+    @property
+    def out(self) -> Value:
+        return self.node.outputs["out"]
+
+    def fits(self, other: _Chain) -> bool:
+        """Whether ``other`` (a producer) runs on this chain's tile grid."""
+        a, b = self.node.params, other.node.params
+        return (a["rows"], a["cols"], a.get("shape"), a.get("layout")) == (
+            b["rows"],
+            b["cols"],
+            b.get("shape"),
+            b.get("layout"),
+        )
+
+    def inline(self, slot: int, producer: _Chain) -> tuple[list, list]:
+        """(inputs, steps) of this chain with input ``slot`` computed by ``producer``'s steps."""
+        inputs: list[tuple[Value, str]] = []
+
+        def index(v: Value, form: str) -> int:
+            for k, (w, f) in enumerate(inputs):
+                if w is v and f == form:
+                    return k
+            inputs.append((v, form))
+            return len(inputs) - 1
+
+        # the first input stays a full operand: the producer's x when it replaces ours
+        order = [("p", k) for k in range(len(producer.inputs))] + [
+            ("c", k) for k in range(len(self.inputs)) if k != slot
+        ]
+        if slot != 0:
+            order = [o for o in order if o[0] == "c"] + [o for o in order if o[0] == "p"]
+        where = {}
+        for who, k in order:
+            v, f = (producer if who == "p" else self).inputs[k]
+            where[(who, k)] = index(v, f)
+        n, np_ = len(inputs), len(producer.steps)
+
+        def ref(who: str, r: int, nin: int) -> Any:
+            if r == -1:
+                return -1
+            if r < nin:
+                if who == "c" and r == slot:
+                    return ("s", np_ - 1)
+                return ("i", where[(who, r)])
+            return ("s", r - nin + (np_ if who == "c" else 0))
+
+        sym = [
+            [fn, ref("p", a, len(producer.inputs)), ref("p", b, len(producer.inputs)), s]
+            for fn, a, b, s in producer.steps
+        ]
+        sym += [
+            [fn, ref("c", a, len(self.inputs)), ref("c", b, len(self.inputs)), s]
+            for fn, a, b, s in self.steps
+        ]
+
+        def number(r: Any) -> int:
+            return r if r == -1 else (r[1] if r[0] == "i" else n + r[1])
+
+        return inputs, [[fn, number(a), number(b), s] for fn, a, b, s in sym]
+
+
+def fuse_pointwise(og: OpGraph) -> OpGraph:
+    """``og`` with chains of elementwise nodes fused into one elementwise node each.
+
+    A producer is inlined into its consumer when its output is read by that consumer alone
+    (once, as a full operand, not a program output), both run on the same tile grid (same
+    shape and layout), and the fused chain still fits the bytecode (MAX_OPS instructions,
+    REGISTERS live tiles: mgraph/ops/elementwise.py). ``silu(gate) * up`` becomes one node, one
+    ``ewise`` task per row tile. The returned OpGraph shares ``og``'s values; ``og`` is left as
+    traced (one node per ATen op)."""
+    from collections import Counter
+    from dataclasses import replace
+
+    from ..errors import OptionError
+    from ..ops.elementwise import compile_chain, input_names
+
+    reads: Counter[str] = Counter()
+    for node in og.nodes:
+        for v in node.inputs.values():
+            reads[v.root().name] += 1
+    for v in og.outputs:
+        reads[v.root().name] += 2  # an output is kept: never fused away
+    chains: dict[str, _Chain] = {}  # output value name -> the chain that computes it
+    nodes: list[OpNode] = []
+    for node in og.nodes:
+        if node.op != "elementwise":
+            nodes.append(node)
+            continue
+        chain = _Chain(node)
+        fused_any = True
+        while fused_any:
+            fused_any = False
+            for slot, (v, form) in enumerate(chain.inputs):
+                producer = chains.get(v.name)
+                if (
+                    producer is None
+                    or form != "full"
+                    or v.alias_of is not None
+                    or reads[v.name] != 1
+                    or v.shape != chain.out.shape
+                    or not chain.fits(producer)
+                ):
+                    continue
+                inputs, steps = chain.inline(slot, producer)
+                try:
+                    compile_chain(steps, len(inputs))
+                except OptionError:
+                    continue  # too long or too many live tiles: stays two nodes
+                chain.inputs, chain.steps = inputs, steps
+                chain.origins = producer.origins + chain.origins
+                nodes.remove(producer.node)
+                del chains[v.name]
+                fused_any = True
+                break
+        if len(chain.steps) > 1 or chain.node.params.get("chain") is not None:
+            p = {
+                k: v
+                for k, v in node.params.items()
+                if k not in ("fn", "other", "scalar", "alpha", "swap")
+            }
+            p["chain"] = chain.steps
+            p["operands"] = [f for _, f in chain.inputs[1:]]
+            names = input_names(len(chain.inputs))
+            chain.node = OpNode(
+                node.name,
+                node.op,
+                p,
+                {n: v for n, (v, _) in zip(names, chain.inputs, strict=True)},
+                node.outputs,
+                node.path,
+                "+".join(chain.origins),
+            )
+        nodes.append(chain.node)
+        chains[chain.out.name] = chain
+    return replace(og, nodes=nodes)
