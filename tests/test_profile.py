@@ -131,3 +131,36 @@ def test_rows_the_calibration_predicts_within_goal():
     assert len(held) == 5 + 15 + 5
     assert all(r["within_goal"] for r in held), [(r["op"], r["M"], r["impl"]) for r in held
                                                   if not r["within_goal"]]  # fmt: skip
+
+
+# -- the calibration's microbenchmark graphs (benchmarks/calibrate.py), on the CPU ---------------
+@pytest.mark.parametrize("kind", ["pull", "push", "gemm_peer", "gemm_local"])
+def test_calibration_graphs_compute_their_reference(kind):
+    """The graphs calibrate.py times on the GPU are right: the reference runtime's ``out`` on
+    each rank equals torch's on random inputs, and each rank's rows are where calibrate reads
+    them from."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import calibrate
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    if kind in ("pull", "push"):
+        graph = calibrate.nvlink_copies(2, pull=kind == "pull")
+        roles = {t.role for t in graph.tasks}
+        assert roles == {"nvlink"}
+        movers = {t.rank for t in graph.tasks if t.name.startswith("copy r0")}
+        assert movers == ({1} if kind == "pull" else {0})
+    else:
+        graph = calibrate.gemm_tiles(128, 512, 64, peer=kind == "gemm_peer")
+    gen = torch.Generator().manual_seed(3)
+    inputs = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16)
+              for n, s in graph.inputs.items()}  # fmt: skip
+    res = mg.run(graph, inputs, backend="reference")
+    want = calibrate.reference_out(graph, inputs)
+    got = res.outputs["out"].float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    for rank in range(2):
+        owner = calibrate.out_rows_owner(graph, rank)
+        assert owner == (rank if kind == "gemm_local" else 1 - rank)
