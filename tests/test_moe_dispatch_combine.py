@@ -96,6 +96,7 @@ def test_route_tile_packs_segments():
     send = torch.full((E * T_loc, H), float("nan"))
     meta = torch.full((E * T_loc, 3), float("nan"))
     counts = torch.full((E // E_loc, E_loc), float("nan"))
+    pick_rows, pick_weights = torch.full((2, T_loc, E), float("nan"))
     task = Task(
         0,
         "route",
@@ -104,9 +105,10 @@ def test_route_tile_packs_segments():
         "moe_route",
         [],
         [],
-        params={"top_k": k, "experts_per_rank": E_loc},
+        params={"top_k": k, "experts_per_rank": E_loc, "expert0": 0},
     )
-    kind_spec("moe_route").run_cpu(task, [x, logits], [send, meta, counts])
+    writes = [send, meta, counts, pick_rows, pick_weights]
+    kind_spec("moe_route").run_cpu(task, [x, logits], writes)
     weights, experts = torch.softmax(logits.topk(k).values, -1), logits.topk(k).indices
     seen = torch.zeros(T_loc, dtype=torch.long)
     for e in range(E):
@@ -119,6 +121,11 @@ def test_route_tile_packs_segments():
         for row in range(n):
             t = tokens[row]
             assert seg_meta[row, 1] == weights[t][experts[t] == e].item()
+            # the picks map: where token t's output from e lands in back, and its weight
+            assert pick_rows[t, e] == e * T_loc + row and pick_weights[t, e] == seg_meta[row, 1]
+        others = torch.ones(T_loc, dtype=torch.bool)
+        others[tokens] = False
+        assert (pick_rows[others, e] == -1).all() and (pick_weights[others, e] == 0).all()
         assert counts.view(-1)[e] == n
         # Capacity bounds the buffer, not the work: rows past the count are never written.
         assert seg[n:].isnan().all() and seg_meta[n:].isnan().all()
@@ -167,8 +174,9 @@ def test_traffic_rail_peers_and_nvlink_inside_nodes(topology):
             want = "rdma" if topo.node_of(s) != topo.node_of(d) and hop == s else "nvlink"
             assert back.role == want
     remote_pairs = sum(topo.node_of(s) != topo.node_of(d) for s in topo.ranks for d in topo.ranks)
-    # counts, rows and metadata out, expert outputs back; the proxy moves whole regions
-    assert len(rdma) == 4 * remote_pairs
+    # counts, then per group of experts (one expert each here) rows and metadata out and expert
+    # outputs back; the proxy moves whole regions
+    assert len(rdma) == (1 + 3 * E_loc) * remote_pairs
     st = g.stats()
     assert st.bytes_by_link["rdma"] == remote_pairs * (block * (2 * H * 4 + 3 * 4) + E_loc * 4)
     for name in ("relay", "relay_meta", "relay_ret", "relay_counts", "counts", "recv_counts"):
@@ -192,12 +200,15 @@ def test_cost_hints_use_expected_rows():
     combine = [t for t in g.tasks if t.kind == "moe_combine"]
     assert sum(t.flops for t in combine) == pytest.approx(2.0 * T * k * H)
     assert st_kinds(g) == {
-        ("compute", "moe_route"): W,
+        ("compute", "moe_route"): W * W * E_loc,  # per rank, one per group (of one expert)
         ("compute", "moe_expert"): len(experts),
         ("compute", "moe_combine"): W * 2,
-        # rows, metadata and return of the 24 same-node pairs and the 24 relayed ones
-        ("nvlink", "moe_move"): 3 * (24 + 24),
+        # rows, metadata and return of each group of the 24 same-node pairs and the 24 relayed
+        ("nvlink", "moe_move"): 3 * (24 + 24) * E_loc,
     }
+    g2 = build("2x4", T_loc=T_loc, E_loc=E_loc, top_k=k, H=H, F=F, expert_group=2)
+    assert st_kinds(g2)[("compute", "moe_route")] == W * W  # per rank, one per destination
+    assert st_kinds(g2)[("nvlink", "moe_move")] == 3 * (24 + 24)
 
 
 def st_kinds(g) -> dict:
@@ -226,6 +237,9 @@ def test_bf16():
         dict(T=32, E=8, top_k=-1),
         dict(T=64, E=8, top_k=2, expert_rows=12),  # T/W = 16 not a multiple of the tile
         dict(T=32, E=8, top_k=2, combine_cols=0),
+        dict(T=32, E=8, top_k=2, combine_rows=3),  # T/W = 8 not a multiple of the tile
+        dict(T=32, E=16, top_k=2, expert_group=3),  # E/W = 4 not a multiple of the group
+        dict(T=32, E=8, top_k=2, expert_group=0),
     ],
 )
 def test_bad_input(kw):

@@ -74,13 +74,13 @@ def test_empty_expert_tile_exits_at_once():
     H, F, rows = 4, 6, 8
     w = [torch.randn(H, F), torch.randn(H, F), torch.randn(F, H)]
     x, meta = torch.randn(rows, H), torch.zeros(rows, 3)
-    y = torch.full((rows, H), float("nan"))
+    y, hidden = torch.full((rows, H), float("nan")), torch.full((rows, F), float("nan"))
     task = Task(0, "e", 0, "compute", "moe_expert", [], [], params={"local_expert": 0, "row0": 8})
-    kind_spec("moe_expert").run_cpu(task, [x, meta, torch.tensor([[8.0]]), *w], [y])
-    assert y.isnan().all()  # the count (8) ends before this tile's first row: nothing written
+    kind_spec("moe_expert").run_cpu(task, [x, meta, torch.tensor([[8.0]]), *w], [y, hidden])
+    assert y.isnan().all() and hidden.isnan().all()  # the count (8) ends before this tile
     task.params["row0"] = 5
-    kind_spec("moe_expert").run_cpu(task, [x, meta, torch.tensor([[8.0]]), *w], [y])
-    assert not y[:3].isnan().any() and y[3:].isnan().all()
+    kind_spec("moe_expert").run_cpu(task, [x, meta, torch.tensor([[8.0]]), *w], [y, hidden])
+    assert not y[:3].isnan().any() and y[3:].isnan().all() and hidden[3:].isnan().all()
 
 
 def test_sim_costs_routed_bytes():
@@ -90,14 +90,14 @@ def test_sim_costs_routed_bytes():
     g, inputs = routed("random", "1x4", 8, 2)
     mem = execute_sequential(g, inputs)
     T_loc, E_loc, H, k, E = 16, 2, 16, 2, 8
-    block = E_loc * T_loc
+    block = E_loc * T_loc  # rows of a (source, destination) pair; a move carries one expert's
 
     def actual(t: Task) -> float:  # a fill read from the run's counts: the moved rows / capacity
         if t.kind != "moe_move":
             return 1.0
         c = t.reads[1]
         n = mem[c.buffer][c.row0 : c.row1, c.col0 : c.col1].sum().item()
-        return n / block
+        return n / (t.reads[0].row1 - t.reads[0].row0)
 
     hw = mg.H200
     by_fill = {
@@ -112,13 +112,14 @@ def test_sim_costs_routed_bytes():
         if not t.name.startswith("dispatch r") or t.kind != "moe_move":
             continue
         s, d = (int(p) for p in t.name.split()[1][1:].split("->r"))
+        group = int(t.name.split()[2][1:])  # expert_group=1: the group is one expert
         mine = experts[s * T_loc : (s + 1) * T_loc]
-        tokens = ((mine >= d * E_loc) & (mine < (d + 1) * E_loc)).sum().item()
-        # The count row it reads is local to the sender: no link bytes.
+        tokens = (mine == d * E_loc + group).sum().item()
+        # The count it reads is local to the sender: no link bytes.
         assert by_fill["actual"].remote[t.id] == tokens * H * item
         seen += tokens
-        assert by_fill["capacity"].remote[t.id] == block * H * item
-        assert by_fill["expected"].remote[t.id] == pytest.approx(block * H * item * k / E)
+        assert by_fill["capacity"].remote[t.id] == T_loc * H * item
+        assert by_fill["expected"].remote[t.id] == pytest.approx(T_loc * H * item * k / E)
     assert 0 < seen < 4 * 3 * block  # tokens did cross links, far fewer than capacity
 
 

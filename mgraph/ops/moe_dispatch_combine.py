@@ -5,25 +5,31 @@ rows); expert weights are sharded along E (rank r owns E_loc = E/W experts). ``o
 sharded like ``x``. Per token: weights, experts = softmax over its top_k logits; out = sum of
 weight * SwiGLU_expert(x).
 
-Lowering (a static graph; the CONTENTS of its buffers are data-dependent, see moe_tiles.py):
-1. route (compute, source s): top-k, then pack ``x`` rows into ``send[s]``, one segment of T_loc
-   rows per global expert (worst-case capacity: nothing is dropped), plus fp32 metadata rows and
-   ``counts[s]`` [W, E_loc], the filled rows of each segment (row d: destination d's experts).
-   Segments of destination d's experts are contiguous: one block per (s, d) pair.
-2. dispatch: d's row of the counts, then the block and its metadata, go to ``recv[d]`` (slot of
-   s). Inside a node: an NVLink ``moe_move`` that copies only the filled rows of each segment.
-   Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network joins), which
-   forwards over NVLink (a ``moe_move`` reading the count that landed at d), or lands directly
-   when that rail peer is d. The RDMA legs move whole blocks: the proxy encodes its WRITEs at
-   launch from static regions, so a count-sized WRITE needs the proxy to read the count.
+Lowering (a static graph; the CONTENTS of its buffers are data-dependent, see moe_tiles.py).
+Experts go in groups of ``expert_group`` consecutive experts of one rank: the unit of routing
+and of transfer, so work on a group starts as soon as that group's rows are there.
+1. route (compute, source s, one task per group): top-k, then pack ``x`` rows into ``send[s]``,
+   one segment of T_loc rows per global expert (worst-case capacity: nothing is dropped), plus
+   fp32 metadata rows, the group's entries of ``counts[s]`` [W, E_loc] (the filled rows of each
+   segment; row d: destination d's experts) and its columns of the picks map (``pick_rows`` /
+   ``pick_weights`` [T_loc, E]: where each token's outputs will land in ``back[s]``, and their
+   weights). Segments of destination d's experts are contiguous: one block per (s, d) pair.
+2. dispatch: d's row of the counts, then each group's rows and metadata, go to ``recv[d]`` (slot
+   of s). Inside a node: NVLink ``moe_move`` tasks that copy only the filled rows of each
+   segment. Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network
+   joins), which forwards over NVLink (a ``moe_move`` reading the count that landed at d), or
+   lands directly when that rail peer is d. The RDMA legs move whole group regions: the proxy
+   encodes its WRITEs at launch from static regions, so a count-sized WRITE needs the proxy to
+   read the count.
 3. experts (compute, d): one task per (source, local expert, row tile) computes the SwiGLU expert
-   on the tile's filled rows (its segment's count); a tile past the count returns at once. Tiles
-   of one source start as soon as that source's block arrived. Rows of d's own tokens never
-   leave d: their tiles read ``send[d]`` and write ``back[d]``.
-4. return: ``ret[d]`` slot of s goes back to ``back[s]`` by the reverse path (filled rows only on
-   NVLink legs, which read s's own counts).
-5. combine (compute, s, one task per column tile): out[token] += weight * y over the token's k
-   rows: the filled rows of s's segments (its counts) and s's own metadata.
+   on the tile's filled rows (its segment's count); a tile past the count exits at once. Tiles
+   start as soon as their group's rows arrived. The SwiGLU hidden goes to a scratch region of
+   ``hidden[d]``. Rows of d's own tokens never leave d: their tiles read ``send[d]`` and write
+   ``back[d]``.
+4. return: each group of ``ret[d]``'s slot of s goes back to ``back[s]`` by the reverse path
+   (filled rows only on NVLink legs, which read s's own counts).
+5. combine (compute, s, one task per token tile and column tile): out[token] = the sum of weight
+   * y over the token's k rows of ``back[s]``, found through the picks map.
 
 No host synchronisation: counts are data in the graph's buffers. Buffers stay capacity-sized
 (static regions); traffic follows the routing.
@@ -31,7 +37,8 @@ No host synchronisation: counts are data in the graph's buffers. Buffers stay ca
 Cost hints: an expert tile's flops use the EXPECTED routed rows (T_loc * top_k / E per source and
 expert, packed at the front of the segment as the route tile packs them), not its capacity. Tasks
 whose bytes follow the routing carry ``params["expected_fill"]``: the expected fraction of their
-region bytes that is really touched (top_k / E of a capacity block). It is an expectation for a
+region bytes that is really touched (top_k / E of a capacity block; a combine tile touches
+top_k rows per token of a ``back`` that holds E rows per token). It is an expectation for a
 uniform router, not a measurement: the simulator has no data (runtime/sim/model.py reads it).
 """
 
@@ -135,30 +142,43 @@ def _lower(
     F: int,
     expert_rows: int = 64,
     combine_cols: int = 256,
+    combine_rows: int = 64,
+    expert_group: int = 1,
 ) -> None:
-    for name, value in (("expert_rows", expert_rows), ("combine_cols", combine_cols)):
+    tiles = {"expert_rows": expert_rows, "combine_cols": combine_cols,
+             "combine_rows": combine_rows, "expert_group": expert_group}  # fmt: skip
+    for name, value in tiles.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ShapeError(f"{OP}: {name}={value!r} must be a positive int")
-    _Lowering(b, T, H, E, top_k, F, expert_rows, combine_cols).run()
+    _Lowering(b, T, H, E, top_k, F, tiles).run()
 
 
 class _Lowering:
     """The five stages of the module docstring, sharing the per-rank buffers."""
 
     def __init__(
-        self, b: GraphBuilder, T: int, H: int, E: int, top_k: int, F: int, rows: int, cols: int
+        self, b: GraphBuilder, T: int, H: int, E: int, top_k: int, F: int, tiles: dict[str, int]
     ) -> None:
         self.b, self.topo, self.world = b, b.topo, b.world
         self.H, self.E, self.F, self.top_k = H, E, F, top_k
         self.T_loc, self.E_loc = T // self.world, E // self.world
-        self.tile_rows = pick_tile(OP, "T/W", self.T_loc, rows)
-        self.tile_cols = pick_tile(OP, "H", H, cols)
+        self.tile_rows = pick_tile(OP, "T/W", self.T_loc, tiles["expert_rows"])
+        self.tile_cols = pick_tile(OP, "H", H, tiles["combine_cols"])
+        self.combine_rows = pick_tile(OP, "T/W", self.T_loc, tiles["combine_rows"])
+        self.group = tiles["expert_group"]
+        if self.E_loc % self.group:
+            raise ShapeError(
+                f"{OP}: expert_group={self.group} does not divide the experts per rank "
+                f"E/W={self.E_loc}",
+                hint="a group of experts belongs to one rank: pick a divisor of E/W",
+            )
+        self.groups = self.E_loc // self.group  # groups per rank
         self.block = self.E_loc * self.T_loc  # rows one (source, destination) pair exchanges
         self.fill = top_k / E  # expected filled rows / capacity rows of a segment
 
     def run(self) -> None:
         self.declare()
-        routes = [self.route(r) for r in self.topo.ranks]
+        routes = [self.route(r) for r in self.topo.ranks]  # [s][d * groups + g]
         arrivals = {
             (s, d): self.dispatch(s, d, routes[s])
             for s in self.topo.ranks
@@ -168,11 +188,12 @@ class _Lowering:
         finished: list[list[Task]] = [[] for _ in self.topo.ranks]  # writers of back[s]
         for d in self.topo.ranks:
             for s in self._sources(d):
-                ready = [routes[d]] if s == d else arrivals[(s, d)]
+                mine = routes[d][d * self.groups : (d + 1) * self.groups]
+                ready = [[t] for t in mine] if s == d else arrivals[(s, d)]
                 tiles = self.experts(d, s, ready)
-                finished[s] += tiles if s == d else [self.give_back(d, s, tiles)]
+                finished[s] += sum(tiles, []) if s == d else self.give_back(d, s, tiles)
         for s in self.topo.ranks:
-            self.combine(s, finished[s])
+            self.combine(s, finished[s] + routes[s])
 
     # -- buffers ------------------------------------------------------------------------------
     def declare(self) -> None:
@@ -212,6 +233,13 @@ class _Lowering:
         self.send, self.send_meta = data("send", W), meta("send_meta", W)
         self.counts = counts("counts", W)
         self.back = data("back", W)
+        # The picks map: per (token, global expert) its row in back (-1: not picked), its weight.
+        self.pick_rows, self.pick_weights = (
+            [b.buffer(name, r, T_loc, E, dtype="float32") for r in topo.ranks]
+            for name in ("pick_rows", "pick_weights")
+        )
+        # The SwiGLU hidden of every expert tile (scratch): the slot of the tile's source.
+        self.hidden = [b.buffer("hidden", r, W * self.block, F) for r in topo.ranks]
         # recv/ret: one slot per OTHER rank (own tokens stay in send/back).
         if W > 1:
             self.recv, self.recv_meta = data("recv", W - 1), meta("recv_meta", W - 1)
@@ -243,12 +271,14 @@ class _Lowering:
         buf = self.b.buffers[region.buffer]
         return (region.row1 - region.row0) * (region.col1 - region.col0) * ITEMSIZE[buf.dtype]
 
-    def _expected_fill(self, whole: list[Region], routed: list[Region]) -> float:
+    def _expected_fill(
+        self, whole: list[Region], routed: list[Region], fill: float | None = None
+    ) -> float:
         """Expected touched fraction of a task's bytes: ``whole`` regions are touched entirely,
-        ``routed`` ones (capacity-sized) by ``self.fill``."""
+        ``routed`` ones (capacity-sized) by ``fill`` (default ``self.fill``)."""
         fixed = sum(self._nbytes(r) for r in whole)
         varying = sum(self._nbytes(r) for r in routed)
-        return (fixed + varying * self.fill) / (fixed + varying)
+        return (fixed + varying * (self.fill if fill is None else fill)) / (fixed + varying)
 
     def _sources(self, d: int) -> list[int]:
         """Sources in expected arrival order: own rows, then node peers, then remote ranks."""
@@ -257,55 +287,82 @@ class _Lowering:
         return [d, *peers, *(s for s in topo.ranks if topo.node_of(s) != node)]
 
     # -- stages -------------------------------------------------------------------------------
-    def route(self, s: int) -> Task:
+    def _group_rows(self, slot: int, g: int) -> tuple[int, int]:
+        """Rows of group ``g`` (of the slot's rank) inside ``slot``."""
+        r0 = slot * self.block + g * self.group * self.T_loc
+        return (r0, r0 + self.group * self.T_loc)
+
+    def _group_cols(self, g: int) -> tuple[int, int]:
+        """Columns of group ``g`` in a row of counts (E_loc entries)."""
+        return (g * self.group, (g + 1) * self.group)
+
+    def route(self, s: int) -> list[Task]:
+        """One route task per group of experts, all ranks' groups: index ``d * groups + g``."""
         reads = [self.x[s].region(), self.logits[s].region()]
-        packed = [self.send[s].region(), self.send_meta[s].region()]
-        counts = self.counts[s].region()
-        return self.b.task(
-            s,
-            Role.COMPUTE,
-            ROUTE,
-            reads,
-            [*packed, counts],
-            name=f"route r{s}",
-            params={
-                "top_k": self.top_k,
-                "experts_per_rank": self.E_loc,
-                "expected_fill": self._expected_fill([*reads, counts], packed),
-            },
-        )
+        tasks = []
+        for d in self.topo.ranks:
+            for g in range(self.groups):
+                rows, cols = self._group_rows(d, g), self._group_cols(g)
+                expert0 = d * self.E_loc + g * self.group
+                picks = (expert0, expert0 + self.group)
+                packed = [self.send[s].region(rows), self.send_meta[s].region(rows)]
+                whole = [
+                    self.counts[s].region((d, d + 1), cols=cols),
+                    self.pick_rows[s].region(cols=picks),
+                    self.pick_weights[s].region(cols=picks),
+                ]
+                task = self.b.task(
+                    s,
+                    Role.COMPUTE,
+                    ROUTE,
+                    reads,
+                    [*packed, *whole],
+                    name=f"route r{s} e{picks[0]}:{picks[1]}",
+                    params={
+                        "top_k": self.top_k,
+                        "experts_per_rank": self.E_loc,
+                        "expert0": expert0,
+                        "expected_fill": self._expected_fill([*reads, *whole], packed),
+                    },
+                )
+                tasks.append(task)
+        return tasks
 
-    def dispatch(self, s: int, d: int, route: Task) -> list[Task]:
-        """The tasks after which d's block from s (counts, rows, metadata) is in recv[d]."""
-        src_rows, dst_rows = self._slot_rows(d), self._peer_slot(d, s)
-        at_src = self.counts[s].region((d, d + 1))
-        at_dst = self.recv_counts[d].region((self._peer_index(d, s), self._peer_index(d, s) + 1))
+    def dispatch(self, s: int, d: int, routes: list[Task]) -> list[list[Task]]:
+        """Per group of d's experts, the tasks after which that group's rows from s (counts,
+        rows, metadata) are in recv[d]."""
+        i = self._peer_index(d, s)
+        mine = routes[d * self.groups : (d + 1) * self.groups]
         count = self.move(
-            at_src, at_dst, self.relay_counts, [route], f"dispatch-counts r{s}->r{d}", unit=1
+            self.counts[s].region((d, d + 1)),
+            self.recv_counts[d].region((i, i + 1)),
+            self.relay_counts,
+            mine,
+            f"dispatch-counts r{s}->r{d}",
+            unit=1,
         )
-        counts = (at_src, at_dst, [count])
-        return [
-            count,
-            self.move(
-                self.send[s].region(src_rows),
-                self.recv[d].region(dst_rows),
-                self.relay,
-                [route],
-                f"dispatch r{s}->r{d}",
-                counts=counts,
-            ),
-            self.move(
-                self.send_meta[s].region(src_rows),
-                self.recv_meta[d].region(dst_rows),
-                self.relay_meta,
-                [route],
-                f"dispatch-meta r{s}->r{d}",
-                counts=counts,
-            ),
-        ]
+        arrived = []
+        for g in range(self.groups):
+            cols = self._group_cols(g)
+            counts = (
+                self.counts[s].region((d, d + 1), cols=cols),
+                self.recv_counts[d].region((i, i + 1), cols=cols),
+                [count],
+            )
+            src, dst = self._group_rows(d, g), self._group_rows(i, g)
+            offset = g * self.group * self.T_loc
+            tag = f"r{s}->r{d} g{g}"
+            rows = self.move(self.send[s].region(src), self.recv[d].region(dst), self.relay,
+                             [mine[g]], f"dispatch {tag}", counts=counts, offset=offset)  # fmt: skip
+            meta = self.move(self.send_meta[s].region(src), self.recv_meta[d].region(dst),
+                             self.relay_meta, [mine[g]], f"dispatch-meta {tag}", counts=counts,
+                             offset=offset)  # fmt: skip
+            arrived.append([count, rows, meta])
+        return arrived
 
-    def experts(self, d: int, s: int, ready: list[Task]) -> list[Task]:
-        """Expert tiles on d for the rows s sent; they write back[d] (own) or ret[d]."""
+    def experts(self, d: int, s: int, ready: list[list[Task]]) -> list[list[Task]]:
+        """Expert tiles on d for the rows s sent, per group (each after ``ready[group]``); they
+        write back[d] (own) or ret[d]."""
         T_loc, H, F = self.T_loc, self.H, self.F
         if s == d:
             rows, meta, out, base = self.send[d], self.send_meta[d], self.back[d], d * self.block
@@ -315,9 +372,11 @@ class _Lowering:
             base = self._peer_slot(d, s)[0]
             counts, slot = self.recv_counts[d], self._peer_index(d, s)
         expected = T_loc * self.top_k / self.E  # per (source, expert); <= T_loc as top_k <= E
-        waits = self.b.after(d, ready)
-        tiles = []
+        by_group: list[list[Task]] = []
         for j in range(self.E_loc):
+            if j % self.group == 0:
+                waits = self.b.after(d, ready[j // self.group])
+                by_group.append([])
             weights = [
                 self.w_gate[d].region((j * H, (j + 1) * H)),
                 self.w_up[d].region((j * H, (j + 1) * H)),
@@ -328,61 +387,72 @@ class _Lowering:
                 # The route tile packs routed rows at the front of a segment.
                 rows_expected = min(max(expected - r0, 0.0), float(r1 - r0))
                 span = (base + j * T_loc + r0, base + j * T_loc + r1)
-                tiles.append(
+                scratch = s * self.block + j * T_loc
+                by_group[-1].append(
                     self.b.task(
                         d,
                         Role.COMPUTE,
                         EXPERT,
                         [rows.region(span), meta.region(span), count, *weights],
-                        [out.region(span)],
+                        [out.region(span), self.hidden[d].region((scratch + r0, scratch + r1))],
                         waits=waits,
                         name=f"expert r{d} e{d * self.E_loc + j} from r{s} [{r0}:{r1}]",
                         params={"local_expert": j, "row0": r0, "expected_rows": rows_expected},
                         flops=expert_flops(rows_expected, H, F),
                     )
                 )
-        return tiles
+        return by_group
 
-    def give_back(self, d: int, s: int, tiles: list[Task]) -> Task:
-        """The expert outputs d computed for s, back into s's ``back`` buffer."""
+    def give_back(self, d: int, s: int, tiles: list[list[Task]]) -> list[Task]:
+        """The expert outputs d computed for s, back into s's ``back`` buffer, per group."""
         i = self._peer_index(d, s)
-        # The counts are at both ends already: d received them, s wrote them.
-        counts = (self.recv_counts[d].region((i, i + 1)), self.counts[s].region((d, d + 1)), [])
-        return self.move(
-            self.ret[d].region(self._peer_slot(d, s)),
-            self.back[s].region(self._slot_rows(d)),
-            self.relay_ret,
-            tiles,
-            f"return r{d}->r{s}",
-            counts=counts,
-        )
+        moves = []
+        for g in range(self.groups):
+            cols = self._group_cols(g)
+            # The counts are at both ends already: d received them, s wrote them.
+            counts = (
+                self.recv_counts[d].region((i, i + 1), cols=cols),
+                self.counts[s].region((d, d + 1), cols=cols),
+                [],
+            )
+            src, dst = self._group_rows(i, g), self._group_rows(d, g)
+            moves.append(self.move(self.ret[d].region(src), self.back[s].region(dst),
+                                   self.relay_ret, tiles[g], f"return r{d}->r{s} g{g}",
+                                   counts=counts, offset=g * self.group * self.T_loc))  # fmt: skip
+        return moves
 
     def combine(self, s: int, finished: list[Task]) -> None:
         waits = self.b.after(s, finished)
-        expected = self.T_loc * self.top_k  # routed rows of s's tokens, wherever they are
-        for c0, c1 in split(self.H, self.tile_cols):
-            routed = [self.back[s].region(cols=(c0, c1)), self.send_meta[s].region()]
-            whole = [self.counts[s].region(), self.out[s].region(cols=(c0, c1))]
-            self.b.task(
-                s,
-                Role.COMPUTE,
-                COMBINE,
-                [*routed, whole[0]],
-                [whole[1]],
-                waits=waits,
-                name=f"combine r{s} [:,{c0}:{c1}]",
-                params={
-                    "expected_rows": expected,
-                    "expected_fill": self._expected_fill(whole, routed),
-                },
-                flops=combine_flops(expected, c1 - c0),
-            )
+        k = self.top_k
+        for t0, t1 in split(self.T_loc, self.combine_rows):
+            # back holds E rows per token; a token tile touches k of them per token
+            fill = k * (t1 - t0) / (self.E * self.T_loc)
+            for c0, c1 in split(self.H, self.tile_cols):
+                routed = [self.back[s].region(cols=(c0, c1))]
+                picks = [self.pick_rows[s].region((t0, t1)), self.pick_weights[s].region((t0, t1))]
+                out = self.out[s].region((t0, t1), cols=(c0, c1))
+                self.b.task(
+                    s,
+                    Role.COMPUTE,
+                    COMBINE,
+                    [*routed, *picks],
+                    [out],
+                    waits=waits,
+                    name=f"combine r{s} [{t0}:{t1},{c0}:{c1}]",
+                    params={
+                        "top_k": k,
+                        "expected_rows": k * (t1 - t0),
+                        "expected_fill": self._expected_fill([*picks, out], routed, fill),
+                    },
+                    flops=combine_flops(k * (t1 - t0), c1 - c0),
+                )
 
     def move(self, src: Region, dst: Region, relay: list[Buffer] | None, ready: list[Task],
-             name: str, *, unit: int | None = None,
+             name: str, *, unit: int | None = None, offset: int = 0,
              counts: tuple[Region, Region, list[Task]] | None = None) -> Task:  # fmt: skip
-        """moe_transport.move with this layout's slots (``unit`` rows, default a block) and,
-        given ``counts`` (at the source, at the destination, tasks landing the latter), NVLink
-        legs that move only the filled rows of each segment."""
+        """moe_transport.move with this layout's slots (``unit`` rows, default a block; ``src``
+        starts ``offset`` rows into its slot) and, given ``counts`` (at the source, at the
+        destination, tasks landing the latter), NVLink legs that move only the filled rows of
+        each segment."""
         counted = None if counts is None else Counted(*counts, self.T_loc, self.fill)
-        return move(self.b, src, dst, relay, ready, name, unit or self.block, counted)
+        return move(self.b, src, dst, relay, ready, name, unit or self.block, counted, offset)

@@ -1,22 +1,38 @@
-"""Tile bodies of the MoE kinds: moe_route, moe_move, moe_expert, moe_combine (CPU bodies, flops).
+"""Tile bodies of the MoE kinds: moe_route, moe_move, moe_expert, moe_combine (CPU and Triton).
 
-The graph is static but what flows through it is data-dependent: the route tile decides at run
-time which rows of a send slot are filled, and writes that decision as counts and fp32
-metadata rows, which travel with the data. Every later tile reads them instead of assuming a
-routing, so the same graph is exact for any router output.
+The graph is static but what flows through it is data-dependent: route tiles decide at run time
+which rows of a send slot are filled, and write that decision as counts, fp32 metadata rows and
+a picks map, which travel with the data or stay home. Every later tile reads them instead of
+assuming a routing, so the same graph is exact for any router output.
 
 Send-slot layout (one per source rank): segment ``e`` (global expert) holds rows
 ``[e * T_loc, (e + 1) * T_loc)``; the tokens routed to ``e`` fill its first rows in ascending
 token order. A token picks an expert at most once, so ``T_loc`` rows per segment is the worst
 case: no token is ever dropped. Metadata columns (``META_COLS``): token index (local to the
-source rank), routing weight, local expert index.
+source rank), routing weight, local expert index. ``back`` (the expert outputs, home again) has
+the send layout.
 
-Counts travel as data: the route tile also writes ``counts [W, E_loc]`` (fp32, exact below
+A route tile covers a group of consecutive experts (``expert0`` and the width of its counts
+region): it ranks every token's logits, then packs the tokens of its own experts. Tiles of
+different groups write disjoint rows and columns, so they run in parallel. Besides the send rows
+it writes the picks map (``pick_rows`` / ``pick_weights`` [T_loc, E], fp32): for token t and
+expert e, the row of ``back`` that will hold e's output for t (-1: not picked) and its weight
+(0). Combine reads it to gather each token's k rows: no scatter, no atomics.
+
+Counts travel as data: the route tiles also write ``counts [W, E_loc]`` (fp32, exact below
 2**24), the filled rows of each segment, and every later tile reads them. Capacity bounds the
 buffers, not the traffic: ``moe_move`` copies only the filled rows of each segment, an expert
-tile computes only its filled rows (a tile past its segment's count returns at once), combine
-reads only filled rows. Rows past a count are never written nor read (they hold whatever the
+tile computes only its filled rows (a tile past its segment's count exits at once), combine
+reads only picked rows. Rows past a count are never written nor read (they hold whatever the
 buffer held: stale or poison).
+
+Ranking: a token's top_k experts are its top_k logits in the order (value descending, expert
+index ascending), so ties go to the lower index on both backends; the CPU bodies take torch's
+``topk`` (``route_topk``), which may break exact ties otherwise (random logits have none).
+
+The expert tile stores the SwiGLU hidden ``silu(x @ w_gate) * (x @ w_up)`` in the graph's dtype
+(a scratch region of its own), then multiplies it by ``w_down``, as a bf16 grouped GEMM does;
+the CPU body rounds it the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ import torch.nn.functional as F
 from ..errors import GraphError
 from ..graph import Task
 from ..kinds import Role, TaskKind, define_kind, kind_spec
+from .abi import F_READ0, F_WRITE0, HAVE_TRITON
 
 __all__ = [
     "META_COLS",
@@ -46,6 +63,11 @@ MOE_MOVE = "moe_move"
 ROUTE = kind_spec(TaskKind.MOE_ROUTE)
 EXPERT = kind_spec(TaskKind.MOE_EXPERT)
 COMBINE = kind_spec(TaskKind.MOE_COMBINE)
+# The builtin kinds are defined in mgraph/kinds.py without params; the params a Triton body
+# reads are declared beside it (the encoder packs them in this order).
+ROUTE.params = ("top_k", "experts_per_rank", "expert0")
+EXPERT.params = ("local_expert", "row0")
+COMBINE.params = ("top_k",)
 # A transfer whose size is data: the COPY kind moves whole regions, and the builtin kinds are not
 # ours to change, so the data-dependent copy is a kind of its own. RDMA is not among its roles:
 # the proxy encodes its WRITEs at launch from the static regions (runtime/network.py).
@@ -53,7 +75,8 @@ MOVE = define_kind(
     MOE_MOVE,
     [Role.NVLINK],
     "copy the first counts[j] rows of each segment j (segment_rows rows) of reads[0] to writes[0]",
-    params=("segment_rows",),
+    # float32: 1 when the moved buffer holds float32 (the metadata), 0 for the graph's dtype
+    params=("segment_rows", "float32"),
 )
 
 
@@ -97,37 +120,42 @@ def combine_flops(rows: float, cols: int) -> float:
     return 2.0 * rows * cols
 
 
-# -- moe_route: reads [x (T_loc, H), logits (T_loc, E)], writes [send, meta, counts (W, E_loc)] --
+# -- moe_route: reads [x (T_loc, H), logits (T_loc, E)], writes [send (G*T_loc, H), meta, counts
+# (1, G), pick_rows (T_loc, G), pick_weights (T_loc, G)] for the group of G experts at expert0 --
 @ROUTE.cpu
 def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     x, logits = reads
-    send, meta, counts = writes
-    tokens, experts_total = logits.shape
-    per_rank = task.params["experts_per_rank"]
+    send, meta, counts, pick_rows, pick_weights = writes
+    tokens = logits.shape[0]
+    per_rank, first = task.params["experts_per_rank"], task.params["expert0"]
     weights, experts = route_topk(logits, task.params["top_k"])
-    flat = counts.view(-1)  # [W, E_loc] row-major: global expert e is flat[e]
+    flat = counts.view(-1)
     flat.zero_()
-    for e in range(experts_total):
-        # nonzero() lists tokens in ascending order. Nothing downstream depends on the order
-        # (the metadata names each row's token), but it keeps runs reproducible row for row.
+    pick_rows.fill_(-1.0)
+    pick_weights.zero_()
+    for j in range(flat.numel()):
+        e = first + j
+        # nonzero() lists tokens in ascending order, as the Triton body packs them.
         token, slot = (experts == e).nonzero(as_tuple=True)
         n = token.numel()
         if n == 0:
             continue
         assert n <= tokens, (task.name, e, n)  # top-k picks distinct experts
-        flat[e] = n
-        rows = slice(e * tokens, e * tokens + n)
+        flat[j] = n
+        rows = slice(j * tokens, j * tokens + n)
         send[rows] = x[token].to(send.dtype)
         meta[rows, 0] = token.to(meta.dtype)
         meta[rows, 1] = weights[token, slot].to(meta.dtype)
         meta[rows, 2] = float(e % per_rank)
+        pick_rows[token, j] = (e * tokens + torch.arange(n)).to(pick_rows.dtype)
+        pick_weights[token, j] = weights[token, slot].to(pick_weights.dtype)
 
 
 @ROUTE.flops
 def _route_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict):
     tokens, experts = reads[1]
-    # A scan of the logits for the top-k, then a k-wide softmax per token.
-    return float(tokens * experts + 4 * tokens * params.get("top_k", 1))
+    # top_k scans of the logits, then a k-wide softmax per token.
+    return float(tokens * experts * params.get("top_k", 1) + 4 * tokens * params.get("top_k", 1))
 
 
 # -- moe_move: reads [src (S*seg, cols), counts (1, S)], writes [dst (S*seg, cols)] ---------------
@@ -135,10 +163,8 @@ def _route_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, i
 def _move_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     src, counts = reads
     (dst,) = writes
-    seg = task.params["segment_rows"]
-    for j, n in enumerate(counts.reshape(-1).long().tolist()):
-        if n:  # an empty segment moves nothing
-            dst[j * seg : j * seg + n] = src[j * seg : j * seg + n]
+    rows = filled_rows(counts, task.params["segment_rows"])  # an empty segment moves nothing
+    dst[rows] = src[rows]
 
 
 @MOVE.flops
@@ -146,17 +172,20 @@ def _move_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, in
     return 0.0
 
 
-# -- moe_expert: reads [rows (n, H), meta (n, 3), count (1, 1), w_gate, w_up, w_down] -------------
+# -- moe_expert: reads [rows (n, H), meta (n, 3), count (1, 1), w_gate, w_up, w_down], writes
+# [y (n, H), hidden (n, F): the SwiGLU hidden in the graph's dtype, scratch] ---------------------
 @EXPERT.cpu
 def _expert_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     rows, meta, count, w_gate, w_up, w_down = reads
-    (y,) = writes
+    y, hidden = writes
     # The tile covers rows [row0, row0 + len) of its segment; the count says how many are filled.
     n = min(max(int(count.item()) - task.params["row0"], 0), rows.shape[0])
     if n == 0:
         return  # an empty tile exits at once; its output rows are never moved nor read
     assert bool((meta[:n, 2] == task.params["local_expert"]).all()), task.name
-    y[:n] = swiglu(rows[:n], w_gate, w_up, w_down).to(y.dtype)
+    x = rows[:n].float()
+    hidden[:n] = (F.silu(x @ w_gate.float()) * (x @ w_up.float())).to(hidden.dtype)
+    y[:n] = (hidden[:n].float() @ w_down.float()).to(y.dtype)
 
 
 @EXPERT.flops
@@ -168,16 +197,18 @@ def _expert_flops(
     return expert_flops(params.get("expected_rows", capacity), hidden, ffn)
 
 
-# -- moe_combine: reads [back (E*T_loc, cols), meta (E*T_loc, 3), counts (W, E_loc)], writes out --
+# -- moe_combine: reads [back (E*T_loc, cols), pick_rows (n, E), pick_weights (n, E)], writes
+# out (n, cols): out[t] = sum over t's picked experts, ascending, of weight * back[row] ---------
 @COMBINE.cpu
 def _combine_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
-    back, meta, counts = reads
+    back, pick_rows, pick_weights = reads
     (out,) = writes
-    valid = filled_rows(counts, out.shape[0])  # segments of T_loc rows, one per global expert
-    token = meta[valid, 0].long()
-    weight = meta[valid, 1].float()
     acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    acc.index_add_(0, token, back[valid].float() * weight[:, None])
+    for e in range(pick_rows.shape[1]):  # the Triton body's order of the fp32 sum
+        token = (pick_rows[:, e] >= 0).nonzero().flatten()
+        if token.numel():
+            row = pick_rows[token, e].long()
+            acc[token] += pick_weights[token, e, None].float() * back[row].float()
     out.copy_(acc)
 
 
@@ -187,3 +218,294 @@ def _combine_flops(
 ):
     capacity, cols = reads[0]
     return combine_flops(params.get("expected_rows", capacity), cols)
+
+
+# -- megakernel tile bodies ----------------------------------------------------------------------
+# Every body addresses the data regions (x, logits, send/recv rows, weights, hidden, outputs) in
+# the graph's dtype DT and the routing regions (meta, counts, picks) as float32, whatever DT is:
+# the lowering declares those float32. Loads and stores are masked pointer accesses: a routed
+# tile has data-dependent rows, and the edges of any block are masked, so no dim needs to be a
+# multiple of a block. Each body picks its own block sizes (module constants).
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .abi import buffer_base, load_region, param_i32
+
+    _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
+    _F32 = tl.constexpr(tl.float32)
+    _BIG = tl.constexpr(2**30)  # past any expert index
+    _TB, _EB, _HB = tl.constexpr(32), tl.constexpr(128), tl.constexpr(256)  # route: tokens,
+    # experts per scan step, columns per row copy
+    _EM, _EK, _EF, _EN = tl.constexpr(64), tl.constexpr(64), tl.constexpr(64), tl.constexpr(128)
+    # expert: rows, K step, hidden columns per gate/up block, output columns per down block
+    _CT, _CN = tl.constexpr(32), tl.constexpr(128)  # combine: tokens, columns
+
+    @triton.jit
+    def _corner(regions, bufaddr, bufcols, index, DTYPE: tl.constexpr):
+        """(typed pointer to region ``index``'s first element, row stride, rows, cols)."""
+        s, r0, r1, c0, c1 = load_region(regions, index)
+        cols = tl.load(bufcols + s).to(tl.int64)
+        return buffer_base(bufaddr, s, DTYPE) + r0.to(tl.int64) * cols + c0, cols, r1 - r0, c1 - c0
+
+    @triton.jit
+    def _dot(a, b, acc, GPU: tl.constexpr):
+        """acc + a @ b (fp32 accumulate). Triton's interpreter computes a bf16 dot on the raw
+        bits, so there the operands go up to fp32 first (exact: fp32 holds every bf16)."""
+        if GPU:
+            return tl.dot(a, b, acc)
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+
+    @ROUTE.triton
+    @triton.jit
+    def route_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """Per block of tokens: top_k passes over the logits find each token's k-th pick (value,
+        index) and the softmax denominator over its k picks; then, per expert of the group, a
+        token is picked when its logit ranks at or above that threshold, its row in the segment
+        is the running count plus its exclusive prefix among the block's picked tokens."""
+        r0 = tl.load(tp + _READ0)
+        w0 = tl.load(tp + _WRITE0)
+        top_k = param_i32(params, tp, 0)
+        per_rank = param_i32(params, tp, 1)
+        first = param_i32(params, tp, 2)
+        xp, x_stride, T, H = _corner(regions, bufaddr, bufcols, r0, DT)
+        lp, l_stride, _nl, E = _corner(regions, bufaddr, bufcols, r0 + 1, DT)
+        sp, s_stride, _ns, _hs = _corner(regions, bufaddr, bufcols, w0, DT)
+        mp, m_stride, _nm, _cm = _corner(regions, bufaddr, bufcols, w0 + 1, _F32)
+        cp, _c_stride, _nc, G = _corner(regions, bufaddr, bufcols, w0 + 2, _F32)
+        rp, r_stride, _nr, _gr = _corner(regions, bufaddr, bufcols, w0 + 3, _F32)
+        wp, w_stride, _nw, _gw = _corner(regions, bufaddr, bufcols, w0 + 4, _F32)
+        for j in range(G):
+            tl.store(cp + j, 0.0)  # the running counts of the group's segments
+        tl.debug_barrier()
+        for t0 in range(0, T, _TB):
+            ot = t0 + tl.arange(0, _TB)
+            tok = ot < T
+            ot64 = ot.to(tl.int64)
+            pv = tl.full((_TB,), float("inf"), tl.float32)  # the previous pick: value, index
+            pi = tl.full((_TB,), -1, tl.int32)
+            top = tl.zeros((_TB,), dtype=tl.float32)
+            z = tl.zeros((_TB,), dtype=tl.float32)
+            for p in range(top_k):
+                bv = tl.full((_TB,), float("-inf"), tl.float32)
+                bi = tl.full((_TB,), _BIG, tl.int32)
+                for c0 in range(0, E, _EB):
+                    oe = c0 + tl.arange(0, _EB)
+                    ok = tok[:, None] & (oe < E)[None, :]
+                    lg = tl.load(
+                        lp + ot64[:, None] * l_stride + oe[None, :], mask=ok, other=float("-inf")
+                    ).to(tl.float32)
+                    below = (lg < pv[:, None]) | ((lg == pv[:, None]) & (oe[None, :] > pi[:, None]))
+                    cand = ok & below
+                    lv = tl.where(cand, lg, float("-inf"))
+                    cv = tl.max(lv, 1)
+                    ci = tl.min(tl.where(cand & (lv == cv[:, None]), oe[None, :], _BIG), 1)
+                    take = (cv > bv) | ((cv == bv) & (ci < bi))
+                    bv = tl.where(take, cv, bv)
+                    bi = tl.where(take, ci, bi)
+                # the largest logit: the softmax's shift (0 past the last token: no inf - inf)
+                top = tl.where(p == 0, tl.where(tok, bv, 0.0), top)
+                z += tl.exp(bv - top)
+                pv = bv
+                pi = bi
+            for j in range(G):
+                e = first + j
+                le = tl.load(lp + ot64 * l_stride + e, mask=tok, other=float("-inf")).to(tl.float32)
+                picked = tok & ((le > pv) | ((le == pv) & (e <= pi)))
+                hit = picked.to(tl.int32)
+                n = tl.load(cp + j).to(tl.int32)
+                pos = n + tl.cumsum(hit, 0) - hit
+                weight = tl.exp(le - top) / tl.where(tok, z, 1.0)
+                row = (j * T + pos).to(tl.int64)  # in the group's rows of the send slot
+                tl.store(mp + row * m_stride, ot.to(tl.float32), mask=picked)
+                tl.store(mp + row * m_stride + 1, weight, mask=picked)
+                tl.store(mp + row * m_stride + 2, (e % per_rank).to(tl.float32), mask=picked)
+                back_row = tl.where(picked, (e * T + pos).to(tl.float32), -1.0)
+                tl.store(rp + ot64 * r_stride + j, back_row, mask=tok)
+                tl.store(wp + ot64 * w_stride + j, tl.where(picked, weight, 0.0), mask=tok)
+                filled = tl.sum(hit, 0)
+                if filled > 0:
+                    for h0 in range(0, H, _HB):
+                        oh = h0 + tl.arange(0, _HB)
+                        both = picked[:, None] & (oh < H)[None, :]
+                        xv = tl.load(xp + ot64[:, None] * x_stride + oh[None, :], mask=both)
+                        tl.store(sp + row[:, None] * s_stride + oh[None, :], xv, mask=both)
+                tl.debug_barrier()  # every thread has read the count before it changes
+                tl.store(cp + j, (n + filled).to(tl.float32))
+                tl.debug_barrier()
+
+    @triton.jit
+    def _move_rows(
+        tp,
+        params,
+        regions,
+        bufaddr,
+        bufcols,
+        DTYPE: tl.constexpr,
+        RB_M: tl.constexpr,
+        RB_N: tl.constexpr,
+    ):
+        r0 = tl.load(tp + _READ0)
+        seg = param_i32(params, tp, 0)
+        sp, s_stride, _ns, C = _corner(regions, bufaddr, bufcols, r0, DTYPE)
+        cp, _c_stride, _nc, S = _corner(regions, bufaddr, bufcols, r0 + 1, _F32)
+        dp, d_stride, _nd, _cd = _corner(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DTYPE)
+        for j in range(S):
+            n = tl.load(cp + j).to(tl.int32)
+            for i0 in range(0, n, RB_M):
+                oi = i0 + tl.arange(0, RB_M)
+                om = (j * seg + oi).to(tl.int64)
+                for c0 in range(0, C, RB_N):
+                    oc = c0 + tl.arange(0, RB_N)
+                    mask = (oi < n)[:, None] & (oc < C)[None, :]
+                    v = tl.load(sp + om[:, None] * s_stride + oc[None, :], mask=mask)
+                    tl.store(dp + om[:, None] * d_stride + oc[None, :], v, mask=mask)
+
+    @MOVE.triton
+    @triton.jit
+    def move_tile(
+        tp,
+        params,
+        regions,
+        bufaddr,
+        bufcols,
+        DT: tl.constexpr,
+        RB_M: tl.constexpr,
+        RB_N: tl.constexpr,
+    ):
+        """The filled rows of each segment (its count, read from the counts region) to the
+        destination, usually a peer's buffer: an empty segment moves nothing."""
+        if param_i32(params, tp, 1) != 0:
+            _move_rows(tp, params, regions, bufaddr, bufcols, _F32, RB_M, RB_N)
+        else:
+            _move_rows(tp, params, regions, bufaddr, bufcols, DT, RB_M, RB_N)
+
+    @EXPERT.triton
+    @triton.jit
+    def expert_tile(
+        tp, params, regions, bufaddr, bufcols, DT: tl.constexpr, USE_TIMER: tl.constexpr
+    ):
+        """SwiGLU over the tile's filled rows (the segment's count past ``row0``), nothing when
+        there are none. Pass 1: hidden = silu(x @ w_gate) * (x @ w_up) in blocks of hidden
+        columns, stored in DT; pass 2: y = hidden @ w_down in blocks of output columns."""
+        r0 = tl.load(tp + _READ0)
+        w0 = tl.load(tp + _WRITE0)
+        row0 = param_i32(params, tp, 1)
+        xp, x_stride, rows, H = _corner(regions, bufaddr, bufcols, r0, DT)
+        cp, _c_stride, _nc, _cc = _corner(regions, bufaddr, bufcols, r0 + 2, _F32)
+        n = tl.minimum(tl.load(cp).to(tl.int32) - row0, rows)
+        if n > 0:
+            gp, g_stride, _ng, F = _corner(regions, bufaddr, bufcols, r0 + 3, DT)
+            up, u_stride, _nu, _fu = _corner(regions, bufaddr, bufcols, r0 + 4, DT)
+            dp, d_stride, _nd, _hd = _corner(regions, bufaddr, bufcols, r0 + 5, DT)
+            yp, y_stride, _ny, _hy = _corner(regions, bufaddr, bufcols, w0, DT)
+            hp, h_stride, _nh, _fh = _corner(regions, bufaddr, bufcols, w0 + 1, DT)
+            for i0 in range(0, n, _EM):
+                om = i0 + tl.arange(0, _EM)
+                rok = om < n
+                om64 = om.to(tl.int64)
+                for f0 in range(0, F, _EF):
+                    of = f0 + tl.arange(0, _EF)
+                    fok = of < F
+                    g = tl.zeros((_EM, _EF), dtype=tl.float32)
+                    u = tl.zeros((_EM, _EF), dtype=tl.float32)
+                    for k0 in range(0, H, _EK):
+                        ok = k0 + tl.arange(0, _EK)
+                        kok = ok < H
+                        ok64 = ok.to(tl.int64)
+                        x = tl.load(
+                            xp + om64[:, None] * x_stride + ok64[None, :],
+                            mask=rok[:, None] & kok[None, :],
+                            other=0.0,
+                        )
+                        wmask = kok[:, None] & fok[None, :]
+                        wg = tl.load(
+                            gp + ok64[:, None] * g_stride + of[None, :], mask=wmask, other=0.0
+                        )
+                        wu = tl.load(
+                            up + ok64[:, None] * u_stride + of[None, :], mask=wmask, other=0.0
+                        )
+                        g = _dot(x, wg, g, USE_TIMER)
+                        u = _dot(x, wu, u, USE_TIMER)
+                    h = g / (1.0 + tl.exp(-g)) * u
+                    tl.store(
+                        hp + om64[:, None] * h_stride + of[None, :],
+                        h.to(DT),
+                        mask=rok[:, None] & fok[None, :],
+                    )
+            tl.debug_barrier()  # pass 2 reads hidden columns other threads stored
+            for i0 in range(0, n, _EM):
+                om = i0 + tl.arange(0, _EM)
+                rok = om < n
+                om64 = om.to(tl.int64)
+                for c0 in range(0, H, _EN):
+                    oc = c0 + tl.arange(0, _EN)
+                    cok = oc < H
+                    acc = tl.zeros((_EM, _EN), dtype=tl.float32)
+                    for k0 in range(0, F, _EK):
+                        ok = k0 + tl.arange(0, _EK)
+                        kok = ok < F
+                        ok64 = ok.to(tl.int64)
+                        h = tl.load(
+                            hp + om64[:, None] * h_stride + ok64[None, :],
+                            mask=rok[:, None] & kok[None, :],
+                            other=0.0,
+                        )
+                        wd = tl.load(
+                            dp + ok64[:, None] * d_stride + oc[None, :],
+                            mask=kok[:, None] & cok[None, :],
+                            other=0.0,
+                        )
+                        acc = _dot(h, wd, acc, USE_TIMER)
+                    tl.store(
+                        yp + om64[:, None] * y_stride + oc[None, :],
+                        acc.to(DT),
+                        mask=rok[:, None] & cok[None, :],
+                    )
+
+    @COMBINE.triton
+    @triton.jit
+    def combine_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """out[t] = sum of weight * back[row] over token t's k picks in ascending expert order
+        (a gather through the picks map: each pass finds every token's next picked expert)."""
+        r0 = tl.load(tp + _READ0)
+        top_k = param_i32(params, tp, 0)
+        bp, b_stride, _nb, C = _corner(regions, bufaddr, bufcols, r0, DT)
+        rp, r_stride, T, E = _corner(regions, bufaddr, bufcols, r0 + 1, _F32)
+        wp, w_stride, _nw, _ew = _corner(regions, bufaddr, bufcols, r0 + 2, _F32)
+        op, o_stride, _no, _co = _corner(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DT)
+        for t0 in range(0, T, _CT):
+            ot = t0 + tl.arange(0, _CT)
+            tok = ot < T
+            ot64 = ot.to(tl.int64)
+            for c0 in range(0, C, _CN):
+                oc = c0 + tl.arange(0, _CN)
+                cok = oc < C
+                acc = tl.zeros((_CT, _CN), dtype=tl.float32)
+                prev = tl.full((_CT,), -1, tl.int32)
+                for _p in range(top_k):
+                    nxt = tl.full((_CT,), _BIG, tl.int32)
+                    for e0 in range(0, E, _EB):
+                        oe = e0 + tl.arange(0, _EB)
+                        ok = tok[:, None] & (oe < E)[None, :]
+                        pr = tl.load(
+                            rp + ot64[:, None] * r_stride + oe[None, :], mask=ok, other=-1.0
+                        )
+                        cand = (pr >= 0) & (oe[None, :] > prev[:, None])
+                        nxt = tl.minimum(nxt, tl.min(tl.where(cand, oe[None, :], _BIG), 1))
+                    found = tok & (nxt < E)
+                    row = tl.load(rp + ot64 * r_stride + nxt, mask=found, other=0.0).to(tl.int64)
+                    weight = tl.load(wp + ot64 * w_stride + nxt, mask=found, other=0.0)
+                    y = tl.load(
+                        bp + row[:, None] * b_stride + oc[None, :],
+                        mask=found[:, None] & cok[None, :],
+                        other=0.0,
+                    )
+                    acc += weight[:, None] * y.to(tl.float32)
+                    prev = nxt
+                tl.store(
+                    op + ot64[:, None] * o_stride + oc[None, :],
+                    acc.to(DT),
+                    mask=tok[:, None] & cok[None, :],
+                )

@@ -53,16 +53,22 @@ def move(
     name: str,
     slot_rows: int,
     counts: Counted | None = None,
+    offset: int = 0,
 ) -> Task:
     """Copy ``src`` to ``dst`` after ``ready``; return the task that lands it. ``slot_rows``:
-    the rows of one relay slot."""
+    the rows of one relay slot; ``offset``: where ``src`` starts inside its slot (a part of a
+    slot is staged at the same place of the relay slot)."""
     topo = b.topo
     s, d = b.buffers[src.buffer].rank, b.buffers[dst.buffer].rank
 
     def nvlink(rank: int, a: Region, z: Region, count: Region | None, waits, name: str) -> Task:
         if counts is None:
             return b.task(rank, Role.NVLINK, COPY, [a], [z], waits=waits, name=name)
-        params = {"segment_rows": counts.segment_rows, "expected_fill": counts.expected_fill}
+        params = {
+            "segment_rows": counts.segment_rows,
+            "float32": int(b.buffers[a.buffer].dtype == "float32"),
+            "expected_fill": counts.expected_fill,
+        }
         return b.task(
             rank, Role.NVLINK, MOE_MOVE, [a, count], [z], waits=waits, name=name, params=params
         )
@@ -74,7 +80,8 @@ def move(
         return b.task(s, Role.RDMA, COPY, [src], [dst], waits=b.after(s, ready), name=name)
     assert relay is not None, (name, hop)
     i = relay_index(b, hop, s, d)
-    stage = relay[hop].region((i * slot_rows, (i + 1) * slot_rows))
+    row0 = i * slot_rows + offset
+    stage = relay[hop].region((row0, row0 + src.row1 - src.row0))
     first = b.task(
         s, Role.RDMA, COPY, [src], [stage], waits=b.after(s, ready), name=f"{name} via r{hop}"
     )

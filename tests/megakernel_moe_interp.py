@@ -1,0 +1,106 @@
+"""Runs under TRITON_INTERPRET=1 in a subprocess (see test_triton_moe.py): the MoE tile bodies
+(moe_route, moe_move, moe_expert, moe_combine) run by the megakernel on float32
+moe_dispatch_combine graphs, compared with the sequential CPU runtime on the same graph and
+inputs (random, never zeros): each body's outputs (only the rows the counts say are filled:
+the rest is never written) and the op's output against its torch reference. Routings: random,
+experts left empty, experts filled to capacity. Prints one JSON line per case."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
+
+import torch  # noqa: E402
+
+import mgraph as mg  # noqa: E402
+from mgraph.ops.moe_tiles import filled_rows  # noqa: E402
+from mgraph.runtime.megakernel import TritonRuntime  # noqa: E402
+from mgraph.runtime.megakernel.runtime import run_in_process  # noqa: E402
+from mgraph.runtime.sequential import execute_sequential  # noqa: E402
+
+OP = "moe_dispatch_combine"
+# Sizes off every block of the bodies (H=40, F=72, E=6, 32 tokens per rank) so that the masked
+# edges run; expert tiles of 16 rows (two per segment), combine tiles of 16 tokens x 20 columns.
+SIZES = dict(H=40, F=72, top_k=2, expert_rows=16, combine_rows=16, combine_cols=20)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def build(topology: str, T_loc: int = 32, E_loc: int = 6, group: int = 2) -> mg.TaskGraph:
+    W = mg.Topology.parse(topology).world_size
+    return mg.ops.moe_dispatch_combine(T=T_loc * W, E=E_loc * W, topology=topology,
+                                       expert_group=group, **SIZES)  # fmt: skip
+
+
+def inputs_for(graph: mg.TaskGraph, routing: str, seed: int) -> dict[str, torch.Tensor]:
+    inputs = mg.ops.get_op(OP).random_inputs(graph, seed=seed)
+    logits, E = inputs["router_logits"], graph.params["E"]
+    if routing == "empty":  # experts 1 and E-1 get no token: their tiles and moves do nothing
+        logits[:, [1, E - 1]] -= 50.0
+    elif routing == "full":  # experts 0 and 3 get every token: segments filled to capacity
+        logits[:, [0, 3]] += 50.0
+    return inputs
+
+
+def emit(case: str, **row: object) -> None:
+    print(json.dumps({"case": case, **row}), flush=True)
+
+
+def one_rank(routing: str, seed: int) -> None:
+    """1x1: every body's output region against the CPU runtime's, filled rows only."""
+    g = build("1x1")
+    inputs = inputs_for(g, routing, seed)
+    want = execute_sequential(g, inputs)
+    rt = TritonRuntime(mg.schedule(g), interpret=True)
+    out = rt.run(inputs).outputs["out"]  # poisoned with NaN first: unwritten rows would show
+    got = {b: v.clone() for b, v in rt.views.items()}
+    T_loc = g.params["T"]
+    counts = want["counts@0"]
+    assert torch.equal(got["counts@0"], counts), (got["counts@0"], counts)
+    rows = filled_rows(counts, T_loc)
+    errors = {
+        "route-send": rel(got["send@0"][rows], want["send@0"][rows]),
+        "route-meta": rel(got["send_meta@0"][rows], want["send_meta@0"][rows]),
+        "route-pick_rows": rel(got["pick_rows@0"], want["pick_rows@0"]),
+        "route-pick_weights": rel(got["pick_weights@0"], want["pick_weights@0"]),
+        "expert-hidden": rel(got["hidden@0"][rows], want["hidden@0"][rows]),
+        "expert-back": rel(got["back@0"][rows], want["back@0"][rows]),
+        "combine-out": rel(out, want["out@0"]),
+    }
+    reference = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
+    errors["op-reference"] = rel(out, reference)
+    for body, err in errors.items():
+        emit(f"1x1-{routing}-{seed}-{body}", error=err, counts=counts.flatten().tolist(),
+             nan=bool(out.isnan().any()))  # fmt: skip
+
+
+def two_ranks(routing: str, seed: int, launches: int = 1) -> None:
+    """1x2 in one interpreter program: dispatch and return through moe_move into the peer's
+    buffers; the output against the CPU runtime and the op's torch reference."""
+    g = build("1x2", T_loc=16, E_loc=3, group=1)
+    inputs = inputs_for(g, routing, seed)
+    want = mg.run(mg.schedule(g), inputs).outputs["out"]
+    reference = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
+    out = run_in_process(mg.schedule(g), inputs, launches=launches)["out"]
+    kinds = sorted({t.kind for t in g.tasks})
+    for what, err in (("runtime", rel(out, want)), ("reference", rel(out, reference))):
+        emit(f"1x2-{routing}-{seed}-x{launches}-{what}", error=err, kinds=kinds,
+             nan=bool(out.isnan().any()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    which = sys.argv[1:] or ["one", "two"]
+    if "one" in which:
+        for routing, seed in (("random", 0), ("empty", 1), ("full", 2)):
+            one_rank(routing, seed)
+    if "two" in which:
+        two_ranks("random", 3, launches=2)
+        two_ranks("empty", 4)
+        two_ranks("full", 5)
