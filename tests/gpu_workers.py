@@ -21,6 +21,13 @@ def setup(rank: int, world: int, port: int) -> None:
 
 def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunches: int, queue,
              topology: str | None = None, nic_gbps: float = 0.0, replays: int = 0) -> None:
+    import faulthandler
+    import sys
+
+    # A rank that hangs or dies dumps its Python stack to the test log (the parent only sees an
+    # empty queue): every Python thread, after 240 s without finishing.
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(240, exit=True)
     try:
         setup(rank, world, port)
         import torch
@@ -40,6 +47,8 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
             want_global = op.run_reference({k: v.cuda().float() for k, v in inputs.items()}, graph.params)["out"]
             local = {k: v.cuda() for k, v in local_shards(graph, rank, inputs).items()}
             out = rt.run(local).outputs["out"]
+            if relaunches >= 10 and i % 25 == 0:  # progress, so a stall shows where it stopped
+                print(f"rank {rank}: launch {i}/{relaunches}", file=sys.stderr, flush=True)
             got = out.float()
             want = _local_reference(graph, rank, want_global)
             err = max(((got - want).norm() / want.norm()).item(), worst_tile(got, want))
@@ -56,6 +65,7 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
         rt.close()  # multi-node graphs: stops the rank's host proxy
         dist.barrier()
         queue.put((rank, worst, None))
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
     except BaseException:  # reported to the parent test
         import traceback
