@@ -16,7 +16,7 @@ from .kinds import KINDS, Role
 from .settings import Settings
 from .topology import Topology
 
-__all__ = ["GraphBuilder", "SizeBudget", "split", "pick_tile", "shard_range", "piece", "require_divisible"]
+__all__ = ["GraphBuilder", "SizeBudget", "split", "pick_tile", "edge_tile", "shard_range", "piece", "require_divisible"]
 
 
 def split(size: int, tile: int) -> list[tuple[int, int]]:
@@ -48,10 +48,18 @@ def require_divisible(op: str, dim: str, size: int, parts: int, why: str) -> Non
         )
 
 
-def pick_tile(op: str, dim: str, size: int, preferred: int, *, multiple_of: int = 1) -> int:
-    """The tile size for one dimension: ``preferred``, or the whole dim when it is smaller.
+def edge_tile(size: int, preferred: int) -> int:
+    """The tile size for one dimension of a GEMM-based op: ``preferred``, or the whole dim when
+    it is smaller. The dim need not be a multiple: the last tile is short (its region ends at the
+    true bound) and every backend masks it, never pads (the GPU's TMA clips loads and stores)."""
+    return min(size, preferred)
 
-    A dim larger than the tile must be a multiple of it: mgraph does not pad silently.
+
+def pick_tile(op: str, dim: str, size: int, preferred: int, *, multiple_of: int = 1) -> int:
+    """The tile size for one dimension of an op whose blocks must be whole (attention and ring
+    attention blocks, MoE row tiles): ``preferred``, or the whole dim when it is smaller.
+
+    A dim larger than the tile must be a multiple of it there. GEMM-based ops use ``edge_tile``.
     """
     if size <= preferred:
         return size

@@ -167,8 +167,6 @@ def test_bf16_graph():
     [
         (dict(M=60, N=64, K=32), mg.ShapeError, "M=60"),  # M not divisible by 8 ranks
         (dict(M=64, N=68, K=32), mg.ShapeError, "N=68"),  # N not divisible by 8 ranks
-        (dict(M=96, N=64, K=32), mg.ShapeError, "12 per rank"),  # 12 rows > tile 8
-        (dict(M=64, N=192, K=32), mg.ShapeError, "24 per rank"),  # 24 columns > tile 16
         (dict(M=64, N=64, K=32, tile=[8, 0]), mg.ShapeError, "tile"),
         (dict(M=64, N=64, K=32, chunk_bytes=-1), mg.ShapeError, "chunk_bytes"),
         (dict(M=64, N=64, K=0), mg.ShapeError, "K=0"),
@@ -183,3 +181,13 @@ def test_bad_input(kw, err, words):
     assert words in str(info.value)
     if err is mg.ShapeError:
         assert info.value.hint
+
+
+def test_sizes_not_multiple_of_the_tile_have_short_edge_tiles():
+    """12 rows per shard over tile 8, 24 columns per rank over tile 16: short last tiles."""
+    for hierarchical in (True, False):
+        g = mg.ops.allgather_gemm(M=96, N=192, K=32, topology="2x4", tile=[8, 16],
+                                  chunk_bytes=256, hierarchical=hierarchical)
+        assert {t.writes[0].shape for t in g.tasks if t.kind == "gemm"} == {
+            (8, 16), (8, 8), (4, 16), (4, 8)}
+        check_graph(g)

@@ -119,8 +119,6 @@ def test_bf16_graph():
     [
         (dict(M=64, N=64, K=36), mg.ShapeError, "K=36"),  # K not divisible by 8 ranks
         (dict(M=60, N=64, K=64), mg.ShapeError, "M=60"),  # M not divisible by 8 ranks
-        (dict(M=96, N=64, K=64), mg.ShapeError, "12 per rank"),  # 12 rows > tile 8, not a multiple
-        (dict(M=64, N=48, K=64), mg.ShapeError, "N=48"),  # N not a multiple of the 32 col tile
         (dict(M=64, N=64, K=64, tile=[8]), mg.ShapeError, "tile"),
         (dict(M=64, N=64, K=64, chunk_bytes=0), mg.ShapeError, "chunk_bytes"),
         (dict(M=64, N=64), mg.ShapeError, "K"),
@@ -135,3 +133,13 @@ def test_bad_input(kw, err, words):
     assert words in str(info.value)
     if err is mg.ShapeError:
         assert info.value.hint
+
+
+def test_sizes_not_multiple_of_the_tile_have_short_edge_tiles():
+    """12 rows per rank over tile 8, N=48 over tile 32: the last tiles are 4 rows, 16 columns."""
+    for hierarchical in (True, False):
+        g = mg.ops.gemm_reduce_scatter(M=96, N=48, K=64, topology="2x4", tile=[8, 32],
+                                       hierarchical=hierarchical)
+        assert {t.writes[0].shape for t in g.tasks if t.kind == "gemm"} == {
+            (8, 32), (8, 16), (4, 32), (4, 16)}
+        check_graph(g)

@@ -26,7 +26,7 @@ fast), then the remote shards by node (n+1, n+2, ...), the rail peer's shard fir
 
 from __future__ import annotations
 
-from ..builder import GraphBuilder, piece, require_divisible, shard_range
+from ..builder import GraphBuilder, edge_tile, piece, require_divisible, shard_range
 from ..errors import UnknownNameError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
@@ -35,7 +35,6 @@ from .collectives import (
     check_options,
     rotated,
     row_chunks,
-    shard_tile,
     tile_grid,
     unique_tasks,
 )
@@ -52,8 +51,10 @@ Rows = tuple[int, int]  # a row range of one shard, in the shard's local rows
 
 
 def _tile_sizes(topology: Topology, M: int, N: int, tile: list[int]) -> tuple[int, int]:
+    """Tiles of one shard's rows x one rank's columns; the last tile row and column may be
+    short (masked)."""
     world = topology.world_size
-    return (shard_tile(OP, "M", M, world, tile[0]), shard_tile(OP, "N", N, world, tile[1]))
+    return edge_tile(M // world, tile[0]), edge_tile(N // world, tile[1])
 
 
 @allgather_gemm.shapes

@@ -29,7 +29,6 @@ __all__ = [
     "rotated",
     "unique_tasks",
     "check_options",
-    "shard_tile",
     "grouped",
     "push_reduce",
 ]
@@ -100,12 +99,11 @@ def row_chunks(
 ) -> list[tuple[int, int]]:
     """[0, rows) cut into network chunks of about ``chunk_bytes``, whole rows each.
 
-    Chunks are aligned to ``tile_rows`` (which must divide ``rows``): a chunk is a whole number of
-    row tiles, or, when one row tile is already larger than ``chunk_bytes``, an exact fraction of
-    one. So a consumer tile waits for exactly the chunks holding its rows, never for a chunk that
-    straddles into the next tile.
+    Chunks are aligned to ``tile_rows``: a chunk is a whole number of row tiles, or, when one row
+    tile is already larger than ``chunk_bytes``, an exact fraction of one. So a consumer tile
+    waits for exactly the chunks holding its rows, never for a chunk that straddles into the next
+    tile. ``rows`` need not be a multiple of ``tile_rows``: the last tile and chunk end at ``rows``.
     """
-    assert rows % tile_rows == 0, (rows, tile_rows)
     fit = max(1, chunk_bytes // max(1, row_bytes))
     if fit >= tile_rows:
         step = fit // tile_rows * tile_rows
@@ -141,22 +139,6 @@ def check_options(op: str, tile: Sequence[int], chunk_bytes: int) -> tuple[int, 
             hint="pass e.g. chunk_bytes=262144 (256 KiB per network command)",
         )
     return int(tile[0]), int(tile[1])
-
-
-def shard_tile(op: str, dim: str, size: int, parts: int, preferred: int) -> int:
-    """The tile size along ``dim`` when it is sharded in ``parts``: the per-rank extent, or
-    ``preferred`` when the extent is larger (then it must be a multiple: no silent padding)."""
-    per_rank = size // parts
-    if per_rank <= preferred:
-        return per_rank
-    if per_rank % preferred:
-        raise ShapeError(
-            f"{op}: {dim}={size} over {parts} ranks is {per_rank} per rank, not a multiple of "
-            f"the tile size {preferred}",
-            hint=f"choose {dim} as a multiple of {parts * preferred}, or pass a tile size that "
-            f"divides {per_rank}",
-        )
-    return preferred
 
 
 def grouped(tiles: Sequence[Tile], group_rows: int = 8) -> list[Tile]:

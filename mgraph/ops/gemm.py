@@ -4,7 +4,7 @@ and the smallest graph every backend must run."""
 
 from __future__ import annotations
 
-from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
+from ..builder import GraphBuilder, edge_tile, piece, require_divisible, shard_range
 from ..kinds import Role, TaskKind
 from ..topology import Topology
 from .collectives import grouped, tile_grid, tile_region
@@ -27,8 +27,7 @@ gemm.reference(matmul_reference)
 def _lower(b: GraphBuilder, M: int, N: int, K: int, tile: list[int] = (128, 256)) -> None:
     world = b.world
     rows = M // world
-    bm = pick_tile("gemm", "M per rank", rows, tile[0])
-    bn = pick_tile("gemm", "N", N, tile[1])
+    bm, bn = edge_tile(rows, tile[0]), edge_tile(N, tile[1])  # edge tiles are short, masked
     b.global_input("a", (M, K))
     b.global_input("b", (K, N))
     b.global_output("out", (M, N))

@@ -18,7 +18,7 @@ and the node stages after, moving G times more over RDMA: the baseline the desig
 
 from __future__ import annotations
 
-from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
+from ..builder import GraphBuilder, edge_tile, piece, require_divisible, shard_range
 from ..errors import UnknownNameError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
@@ -72,8 +72,7 @@ def _lower(
 ) -> None:
     topo, world = b.topo, b.world
     algorithm = node_algorithm(topo, M, N, K, ITEMSIZE[b.dtype], algorithm)
-    bm = pick_tile("gemm_allreduce", "M", M, tile[0])
-    bn = pick_tile("gemm_allreduce", "N", N, tile[1])
+    bm, bn = edge_tile(M, tile[0]), edge_tile(N, tile[1])  # edge tiles are short, masked
     b.global_input("a", (M, K))
     b.global_input("b", (K, N))
     b.global_output("out", (M, N))

@@ -27,7 +27,7 @@ the tile: collectives.push_reduce), so all GPUs push to different peers at any m
 
 from __future__ import annotations
 
-from ..builder import GraphBuilder, pick_tile, piece, require_divisible, shard_range
+from ..builder import GraphBuilder, edge_tile, piece, require_divisible, shard_range
 from ..errors import UnknownNameError
 from ..graph import ITEMSIZE, Buffer, Task
 from ..kinds import Role, TaskKind
@@ -39,7 +39,6 @@ from .collectives import (
     group_chunks,
     push_reduce,
     rotated,
-    shard_tile,
     shift,
     tile_grid,
     tile_region,
@@ -56,10 +55,8 @@ GEMM, REDUCE, COPY = TaskKind.GEMM.value, TaskKind.REDUCE.value, TaskKind.COPY.v
 
 
 def _tile_sizes(topology: Topology, M: int, N: int, tile: list[int]) -> tuple[int, int]:
-    return (
-        shard_tile(OP, "M", M, topology.world_size, tile[0]),
-        pick_tile(OP, "N", N, tile[1]),
-    )
+    """Tiles of one rank's output rows; the last tile row and column may be short (masked)."""
+    return edge_tile(M // topology.world_size, tile[0]), edge_tile(N, tile[1])
 
 
 @gemm_reduce_scatter.shapes
@@ -309,10 +306,11 @@ class _Plan:
         b, topo, rows = self.b, self.topo, self.rows
         N, G = topo.nodes, topo.gpus_per_node
         node_rows = G * rows
-        node_tiles = tile_grid(node_rows, self.cols, *self.tile)
 
         def of_node(j: int) -> list[Tile]:
-            return [shift(t, j * node_rows) for t in node_tiles]
+            # The node's rows tiled rank by rank, as the GEMMs are: with a short last tile row
+            # per rank, tiling the node's rows as one block would cut different tiles.
+            return [t for d in topo.node_ranks(j) for t in self.tiles_of(d)]
 
         recv: dict[tuple[int, int], Buffer] = {}
         arrived: dict[tuple[int, int], dict[Tile, Task]] = {}  # (rail peer, source node) -> tile

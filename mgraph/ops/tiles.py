@@ -119,9 +119,21 @@ if HAVE_TRITON:
             bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
                                            [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kk in range(0, ak1 - ak0, BK):
+        ksize = ak1 - ak0
+        kfull = ksize - ksize % BK
+        for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop
             acc = tl.dot(ad.load([am0, ak0 + kk]), bd.load([bk0 + kk, bn0]), acc)
+        if kfull < ksize:
+            # The short last K step. TMA zero-fills only past the buffer's end; the region may
+            # end inside it (or the buffer hold NaN there), so both operands are masked to K.
+            kin = tl.arange(0, BK) < ksize - kfull
+            x = tl.where(kin[None, :], ad.load([am0, ak0 + kfull]), 0.0)
+            y = tl.where(kin[:, None], bd.load([bk0 + kfull, bn0]), 0.0)
+            acc = tl.dot(x.to(DT), y.to(DT), acc)
         out = acc.to(DT)
+        # Rows past am1 and columns past bn1 were computed from whatever the loads returned
+        # (other tiles' rows, or TMA's zeros past the buffer): the store masks them off, so a
+        # short edge tile writes exactly its region.
         w0 = tl.load(tp + _WRITE0)
         for q in range(tl.load(tp + _NWRITE)):  # write 0, then the epilogue's peer stores
             c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
@@ -129,7 +141,8 @@ if HAVE_TRITON:
             rn = cn0 + tl.arange(0, BN)
             c = buffer_base(bufaddr, c_slot, DT)
             c_cols = tl.load(bufcols + c_slot).to(tl.int64)
-            tl.store(c + rm[:, None].to(tl.int64) * c_cols + rn[None, :], out)
+            tl.store(c + rm[:, None].to(tl.int64) * c_cols + rn[None, :], out,
+                     mask=(rm < cm1)[:, None] & (rn < cn1)[None, :])
 
     @REDUCE.triton
     @triton.jit
