@@ -1,0 +1,294 @@
+"""MoE dispatch + experts + combine (expert parallel) on 2 GPUs: the torch baseline, its grouped
+GEMMs alone, and mgraph's moe_dispatch_combine on backend="triton", same inputs, same process.
+
+Run (the issue's shape, about 1-2 minutes):
+    PYTHONUNBUFFERED=1 torchrun --nproc_per_node=2 benchmarks/bench_moe.py --out $OUT
+Smoke check of the baseline on the CPU (gloo, tiny sizes, checked against the op's reference;
+no megakernel: it needs a GPU):
+    torchrun --nproc_per_node=2 benchmarks/bench_moe.py --smoke
+
+Per rank: T tokens (x [T, H], router logits [T, E]) and E/W experts (SwiGLU, weights [H, F],
+[H, F], [F, H]). Baseline (``torch_a2a``): top-k of the logits and a softmax over the k, argsort
+by expert, all_to_all_single of the counts (then the host reads them: the splits), of the rows,
+a regroup by local expert, torch._grouped_mm for gate|up and for down (a loop of mm per expert
+where torch has no _grouped_mm: the row says which), all_to_all_single back, index_add of
+weight * y into the tokens (fp32, cast once). ``grouped_gemm``: the two grouped GEMMs alone on
+the same routed rows, the GEMM-only bound. ``mgraph``: the op's graph in the megakernel,
+checked against the baseline's output (NaN-poisoned outputs first; relative error and worst
+128x128 tile), timed, and checked again after the timed relaunches. A configuration the
+runtime refuses is reported as a row with its error. Medians of CUDA-event times, max over
+ranks. Router logits are a random permutation of E distinct values per token (exact in bf16),
+so no two experts tie at the k-th place and both sides pick the same experts.
+
+Writes ``bench_moe.json`` (rows {impl, T, H, E, top_k, F, world, ms, ...}) and ``bench_moe.md``
+under --out (default $OUT, else benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # GPU.md: lazy loading vs spinning kernels
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import mgraph as mg  # noqa: E402
+
+OP = "moe_dispatch_combine"
+GROUPED = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "mm loop"
+
+
+def grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows[ends[e-1]:ends[e]] @ weights[e] for every expert e (ends: int32 cumulative counts)."""
+    if GROUPED == "torch._grouped_mm":
+        return torch._grouped_mm(rows, weights, offs=ends)
+    out = rows.new_empty(rows.shape[0], weights.shape[-1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):  # a host read: only where _grouped_mm is missing
+        if end > start:
+            torch.mm(rows[start:end], weights[e], out=out[start:end])
+        start = end
+    return out
+
+
+class Baseline:
+    """argsort + all_to_all_single + grouped GEMMs + all_to_all_single + index_add."""
+
+    def __init__(self, x, logits, w_gate, w_up, w_down, top_k: int) -> None:
+        self.x, self.logits, self.w_down, self.top_k = x, logits, w_down, top_k
+        self.w_gate_up = torch.cat([w_gate, w_up], dim=2).contiguous()  # one GEMM for both
+        self.world = dist.get_world_size()
+        self.E_loc, self.F = w_gate.shape[0], w_gate.shape[2]
+
+    def dispatch(self):
+        k, W, E_loc = self.top_k, self.world, self.E_loc
+        values, experts = self.logits.float().topk(k, dim=-1)
+        weights = torch.softmax(values, dim=-1).flatten()
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # grouped by expert, hence by destination
+        send = self.x[order // k]
+        counts = torch.bincount(flat, minlength=W * E_loc)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts)  # [source, local expert]
+        send_split = counts.view(W, E_loc).sum(1).tolist()  # host sync: the splits
+        recv_split = got.view(W, E_loc).sum(1).tolist()
+        recv = send.new_empty(sum(recv_split), send.shape[1])
+        dist.all_to_all_single(recv, send, recv_split, send_split)
+        expert_of_row = torch.arange(E_loc, device=recv.device).repeat(W)
+        regroup = expert_of_row.repeat_interleave(got).argsort(stable=True)
+        ends = got.view(W, E_loc).sum(0).cumsum(0).to(torch.int32)
+        return recv[regroup], ends, regroup, order, weights, send_split, recv_split
+
+    def experts(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        gate_up = grouped_mm(rows, self.w_gate_up, ends)
+        hidden = F.silu(gate_up[:, : self.F]) * gate_up[:, self.F :]
+        return grouped_mm(hidden, self.w_down, ends)
+
+    def __call__(self) -> torch.Tensor:
+        rows, ends, regroup, order, weights, send_split, recv_split = self.dispatch()
+        y = self.experts(rows, ends)
+        back = torch.empty_like(y)
+        back[regroup] = y
+        ret = back.new_empty(self.x.shape[0] * self.top_k, back.shape[1])
+        dist.all_to_all_single(ret, back, send_split, recv_split)
+        out = torch.zeros(self.x.shape, dtype=torch.float32, device=self.x.device)
+        out.index_add_(0, order // self.top_k, ret.float() * weights[order, None])
+        return out.to(self.x.dtype)
+
+
+def local_inputs(args, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """This rank's shards, generated on the device (the issue's weights are 22 GB in all)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    T, H, E, Fd = args.tokens, args.hidden, args.experts, args.ffn
+    gen = torch.Generator(device=device).manual_seed(1 + rank)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
+
+    # E distinct integers times a power of two: exact in bf16 for E <= 256 (no ties at top-k)
+    perm = torch.rand(T, E, generator=gen, device=device).argsort(dim=1)
+    logits = ((perm - E // 2).float() / 32).to(dtype)
+    E_loc = E // world
+    return {
+        "x": randn(T, H),
+        "router_logits": logits,
+        "w_gate": randn(E_loc, H, Fd, scale=H**-0.5),
+        "w_up": randn(E_loc, H, Fd, scale=H**-0.5),
+        "w_down": randn(E_loc, Fd, H, scale=Fd**-0.5),
+    }
+
+
+def samples(fn, warmup: int, reps: int) -> list[float]:
+    """This rank's CUDA-event times (ms) of ``reps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def slowest_median(times: list[float]) -> float:
+    med = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return med.item()
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args, self.rank, self.world = args, dist.get_rank(), dist.get_world_size()
+        self.rows: list[dict] = []
+        self.shape = {"T": args.tokens, "H": args.hidden, "E": args.experts,
+                      "top_k": args.top_k, "F": args.ffn, "world": self.world}  # fmt: skip
+
+    def add(self, impl: str, ms: float, **extra: object) -> None:
+        row = {"impl": impl, **self.shape, "ms": round(ms, 4), **extra}
+        self.rows.append(row)
+        if self.rank == 0:
+            print(json.dumps(row), flush=True)
+
+    def baseline(self, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        a = self.args
+        base = Baseline(*(local[n] for n in ("x", "router_logits", "w_gate", "w_up", "w_down")),
+                        top_k=a.top_k)  # fmt: skip
+        want = base()
+        self.add("torch_a2a", slowest_median(samples(base, a.warmup, a.reps)), grouped=GROUPED)
+        rows, ends = base.dispatch()[:2]
+        routed = rows.shape[0]
+        ms = slowest_median(samples(lambda: base.experts(rows, ends), a.warmup, a.reps))
+        tflops = 6.0 * routed * a.hidden * a.ffn / ms / 1e9
+        self.add("grouped_gemm", ms, grouped=GROUPED, routed_rows=routed, tflops=round(tflops, 1))
+        return want
+
+    def mgraph(self, local: dict[str, torch.Tensor], want: torch.Tensor) -> None:
+        from mgraph.runtime.megakernel import TritonRuntime
+        from mgraph.runtime.memory import worst_tile_error
+
+        a = self.args
+        options = {"expert_rows": a.expert_rows, "expert_group": a.expert_group,
+                   "combine_rows": a.combine_rows, "combine_cols": a.combine_cols}  # fmt: skip
+        start = time.time()
+        try:
+            graph = mg.ops.get_op(OP)(
+                topology=f"1x{self.world}", dtype=torch.bfloat16, T=a.tokens * self.world,
+                H=a.hidden, E=a.experts, top_k=a.top_k, F=a.ffn, **options,
+            )  # fmt: skip
+            sched = mg.schedule(graph)
+            built = time.time() - start
+            rt = TritonRuntime(sched)
+            got = rt.run(local).outputs["out"]  # outputs NaN-poisoned before the launch
+            err, tile = rel(got, want), worst_tile_error(got, want)
+            ms = slowest_median(samples(rt.launch, a.warmup, a.reps))
+            rt.check()
+            again = rt.run(local).outputs["out"]  # after warmup + reps relaunches
+            err_again = rel(again, want)
+        except Exception as exc:  # a graph the runtime refuses (or fails on) is reported
+            self.add("mgraph", float("nan"), **options, error=repr(exc)[:400])
+            return
+        self.add("mgraph", ms, **options, tasks=len(graph.tasks), rel_err=round(err, 5),
+                 worst_tile_err=round(tile, 5), rel_err_after=round(err_again, 5),
+                 launches=rt.epoch, build_s=round(built, 1), **rt.kernel_info())  # fmt: skip
+        del rt
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def smoke() -> None:
+    """The baseline on the CPU (gloo) at tiny sizes against the op's torch reference."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    T_loc, E_loc, k = 16, 3, 2
+    graph = mg.ops.get_op(OP)(topology=f"1x{world}", T=T_loc * world, H=32, E=E_loc * world,
+                              top_k=k, F=48, expert_rows=T_loc)  # fmt: skip
+    inputs = mg.ops.get_op(OP).random_inputs(graph, seed=0)
+    want = mg.ops.get_op(OP).run_reference(inputs, graph.params)["out"]
+    tokens, experts = (
+        slice(rank * T_loc, (rank + 1) * T_loc),
+        slice(rank * E_loc, (rank + 1) * E_loc),
+    )
+    w = [inputs[n][experts] for n in ("w_gate", "w_up", "w_down")]
+    got = Baseline(inputs["x"][tokens], inputs["router_logits"][tokens], *w, top_k=k)()
+    err = rel(got, want[tokens])
+    print(json.dumps({"smoke": "torch_a2a", "rank": rank, "grouped": GROUPED, "rel_err": err}))
+    assert err < 1e-5, err
+    dist.destroy_process_group()
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r["ms"] for r in rows if r["impl"] == "torch_a2a"), None)
+    gemm = next((r["ms"] for r in rows if r["impl"] == "grouped_gemm"), None)
+    lines = ["| impl | ms | baseline / impl | impl / GEMM-only | notes |", "|---|---|---|---|---|"]
+    for r in rows:
+        ms = r["ms"]
+        vs_base = f"{base / ms:.2f}x" if base and ms == ms else ""
+        vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms else ""
+        notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "rel_err", "worst_tile_err",
+                                                  "rel_err_after", "error") if k in r)  # fmt: skip
+        lines.append(f"| {r['impl']} | {ms:.3f} | {vs_base} | {vs_gemm} | {notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--expert-rows", type=int, default=64)
+    parser.add_argument("--expert-group", type=int, default=8)
+    parser.add_argument("--combine-rows", type=int, default=64)
+    parser.add_argument("--combine-cols", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--no-mgraph", dest="mgraph", action="store_false")
+    parser.add_argument("--smoke", action="store_true", help="CPU check of the baseline (gloo)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    if args.smoke:
+        return smoke()
+    if args.experts > 256:
+        parser.error("--experts above 256: the logits' distinct values are not exact in bf16")
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    bench = Bench(args)
+    start = time.time()
+    local = local_inputs(args, torch.device("cuda", rank), torch.bfloat16)
+    want = bench.baseline(local)
+    if args.mgraph:
+        bench.mgraph(local, want)
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_moe.json").write_text(json.dumps(bench.rows, indent=1))
+        (out / "bench_moe.md").write_text(table(bench.rows))
+        print(table(bench.rows), flush=True)
+        print(f"total {time.time() - start:.0f} s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
