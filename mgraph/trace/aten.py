@@ -83,7 +83,8 @@ def _linear(tr: Tracer, n: CNode) -> Any:
         raise UnsupportedOpError(
             f"{n.where()}: a product of two activations is not supported",
             hint="matmuls multiply by a 2-D parameter (nn.Linear); attention uses "
-            "F.scaled_dot_product_attention",
+            "F.scaled_dot_product_attention, or is written matmul(q, k^T), softmax, "
+            "matmul(weights, v) with weights used nowhere else (transformers' eager attention)",
         )
     if n.op == "linear":
         N, K = wc.shape

@@ -56,8 +56,11 @@ def _is_causal(mask: torch.Tensor, S: int) -> bool:
     causal = torch.ones(S, S, dtype=torch.bool).tril()
     if mask.dtype == torch.bool:
         return bool((mask == causal).all())
+    # transformers' eager masks hide with the dtype's lowest value rather than -inf
+    hidden = mask[~causal.expand_as(mask)]
+    lowest = torch.finfo(mask.dtype).min
     return bool(
-        ((mask == 0) == causal).all() and torch.isneginf(mask[~causal.expand_as(mask)]).all()
+        ((mask == 0) == causal).all() and (torch.isneginf(hidden) | (hidden == lowest)).all()
     )
 
 
@@ -100,7 +103,25 @@ def _sdpa(tr: Tracer, n: CNode) -> Any:
             f"{n.where()}: attention dropout (dropout_p={dropout}) is random",
             hint="call model.eval() and pass dropout_p=0.0 outside training",
         )
-    if len(q.shape) == 4 and n.kwargs.get("enable_gqa") and k.shape[1] != q.shape[1]:
+    gqa = bool(n.kwargs.get("enable_gqa"))
+    return attention(tr, n, q, k, v, mask_arg, causal=causal, scale=scale, gqa=gqa)
+
+
+def attention(
+    tr: Tracer,
+    n: CNode,
+    q: Value,
+    k: Value,
+    v: Value,
+    mask_arg: Any,
+    *,
+    causal: bool,
+    scale: float | None,
+    gqa: bool = False,
+) -> Value:
+    """``softmax(q k^T * scale + mask) v`` as an attention (or ring_attention) node; ``scale``
+    None is 1/sqrt(head_dim), as in SDPA."""
+    if len(q.shape) == 4 and gqa and k.shape[1] != q.shape[1]:
         k = _repeat_heads(tr, n, k, q.shape[1], "k")
         v = _repeat_heads(tr, n, v, q.shape[1], "v")
     if not (len(q.shape) == 4 and q.shape == k.shape == v.shape):

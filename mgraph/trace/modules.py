@@ -107,11 +107,15 @@ def moe_block(
         E, two_f, _ = getattr(experts, style.gate_up_proj).shape
         F = two_f // 2
     _check_routing(block, where)
-    top_k = style.top_k if style.top_k is not None else getattr(block, "top_k", None)
+    top_k = style.top_k
+    if top_k is None:  # Mixtral keeps top_k on the block, Qwen3-MoE on its router
+        router = getattr(block, style.router, None)
+        top_k = getattr(block, "top_k", getattr(router, "top_k", None))
     if not isinstance(top_k, int):
         raise PlanError(
             f"{where}: top_k is unknown",
-            hint="set ExpertParallel(top_k=...) or give the block a `top_k` attribute",
+            hint="set ExpertParallel(top_k=...) or give the block (or its router) a `top_k` "
+            "attribute",
         )
     for what, size in (("the token count", T), ("the number of experts", E)):
         if size % tr.world:
@@ -156,6 +160,7 @@ def moe_block(
             ROWS,
             name=f"{n.name}_router",
         )
+    _check_only_routed(block, style, where)
     if math.prod(logits.shape) != T * E:
         raise UnsupportedOpError(f"{where}: router logits {list(logits.shape)} are not [T, E]")
     weights = {}
@@ -244,6 +249,25 @@ def _stacked_experts(experts: nn.Module, style: ExpertParallel, where: str) -> n
             hint="only SiLU-gated experts (Mixtral, Qwen-MoE) are supported",
         )
     return experts
+
+
+def _check_only_routed(block: nn.Module, style: ExpertParallel, where: str) -> None:
+    """moe_dispatch_combine computes the router and the routed experts; a block holding more
+    (Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``) would silently lose it."""
+    extra = [
+        name
+        for name, child in block.named_children()
+        if name not in (style.router, style.experts) and any(True for _ in child.parameters())
+    ]
+    extra += [name for name, _ in block.named_parameters(recurse=False)]
+    if extra:
+        raise PlanError(
+            f"{where}: {type(block).__name__} holds parameters besides its router "
+            f"{style.router!r} and experts {style.experts!r}: {', '.join(map(repr, extra))} "
+            "(e.g. a shared expert); moe_dispatch_combine computes only the routed experts",
+            hint="ExpertParallel takes Mixtral-style blocks (router + routed experts); keep "
+            "blocks with shared experts out of the plan",
+        )
 
 
 def _check_routing(block: nn.Module, where: str) -> None:

@@ -13,6 +13,7 @@ user-registered ops); this module holds the state they share.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -69,21 +70,34 @@ class Tracer:
 
     # -- driver -------------------------------------------------------------------------------
     def run(self) -> OpGraph:
+        from . import eager_attention
         from .mapping import load_handlers
 
         handlers = load_handlers()
         outputs = set(self.cap.outputs)
+        # Hand-written attention (matmul, softmax, matmul) is one attention node: its inner
+        # nodes are skipped, its last matmul emits it.
+        eager = eager_attention.find(self.cap)
+        absorbed = {c for match in eager.values() for c in match.nodes}
         for n in self.cap.nodes:
             if n.op == "input":
                 if n.dtype == torch.bool:  # an attention mask (see attention_map.py)
                     v = Value(n.name, n.shape, self.dtype, None, "input", encoding="bool_mask")
+                elif n.dtype is not None and not n.dtype.is_floating_point:
+                    raise DTypeError(
+                        f"{self.og.name}: input {n.name!r} is {n.dtype}; a program's inputs are "
+                        f"{self.dtype} activations, or boolean attention masks",
+                        hint="token ids: embed them outside and pass the embeddings; a padding "
+                        "mask: pass the [B, 1, S, S] boolean mask (True = attend) that reaches "
+                        "the attention",
+                    )
                 else:
                     v = Value(n.name, n.shape, self._dtype(n), None, "input")
                 self.names.add(n.name)
                 self.og.inputs.append(v)
                 self.env[n] = v
                 continue
-            if n.op == "param" or (not n.users and n not in outputs):
+            if n.op == "param" or (not n.users and n not in outputs) or n in absorbed:
                 continue  # parameters are made per use; dead code never runs
             if n.fn is not None:
                 folded = fold(n, self.env, self.fixed)
@@ -91,6 +105,8 @@ class Tracer:
                     self.env[n] = folded
                     continue
             handler = handlers.get(n.op)
+            if n in eager:
+                handler = functools.partial(eager_attention.emit, match=eager[n])
             if handler is None and n.op.startswith("custom:"):
                 handler = handlers["custom"]
             if handler is None:
