@@ -416,7 +416,7 @@ class Engine:
 
     def rebalance(self, rank: int, code: int) -> int:
         """The role a freed compute/nvlink SM takes next: its own, unless the controller wants
-        it in the other one or its own queue is exhausted (reference.py's _Pool.next_role moves
+        it in the other one or its own queue is exhausted (reference.py's _Pool._next_role moves
         its threads by the same test)."""
         other = NVLINK if code == COMPUTE else COMPUTE
         has_other = self.head[rank][other] < len(self.queues[rank][other])
