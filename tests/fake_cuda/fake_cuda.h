@@ -26,3 +26,6 @@ FAKE_EXPORT const char* fakecuda_error_text(int status);
 // says which driver symbol was called, for the statistics.
 FAKE_EXPORT int fakecuda_enqueue_store32(void* stream, uint64_t address, uint32_t value,
                                          unsigned flags, int version);
+
+// Counts a dma-buf handle handed out (statistic "dmabuf_handles").
+FAKE_EXPORT void fakecuda_count_dmabuf(void);

@@ -55,6 +55,8 @@ enum Stat {
   kEnqBatch,         // cudaMemcpyBatchAsync calls queued
   kBatchCopies,      // ... the copies inside them
   kStreamsCreated,   // cudaStreamCreateWithFlags calls that succeeded
+  kBatch13,          // cudaMemcpyBatchAsync calls taken with CUDA 13's signature
+  kDmabufHandles,    // cuMemGetHandleForAddressRange fds handed out (the driver counts them)
   kStatCount
 };
 
@@ -65,7 +67,7 @@ static const char* const kStatNames[kStatCount] = {
     "last_device",  "peer_enabled",       "peer_already",   "last_error_cleared",
     "store_v1",     "store_v2",           "null_stream_ops", "live_streams",
     "live_events",  "live_host",          "trace_dropped",  "enq_batch",
-    "batch_copies", "streams_created",
+    "batch_copies", "streams_created", "batch13",      "dmabuf_handles",
 };
 
 static int64_t stats[kStatCount];
@@ -718,8 +720,14 @@ typedef struct {
   unsigned flags;
 } FakeMemcpyAttributes;
 
-// cudaMemcpyBatchAsync with CUDA 12.8's signature. One queued operation whose copies execute in
-// reverse order (CUDA orders the batch as a whole in the stream, and nothing within it).
+EXPORT void fakecuda_count_dmabuf(void) { bump(kDmabufHandles, 1); }
+
+// cudaMemcpyBatchAsync with CUDA 12.8's signature, or with CUDA 13's when the reported runtime
+// version is >= 13000: 13.0 dropped failIdx, so its eighth argument is the stream (read here from
+// ``fail_idx``'s slot, as a CUDA 13 runtime would; the ninth is then not an argument at all).
+// A caller using the wrong signature for the version passes a pointer as the stream and gets
+// cudaErrorInvalidResourceHandle. One queued operation whose copies execute in reverse order
+// (CUDA orders the batch as a whole in the stream, and nothing within it).
 // Checked as CUDA documents: every copy covered by an attribute entry, attrsIdxs starting at 0
 // and increasing, a valid srcAccessOrder (1 stream, 2 during the call, 3 any). A poisoned range
 // fails the call with ``*failIdx`` = the copy's index.
@@ -727,6 +735,11 @@ EXPORT int cudaMemcpyBatchAsync(void** dsts, void** srcs, size_t* sizes, size_t 
                                 FakeMemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
                                 size_t* fail_idx, void* stream) {
   FAIL_POINT("cudaMemcpyBatchAsync");
+  if (__atomic_load_n(&runtime_version, __ATOMIC_RELAXED) >= 13000) {
+    stream = (void*)fail_idx;
+    fail_idx = NULL;
+    bump(kBatch13, 1);
+  }
   if (fail_idx != NULL) *fail_idx = (size_t)-1;
   if (count == 0 || dsts == NULL || srcs == NULL || sizes == NULL || attrs == NULL ||
       attrs_idxs == NULL || num_attrs == 0 || num_attrs > count || attrs_idxs[0] != 0)

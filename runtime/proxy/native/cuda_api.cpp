@@ -67,8 +67,14 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
   // Optional: the batch API (CUDA >= 12.8). Absent or another signature: the fallback.
   Status (*version)(int*) = reinterpret_cast<Status (*)(int*)>(dlsym(runtime_, "cudaRuntimeGetVersion"));
   if (version != nullptr && version(&runtime_version_) != 0) runtime_version_ = 0;
-  if (runtime_version_ >= 12080 && runtime_version_ < 13000)
-    memcpy_batch_ = reinterpret_cast<decltype(memcpy_batch_)>(dlsym(runtime_, "cudaMemcpyBatchAsync"));
+  void* batch = dlsym(runtime_, "cudaMemcpyBatchAsync");
+  if (batch != nullptr && runtime_version_ >= 13000)
+    memcpy_batch13_ = reinterpret_cast<decltype(memcpy_batch13_)>(batch);
+  else if (batch != nullptr && runtime_version_ >= 12080)
+    memcpy_batch_ = reinterpret_cast<decltype(memcpy_batch_)>(batch);
+  // Optional: dma-buf export of device memory (CUDA >= 11.7), for the verbs backend.
+  get_handle_ = reinterpret_cast<decltype(get_handle_)>(
+      dlsym(driver_, "cuMemGetHandleForAddressRange"));
   memcpy_2d_async = copy;  // last: loaded() is true only when every symbol resolved
   return "";
 }
@@ -168,9 +174,29 @@ void CudaApi::copy_batch(void* const* dsts, void* const* srcs, const size_t* siz
   size_t first = 0;
   failed = n;
   size_t blamed = static_cast<size_t>(-1);
+  if (memcpy_batch13_ != nullptr) {  // CUDA 13 names no failing copy
+    check(memcpy_batch13_(dsts, srcs, sizes, n, &attrs, &first, 1, stream), "cudaMemcpyBatchAsync");
+    return;
+  }
   const Status status = memcpy_batch_(dsts, srcs, sizes, n, &attrs, &first, 1, &blamed, stream);
   if (status != 0 && blamed < n) failed = blamed;
   check(status, "cudaMemcpyBatchAsync");
+}
+
+std::string CudaApi::dmabuf_fd(unsigned long long ptr, size_t bytes, int& fd) const {
+  constexpr int kDmaBufFd = 1;  // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+  fd = -1;
+  if (get_handle_ == nullptr) return "the CUDA driver has no cuMemGetHandleForAddressRange";
+  int handle = -1;
+  const int status = get_handle_(&handle, ptr, bytes, kDmaBufFd, 0);
+  if (status != 0) {
+    const char* text = nullptr;
+    if (driver_error_string_) driver_error_string_(status, &text);
+    return std::string("cuMemGetHandleForAddressRange failed: ") + (text ? text : "unknown") +
+           " (" + std::to_string(status) + ")";
+  }
+  fd = handle;
+  return "";
 }
 
 int CudaApi::enable_peers(int device) const {

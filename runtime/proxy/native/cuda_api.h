@@ -22,8 +22,12 @@ class CudaApi {
   std::string load(const std::vector<std::string>& runtime_libs,
                    const std::vector<std::string>& driver_libs);
   bool loaded() const { return memcpy_2d_async != nullptr; }
-  // cudaMemcpyBatchAsync was found, with the signature this file calls (CUDA 12.8..12.9).
-  bool has_batch() const { return memcpy_batch_ != nullptr; }
+  // cudaMemcpyBatchAsync was found and the runtime's version says which signature it has.
+  bool has_batch() const { return memcpy_batch_ != nullptr || memcpy_batch13_ != nullptr; }
+  // cuMemGetHandleForAddressRange was found (the verbs backend's dma-buf registration).
+  bool has_dmabuf() const { return get_handle_ != nullptr; }
+  // A dma-buf fd for [ptr, ptr + bytes) (page-aligned) in ``fd``; "" or why there is none.
+  std::string dmabuf_fd(unsigned long long ptr, size_t bytes, int& fd) const;
   int runtime_version() const { return runtime_version_; }
 
   // Each throws Failure{-1, ...} naming the call when CUDA reports an error.
@@ -75,11 +79,15 @@ class CudaApi {
   Status (*enable_peer_)(int, unsigned) = nullptr;
   Status (*last_error_)() = nullptr;
   // CUDA 12.8's cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs,
-  // failIdx, stream). CUDA 13 dropped failIdx from it, so it is used only when
-  // cudaRuntimeGetVersion reports 12.8 or 12.9 (calling it through the wrong signature would
-  // pass the stream as failIdx): elsewhere the proxy falls back to one cudaMemcpyAsync per copy.
+  // failIdx, stream). CUDA 13.0 dropped failIdx (8 arguments). The symbol's name is the same,
+  // so cudaRuntimeGetVersion picks the signature: calling one through the other would pass the
+  // stream as failIdx. Older runtimes: one cudaMemcpyAsync per copy.
   Status (*memcpy_batch_)(void* const*, void* const*, const size_t*, size_t, void*, size_t*,
                           size_t, size_t*, void*) = nullptr;
+  Status (*memcpy_batch13_)(void* const*, void* const*, const size_t*, size_t, void*, size_t*,
+                            size_t, void*) = nullptr;
+  // Driver: CUresult cuMemGetHandleForAddressRange(void*, CUdeviceptr, size_t, type, flags).
+  int (*get_handle_)(void*, unsigned long long, size_t, int, unsigned long long) = nullptr;
   int runtime_version_ = 0;
   void* runtime_ = nullptr;
   void* driver_ = nullptr;

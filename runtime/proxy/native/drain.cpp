@@ -133,6 +133,12 @@ void Drain::run() {
     mover.start_thread();
     Backoff backoff(idle_sleep_us);
     while (!abort_.load(std::memory_order_relaxed)) {
+      try {  // arrivals and send completions of the verbs backend, between batches
+        if (mover.poll_network() > 0) backoff.reset();
+      } catch (const Failure& f) {
+        err = {true, -1, f.message};  // no command of ours failed: the network did
+        break;
+      }
       int n = 0;
       try {
         n = peek();

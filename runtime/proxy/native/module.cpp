@@ -13,6 +13,7 @@
 
 #include "command.h"
 #include "drain.h"
+#include "verbs.h"
 #include "wire.h"
 
 namespace py = pybind11;
@@ -42,6 +43,31 @@ void check_words(int64_t rank, uint64_t ptr, int64_t n, size_t size) {
                           std::to_string(n) + " words at address " + std::to_string(ptr) +
                           " (need n >= 0 and a non-null address aligned to " +
                           std::to_string(size) + " bytes)");
+}
+
+py::dict region_dict(const NicRegion& r) {
+  py::dict d;
+  d["addr"] = r.addr;
+  d["length"] = r.length;
+  d["lkey"] = r.lkey;
+  d["rkey"] = r.rkey;
+  d["memory"] = nic_memory_name(r.memory);
+  return d;
+}
+
+py::dict nic_stats(const Nic& n) {
+  py::dict d;
+  d["post_calls"] = n.stats.post_calls;
+  d["wrs"] = n.stats.wrs;
+  d["imms"] = n.stats.imms;
+  d["signaled"] = n.stats.signaled;
+  d["send_completions"] = n.stats.send_completions;
+  d["recv_completions"] = n.stats.recv_completions;
+  d["staged_copies"] = n.stats.staged_copies;
+  d["staged_bytes"] = n.stats.staged_bytes;
+  d["stage_waits"] = n.stats.stage_waits;
+  d["max_chain"] = n.max_chain;
+  return d;
 }
 
 // The GPU's side of the FIFO protocol, for tests and benchmarks: claim a ticket with a
@@ -102,6 +128,52 @@ PYBIND11_MODULE(_drain, m) {
   m.attr("PLACE_HOST") = int(Place::kHost);
   m.attr("PLACE_CUDA") = int(Place::kCuda);
   m.attr("PLACE_SOCKET") = int(Place::kSocket);
+  m.attr("PLACE_VERBS") = int(Place::kVerbs);
+  // A Failure thrown while setting up (the NIC's calls) reaches Python as RuntimeError; the
+  // Python side turns it into a named error (RdmaUnavailableError or ProxyError).
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Failure& f) {
+      PyErr_SetString(PyExc_RuntimeError, f.message.c_str());
+    }
+  });
+
+  py::class_<Nic, std::shared_ptr<Nic>>(m, "Nic", "One RDMA NIC port of the verbs backend "
+                                                  "(verbs.h); set up from Python, then handed "
+                                                  "to ONE Drain (use_verbs)")
+      .def(py::init<>())
+      .def("open", &Nic::open, py::arg("libs"), py::arg("device"), py::arg("port"),
+           py::arg("gid_index"), py::arg("depth"), py::arg("max_peers"))
+      .def("use_cuda", &Nic::use_cuda, py::arg("runtime_libs"), py::arg("driver_libs"))
+      .def("register_host", [](Nic& n, uint64_t addr, uint64_t bytes) {
+        return region_dict(n.register_host(addr, bytes));
+      })
+      .def("register_gpu", [](Nic& n, uint64_t addr, uint64_t bytes, const std::string& mode) {
+        return region_dict(n.register_gpu(addr, bytes, mode));
+      })
+      .def("create_qp", [](Nic& n, int64_t local, int64_t peer) {
+        const QpAddress a = n.create_qp(local, peer);
+        py::dict d;
+        d["qp_num"] = a.qp_num;
+        d["psn"] = a.psn;
+        d["lid"] = a.lid;
+        d["gid"] = py::bytes(a.gid);
+        return d;
+      })
+      .def("connect", [](Nic& n, int64_t local, int64_t peer, uint32_t qp_num, uint32_t psn,
+                         uint16_t lid, const py::bytes& gid) {
+        n.connect(local, peer, QpAddress{qp_num, psn, lid, std::string(gid)});
+      }, py::arg("local"), py::arg("peer"), py::arg("qp_num"), py::arg("psn"), py::arg("lid"),
+         py::arg("gid"))
+      .def("connected", &Nic::connected)
+      .def_property_readonly("device", &Nic::device_name)
+      .def_property("staging_bytes", [](const Nic& n) { return n.staging_bytes; },
+                    [](Nic& n, uint64_t v) {
+                      if (v < 4096) throw py::value_error("staging_bytes must be >= 4096");
+                      n.staging_bytes = v;
+                    })
+      .def("stats", &nic_stats);
 
   m.def("atomic_add", [](uint64_t address, int64_t delta) {
     return __atomic_add_fetch(reinterpret_cast<int64_t*>(address), delta, __ATOMIC_ACQ_REL);
@@ -155,6 +227,35 @@ PYBIND11_MODULE(_drain, m) {
         d.mover.cuda_device = device;
         return std::string();
       })
+      .def("use_verbs", [](Drain& d, std::shared_ptr<Nic> nic) {
+        if (d.started()) throw py::value_error("use_verbs after the loop started");
+        if (d.mover.n_streams > 1)
+          throw py::value_error("the verbs backend raises GPU flags from one stream: streams "
+                                "must be 1 with it (Settings.proxy_streams)");
+        nic->abort = d.mover.abort;
+        nic->timeout_s = d.mover.send_timeout_s;
+        d.mover.nic = std::move(nic);
+      })
+      .def("add_remote_buffer", [](Drain& d, int64_t rank, int64_t index, uint64_t addr,
+                                   uint32_t rkey, int64_t rows, int64_t cols, int64_t row_bytes,
+                                   int64_t itemsize, const std::string& dtype, bool writable) {
+        RankMemory& m = d.mover.rank(rank);
+        if (m.place != Place::kNone && m.place != Place::kVerbs)
+          throw py::value_error("rank " + std::to_string(rank) + " is registered in two places");
+        if (rows < 0 || cols < 0 || itemsize <= 0 || row_bytes < cols * itemsize)
+          throw py::value_error("remote buffer " + std::to_string(index) + " of rank " +
+                                std::to_string(rank) + ": bad shape or stride");
+        m.place = Place::kVerbs;
+        Buffer b{reinterpret_cast<uint8_t*>(addr), rows, cols, row_bytes, itemsize, dtype};
+        b.rkey = rkey;
+        b.writable = writable;
+        m.buffers[index] = b;
+      }, py::arg("rank"), py::arg("index"), py::arg("addr"), py::arg("rkey"), py::arg("rows"),
+         py::arg("cols"), py::arg("row_bytes"), py::arg("itemsize"), py::arg("dtype"),
+         py::arg("writable"))
+      .def("set_remote_events", [](Drain& d, int64_t rank, int64_t n) {
+        d.mover.rank(rank).n_events = n;  // bounds the event ids sent to it
+      })
       .def_property("bytes_per_s", [](const Drain& d) { return d.mover.bytes_per_s; },
                     [](Drain& d, double v) { d.mover.bytes_per_s = v; })
       .def_property("flag_copy", [](const Drain& d) { return d.mover.flag_copy; },
@@ -169,6 +270,8 @@ PYBIND11_MODULE(_drain, m) {
                       // the loop creates its streams when it starts
                       if (d.started())
                         throw py::value_error("streams is fixed once the loop has started");
+                      if (n > 1 && d.mover.nic != nullptr)
+                        throw py::value_error("streams must be 1 with the verbs backend");
                       if (n < 1 || n > 64)
                         throw py::value_error("streams must be in [1, 64], got " +
                                               std::to_string(n));
@@ -181,8 +284,8 @@ PYBIND11_MODULE(_drain, m) {
                       d.mover.allow_batch = v;
                     })
       .def_property_readonly("batch_api", [](const Drain& d) { return d.mover.batch_api(); },
-                             "cudaMemcpyBatchAsync will be used (several streams, a CUDA 12.8 "
-                             "or 12.9 runtime that has it, allow_batch)")
+                             "cudaMemcpyBatchAsync will be used (several streams, a CUDA runtime "
+                             ">= 12.8 that has it, allow_batch)")
       .def_property_readonly("cuda_runtime_version",
                              [](const Drain& d) { return d.mover.cuda.runtime_version(); })
       .def_property("doorbell_fd", [](const Drain& d) { return d.mover.doorbell_fd; },

@@ -30,6 +30,7 @@ const char* place_name(Place p) {
     case Place::kHost: return "host";
     case Place::kCuda: return "cuda";
     case Place::kSocket: return "socket";
+    case Place::kVerbs: return "verbs";
     default: return "none";
   }
 }
@@ -104,9 +105,23 @@ void Mover::check_write(const Command& c) const {
   if (sp == Place::kCuda && !cuda.loaded())
     fail("rank " + std::to_string(c.src_rank) +
          " has CUDA memory but this proxy loaded no CUDA libraries (Drain.use_cuda)");
-  if ((sp == Place::kCuda) != (dp == Place::kCuda))
+  if (dp == Place::kVerbs) {
+    if (nic == nullptr)
+      fail("rank " + std::to_string(c.dst_rank) + " is a verbs peer but no NIC is attached");
+    if (!d.writable)
+      fail("rank " + std::to_string(c.dst_rank) + " buffer " + std::to_string(c.dst.buffer) +
+           " is GPU memory its NIC could not register (no dma-buf, no nvidia-peermem): verbs "
+           "cannot write into it; host staging covers only the sending side");
+    const int64_t span = (c.src.rows() - 1) * s.row_bytes + c.src.cols() * s.itemsize;
+    const NicRegion* r =
+        nic->find(s.base + c.src.row0 * s.row_bytes + c.src.col0 * s.itemsize, span);
+    if (r == nullptr)
+      fail("source " + c.src.str() + " of rank " + std::to_string(c.src_rank) + " is " +
+           place_name(sp) + " memory the NIC has not registered");
+  } else if ((sp == Place::kCuda) != (dp == Place::kCuda)) {
     fail(std::string("no path from ") + place_name(sp) + " memory to " + place_name(dp) +
          " memory");
+  }
   if (s.dtype != d.dtype) fail("source is " + s.dtype + " but destination is " + d.dtype);
   if (c.bytes != c.src.numel() * s.itemsize)
     fail("bytes=" + std::to_string(c.bytes) + " but the (" + std::to_string(c.src.rows()) +
@@ -119,6 +134,7 @@ void Mover::check_write(const Command& c) const {
 void Mover::start_thread() {
   if (cuda_device < 0) return;
   cuda.set_device(cuda_device);
+  if (nic != nullptr) nic->start(cuda_device);  // its staging ring, if GPU memory is staged
   // Without peer access a copy into another GPU's memory is staged through the host: measured
   // on H200 as ~40 us per copy whatever its size (benchmarks/NOTES.md).
   cuda.enable_peers(cuda_device);
@@ -318,6 +334,9 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
     for (int64_t e : events) defer_raise(dst_rank, e);  // stream order: after the copy
   } else if (dm.place == Place::kSocket) {
     send_frame(src_rank, dst_rank, wire::kWrite, dst, events, epoch, &src);
+  } else if (dm.place == Place::kVerbs) {
+    write_verbs(src_rank, s, src, dst_rank, d, dst, events, done);
+    done_raised = true;
   } else {
     fail("rank " + std::to_string(dst_rank) + " has no registered memory");
   }
@@ -337,6 +356,12 @@ void Mover::signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t ep
     fail("rank " + std::to_string(dst_rank) + " has no registered memory");
   if (it->second.place == Place::kSocket) {
     send_frame(src_rank, dst_rank, wire::kSignal, Rect{}, {event}, epoch, nullptr);
+  } else if (it->second.place == Place::kVerbs) {
+    check_event(dst_rank, event, "event");
+    if (nic == nullptr)
+      fail("rank " + std::to_string(dst_rank) + " is a verbs peer but no NIC is attached");
+    // Zero bytes: the address and key are not used, only the immediate.
+    nic->queue_write(src_rank, dst_rank, 0, 0, 0, 0, 0, event);
   } else {
     check_event(dst_rank, event, "event");
     defer_raise(dst_rank, event, multi() ? stream_index(lane) : 0, index);
@@ -404,7 +429,59 @@ void Mover::send_frame(int64_t src_rank, int64_t dst_rank, int kind, const Rect&
     send_frame(src_rank, dst_rank, wire::kSignal, Rect{}, {events[i]}, epoch, nullptr);
 }
 
+void Mover::write_verbs(int64_t src_rank, const Buffer& s, const Rect& src, int64_t dst_rank,
+                        const Buffer& d, const Rect& dst, const std::vector<int64_t>& events,
+                        const std::vector<int64_t>& done) {
+  const int64_t width = src.cols() * s.itemsize, rows = src.rows();
+  const uint8_t* from = s.base + src.row0 * s.row_bytes + src.col0 * s.itemsize;
+  const NicRegion* reg = nic->find(from, static_cast<uint64_t>((rows - 1) * s.row_bytes + width));
+  uint64_t pitch = static_cast<uint64_t>(s.row_bytes);
+  uint32_t lkey = 0;
+  const bool staged = reg->memory == NicMemory::kStaged;  // check_write found the region
+  if (staged) {  // GPU memory the NIC cannot read: through the bounce ring, dense
+    from = nic->stage(from, pitch, static_cast<uint64_t>(width), static_cast<uint64_t>(rows),
+                      src_rank, dst_rank);
+    pitch = static_cast<uint64_t>(width);
+    lkey = nic->stage_lkey();
+  } else {
+    lkey = reg->lkey;
+  }
+  const uint64_t raddr = reinterpret_cast<uint64_t>(d.base) +
+                         static_cast<uint64_t>(dst.row0 * d.row_bytes + dst.col0 * d.itemsize);
+  const int64_t first = events.empty() ? -1 : events[0];
+  const auto laddr = reinterpret_cast<uint64_t>(from);
+  if (rows == 1 || (static_cast<uint64_t>(width) == pitch && width == d.row_bytes)) {
+    nic->queue_write(src_rank, dst_rank, laddr, static_cast<uint64_t>(width * rows), lkey, raddr,
+                     d.rkey, first);
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      nic->queue_write(src_rank, dst_rank, laddr + static_cast<uint64_t>(r) * pitch,
+                       static_cast<uint64_t>(width), lkey,
+                       raddr + static_cast<uint64_t>(r * d.row_bytes), d.rkey,
+                       r + 1 == rows ? first : -1);
+  }
+  for (size_t i = 1; i < events.size(); ++i)  // zero-length writes, each with one event
+    nic->queue_write(src_rank, dst_rank, 0, 0, 0, 0, 0, events[i]);
+  if (staged) nic->seal_stage(src_rank, dst_rank);
+  for (int64_t e : done) nic->queue_done(src_rank, dst_rank, e);
+}
+
+int Mover::poll_network() {
+  if (nic == nullptr) return 0;
+  const int n = nic->poll();
+  const auto events = nic->take_events();
+  if (events.empty()) return n;
+  for (const auto& [rank, event] : events) {
+    check_event(rank, event, "event arriving over verbs,");
+    defer_raise(rank, event);  // stream 0 with several streams: this proxy is the word's writer
+  }
+  end_batch();  // raises them (host adds, or GPU flag writes on this proxy's stream)
+  return n;
+}
+
 void Mover::end_batch() {
+  // The batch's verbs requests go out first, one chain per queue pair.
+  if (nic != nullptr) nic->flush();
   // Normally raise_ready already raised everything; after a failure, the raises of the commands
   // that did execute are still owed. Cleared first so a failing raise leaves no stale batch.
   std::vector<PendingRaise> left(pending_.begin() + static_cast<long>(emitted_), pending_.end());
@@ -440,6 +517,10 @@ void Mover::end_batch() {
 }
 
 void Mover::finish() {
+  if (nic != nullptr) {  // every write of ours read its source, every "sent" event raised
+    nic->quiesce(send_timeout_s, abort);
+    poll_network();
+  }
   if (stream_ != nullptr) cuda.synchronize(stream_);
   for (StreamState& st : streams_)
     if (st.stream != nullptr) cuda.synchronize(st.stream);
@@ -559,3 +640,8 @@ void Mover::flush_raises(StreamState& st) {
 }
 
 }  // namespace mgraph
+
+// setup.py compiles four sources (module, drain, mover, cuda_api); the verbs backend is compiled
+// as part of this one until that list names verbs.cpp and verbs_api.cpp as well.
+#include "verbs.cpp"      // NOLINT(build/include)
+#include "verbs_api.cpp"  // NOLINT(build/include)

@@ -8,7 +8,10 @@
 //   cuda   - GPU memory (own or CUDA-IPC-mapped peer): cudaMemcpy2DAsync on the proxy's stream,
 //            events are cuStreamWriteValue32 stores of a running count (no SM involved);
 //   socket - a peer process reached over a connected TCP socket: one frame per write (header,
-//            event ids, payload; runtime/proxy/tcp.py receives it), shapes only are known here.
+//            event ids, payload; runtime/proxy/tcp.py receives it), shapes only are known here;
+//   verbs  - a peer rank reached over an RDMA queue pair (verbs.h): RDMA WRITE WITH IMMEDIATE
+//            into its registered buffers, whose addresses and rkeys are known here; its proxy
+//            raises the events when the immediates arrive (poll_network on its side).
 // Every region is bounds-checked against the registered shape before a byte moves, so a bad
 // command is rejected instead of writing outside a buffer.
 //
@@ -38,6 +41,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -45,15 +49,20 @@
 
 #include "command.h"
 #include "cuda_api.h"
+#include "verbs.h"
 
 namespace mgraph {
 
-enum class Place : int { kNone = 0, kHost = 1, kCuda = 2, kSocket = 3 };
+enum class Place : int { kNone = 0, kHost = 1, kCuda = 2, kSocket = 3, kVerbs = 4 };
 
 struct Buffer {
   uint8_t* base = nullptr;  // null for a socket peer's buffer: its shape is all we know
   int64_t rows = 0, cols = 0, row_bytes = 0, itemsize = 0;
   std::string dtype;
+  // verbs peer: ``base`` is the peer's address, ``rkey`` its key; ``writable`` false for GPU
+  // memory its NIC could not register (staged: it can send from it, nobody can write into it).
+  uint32_t rkey = 0;
+  bool writable = true;
 };
 
 struct RankMemory {
@@ -114,7 +123,12 @@ class Mover {
   // By destination rank: (bytes, writes), for the transport's per-link counters.
   std::unordered_map<int64_t, std::pair<int64_t, int64_t>> sent_to;
 
+  std::shared_ptr<Nic> nic;     // the verbs backend, when a verbs transport attached one
+
   RankMemory& rank(int64_t r) { return ranks[r]; }
+  // Completions of the verbs backend: raises the events that arrived and the "sent" events of
+  // finished batches; returns how many completions it saw (0 without a NIC).
+  int poll_network();
   const Buffer& check_region(int64_t rank, const Rect& rect, const char* role) const;
   void check_write(const Command& c) const;
   void check_event(int64_t rank, int64_t event, const char* what) const;
@@ -195,6 +209,9 @@ class Mover {
   void flush_raises(StreamState& st);
   void raise_now(const EventKey& key, int64_t count);
   void pace(int64_t nbytes);
+  void write_verbs(int64_t src_rank, const Buffer& s, const Rect& src, int64_t dst_rank,
+                   const Buffer& d, const Rect& dst, const std::vector<int64_t>& events,
+                   const std::vector<int64_t>& done);
   void send_frame(int64_t src_rank, int64_t dst_rank, int kind, const Rect& dst,
                   const std::vector<int64_t>& events, int64_t epoch, const Rect* src);
 };
