@@ -125,14 +125,18 @@ def data_streams(rows: torch.Tensor, transport: FakeCudaTransport) -> set[int]:
     }
 
 
-@pytest.mark.parametrize("batch", [True, False], ids=["batch-api", "fallback"])
+@pytest.mark.parametrize(
+    "version", [12080, 13000, 12040], ids=["batch-api-12.8", "batch-api-13.0", "fallback"]
+)
 @pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
 @pytest.mark.parametrize("flag_copy", [True, False], ids=["copy-flags", "store-flags"])
 def test_data_lands_before_its_flags_on_every_stream(
-    fake: FakeCuda, flag_copy: bool, delay_us: int, batch: bool
+    fake: FakeCuda, flag_copy: bool, delay_us: int, version: int
 ) -> None:
-    if not batch:
-        fake.set_runtime_version(12040)  # before cudaMemcpyBatchAsync: the fallback
+    # 12.8 and 13.0 differ in cudaMemcpyBatchAsync's signature (13.0 dropped failIdx): the fake
+    # reads its arguments as the reported version's, so the wrong one fails the run.
+    fake.set_runtime_version(version)
+    batch = version >= 12080
     fake.set_delay_us(delay_us)
     fake.start_trace(100_000)
     plan = lane_plan()
@@ -161,6 +165,7 @@ def test_data_lands_before_its_flags_on_every_stream(
         assert fake.stat("enq_store") == 0
     else:
         assert s["flag_copies"] == s["raises"] == fake.stat("enq_store")
+    assert fake.stat("batch13") == (s["batch_calls"] if version >= 13000 else 0)
     if batch:
         assert s["batch_calls"] > 0 and fake.stat("enq_batch") == s["batch_calls"]
     else:
