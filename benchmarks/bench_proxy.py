@@ -409,6 +409,26 @@ def table(rows: list[dict], cpu: bool) -> str:
     return "\n".join(lines) + "\n" + (note if cpu else "")
 
 
+def summary(rows: list[dict]) -> str:
+    """Issue 15's three numbers per setting (flag mode, streams): GB/s of 256 KiB WRITEs
+    uncapped, 64 KiB WRITE drain commands/s, loopback push-to-flag median of the smallest chunk."""
+    lines = ["| flags | streams | 256 KiB uncapped GB/s | 64 KiB WRITE drain k cmd/s | "
+             "loopback push->flag median us |", "|---" * 5 + "|"]  # fmt: skip
+    settings = dict.fromkeys((r["flags"], r.get("streams", 1)) for r in rows if r["kind"] != "nop")
+    for flags, streams in settings:
+        mine = [r for r in rows if r["ok"] and (r["flags"], r.get("streams", 1)) == (flags, streams)]
+        bw = [r["gb_per_s"] for r in mine if r["bench"] == "bandwidth" and not r["cap_gbps"]
+              and r["chunk_bytes"] == 256 * KiB]  # fmt: skip
+        drain = [r["commands_per_s"] / 1e3 for r in mine if r["bench"] == "drain"
+                 and r["kind"] == "write"]  # fmt: skip
+        lat = sorted((r["chunk_bytes"], r["latency_us_median"]) for r in mine
+                     if r["bench"] == "latency" and r["path"] == "loopback")  # fmt: skip
+        cell = [f"{bw[0]}" if bw else "-", f"{drain[0]:.1f}" if drain else "-",
+                f"{lat[0][1]} ({lat[0][0] // KiB} KiB)" if lat else "-"]  # fmt: skip
+        lines.append(f"| {flags} | {streams} | " + " | ".join(cell) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for bench_proxy.json / .md")
@@ -440,7 +460,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_proxy.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = table(rows, args.cpu)
+    md = table(rows, args.cpu) + "\n" + summary(rows)
     (out / "bench_proxy.md").write_text(md)
     print(md, flush=True)
     failed = [r for r in rows if not r["ok"]]
