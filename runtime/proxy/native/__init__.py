@@ -3,7 +3,8 @@
 The hot path of the host proxy is a std::thread that never takes the GIL (drain.h): it polls
 the CommandFifo's ring, batches up to ``batch`` commands, merges neighbouring tiles bound for one
 destination into one transfer, executes them through a native data path (host memmove, a TCP
-frame, or cudaMemcpy2DAsync + cuStreamWriteValue32 for cuda_ipc) and advances the tail. A
+frame, cudaMemcpy2DAsync + cuStreamWriteValue32 for cuda_ipc, or RDMA WRITE WITH IMMEDIATE
+through a NIC a ``NativeVerbsTransport`` attached: verbs.h) and advances the tail. A
 Python loop was measured at 3-33 k commands/s (GPU.md), far below the 200 k/s a 50 GB/s link
 needs at 256 KiB chunks.
 
