@@ -129,9 +129,11 @@ from mgraph.ops.abi import (  # noqa: E402
     F_READ0,
     F_WRITE0,
     buffer_base,
+    load_f32,
     load_region,
     param_f32,
     param_i32,
+    store_any,
 )
 
 _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
@@ -155,6 +157,78 @@ def axpb_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.
     x = tl.load(src + (sm0 + om)[:, None] * sc + (sn0 + on)[None, :], mask=mask)
     y = (alpha * x.to(tl.float32) + beta).to(DT)
     tl.store(dst + (dm0 + om)[:, None] * dc + (dn0 + on)[None, :], y, mask=mask)
+
+
+@triton.jit
+def scale_f32_tile(tp, params, regions, bufaddr, bufcols, bufdt, DT: tl.constexpr,
+                   RB_M: tl.constexpr, RB_N: tl.constexpr):
+    """write = alpha * read, each in its buffer's own dtype (bufdt)"""
+    s, sm0, sm1, sn0, sn1 = load_region(regions, tl.load(tp + _READ0))
+    d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
+    om = tl.arange(0, RB_M)
+    on = tl.arange(0, RB_N)
+    mask = (om < sm1 - sm0)[:, None] & (on < sn1 - sn0)[None, :]
+    x = load_f32(bufaddr, bufdt, s, (sm0 + om)[:, None] * tl.load(bufcols + s) + (sn0 + on)[None, :],
+                 mask, DT)
+    store_any(bufaddr, bufdt, d, (dm0 + om)[:, None] * tl.load(bufcols + d) + (dn0 + on)[None, :],
+              param_f32(params, tp, 0) * x, mask, DT)
+
+
+def mixed_dtypes() -> None:
+    """A bfloat16 graph with float32 buffers (partials): a body taking ``bufdt`` reads and
+    writes each buffer in its own dtype; a kind whose body does not is refused before launch."""
+    from mgraph.builder import GraphBuilder, piece
+    from mgraph.errors import DTypeError
+    from mgraph.kinds import Role, define_kind
+    from mgraph.topology import Topology
+
+    spec = define_kind("scale_f32_test", [Role.COMPUTE], "write = alpha * read, any dtypes",
+                       params=("alpha",))
+
+    @spec.cpu
+    def _cpu(task, reads, writes):
+        writes[0].copy_(task.params["alpha"] * reads[0].float())
+
+    @spec.flops
+    def _flops(reads, writes, params):
+        return 0.0
+
+    spec.triton(scale_f32_tile)
+
+    def build(kind):
+        b = GraphBuilder("mixed", Topology.parse("1x1"), "bfloat16", {})
+        b.global_input("x", (64, 64), dtype="float32")
+        b.global_output("out", (64, 64))
+        x = b.bound_buffer("x", 0, "x", [piece((64, 64))])
+        mid = b.buffer("mid", 0, 64, 64, dtype="float32")
+        out = b.bound_buffer("out", 0, "out", [piece((64, 64))], role="output")
+        e = b.event(0, "mid ready")
+        params = {"alpha": 3.0} if kind == "scale_f32_test" else {}
+        for src, dst, ev_in, ev_out, a in ((x, mid, None, e, 3.0), (mid, out, e, None, 0.5)):
+            b.task(0, Role.COMPUTE, kind, [src.region()], [dst.region()],
+                   waits=[] if ev_in is None else [(ev_in, 1)],
+                   signals=[] if ev_out is None else [ev_out],
+                   params={"alpha": a} if params else {}, name=f"{src.name}->{dst.name}")
+        return b.finish()
+
+    graph = build("scale_f32_test")
+    graph.validate()
+    xs = torch.randn(64, 64)
+    rt = TritonRuntime(mg.schedule(graph), interpret=True)
+    got = rt.run({"x": xs}).outputs["out"]
+    want = (1.5 * xs).to(torch.bfloat16)
+    mid = rt.views["mid@0"].reshape(64, 64)  # float32 partials, exact: 3 x is one fp32 rounding
+    refused = ""
+    try:
+        TritonRuntime(mg.schedule(build("copy")), interpret=True)
+    except DTypeError as exc:
+        refused = str(exc)
+    print(json.dumps({"case": "mixed-dtypes", "dtype": str(got.dtype),
+                      "mid_dtype": str(mid.dtype), "mid_error": (mid - 3.0 * xs).abs().max().item(),
+                      "errors": [(mid - 3.0 * xs).abs().max().item()],
+                      "out_rel": ((got.float() - want.float()) / want.float().abs().clamp_min(1e-3))
+                      .abs().max().item(),
+                      "refused": refused}), flush=True)
 
 
 def custom_kind() -> None:
@@ -205,6 +279,9 @@ def main(names: list[str]) -> None:
         if name == "custom-kind":
             custom_kind()
             continue
+        if name == "mixed-dtypes":
+            mixed_dtypes()
+            continue
         if name == "network-epochs":
             network_epochs()
             continue
@@ -230,4 +307,4 @@ def main(names: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:] or [*CASES, "network-epochs", "network-bad-command", "kernel-watchdog",
-                           "custom-kind"])
+                           "custom-kind", "mixed-dtypes"])

@@ -199,7 +199,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 22, proc.stdout
+    assert len(rows) == 23, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at
@@ -220,6 +220,12 @@ def test_megakernel_under_the_interpreter_matches_torch():
     # dispatch, each task reading its own params.
     custom = next(r for r in rows if r["case"] == "custom-kind")
     assert custom["errors"][0] < 1e-6, custom
+    # Per-buffer dtypes: float32 partials in a bfloat16 graph, read and written as float32 by a
+    # body that takes bufdt; a body that does not (copy) is refused before launch.
+    mixed = next(r for r in rows if r["case"] == "mixed-dtypes")
+    assert mixed["dtype"] == "torch.bfloat16" and mixed["mid_dtype"] == "torch.float32", mixed
+    assert mixed["mid_error"] < 1e-6 and mixed["out_rel"] <= 2**-7, mixed  # one bf16 ulp
+    assert "copy" in mixed["refused"] and "float32 buffer" in mixed["refused"], mixed
     dog = next(r for r in rows if r["case"] == "kernel-watchdog")
     assert dog["outcome"] == "WatchdogTimeout", dog
     assert f"event {dog['event']!r} (rank {dog['rank']})" in dog["message"], dog

@@ -11,7 +11,9 @@ The encoder (mgraph/runtime/megakernel/encode.py) writes these int32 tables and 
 - waits   [Wn, WAIT_FIELDS]: event slot, count, signals per launch (target = (epoch-1)*total+count),
   and 1 when a signaller runs on another GPU (the wait then needs system scope)
 - signals [Sn, SIGNAL_FIELDS]: event slot, and 1 when the event lives on another GPU
-- buffer tables per slot: address (int64), rows, cols (int32); event table: address (int64)
+- buffer tables per slot: address (int64), rows, cols, dtype code (int32: 0 the graph's dtype,
+  1 float32; bodies that take ``bufdt`` read and write through load_f32/store_any); event
+  table: address (int64)
 """
 
 from __future__ import annotations
@@ -136,4 +138,23 @@ if HAVE_TRITON:
         """Float param ``index`` of the task whose row is ``tp`` (stored as float32 bits)."""
         return tl.load(params + tl.load(tp + _PARAM0) + index).to(tl.float32, bitcast=True)
 
-    __all__ += ["load_region", "buffer_base", "param_i32", "param_f32"]
+    @triton.jit
+    def load_f32(bufaddr, bufdt, slot, offsets, mask, DT: tl.constexpr):
+        """Elements ``offsets`` of buffer ``slot`` as float32, whether the slot holds the graph's
+        dtype or float32 (``bufdt``: 0 = DT, 1 = float32); masked-off lanes read 0."""
+        if tl.load(bufdt + slot) == 1:
+            x = tl.load(buffer_base(bufaddr, slot, tl.float32) + offsets, mask=mask, other=0.0)
+        else:
+            x = tl.load(buffer_base(bufaddr, slot, DT) + offsets, mask=mask, other=0.0)
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def store_any(bufaddr, bufdt, slot, offsets, value, mask, DT: tl.constexpr):
+        """Store ``value`` at ``offsets`` of buffer ``slot`` in the slot's own dtype."""
+        if tl.load(bufdt + slot) == 1:
+            tl.store(buffer_base(bufaddr, slot, tl.float32) + offsets, value.to(tl.float32), mask=mask)
+        else:
+            tl.store(buffer_base(bufaddr, slot, DT) + offsets, value.to(DT), mask=mask)
+
+    __all__ += ["load_region", "buffer_base", "param_i32", "param_f32", "load_f32", "store_any"]

@@ -42,6 +42,7 @@ ABI_NAMES = {
     "bufaddr": "int64 address per buffer slot (this GPU's or a peer's memory)",
     "bufrows": "rows per buffer slot",
     "bufcols": "columns per buffer slot",
+    "bufdt": "dtype code per buffer slot: 0 the graph's dtype (DT), 1 float32 (partials)",
     "ad0": "TMA descriptor of the rank's most used GEMM A buffer",
     "bd0": "TMA descriptor of the rank's most used GEMM B buffer",
     "a0_slot": "buffer slot of ad0",

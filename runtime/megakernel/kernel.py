@@ -314,7 +314,7 @@ def _signal_segments(pid, nprog, segpos, nstatic, tasks, signals, evaddr,
 
 @triton.jit
 def megakernel(
-    tasks, regions, waits, signals, param_table, bufaddr, bufrows, bufcols, evaddr,
+    tasks, regions, waits, signals, param_table, bufaddr, bufrows, bufcols, bufdt, evaddr,
     queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch_ptr, rank, limit, err, abort,
     go,
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,

@@ -51,6 +51,41 @@ GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8}
 RB_M, RB_N = 64, 256
 
 
+# Per-buffer dtypes: a buffer holds the graph's data dtype (DT in the kernel) or float32 (a
+# kernel's partials: attention's running max/sum, MoE routing weights). Code per slot in ``bufdt``.
+DT_DATA, DT_F32 = 0, 1
+
+
+def buffer_dtype_code(graph: TaskGraph, dtype: str) -> int:
+    return DT_DATA if dtype == graph.dtype else DT_F32
+
+
+def _check_dtypes(graph: TaskGraph) -> None:
+    """Buffers are the graph's dtype or float32; a float32 buffer is touched only by kinds whose
+    Triton body takes ``bufdt`` (the others cast every address to DT), never by the GEMM path."""
+    for b in graph.buffers.values():
+        if b.dtype not in (graph.dtype, "float32"):
+            raise DTypeError(
+                f"{graph.op}: buffer {b.id} is {b.dtype}; backend='triton' holds buffers of the "
+                f"graph's dtype ({graph.dtype}) or float32",
+                hint="store partials as float32 and data in the graph's dtype",
+            )
+    if all(b.dtype == graph.dtype for b in graph.buffers.values()):
+        return
+    for t in graph.tasks:
+        if t.role == "rdma":
+            continue  # the proxy moves bytes
+        for r in (*t.reads, *t.writes):
+            if graph.buffers[r.buffer].dtype == graph.dtype:
+                continue
+            if t.kind == TaskKind.GEMM.value or "bufdt" not in body_params(t.kind):
+                raise DTypeError(
+                    f"{graph.op}: task {t.id} ({t.kind}) touches float32 buffer {r.buffer} but its "
+                    f"Triton body reads every buffer as {graph.dtype}",
+                    hint="give the body a `bufdt` parameter and cast float32 slots accordingly",
+                )
+
+
 def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[str, torch.Tensor]:
     """``rank``'s buffers (by id) as 2-D views of its arena (its own, or a peer's mapped one)."""
     views = {}
@@ -179,9 +214,7 @@ class TritonRuntime:
                 f"{graph.op}: backend='triton' has no tile bodies for {sorted(unsupported)} yet",
                 hint="run this op on backend='reference'",
             )
-        dtypes = {b.dtype for b in graph.buffers.values()}
-        if len(dtypes) != 1:
-            raise DTypeError(f"{graph.op}: backend='triton' needs one dtype, graph has {dtypes}")
+        _check_dtypes(graph)
         # TMA (16-byte aligned rows) is used only for what GEMM tasks read and write; the other
         # bodies use masked pointer loads and stores (a row reduction's [rows, 1] output).
         tma = {r.buffer for t in graph.tasks if t.kind == TaskKind.GEMM.value
@@ -243,6 +276,9 @@ class TritonRuntime:
         )
         self.bufrows = torch.tensor([graph.buffers[b].rows for b in t.slots] or [0], dtype=torch.int32)
         self.bufcols = torch.tensor([graph.buffers[b].cols for b in t.slots] or [0], dtype=torch.int32)
+        self.bufdt = torch.tensor(
+            [buffer_dtype_code(graph, graph.buffers[b].dtype) for b in t.slots] or [0], dtype=torch.int32
+        )
         self.evaddr = torch.tensor(
             [flag_ptrs[graph.events[e].rank] + 4 * lay.event_index[e] for e in t.event_slots] or [0],
             dtype=torch.int64,
@@ -284,7 +320,7 @@ class TritonRuntime:
                 tasks=t.tasks, regions=t.regions, waits=t.waits, signals=t.signals,
                 params=t.params,
                 queues=t.queues, qinfo=t.qinfo, roles=t.roles, bufaddr=self.bufaddr,
-                bufrows=self.bufrows, bufcols=self.bufcols, evaddr=self.evaddr,
+                bufrows=self.bufrows, bufcols=self.bufcols, bufdt=self.bufdt, evaddr=self.evaddr,
                 peer_flags=self.peer_flags, netaddr=self.netaddr, netfirst=self.netfirst,
                 netn=self.netn,
                 exitaddr=self.exitaddr, exitcount=self.exitcount, startaddr=self.startaddr,
@@ -388,7 +424,7 @@ class TritonRuntime:
         ksizes = {int(r[S_K1]) - int(r[S_K0]) for r in t.segs.tolist()}
         tables = {name: d[name] for name in (
             "tasks", "regions", "waits", "signals", "params", "bufaddr", "bufrows", "bufcols",
-            "evaddr", "queues", "qinfo", "roles", "heads", "segs", "segpos", "segwaits", "err",
+            "bufdt",            "evaddr", "queues", "qinfo", "roles", "heads", "segs", "segpos", "segwaits", "err",
             "abort", "go", "peer_flags", "trace", "cmds", "startaddr", "netaddr", "netfirst",
             "netn", "exitaddr", "exitcount", "exitev", "exittotal")}
         tables["param_table"] = tables.pop("params")  # see kernel.megakernel
