@@ -24,8 +24,9 @@ runtimes use ns), so the kernel can follow it exactly (Triton's fp32 division is
 2. Otherwise each role keeps at least one worker, comm at most ``max_comm``, and no role gets more
    workers than it has tasks left to take (the rest would idle): comm in ``[lo, hi]``, lo = max(1,
    P - Lp), hi = min(P - 1, Ls, max_comm). If lo > hi, too few tasks are left to matter: every
-   split in [hi, lo] gives each remaining task a worker, so the split moves only as far as it must
-   to get into that range (no damping: this is a count, not a noisy measurement).
+   split in [hi, lo] serves the remaining tasks as well as any other, so the split moves only as
+   far as it must to get into that range (no damping: this is a count, not a noisy measurement;
+   with no previous decision it takes the target of step 3, clamped into the range).
 3. The target: comm = floor(P * Ws / (Wp + Ws) + 1/2) clamped to [lo, hi], W = L * C, L tasks
    left (saturated at ``LEFT_CAP``), C time per task: measured ``run // done`` once a task
    finished (at least 1), else the ``prior`` estimate, saturated at ``COST_CAP``. A role with
