@@ -74,6 +74,10 @@ class KindSpec:
     # The task params a tile body reads on the GPU, in order (each task's ``params[name]``,
     # an int or a float): the megakernel packs them into the task's row of its params table.
     params: tuple[str, ...] = ()
+    # The megakernel casts every buffer to the graph's dtype unless the body says otherwise: by
+    # taking ``bufdt`` (the dtype code per slot), or with ``own_dtypes`` (its lowering and body
+    # agree on each operand's dtype, e.g. MoE routing metadata is always float32).
+    own_dtypes: bool = False
 
     def _attach(self, facet: str, fn: Any) -> Any:
         if getattr(self, facet) is not None:
@@ -109,16 +113,19 @@ KINDS: dict[str, KindSpec] = {}
 
 
 def define_kind(
-    name: str, roles: Sequence[Role | str], doc: str, *, params: Sequence[str] = ()
+    name: str, roles: Sequence[Role | str], doc: str, *, params: Sequence[str] = (),
+    own_dtypes: bool = False,
 ) -> KindSpec:
     """Register a new task kind; a name defined twice is a RegistrationError. ``params``: the
-    task params its Triton body reads (abi.param_i32/param_f32 by position), in order."""
+    task params its Triton body reads (abi.param_i32/param_f32 by position), in order.
+    ``own_dtypes``: the body addresses each operand in the dtype its lowering gives it (without
+    it, a body that touches a float32 buffer in a bf16 graph must take ``bufdt``)."""
     if name in KINDS:
         raise RegistrationError(
             f"task kind {name!r} is already defined", hint="pick another name for the new kind"
         )
     spec = KindSpec(name=name, roles=frozenset(Role(r) for r in roles), doc=doc,
-                    params=tuple(params))
+                    params=tuple(params), own_dtypes=own_dtypes)
     KINDS[name] = spec
     return spec
 
@@ -140,6 +147,9 @@ define_kind(TaskKind.REDUCE.value, _ALL, "dst = sum of the read regions, fp32 ac
 define_kind(TaskKind.COPY.value, _ALL, "every written region = the one read region")
 define_kind(TaskKind.ATTN_BLOCK.value, [Role.COMPUTE], "online softmax update with one KV block")
 define_kind(TaskKind.ATTN_FINALIZE.value, [Role.COMPUTE], "attention output = acc / l")
-define_kind(TaskKind.MOE_ROUTE.value, [Role.COMPUTE], "top-k routing and packing of send slots")
-define_kind(TaskKind.MOE_EXPERT.value, [Role.COMPUTE], "SwiGLU expert over its routed rows")
-define_kind(TaskKind.MOE_COMBINE.value, [Role.COMPUTE], "weighted combine of expert outputs")
+define_kind(TaskKind.MOE_ROUTE.value, [Role.COMPUTE], "top-k routing and packing of send slots",
+            own_dtypes=True)
+define_kind(TaskKind.MOE_EXPERT.value, [Role.COMPUTE], "SwiGLU expert over its routed rows",
+            own_dtypes=True)
+define_kind(TaskKind.MOE_COMBINE.value, [Role.COMPUTE], "weighted combine of expert outputs",
+            own_dtypes=True)

@@ -176,7 +176,7 @@ def scale_f32_tile(tp, params, regions, bufaddr, bufcols, bufdt, DT: tl.constexp
 
 def mixed_dtypes() -> None:
     """A bfloat16 graph with float32 buffers (partials): a body taking ``bufdt`` reads and
-    writes each buffer in its own dtype; a kind whose body does not is refused before launch."""
+    writes each buffer in its own dtype; a copy from float32 into bf16 is refused before launch."""
     from mgraph.builder import GraphBuilder, piece
     from mgraph.errors import DTypeError
     from mgraph.kinds import Role, define_kind

@@ -12,9 +12,7 @@ from functools import cache
 from mgraph.kinds import KINDS, TaskKind
 
 # Kinds the megakernel has no tile body for: graphs using them run on the reference backend.
-NO_TRITON_BODY = {
-    "moe_route", "moe_expert", "moe_combine", "moe_move",
-}
+NO_TRITON_BODY: set[str] = set()
 
 _PROBE = """
 import json, mgraph.ops

@@ -221,11 +221,11 @@ def test_megakernel_under_the_interpreter_matches_torch():
     custom = next(r for r in rows if r["case"] == "custom-kind")
     assert custom["errors"][0] < 1e-6, custom
     # Per-buffer dtypes: float32 partials in a bfloat16 graph, read and written as float32 by a
-    # body that takes bufdt; a body that does not (copy) is refused before launch.
+    # body that takes bufdt; a copy between dtypes is refused before launch.
     mixed = next(r for r in rows if r["case"] == "mixed-dtypes")
     assert mixed["dtype"] == "torch.bfloat16" and mixed["mid_dtype"] == "torch.float32", mixed
     assert mixed["mid_error"] < 1e-6 and mixed["out_rel"] <= 2**-7, mixed  # one bf16 ulp
-    assert "copy" in mixed["refused"] and "float32 buffer" in mixed["refused"], mixed
+    assert "copy task" in mixed["refused"] and "between dtypes" in mixed["refused"], mixed
     dog = next(r for r in rows if r["case"] == "kernel-watchdog")
     assert dog["outcome"] == "WatchdogTimeout", dog
     assert f"event {dog['event']!r} (rank {dog['rank']})" in dog["message"], dog

@@ -77,6 +77,7 @@ MOVE = define_kind(
     "copy the first counts[j] rows of each segment j (segment_rows rows) of reads[0] to writes[0]",
     # float32: 1 when the moved buffer holds float32 (the metadata), 0 for the graph's dtype
     params=("segment_rows", "float32"),
+    own_dtypes=True,
 )
 
 

@@ -175,8 +175,18 @@ if HAVE_TRITON:
 
     @COPY.triton
     @triton.jit
-    def copy_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
+    def copy_tile(tp, regions, bufaddr, bufcols, bufdt, DT: tl.constexpr, RB_M: tl.constexpr,
                   RB_N: tl.constexpr):
+        # float32 slots (partials, MoE counts) are copied as float32; the runtime checks that a
+        # copy's source and destinations share one dtype
+        if tl.load(bufdt + tl.load(regions + tl.load(tp + _READ0) * 5)) == 1:
+            _copy_regions(tp, regions, bufaddr, bufcols, tl.float32, RB_M, RB_N)
+        else:
+            _copy_regions(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
+
+    @triton.jit
+    def _copy_regions(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
+                      RB_N: tl.constexpr):
         s, sm0, sm1, sn0, sn1 = load_region(regions, tl.load(tp + _READ0))
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)

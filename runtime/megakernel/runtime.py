@@ -75,10 +75,20 @@ def _check_dtypes(graph: TaskGraph) -> None:
     for t in graph.tasks:
         if t.role == "rdma":
             continue  # the proxy moves bytes
+        if t.kind == TaskKind.COPY.value:
+            kinds = {graph.buffers[r.buffer].dtype for r in (*t.reads, *t.writes)}
+            if len(kinds) > 1:
+                raise DTypeError(
+                    f"{graph.op}: copy task {t.id} ({t.name}) moves between dtypes {sorted(kinds)}",
+                    hint="a copy keeps its dtype: convert in a compute task",
+                )
+            continue
         for r in (*t.reads, *t.writes):
             if graph.buffers[r.buffer].dtype == graph.dtype:
                 continue
-            if t.kind == TaskKind.GEMM.value or "bufdt" not in body_params(t.kind):
+            if t.kind == TaskKind.GEMM.value or not (
+                KINDS[t.kind].own_dtypes or "bufdt" in body_params(t.kind)
+            ):
                 raise DTypeError(
                     f"{graph.op}: task {t.id} ({t.kind}) touches float32 buffer {r.buffer} but its "
                     f"Triton body reads every buffer as {graph.dtype}",
