@@ -278,3 +278,21 @@ def test_unsupported_forms_are_named_errors():
 
     with pytest.raises(mg.UnsupportedOpError, match="dropout"):
         mg.compile(Dropout(), (q,), topology="1x2")
+
+
+def test_mask_math_outside_transformers_forms_is_a_named_error():
+    q = torch.randn(1, 2, 8, 4)
+
+    class Reversed(nn.Module):
+        def forward(self, x):
+            return x[:, torch.arange(x.shape[1]).flip(0)] * 2.0  # a gather, not a view
+
+    with pytest.raises(mg.UnsupportedOpError, match="only where it is a view"):
+        mg.compile(Reversed(), (q,), topology="1x2")
+
+    class Selects(nn.Module):
+        def forward(self, x, keep):
+            return torch.where(keep, x, 0.0)
+
+    with pytest.raises(mg.UnsupportedOpError, match="torch.where is supported only"):
+        mg.compile(Selects(), (q, torch.rand(1, 2, 8, 4) > 0.5), topology="1x2")

@@ -176,6 +176,31 @@ def test_llama_mask_inputs(attn):
     assert att.params["mask_shape"] == [B, 1, S, S] and not att.params["causal"]
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_llama_padding_mask_through_create_causal_mask(attn):
+    """The [B, S] padding mask a tokenizer gives, as torch.bool, turned into the 4-D mask by
+    transformers' create_causal_mask inside the module: index by aranges (a view), & with the
+    folded causal mask (a sum of additive masks), and for eager where(mask, 0, lowest)."""
+    torch.manual_seed(4)
+    model = llama(attn, mask="padding")
+    x = torch.randn(B, S, SMALL["hidden_size"])
+    # Right padding: every query row sees a key. (Left padding hides whole rows of the pad
+    # tokens: SDPA returns zeros there, mgraph's attention NaN; eager's lowest-value mask is
+    # not hidden, and matches.)
+    padding = torch.ones(B, S, dtype=torch.bool)
+    padding[1, S - 5 :] = False
+    prog = compiled_matches(model, (x, padding), tp_plan(mlp=False), "1x2")
+    (att,) = attention_nodes(prog)
+    assert att.params["mask_shape"] == [B, 1, S, S] and not att.params["causal"]
+    mask_ops = [n for n in prog.opgraph.nodes if n.outputs["out"].encoding]  # computed masks
+    fns = [n.params["fn"] for n in mask_ops if n.op == "elementwise"]
+    assert fns == (["add", "maximum"] if attn == "eager" else ["add"])
+    padding[0, S - 2 :] = False  # the mask is an input: another padding, the same program
+    with torch.no_grad():
+        want = model(x, padding)
+    assert rel_err(prog(x, padding), want) < 1e-5
+
+
 def mixtral(**kw) -> Layer:
     config = MixtralConfig(**MOE, num_local_experts=4, attn_implementation="sdpa", **kw)
     return randomize(Layer(config, MixtralDecoderLayer, MixtralRotaryEmbedding))

@@ -96,6 +96,6 @@ def broadcast_form(shape: tuple[int, ...], out: tuple[int, ...]) -> str | None:
 
 def load_handlers() -> dict[str, Handler]:
     """HANDLERS, with every handler module imported (they register on import)."""
-    from . import aten, attention_map, modules, pointwise, slicing  # noqa: F401
+    from . import aten, attention_map, masks, modules, pointwise, slicing  # noqa: F401
 
     return HANDLERS

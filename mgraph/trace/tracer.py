@@ -88,8 +88,7 @@ class Tracer:
                         f"{self.og.name}: input {n.name!r} is {n.dtype}; a program's inputs are "
                         f"{self.dtype} activations, or boolean attention masks",
                         hint="token ids: embed them outside and pass the embeddings; a padding "
-                        "mask: pass the [B, 1, S, S] boolean mask (True = attend) that reaches "
-                        "the attention",
+                        "or attention mask: pass it as torch.bool (True = a real token / attend)",
                     )
                 else:
                     v = Value(n.name, n.shape, self._dtype(n), None, "input")
@@ -292,10 +291,13 @@ class Tracer:
         layout: Layout,
         *,
         name: str | None = None,
+        mask_math: bool = False,
     ) -> Value:
+        """One OpNode. ``mask_math``: the op combines attention masks (masks.py), so it may
+        read a boolean input's additive form, and its result is a mask too."""
         self._check(n, op, params)
         encoded = [v for v in inputs.values() if (v.encoding or v.root().encoding)]
-        if encoded and op not in ("attention", "relayout"):
+        if encoded and op not in ("attention", "relayout") and not mask_math:
             raise UnsupportedOpError(
                 f"{n.where()}: reads the boolean input {encoded[0].root().name!r}; a boolean "
                 "program input can only be an attention mask (SDPA's attn_mask, after views)",
@@ -311,7 +313,7 @@ class Tracer:
             "op",
             producer=name,
         )
-        if encoded and op == "relayout":  # a moved mask is still a mask
+        if encoded and (op == "relayout" or mask_math):  # a moved mask is still a mask
             out.encoding = encoded[0].encoding or encoded[0].root().encoding
         node = OpNode(name, op, params, inputs, {"out": out}, n.path, n.target or n.op)
         self.og.nodes.append(node)
