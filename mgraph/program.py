@@ -21,8 +21,11 @@ A Program runs on the backend it was compiled for:
     chunk holds;
   * each output comes back as eager TP returns it: whole on every rank where the traced output
     is replicated (a ``RowwiseParallel`` result), the rank's chunk along the sharded dim where
-    it is sharded (a sequence-parallel output, ``Shard(1)``). An output in ring attention's
-    zigzag layout has no eager TP counterpart: it comes back whole.
+    it is sharded, and for token-sharded outputs (a sequence-parallel residual stream) the
+    rank's chunk along the sequence dim (dim -2: ``Shard(1)`` of a ``[B, S, H]`` output). Where
+    the graph holds an output in another split (token rows of a batch larger than 1), the ranks
+    gather it first. An output in ring attention's zigzag layout has no eager TP counterpart: it
+    comes back whole.
 
 The parameters are read from the module at every call (so updated weights are used), laid out
 as the ops read them.
@@ -42,7 +45,7 @@ from .errors import DTypeError, InputError, MgraphError, RegistrationError, Unkn
 from .graph import TaskGraph, torch_dtype
 from .hardware import H200, HardwareProfile
 from .kinds import KINDS
-from .layout import REPLICATE, Layout, as_dim_shard, binding_runs, flat_shape, layout_runs
+from .layout import REPLICATE, Layout, binding_runs, flat_shape, layout_runs
 from .lower import lower
 from .plans import ParallelStyle
 from .scheduler import Schedule, schedule
@@ -370,9 +373,9 @@ class Program:
         import torch.distributed as dist
 
         lay = value.layout or REPLICATE
-        want = as_dim_shard(value.shape, lay, world) if lay.kind == "rows" else lay
-        if want is None or want.zigzag:
-            want = REPLICATE
+        if lay.kind == "rows":  # token rows (sequence parallel): eager's Shard(sequence dim)
+            lay = Layout("shard", max(len(value.shape) - 2, 0))
+        want = REPLICATE if lay.zigzag else lay
         shape = list(value.shape)
         if want.kind == "shard":
             shape[want.dim] //= world
@@ -381,10 +384,10 @@ class Program:
             return local.reshape(shape).clone()
         # Held in another layout: every rank's output buffer, gathered, then cut as wanted.
         flat_local = local.reshape(-1).contiguous()
-        size = torch.tensor([flat_local.numel()], device=local.device)
-        sizes = [torch.empty_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size)
-        most = int(max(int(s) for s in sizes))
+        most = max(  # every rank's buffer size is in the graph: no size exchange
+            sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in self._output_runs(name, r))
+            for r in range(world)
+        )
         padded = torch.zeros(most, dtype=local.dtype, device=local.device)
         padded[: flat_local.numel()] = flat_local
         parts = [torch.empty_like(padded) for _ in range(world)]

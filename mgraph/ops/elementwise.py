@@ -495,7 +495,7 @@ if HAVE_TRITON:
                         y = tl.load(
                             tile_ptrs(regions, bufaddr, bufcols, r0 + a, om, on, DT),
                             mask=mask,
-                            other=0.0,
+                            other=1.0,  # masked lanes stay finite through log, 1/x
                         ).to(tl.float32)
                     elif op == _CONST:
                         y = zero + b.to(tl.float32, bitcast=True)
