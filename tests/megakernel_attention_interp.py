@@ -1,9 +1,12 @@
 """Runs under TRITON_INTERPRET=1 in a subprocess (see test_triton_attention.py): the attn_block /
-attn_finalize Triton bodies (mgraph/ops/attention_tiles.py) run by the megakernel on graphs built
-by ring_attention and attention (float32: the megakernel runs one dtype per graph and the state
-is fp32), compared with the reference runtime on the same graph and with torch SDPA, on random
-inputs. Prints one JSON line per case:
-{"case", "kinds", "dtypes", "error_ref", "error_sdpa", "nan_match", "nans"}."""
+attn_finalize Triton bodies (mgraph/ops/attention_tiles.py) on graphs built by ring_attention and
+attention, compared with the reference runtime on the same graph and with torch SDPA, on random
+inputs. Cases "ring", "ring2", "mask": run by the megakernel (float32 graphs: it runs one dtype
+per graph). Case "chains": bf16 graphs (bf16 data, fp32 state) and one fp32 graph, run by
+attention_tiles.run_chains (the bodies in a standalone kernel, one program per q-block chain).
+Prints one JSON line per case:
+{"case", "kinds", "dtypes", "error_ref", "error_sdpa", "tile_error", "nan_match", "nans"}
+(tile_error: the worst block x D tile's relative error against SDPA)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import mgraph as mg  # noqa: E402
+from mgraph.ops.attention_tiles import run_chains  # noqa: E402
 from mgraph.runtime.megakernel import TritonRuntime, run_in_process  # noqa: E402
+from mgraph.runtime.memory import worst_tile_error  # noqa: E402
 
 
 def _err(got: torch.Tensor, want: torch.Tensor, ok: torch.Tensor) -> float:
@@ -25,17 +30,21 @@ def _err(got: torch.Tensor, want: torch.Tensor, ok: torch.Tensor) -> float:
     return ((got[ok] - want[ok]).norm() / want[ok].norm()).item()
 
 
-def compare(case: str, graph, inputs: dict, sdpa: torch.Tensor) -> None:
-    """The megakernel (one rank, or every rank in one interpreter program) against the
-    reference runtime and SDPA (``sdpa`` in [B, H, S, D])."""
+def compare(case: str, graph, inputs: dict, sdpa: torch.Tensor, chains: bool = False) -> None:
+    """The megakernel (one rank, or every rank in one interpreter program), or with ``chains``
+    run_chains, against the reference runtime and SDPA (``sdpa`` in [B, H, S, D], float32)."""
     sched = mg.schedule(graph)
     want = mg.run(sched, inputs).outputs["out"]
-    if graph.topology.world_size == 1:
+    if chains:
+        got = run_chains(sched, inputs)["out"]
+    elif graph.topology.world_size == 1:
         got = TritonRuntime(sched, interpret=True).run(inputs).outputs["out"]
     else:
         got = run_in_process(sched, inputs)["out"]
-    got = got.reshape(sdpa.shape)
-    want = want.reshape(sdpa.shape)
+    got = got.reshape(sdpa.shape).float()
+    want = want.reshape(sdpa.shape).float()
+    D = sdpa.shape[-1]
+    block = graph.params.get("block", 128)
     # A query row with every key hidden is 0 / 0 = NaN in the CPU body (the kind's meaning),
     # where SDPA returns zeros: such rows are compared by their NaN pattern only.
     ok = torch.isfinite(want)
@@ -46,22 +55,31 @@ def compare(case: str, graph, inputs: dict, sdpa: torch.Tensor) -> None:
         "dtypes": sorted(dtypes),
         "error_ref": _err(got, want, ok),
         "error_sdpa": _err(got, sdpa, ok),
+        "tile_error": worst_tile_error(got.nan_to_num().reshape(-1, D),
+                                       sdpa.nan_to_num().reshape(-1, D), rows=block, cols=D),
         "nan_match": bool(torch.equal(got.isnan(), want.isnan())),
         "nans": int(got.isnan().sum()),
     }), flush=True)
 
 
-def _inputs(graph, seed: int) -> dict[str, torch.Tensor]:
+def _inputs(graph, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(s.shape, generator=gen) for n, s in graph.inputs.items()}
+    return {n: torch.randn(s.shape, generator=gen).to(dtype) for n, s in graph.inputs.items()}
+
+
+def _sdpa(x: dict, causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 SDPA on the inputs as given (bf16 values widened), KV heads grouped as
+    ``enable_gqa`` groups them."""
+    q, k, v = (x[n].float() for n in "qkv")
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def ring_cases() -> None:
-    """ring_attention: block 32 with D 40 (keys and head columns masked inside the 64 x 64 x 128
-    sub-blocks); block 128 with D 160 (two q sub-blocks, two key chunks, two D chunks, acc
-    rescaled through the state buffer); causal uses the zigzag layout and the diagonal mask."""
-    shapes = {"small": dict(B=2, H=2, S=128, D=40, block=32),
-              "big": dict(B=1, H=1, S=512, D=160, block=128)}
+    """ring_attention: block 32 with D 40 (keys and head columns masked inside the 128 x 128 x 128
+    sub-blocks); causal uses the zigzag layout and the diagonal mask. (Head sizes past 128, the
+    D-chunked path, are checked by the "chains" cases.)"""
+    shapes = {"small": dict(B=2, H=2, S=128, D=40, block=32)}
     for name, dims in shapes.items():
         for causal in (False, True):
             g = mg.ops.ring_attention(topology="1x1", causal=causal, dtype=torch.float32, **dims)
@@ -117,7 +135,61 @@ def mask_cases() -> None:
     compare("mask-hidden-row", g, x, want)
 
 
-CASES = {"ring": ring_cases, "ring2": ring_multi_rank_cases, "mask": mask_cases}
+def chain_cases() -> None:
+    """bf16 data with fp32 state through run_chains: head sizes 40 (masked columns) and 160
+    (the D-chunked path); causal zigzag over two ranks with grouped-query attention (2 q heads
+    per KV head, the KV slices moved by copy tasks); KV blocks twice the q block (chunks below,
+    across and above the diagonal inside one task); additive and boolean masks; a fully hidden
+    row. One fp32 graph checks the algorithm to fp32 rounding."""
+    bf16 = torch.bfloat16
+    ring = {
+        "d40-causal0": dict(topology="1x1", B=1, H=2, S=128, D=40, block=64),
+        "d160-causal1": dict(topology="1x1", B=1, H=1, S=256, D=160, block=128, causal=True),
+        "1x2-gqa-causal1": dict(topology="1x2", B=1, H=2, S=256, D=64, block=64, kv_heads=1,
+                                causal=True),
+        "kvblock-causal1": dict(topology="1x1", B=1, H=1, S=512, D=128, block=128, kv_block=256,
+                                causal=True),
+    }
+    for name, dims in ring.items():
+        g = mg.ops.ring_attention(dtype=bf16, **dims)
+        x = _inputs(g, seed=len(name), dtype=bf16)
+        compare(f"chains-bf16-{name}", g, x, _sdpa(x, dims.get("causal", False)), chains=True)
+    g = mg.ops.ring_attention(dtype=torch.float32, **ring["d160-causal1"])
+    x = _inputs(g, seed=3)
+    compare("chains-fp32-d160-causal1", g, x, _sdpa(x, True), chains=True)
+    B, H, S, D = 2, 2, 128, 32
+    tril = torch.ones(S, S, dtype=torch.bool).tril()
+    for kind, shape, causal, kv_heads in (("additive", [B, 1, 1, S], True, 2),
+                                          ("boolean", [1, 1, S, S], False, 1)):
+        g = mg.ops.attention(topology="1x1", B=B, H=H, S=S, D=D, block=64, kv_block=128,
+                             mask_shape=shape, mask_kind=kind, kv_heads=kv_heads, causal=causal,
+                             dtype=bf16)
+        x = _inputs(g, seed=21, dtype=bf16)
+        shown = torch.rand(shape, generator=torch.Generator().manual_seed(22)) < 0.7
+        shown[..., 0] = True  # every query keeps key 0 (all causal row 0 has)
+        if kind == "boolean":
+            x["mask"] = shown.to(bf16).reshape(g.inputs["mask"].shape)
+        else:
+            bias = torch.randn(shape).masked_fill(~shown, float("-inf")).to(bf16)
+            x["mask"] = bias.reshape(g.inputs["mask"].shape)
+            shown = bias.float()
+        if causal:
+            shown = shown.masked_fill(~tril, float("-inf"))
+        compare(f"chains-bf16-mask-{kind}", g, x, _sdpa(x, mask=shown), chains=True)
+    # a query row with every key hidden by a boolean mask: NaN there (0 / 0, as the CPU body),
+    # nowhere else
+    g = mg.ops.attention(topology="1x1", B=1, H=1, S=64, D=D, block=64, mask_shape=[1, 1, 64, 64],
+                         mask_kind="boolean", dtype=bf16)
+    x = _inputs(g, seed=23, dtype=bf16)
+    shown = torch.rand(64, 64, generator=torch.Generator().manual_seed(24)) < 0.5
+    shown[:, 0] = True
+    shown[9] = False
+    x["mask"] = shown.to(bf16)
+    compare("chains-bf16-hidden-row", g, x, _sdpa(x, mask=shown), chains=True)
+
+
+CASES = {"ring": ring_cases, "ring2": ring_multi_rank_cases, "mask": mask_cases,
+         "chains": chain_cases}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

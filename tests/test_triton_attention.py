@@ -1,61 +1,119 @@
-"""The attn_block / attn_finalize Triton bodies (mgraph/ops/attention_tiles.py), run by the
-megakernel under TRITON_INTERPRET=1 (a subprocess: the flag must be set before triton is
-imported) on ring_attention and attention graphs, against the reference runtime on the same graph
-and torch SDPA (tests/megakernel_attention_interp.py). float32 graphs: the megakernel runs one
-dtype per graph and the attention state is fp32."""
+"""The attn_block / attn_finalize Triton bodies (mgraph/ops/attention_tiles.py) under
+TRITON_INTERPRET=1 (a subprocess: the flag must be set before triton is imported), against the
+reference runtime on the same graph and torch SDPA (tests/megakernel_attention_interp.py):
+
+- run by the megakernel on float32 ring_attention and attention graphs (it runs one dtype per
+  graph and the attention state is fp32);
+- run by attention_tiles.run_chains (the bodies in a standalone kernel) on bf16 graphs with fp32
+  state: zigzag causal over two ranks, grouped-query attention, KV blocks larger than q blocks,
+  additive and boolean masks, head sizes 40 and 160.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
-from helpers import interpreter_rows
-
 pytest.importorskip("triton")
 
 HERE = Path(__file__).parent
-# Both sides compute in fp32; the body folds keys in 64-key chunks with exp2 where the CPU body
-# takes one exp over the block: a few fp32 ulps (measured <= 5e-7). A wrong mask, scale or
-# rescale is O(1e-2) off or more.
+# float32: both sides compute in fp32; the body folds keys in 128-key chunks with exp2 where the
+# CPU body takes one exp over the block: a few fp32 ulps (measured <= 5e-7). A wrong mask, scale
+# or rescale is O(1e-2) off or more.
 TOL = 3e-6
+# bf16: inputs and output in bf16 (half an ulp: 2e-3 relative), p rounded to bf16 before p @ v:
+# measured 4e-3..6e-3 against float32 SDPA on the same bf16 inputs, by norm and per tile. A
+# wrong mask, scale or GQA head mapping is O(1e-1) off.
+TOL_BF16 = 1.5e-2
 
 
 @cache
-def rows() -> dict[str, dict]:
-    return interpreter_rows("megakernel_attention_interp.py")
+def rows(groups: str) -> dict[str, dict]:
+    """The JSON rows of the script's case ``groups`` (space-separated), by case."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "megakernel_attention_interp.py"), *groups.split()],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["case"]: r for r in out}
 
 
-def _check(prefix: str, expect: int, kinds: set[str]) -> None:
-    got = {k: r for k, r in rows().items() if k.startswith(prefix)}
+def megakernel_rows() -> dict[str, dict]:
+    return rows("ring ring2 mask")
+
+
+def _check(got: dict, expect: int, kinds: set[str], dtypes: list[str], tol: float) -> None:
     assert len(got) == expect, sorted(got)
     for case, r in got.items():
-        assert set(r["kinds"]) == kinds and r["dtypes"] == ["float32"], (case, r)
-        assert r["error_ref"] < TOL and r["error_sdpa"] < TOL, (case, r)
+        assert set(r["kinds"]) == kinds and r["dtypes"] == dtypes, (case, r)
+        assert r["error_ref"] < tol and r["error_sdpa"] < tol, (case, r)
+        assert r["tile_error"] < tol, (case, r)
         assert r["nan_match"] and r["nans"] == 0, (case, r)
 
 
-def test_ring_attention_one_rank_causal_and_not():
-    # masked edges (block 32 < 64 keys, D 40 < 128 columns) and several sub-blocks (block 128,
-    # D 160), each causal (zigzag, diagonal mask) and not
-    _check("ring-1x1-", 4, {"attn_block", "attn_finalize"})
+def _select(table: dict[str, dict], prefix: str) -> dict[str, dict]:
+    return {k: r for k, r in table.items() if k.startswith(prefix)}
 
 
-def test_ring_attention_two_ranks_in_one_program():
+def test_megakernel_ring_attention_one_rank_causal_and_not():
+    # masked edges (block 32 < 128 keys, D 40 < 128 columns), causal (zigzag, diagonal mask) and not
+    _check(_select(megakernel_rows(), "ring-1x1-"), 2, {"attn_block", "attn_finalize"},
+           ["float32"], TOL)
+
+
+def test_megakernel_ring_attention_two_ranks_in_one_program():
     # the KV slices cross by NVLink copy tasks; attn_block waits on their arrival
-    _check("ring-1x2-", 2, {"attn_block", "attn_finalize", "copy"})
+    _check(_select(megakernel_rows(), "ring-1x2-"), 2, {"attn_block", "attn_finalize", "copy"},
+           ["float32"], TOL)
 
 
-def test_attention_additive_masks_broadcast():
+def test_megakernel_attention_additive_masks_broadcast():
     # [1,1,S,S], [B,1,1,S], [B,H,S,S] masks, each causal and not
-    _check("mask-2x", 4, {"attn_block", "attn_finalize"})
-    _check("mask-1x1x", 2, {"attn_block", "attn_finalize"})
+    table = megakernel_rows()
+    _check(_select(table, "mask-2x"), 4, {"attn_block", "attn_finalize"}, ["float32"], TOL)
+    _check(_select(table, "mask-1x1x"), 2, {"attn_block", "attn_finalize"}, ["float32"], TOL)
 
 
-def test_fully_hidden_row_is_nan_as_in_the_cpu_body():
+def test_megakernel_fully_hidden_row_is_nan_as_in_the_cpu_body():
     """One query row with every key hidden: 0 / 0 = NaN in the CPU body and in the megakernel
     (all D columns of that row, no other element), the other rows as accurate as elsewhere."""
-    r = rows()["mask-hidden-row"]
+    r = megakernel_rows()["mask-hidden-row"]
     assert r["nan_match"] and r["nans"] == 32, r
     assert r["error_ref"] < TOL and r["error_sdpa"] < TOL, r
+
+
+def test_bf16_ring_attention_variants():
+    # D 40 and D 160 (the D-chunked path), zigzag causal over two ranks with 2 q heads per KV
+    # head, 256-key blocks folded into 128-row q blocks across the diagonal
+    got = _select(rows("chains"), "chains-bf16-")
+    ring = {k: r for k, r in got.items() if "mask" not in k and "hidden" not in k}
+    two_ranks = {k: ring.pop(k) for k in list(ring) if "1x2" in k}
+    _check(ring, 3, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
+    _check(two_ranks, 1, {"attn_block", "attn_finalize", "copy"}, ["bfloat16", "float32"],
+           TOL_BF16)
+
+
+def test_bf16_attention_additive_and_boolean_masks():
+    # additive [B,1,1,S] causal with one KV head per q head; boolean [1,1,S,S] with GQA
+    got = _select(rows("chains"), "chains-bf16-mask-")
+    _check(got, 2, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
+
+
+def test_bf16_boolean_mask_hidden_row_is_nan_only_there():
+    r = rows("chains")["chains-bf16-hidden-row"]
+    assert r["nan_match"] and r["nans"] == 32, r
+    assert r["error_ref"] < TOL_BF16 and r["error_sdpa"] < TOL_BF16, r
+
+
+def test_fp32_through_run_chains_matches_to_rounding():
+    # the same algorithm at float32: any bf16 tolerance would hide a small rescale error
+    _check(_select(rows("chains"), "chains-fp32-"), 1, {"attn_block", "attn_finalize"},
+           ["float32"], TOL)
