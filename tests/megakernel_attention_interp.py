@@ -1,9 +1,9 @@
 """Runs under TRITON_INTERPRET=1 in a subprocess (see test_triton_attention.py): the attn_block /
 attn_finalize Triton bodies (mgraph/ops/attention_tiles.py) on graphs built by ring_attention and
 attention, compared with the reference runtime on the same graph and with torch SDPA, on random
-inputs. Cases "ring", "ring2", "mask": run by the megakernel (float32 graphs: it runs one dtype
-per graph). Case "chains": bf16 graphs (bf16 data, fp32 state) and one fp32 graph, run by
-attention_tiles.run_chains (the bodies in a standalone kernel, one program per q-block chain).
+inputs. Cases "ring", "ring2", "mask": run by the megakernel (float32 graphs, and one bf16 graph with
+fp32 state). Case "chains": bf16 graphs and one fp32 graph, run by attention_tiles.run_chains
+(the bodies in a standalone kernel, one program per q-block chain).
 Prints one JSON line per case:
 {"case", "kinds", "dtypes", "error_ref", "error_sdpa", "tile_error", "nan_match", "nans"}
 (tile_error: the worst block x D tile's relative error against SDPA)."""
@@ -90,13 +90,16 @@ def ring_cases() -> None:
 
 def ring_multi_rank_cases() -> None:
     """Two ranks in one interpreter program: the KV slices move by NVLink copy tasks into the
-    gather buffers and every attn_block waits for its rows' arrival."""
-    for causal in (False, True):
-        g = mg.ops.ring_attention(topology="1x2", B=1, H=2, S=128, D=32, causal=causal, block=16,
-                                  dtype=torch.float32)
-        x = _inputs(g, seed=7 + causal)
-        want = F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=causal)
-        compare(f"ring-1x2-causal{int(causal)}", g, x, want)
+    gather buffers and every attn_block waits for its rows' arrival. float32 non-causal; bf16
+    data with fp32 state (per-buffer dtypes), causal zigzag, 2 q heads per KV head."""
+    g = mg.ops.ring_attention(topology="1x2", B=1, H=2, S=128, D=32, block=16,
+                              dtype=torch.float32)
+    x = _inputs(g, seed=7)
+    compare("ring-1x2-causal0", g, x, _sdpa(x))
+    g = mg.ops.ring_attention(topology="1x2", B=1, H=2, S=128, D=32, block=32, kv_heads=1,
+                              causal=True, dtype=torch.bfloat16)
+    x = _inputs(g, seed=8, dtype=torch.bfloat16)
+    compare("ring-1x2-bf16-gqa-causal1", g, x, _sdpa(x, causal=True))
 
 
 def mask_cases() -> None:

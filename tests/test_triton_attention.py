@@ -2,8 +2,8 @@
 TRITON_INTERPRET=1 (a subprocess: the flag must be set before triton is imported), against the
 reference runtime on the same graph and torch SDPA (tests/megakernel_attention_interp.py):
 
-- run by the megakernel on float32 ring_attention and attention graphs (it runs one dtype per
-  graph and the attention state is fp32);
+- run by the megakernel on float32 ring_attention and attention graphs, and on a bf16 ring
+  (bf16 data, fp32 state: the attention kinds are ``own_dtypes``);
 - run by attention_tiles.run_chains (the bodies in a standalone kernel) on bf16 graphs with fp32
   state: zigzag causal over two ranks, grouped-query attention, KV blocks larger than q blocks,
   additive and boolean masks, head sizes 40 and 160.
@@ -71,8 +71,14 @@ def test_megakernel_ring_attention_one_rank_causal_and_not():
 
 def test_megakernel_ring_attention_two_ranks_in_one_program():
     # the KV slices cross by NVLink copy tasks; attn_block waits on their arrival
-    _check(_select(megakernel_rows(), "ring-1x2-"), 2, {"attn_block", "attn_finalize", "copy"},
-           ["float32"], TOL)
+    _check(_select(megakernel_rows(), "ring-1x2-causal0"), 1,
+           {"attn_block", "attn_finalize", "copy"}, ["float32"], TOL)
+
+
+def test_megakernel_bf16_ring_with_fp32_state_gqa_zigzag():
+    # per-buffer dtypes: bf16 q/k/v/out and gathers, fp32 acc/ml in the same arena
+    _check(_select(megakernel_rows(), "ring-1x2-bf16-"), 1,
+           {"attn_block", "attn_finalize", "copy"}, ["bfloat16", "float32"], TOL_BF16)
 
 
 def test_megakernel_attention_additive_masks_broadcast():

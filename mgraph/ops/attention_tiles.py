@@ -23,12 +23,11 @@ exp2 gives 0 rather than NaN, as the CPU body does. m is stored in the CPU body'
 
 Dtypes. q, k, v, out and the mask are in the graph's dtype ``DT``; the state (acc, ml) is always
 float32: both lowerings declare those buffers float32, and these bodies address them as float32
-whatever ``DT`` is, so they need no per-slot dtype code. Scores and p @ v accumulate in fp32;
+whatever ``DT`` is, so they need no per-slot dtype code (both kinds are ``own_dtypes``: the
+megakernel runs them on bf16 graphs with fp32 state). Scores and p @ v accumulate in fp32;
 p is rounded to ``DT`` before the p @ v dot, as flash attention does in bf16. Under Triton's
 interpreter (``USE_TIMER`` false) the dot operands are widened to float32 first: Triton 3.9's
-interpreter multiplies bf16 operands' raw bits. Today the megakernel runs one dtype per graph
-(runtime.py ``_check_graph``), so bf16 attention graphs (bf16 data, fp32 state) run only
-through :func:`run_chains`.
+interpreter multiplies bf16 operands' raw bits.
 
 Grouped-query attention is a property of the lowering, not of these kinds: a q block of head h
 reads the KV rows of head h // (H / kv_heads), whichever rows its regions name.
@@ -52,6 +51,9 @@ ATTN_PARAMS = ("q_start", "k_start", "mask", "first", "scale", "bias")
 # The builtin kinds are defined in mgraph/kinds.py without params; the params a body reads are
 # declared beside the body that reads them (the encoder packs them in this order).
 ATTN_BLOCK.params = ATTN_PARAMS
+# Each operand's dtype is fixed by the lowerings (data in DT, state float32) and addressed so by
+# the bodies: the megakernel may run them on graphs whose buffers differ in dtype.
+ATTN_BLOCK.own_dtypes = ATTN_FINALIZE.own_dtypes = True
 BIAS_NONE, BIAS_ADD, BIAS_BOOL = 0, 1, 2  # the ``bias`` param: what the task's last read is
 
 if HAVE_TRITON:
@@ -297,8 +299,10 @@ def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu"
     program per q block runs that block's attn_block chain and its attn_finalize (chains are
     independent: each owns its state rows); every rank's copy tasks (the KV ring's movement)
     run first on the host, since they read only the k/v inputs and what earlier copies wrote.
-    Each buffer is its own tensor in its own dtype (bf16 data, fp32 state), which the megakernel
-    cannot lay out yet. Returns the global outputs. Under TRITON_INTERPRET=1 ``device`` is "cpu"."""
+    Each buffer is its own tensor in its own dtype (bf16 data, fp32 state). It times the tile
+    without the megakernel's queues and waits (benchmarks/bench_attention.py) and tests the
+    bodies in isolation. Returns the global outputs. Under TRITON_INTERPRET=1 ``device`` is
+    "cpu"."""
     import torch
 
     from mgraph.runtime.megakernel.encode import encode_rank, kind_id
