@@ -18,9 +18,10 @@ setup(
         Pybind11Extension(
             "mgraph.runtime.proxy.native._drain",
             sources=[
-                str(NATIVE / f) for f in ("module.cpp", "drain.cpp", "mover.cpp", "cuda_api.cpp")
+                str(NATIVE / f) for f in ("module.cpp", "drain.cpp", "mover.cpp", "cuda_api.cpp",
+                                             "verbs.cpp", "verbs_api.cpp")
             ],
-            depends=[str(p) for p in sorted(NATIVE.glob("*.h"))],
+            depends=[str(p) for p in sorted([*NATIVE.glob("*.h"), *NATIVE.glob("*.cpp")])],
             cxx_std=17,
             extra_compile_args=["-O2"],
             libraries=["dl"],

@@ -640,8 +640,3 @@ void Mover::flush_raises(StreamState& st) {
 }
 
 }  // namespace mgraph
-
-// setup.py compiles four sources (module, drain, mover, cuda_api); the verbs backend is compiled
-// as part of this one until that list names verbs.cpp and verbs_api.cpp as well.
-#include "verbs.cpp"      // NOLINT(build/include)
-#include "verbs_api.cpp"  // NOLINT(build/include)
