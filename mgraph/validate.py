@@ -239,7 +239,8 @@ def order_edges(graph: TaskGraph) -> list[list[int]]:
 
 
 class Reachability:
-    """Answers "is b ordered after a" by a search pruned with topological positions."""
+    """Answers "is b ordered after a": a direct edge first (the usual case: a consumer waits on
+    its producer's event), else a search pruned with topological positions."""
 
     def __init__(self, graph: TaskGraph, order: list[int]) -> None:
         self.succ = order_edges(graph)
@@ -247,18 +248,30 @@ class Reachability:
         for i, tid in enumerate(order):
             self.pos[tid] = i
         self.cache: dict[tuple[int, int], bool] = {}
+        self._pred: list[set[int]] | None = None
+
+    def preds(self) -> list[set[int]]:
+        """pred[b] = tasks b is ordered directly after (built on first use)."""
+        if self._pred is None:
+            pred: list[set[int]] = [set() for _ in self.succ]
+            for a, succ in enumerate(self.succ):
+                for s in succ:
+                    pred[s].add(a)
+            self._pred = pred
+        return self._pred
 
     def before(self, a: int, b: int) -> bool:
         if a == b:
+            return True
+        limit = self.pos[b]
+        if self.pos[a] > limit:
+            return False
+        if a in self.preds()[b]:
             return True
         key = (a, b)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
-        limit = self.pos[b]
-        if self.pos[a] > limit:
-            self.cache[key] = False
-            return False
         seen = {a}
         stack = [a]
         found = False
@@ -278,35 +291,97 @@ class Reachability:
 
 
 def _check_races(graph: TaskGraph, order: list[int]) -> None:
-    by_buffer: dict[str, list[tuple[Region, int, bool]]] = defaultdict(list)
+    """Every two accesses of overlapping regions, one of them a write, are ordered.
+
+    Accesses of one exact region form a group. Inside a group, sorted in topological order, it
+    is enough that every access is ordered after the group's last write before it, and every
+    write after the reads since that write: the other pairs follow by transitivity (an earlier
+    write is ordered before the last one, an earlier read before the write that followed it).
+    So a region that many tiles read and rewrite (a chain of attention blocks accumulating into
+    one state tile) costs a pass, not a pass per pair. Pairs of different, overlapping regions
+    are checked one by one; most are a direct edge (the reader waits on the writer's event).
+    """
     # Writes that accumulate (atomic adds into a zeroed buffer) commute with each other: two of
     # them on one region are no race; against a plain write or a read they still are.
     adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
+    # buffer -> region -> [(task, is_write)]
+    by_buffer: dict[str, dict[Region, list[tuple[int, bool]]]] = defaultdict(dict)
     for t in graph.tasks:
-        written = set(t.writes)
-        for w in t.writes:
-            by_buffer[w.buffer].append((w, t.id, True))
+        tid = t.id
+        writes = t.writes
+        for w in writes:
+            by_buffer[w.buffer].setdefault(w, []).append((tid, True))
         for r in t.reads:
-            if r not in written:
-                by_buffer[r.buffer].append((r, t.id, False))
+            if r not in writes:
+                by_buffer[r.buffer].setdefault(r, []).append((tid, False))
     reach = Reachability(graph, order)
-    for accesses in by_buffer.values():
-        if not any(is_write for _, _, is_write in accesses):
+    pos = reach.pos
+    for groups in by_buffer.values():
+        if len(groups) == 1:
+            ((region, accesses),) = groups.items()
+            if any(w for _, w in accesses):
+                _check_group(graph, reach, region, accesses, adds)
             continue
-        accesses.sort(key=lambda a: a[0].row0)
-        active: list[tuple[Region, int, bool]] = []
-        for acc in accesses:
-            region, tid, is_write = acc
-            active = [a for a in active if a[0].row1 > region.row0]
-            for other_region, other, other_write in active:
-                if other == tid or not (is_write or other_write):
+        # (region, writers, every access) per group; groups with no write only matter against
+        # a group that has one
+        items = []
+        for region, accesses in groups.items():
+            writers = [a for a in accesses if a[1]]
+            if writers:
+                _check_group(graph, reach, region, accesses, adds)
+            items.append((region, writers, accesses))
+        if not any(w for _, w, _ in items):
+            continue
+        items.sort(key=lambda it: it[0].row0)
+        active: list[tuple[Region, list, list]] = []
+        for item in items:
+            region, writers, accesses = item
+            row0, col0, col1 = region.row0, region.col0, region.col1
+            active = [a for a in active if a[0].row1 > row0]
+            for other_region, other_writers, other_accesses in active:
+                if not (writers or other_writers):
                     continue
-                if is_write and other_write and tid in adds and other in adds:
+                if not (other_region.col0 < col1 and col0 < other_region.col1):
                     continue
-                if other_region.col0 < region.col1 and region.col0 < other_region.col1:
-                    if not reach.ordered(other, tid):
-                        _race(graph, other, other_region, other_write, tid, region, is_write)
-            active.append(acc)
+                for other, other_write in other_accesses:
+                    for tid, is_write in (accesses if other_write else writers):
+                        if other == tid:
+                            continue
+                        if is_write and other_write and tid in adds and other in adds:
+                            continue
+                        a, b = (other, tid) if pos[other] < pos[tid] else (tid, other)
+                        if not reach.before(a, b):
+                            _race(graph, other, other_region, other_write, tid, region, is_write)
+            active.append(item)
+
+
+def _check_group(graph: TaskGraph, reach: Reachability, region: Region,
+                 accesses: list[tuple[int, bool]], adds: set[int]) -> None:
+    """The accesses of one exact region (see _check_races), in topological order."""
+    pos = reach.pos
+    if any(tid in adds for tid, w in accesses if w):
+        # Accumulating writers need not be ordered among themselves, which breaks the chain
+        # argument: check these (few) groups pair by pair.
+        for i, (a, wa) in enumerate(accesses):
+            for b, wb in accesses[i + 1 :]:
+                if a == b or not (wa or wb) or (wa and wb and a in adds and b in adds):
+                    continue
+                x, y = (a, b) if pos[a] < pos[b] else (b, a)
+                if not reach.before(x, y):
+                    _race(graph, a, region, wa, b, region, wb)
+        return
+    last_write = -1
+    reads: list[int] = []
+    for tid, is_write in sorted(accesses, key=lambda acc: pos[acc[0]]):
+        if last_write >= 0 and last_write != tid and not reach.before(last_write, tid):
+            _race(graph, last_write, region, True, tid, region, is_write)
+        if is_write:
+            for r in reads:
+                if r != tid and not reach.before(r, tid):
+                    _race(graph, r, region, False, tid, region, True)
+            last_write, reads = tid, []
+        else:
+            reads.append(tid)
 
 
 def _race(graph, a: int, ra: Region, wa: bool, b: int, rb: Region, wb: bool) -> None:

@@ -257,3 +257,67 @@ def test_program_and_run_result_write_the_viewer(tmp_path):
                     backend="reference")
     page = result.view(str(tmp_path / "run.html"), schedule=sched)
     assert sched.graph.tasks[0].name in page.read_text()
+
+
+def _races_by_brute_force(graph) -> bool:
+    """Every pair of overlapping accesses, one a write (two accumulating writes excepted),
+    against the full transitive closure of the ordering edges."""
+    from mgraph.validate import order_edges
+
+    succ = order_edges(graph)
+    after: list[set[int]] = []
+    for a in range(len(graph.tasks)):
+        seen, stack = set(), [a]
+        while stack:
+            for s in succ[stack.pop()]:
+                if s not in seen:
+                    seen.add(s)
+                    stack.append(s)
+        after.append(seen)
+    acc = []
+    for t in graph.tasks:
+        acc += [(w, t.id, True) for w in t.writes]
+        acc += [(r, t.id, False) for r in t.reads if r not in t.writes]
+    adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
+    for i, (ra, a, wa) in enumerate(acc):
+        for rb, b, wb in acc[i + 1 :]:
+            if a == b or not (wa or wb) or not ra.overlaps(rb):
+                continue
+            if wa and wb and a in adds and b in adds:
+                continue
+            if b not in after[a] and a not in after[b]:
+                return True
+    return False
+
+
+def test_race_check_agrees_with_brute_force_on_random_graphs():
+    """The grouped race check (exact-region groups by transitivity, other pairs one by one)
+    gives the verdict of checking every pair against the full closure."""
+    import random
+
+    rng = random.Random(7)
+    verdicts = set()
+    for case in range(300):
+        b = builder("1x1")
+        bufs = [b.buffer(n, 0, 8, 8, zeroed=True) for n in ("x", "y")]
+        tasks = []
+
+        def region(bufs=bufs):
+            r0, c0 = rng.choice((0, 2, 4, 6, 1)), rng.choice((0, 4, 2))
+            return rng.choice(bufs).region((r0, r0 + 2), (c0, c0 + 4))
+
+        for i in range(rng.randint(2, 9)):
+            preds = [t for t in tasks if rng.random() < 0.35]
+            tasks.append(b.task(0, Role.COMPUTE, "copy", [region()], [region()],
+                                waits=b.after(0, preds), name=f"t{i}",
+                                params={"accumulate": True} if rng.random() < 0.2 else None))
+        g = b.finish()
+        want = _races_by_brute_force(g)
+        try:
+            g.validate()
+            got = False
+        except mg.RaceError:
+            got = True
+        assert got == want, (case, g.to_text())
+        verdicts.add(got)
+    assert verdicts == {True, False}
