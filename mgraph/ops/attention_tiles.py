@@ -279,9 +279,10 @@ if HAVE_TRITON:
                          mask=mask)
 
     _FIELDS, _KIND = tl.constexpr(TASK_FIELDS), tl.constexpr(F_KIND)
+    __all__ += ["chains_kernel"]
 
     @triton.jit
-    def _chains_kernel(tasks, order, starts, params, regions, bufaddr, bufcols,
+    def chains_kernel(tasks, order, starts, params, regions, bufaddr, bufcols,
                        BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
         """Program c runs chain c: its attn_block tasks in order, then its attn_finalize."""
         c = tl.program_id(0)
@@ -339,7 +340,7 @@ def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu"
 
         addr = torch.tensor([mem[s].data_ptr() for s in tables.slots], dtype=torch.int64)
         cols = torch.tensor([mem[s].shape[1] for s in tables.slots], dtype=torch.int32)
-        _chains_kernel[(len(chains),)](
+        chains_kernel[(len(chains),)](
             dev(tables.tasks), dev(torch.tensor(order, dtype=torch.int32)),
             dev(torch.tensor(starts, dtype=torch.int32)), dev(tables.params),
             dev(tables.regions), dev(addr), dev(cols), BLOCK_ID=kind_id(ATTN_BLOCK.name),

@@ -1,0 +1,429 @@
+"""Attention on H200s: mgraph's attn_block / attn_finalize tile against SDPA, and the ring over
+2 GPUs against SDPA + NCCL P2P rings, on the same inputs in the same run (bf16, B4 H16 D128).
+
+    python3 benchmarks/bench_attention.py tile [--out DIR]                  # one GPU
+    torchrun --nproc_per_node=2 benchmarks/bench_attention.py ring [--out DIR]
+
+tile: the Triton bodies alone (no megakernel queues or waits: attention_tiles.chains_kernel,
+one program per q-block chain, tables built here as the attention lowering would) at the task
+shapes (q rows x keys per attn_block task) 128x128 (the lowering's default), 128x1024,
+128xS (one task per q block: the plain flash tile) and 4096x4096, against
+``F.scaled_dot_product_attention`` with the cuDNN and the flash (FA2) backends, S = 8192..32768,
+causal and not. TF/s count the unmasked work (causal: half).
+
+ring: S = 32768, 65536, 98304 in total over 2 GPUs, causal (zigzag: rank r holds chunks r and
+2W-1-r, the layout mgraph uses) and not. Baselines: cuDNN SDPA + NCCL P2P ring and FA2 SDPA +
+NCCL ring, each step's KV send/receive overlapped with the step's attention (double-buffered,
+batch_isend_irecv), partial outputs merged by their log-sum-exp in fp32; and each baseline's
+compute bound (the same steps without communication). mgraph: the ring_attention graph on
+backend triton (the megakernel); a configuration it cannot run is a row with its error.
+
+CUDA-event medians (ring: the slowest rank's). Every output is checked first (NaN-poisoned,
+relative error and worst 128-row tile against cuDNN SDPA). JSON rows go to DIR (default $OUT,
+else /tmp/mgraph_out) and a compact table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import struct
+import sys
+from pathlib import Path
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # GPU.md: lazy loading vs spinning kernels
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from mgraph.ops.abi import (  # noqa: E402
+    F_KIND,
+    F_NPARAM,
+    F_NREAD,
+    F_NWRITE,
+    F_PARAM0,
+    F_READ0,
+    F_WRITE0,
+    TASK_FIELDS,
+)
+from mgraph.runtime.memory import worst_tile_error  # noqa: E402
+
+B, H, D = 4, 16, 128
+BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}
+
+
+def event_times(fn, warmup: int, reps: int, barrier=None) -> list[float]:
+    """CUDA-event times (ms) of ``reps`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if barrier is not None:
+            barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def tile_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return worst_tile_error(got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1]))
+
+
+def flops(S_q: int, S_k: int, causal: bool) -> float:
+    """Unmasked q k^T and p v flops of B x H heads (causal: the lower triangle)."""
+    return 4.0 * B * H * S_q * S_k * D * (0.5 if causal else 1.0)
+
+
+# -- tile -------------------------------------------------------------------------------------
+def chain_tables(S: int, qb: int, kvb: int, causal: bool, device: str) -> dict:
+    """The tables the attention lowering's tasks encode to, for one rank holding B x H heads of
+    S rows (buffer slots 0..5: q, k, v, acc, ml, out), built vectorised: chain c = one q block,
+    its attn_block tasks (kvb keys each; causal: none past the block's last query) then its
+    attn_finalize. Each task has 8 regions: q, k, v, acc, ml (state read), acc, ml (writes), out."""
+    from mgraph.kinds import TaskKind
+    from mgraph.runtime.megakernel.encode import kind_id
+
+    dev = torch.device(device)
+    nq = S // qb
+    qi = torch.arange(nq, device=dev).repeat(B * H)
+    bh = torch.arange(B * H, device=dev).repeat_interleave(nq)
+    if causal:
+        nkv = ((qi + 1) * qb + kvb - 1) // kvb
+    else:
+        nkv = torch.full_like(qi, S // kvb)
+    counts = nkv + 1
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int64, device=dev)
+    starts[1:] = counts.cumsum(0)
+    T = int(starts[-1])
+    chain = torch.arange(len(counts), device=dev).repeat_interleave(counts)
+    pos = torch.arange(T, device=dev) - starts[chain]
+    final = pos == nkv[chain]
+    q0 = bh[chain] * S + qi[chain] * qb
+    k0 = bh[chain] * S + pos * kvb
+    t = torch.arange(T, device=dev)
+
+    def region(slot: int, r0: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        z = torch.zeros_like(r0)
+        return torch.stack([z + slot, r0, r0 + rows, z, z + cols], dim=1)
+
+    regions = torch.stack(
+        [region(0, q0, qb, D), region(1, k0, kvb, D), region(2, k0, kvb, D),
+         region(3, q0, qb, D), region(4, q0, qb, 2), region(3, q0, qb, D), region(4, q0, qb, 2),
+         region(5, q0, qb, D)], dim=1).reshape(-1, 5)
+    tasks = torch.zeros(T, TASK_FIELDS, dtype=torch.int64, device=dev)
+    first = pos == 0
+    tasks[:, F_KIND] = torch.where(final, kind_id(TaskKind.ATTN_FINALIZE.value),
+                                   kind_id(TaskKind.ATTN_BLOCK.value))
+    tasks[:, F_READ0] = 8 * t + torch.where(final, 3, 0)
+    tasks[:, F_NREAD] = torch.where(final, 2, torch.where(first, 3, 5))
+    tasks[:, F_WRITE0] = 8 * t + torch.where(final, 7, 5)
+    tasks[:, F_NWRITE] = torch.where(final, 1, 2)
+    tasks[:, F_PARAM0] = 6 * t
+    tasks[:, F_NPARAM] = 6
+    q_start, k_start = qi[chain] * qb, pos * kvb
+    scale_bits = struct.unpack("<i", struct.pack("<f", 1.0 / math.sqrt(D)))[0]
+    params = torch.stack(
+        [q_start, k_start, (causal & (k_start + kvb - 1 > q_start)).long(), first.long(),
+         torch.full_like(t, scale_bits), torch.zeros_like(t)], dim=1).reshape(-1)
+    return {
+        "tasks": tasks.int(), "regions": regions.int(), "params": params.int(),
+        "order": t.int(), "starts": starts.int(), "chains": len(counts), "tasks_n": T,
+    }
+
+
+def bench_tile(args) -> list[dict]:
+    from mgraph.kinds import TaskKind
+    from mgraph.ops.attention_tiles import chains_kernel
+    from mgraph.runtime.megakernel.encode import kind_id
+
+    rows = []
+    torch.manual_seed(0)
+    for S in args.tile_seqs:
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            fl = flops(S, S, causal)
+            ref = {}
+            for name, backend in BACKENDS.items():
+                with sdpa_kernel(backend):
+                    ref[name] = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    ms = statistics.median(event_times(
+                        lambda q=q, k=k, v=v, c=causal: F.scaled_dot_product_attention(
+                            q, k, v, is_causal=c),
+                        args.warmup, args.reps))
+                rows.append(dict(part="tile", S=S, causal=causal, impl=f"sdpa_{name}",
+                                 ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1)))
+                print(json.dumps(rows[-1]), flush=True)
+            cudnn_ms = rows[-2]["ms"]
+            acc = torch.empty(B * H * S, D, device="cuda", dtype=torch.float32)
+            ml = torch.empty(B * H * S, 2, device="cuda", dtype=torch.float32)
+            out = torch.empty(B * H * S, D, device="cuda", dtype=torch.bfloat16)
+            bufs = [q.view(-1, D), k.view(-1, D), v.view(-1, D), acc, ml, out]
+            addr = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
+            cols = torch.tensor([b.shape[1] for b in bufs], dtype=torch.int32, device="cuda")
+            shapes = [(128, 1024), (128, S), (4096, 4096)]
+            if S <= 16384:
+                shapes.insert(0, (128, 128))  # 1M tasks past that: tables of 250 MB
+            for qb, kvb in shapes:
+                tb = chain_tables(S, qb, kvb, causal, "cuda")
+
+                def launch(tb=tb, addr=addr, cols=cols):
+                    chains_kernel[(tb["chains"],)](
+                        tb["tasks"], tb["order"], tb["starts"], tb["params"], tb["regions"],
+                        addr, cols, BLOCK_ID=kind_id(TaskKind.ATTN_BLOCK.value),
+                        DT=tl_bf16(), USE_TIMER=True, num_warps=args.warps,
+                        num_stages=args.stages)
+
+                out.fill_(float("nan"))
+                acc.fill_(float("nan"))
+                ml.fill_(float("nan"))
+                try:
+                    launch()
+                    torch.cuda.synchronize()
+                    got = out.view(B, H, S, D)
+                    err, terr = rel(got, ref["cudnn"]), tile_err(got, ref["cudnn"])
+                    ms = statistics.median(event_times(launch, args.warmup, args.reps))
+                except Exception as exc:  # a shape that cannot compile or run is reported
+                    rows.append(dict(part="tile", S=S, causal=causal, impl="mgraph_tile",
+                                     task=f"{qb}x{kvb}", error=repr(exc)[:300]))
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
+                rows.append(dict(
+                    part="tile", S=S, causal=causal, impl="mgraph_tile", task=f"{qb}x{kvb}",
+                    tasks=tb["tasks_n"], warps=args.warps, stages=args.stages, ms=round(ms, 4),
+                    tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
+                    rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
+                print(json.dumps(rows[-1]), flush=True)
+                del tb
+            del acc, ml, out, bufs, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
+def tl_bf16():
+    import triton.language as tl
+
+    return tl.bfloat16
+
+
+# -- ring -------------------------------------------------------------------------------------
+def _attn_lse(q, k, v, causal: bool, backend: str):
+    """(out, lse [B, H, S_q] fp32) of one ring step by SDPA's cuDNN or flash kernel."""
+    if backend == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False)
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
+    out, lse = res[0], res[1]
+    return out, lse.reshape(q.shape[0], q.shape[1], q.shape[2]).float()
+
+
+def _merge(acc, lse_acc, out, lse, rows: slice) -> None:
+    """Fold a step's (out, lse) into the fp32 accumulators on query rows ``rows``."""
+    a, la = acc[:, :, rows], lse_acc[:, :, rows]
+    new = torch.logaddexp(la, lse)
+    a.mul_(torch.exp(la - new).unsqueeze(-1)).add_(out.float() * torch.exp(lse - new).unsqueeze(-1))
+    la.copy_(new)
+
+
+class Ring:
+    """SDPA + NCCL P2P ring on ``world`` GPUs: at each step every rank sends the KV it holds to
+    rank + 1 and receives rank - 1's while it attends to the KV it holds (two streams)."""
+
+    def __init__(self, q, k, v, causal: bool, backend: str, comm: bool) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.rank, self.world = dist, dist.get_rank(), dist.get_world_size()
+        self.q, self.causal, self.backend, self.comm = q, causal, backend, comm
+        self.own = torch.stack([k, v])
+        # two receive buffers: a step receives into the one it does not read
+        self.recv = [torch.empty_like(self.own), torch.empty_like(self.own)]
+        self.stream = torch.cuda.Stream()
+        half = q.shape[2] // 2
+        self.first, self.second = slice(0, half), slice(half, None)
+
+    def __call__(self) -> torch.Tensor:
+        dist, rank, world = self.dist, self.rank, self.world
+        q = self.q
+        acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device, dtype=torch.float32)
+        cur, nxt = self.own, self.recv[0]
+        for step in range(world):
+            reqs = []
+            if self.comm and step < world - 1:
+                self.stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.stream):
+                    reqs = dist.batch_isend_irecv([
+                        dist.P2POp(dist.isend, cur, (rank + 1) % world),
+                        dist.P2POp(dist.irecv, nxt, (rank - 1) % world),
+                    ])
+            src = (rank - step) % world
+            k, v = cur[0], cur[1]
+            if not self.causal:
+                out, l_ = _attn_lse(q, k, v, False, self.backend)
+                _merge(acc, lse, out, l_, slice(None))
+            elif src == rank:  # own zigzag chunks: plain causal in local order
+                out, l_ = _attn_lse(q, k, v, True, self.backend)
+                _merge(acc, lse, out, l_, slice(None))
+            elif src < rank:  # its first chunk precedes both of ours, its second follows both
+                h = k.shape[2] // 2
+                out, l_ = _attn_lse(q, k[:, :, :h], v[:, :, :h], False, self.backend)
+                _merge(acc, lse, out, l_, slice(None))
+            else:  # both its chunks precede our second chunk and follow our first
+                out, l_ = _attn_lse(q[:, :, self.second].contiguous(), k, v, False, self.backend)
+                _merge(acc, lse, out, l_, self.second)
+            for r in reqs:
+                r.wait()
+            if self.comm and step < world - 1:
+                torch.cuda.current_stream().wait_stream(self.stream)
+                cur, nxt = nxt, self.recv[(step + 1) % 2]
+        return acc.to(q.dtype)
+
+
+def bench_ring(args) -> list[dict]:
+    import torch.distributed as dist
+
+    import mgraph as mg
+    from mgraph.runtime.megakernel import TritonRuntime, local_shards
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    rows = []
+
+    def slowest(times: list[float]) -> float:
+        med = torch.tensor([statistics.median(times)], device="cuda")
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        return med.item()
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+
+    for S in args.ring_seqs:
+        for causal in (False, True):
+            graph = mg.ops.ring_attention(
+                topology=f"1x{world}", B=B, H=H, S=S, D=D, causal=causal, block=args.block,
+                kv_block=args.kv_block, dtype=torch.bfloat16)
+            gen = torch.Generator().manual_seed(S + causal)
+            full = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16)
+                    for n, s in graph.inputs.items()}
+            local = {n: t.cuda() for n, t in local_shards(graph, rank, full).items()}
+            del full
+            q, k, v = (local[n].reshape(B, H, -1, D) for n in "qkv")
+            S_l = q.shape[2]
+            # this rank's queries against every key: the unmasked work of the slowest rank
+            fl = flops(S_l, S, causal)
+            base = dict(part="ring", S=S, causal=causal, world=world)
+            want = None
+            for backend in BACKENDS:
+                for comm in (True, False):
+                    ring = Ring(q, k, v, causal, backend, comm)
+                    impl = f"{backend}+nccl" if comm else f"{backend}_compute_only"
+                    got = ring()
+                    torch.cuda.synchronize()
+                    extra = {}
+                    if comm:
+                        if want is None:
+                            want = got
+                        extra = dict(rel_err=round(rel(got, want), 5),
+                                     worst_tile_err=round(tile_err(got, want), 5))
+                    ms = slowest(event_times(ring, args.warmup, args.reps, dist.barrier))
+                    add(dict(base, impl=impl, ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1),
+                             **extra))
+                    del ring, got
+            try:
+                rt = TritonRuntime(mg.schedule(graph))
+                got = rt.run(local).outputs["out"].reshape(B, H, -1, D)
+                err, terr = rel(got, want), tile_err(got, want)
+                ms = slowest(event_times(rt.launch, args.warmup, args.reps, dist.barrier))
+                rt.check()
+                add(dict(base, impl="mgraph", block=args.block, kv_block=args.kv_block,
+                         tasks=len(graph.tasks), ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1),
+                         rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
+                del rt
+            except Exception as exc:  # not runnable yet: the row says why
+                add(dict(base, impl="mgraph", block=args.block, kv_block=args.kv_block,
+                         error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            del local, q, k, v, want
+            torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows if rank == 0 else []
+
+
+# -- report -----------------------------------------------------------------------------------
+def table(rows: list[dict]) -> str:
+    """One line per (part, S, causal): each implementation's ms (and TF/s), ratios to cuDNN."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["part"], r["S"], r["causal"]), []).append(r)
+    lines = []
+    for (part, S, causal), rs in groups.items():
+        cudnn = next((r["ms"] for r in rs if r["impl"] in ("sdpa_cudnn", "cudnn+nccl")), None)
+        cells = []
+        for r in rs:
+            name = r["impl"] + (f"[{r['task']}]" if "task" in r else "")
+            if "error" in r:
+                cells.append(f"{name}: ERROR")
+                continue
+            ratio = f" {cudnn / r['ms']:.2f}x" if cudnn else ""
+            cells.append(f"{name} {r['ms']:.2f}ms {r['tflops']:.0f}TF/s{ratio}")
+        lines.append(f"{part} S={S} {'causal' if causal else 'full'}: " + " | ".join(cells))
+    errors = {r["error"] for r in rows if "error" in r}
+    lines += [f"error: {e}" for e in sorted(errors)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("part", choices=("tile", "ring"))
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/mgraph_out"))
+    parser.add_argument("--tile-seqs", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--ring-seqs", type=int, nargs="+", default=[32768, 65536, 98304])
+    parser.add_argument("--block", type=int, default=2048, help="ring: q rows per task")
+    parser.add_argument("--kv-block", type=int, default=8192, help="ring: keys per task")
+    parser.add_argument("--warps", type=int, default=8, help="tile: the megakernel's num_warps")
+    parser.add_argument("--stages", type=int, default=3, help="tile: the megakernel's stages")
+    parser.add_argument("--warmup", type=int, default=2, help="ring: at most 1")
+    parser.add_argument("--reps", type=int, default=5, help="ring: at most 3")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention needs CUDA GPUs")
+    if args.part == "tile":
+        import triton
+
+        triton.set_allocator(
+            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        rows = bench_tile(args)
+    else:
+        # a ring step at S=98304 takes 0.1-0.3 s: keep the run within its few minutes
+        args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
+        rows = bench_ring(args)
+    if rows:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"bench_attention_{args.part}.json"
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+        print(table(rows))
+        print(f"rows: {path}")
+
+
+if __name__ == "__main__":
+    main()
