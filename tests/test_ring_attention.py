@@ -226,3 +226,39 @@ def test_bad_input(kw, err, topology):
 
 def test_causal_only_needs_2w():
     mg.ops.ring_attention(topology="1x2", B=1, H=1, S=66, D=8, block=33)  # fine without causal
+
+
+@pytest.mark.parametrize("topology", ["1x2", "2x2"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_heads_and_kv_blocks_match_torch(topology, causal):
+    # 2 q heads per KV head; 8-key tasks folded into 4-row q blocks (causal: some straddle the
+    # diagonal, the body hides the keys after each query)
+    g = build(topology, causal, H=4, kv_heads=2, kv_block=8 if not causal else 4 * 2)
+    assert g.inputs["k"].shape == (B, 2, S, D) and g.inputs["q"].shape == (B, 4, S, D)
+    check_graph(g)
+    written_once(g, "out")
+
+
+def test_grouped_query_ring_moves_only_kv_heads():
+    full = build("2x2", False, H=4).stats()
+    gqa = build("2x2", False, H=4, kv_heads=1).stats()
+    assert gqa.rdma_sent_per_node == [n // 4 for n in full.rdma_sent_per_node]
+    assert sum(gqa.nvlink_per_node) * 4 == sum(full.nvlink_per_node)
+
+
+@pytest.mark.parametrize("kw", [dict(kv_heads=3), dict(kv_heads=0), dict(kv_block=3),
+                                dict(kv_block=0)])
+def test_bad_kv_heads_or_kv_block_is_a_shape_error(kw):
+    with pytest.raises(mg.errors.ShapeError):
+        build("1x2", False, **kw)
+
+
+@pytest.mark.parametrize("mask_kind", ["additive", "boolean"])
+def test_attention_gqa_with_masks_matches_torch(mask_kind):
+    g = mg.ops.attention(topology="1x2", B=2, H=4, S=32, D=8, block=8, kv_block=16, kv_heads=2,
+                         mask_shape=[2, 1, 1, 32], mask_kind=mask_kind, causal=True,
+                         layout=["shard", 1, False])
+    check_graph(g)
+    with pytest.raises(mg.errors.ShapeError):
+        mg.ops.attention(topology="1x1", B=1, H=2, S=32, D=8, mask_shape=[1, 1, 1, 32],
+                         mask_kind="bool")
