@@ -152,6 +152,15 @@ def test_llama_decoder_layer(attn, topology, plan):
         assert {"allgather_gemm", "gemm_reduce_scatter"} <= ops
 
 
+def test_llama_eager_attention_under_context_parallel():
+    torch.manual_seed(5)
+    x = torch.randn(B, S, SMALL["hidden_size"])
+    plan = {"layer.self_attn": mg.ContextParallel()}
+    prog = compiled_matches(llama("eager"), (x,), plan, "1x2")
+    (att,) = attention_nodes(prog)
+    assert att.op == "ring_attention" and att.params["causal"]
+
+
 def test_llama_rotary_tables_as_inputs():
     torch.manual_seed(1)
     model = llama("sdpa", rope="input")
