@@ -1,4 +1,4 @@
-"""The ``mgraph`` command: demo, inspect, schedule, run, ops."""
+"""The ``mgraph`` command: demo, inspect, schedule, run, ops, compile."""
 
 from __future__ import annotations
 
@@ -350,6 +350,157 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+# -- compile --profile ---------------------------------------------------------------------------
+# The stages mg.compile runs, by the names mgraph.program calls them (TaskGraph.validate is a
+# method): the profile wraps them for the duration of one compile, so it times the real call.
+COMPILE_STAGES = ("trace", "fuse_pointwise", "lower", "validate", "check_triton_bodies", "schedule")
+
+
+class StageTimes:
+    """Wall and CPU seconds per stage of the mg.compile calls made inside ``with`` (the CPU
+    time says how much of the wall time this process spent; the rest is waiting for a core)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, attr: str, stage: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            return
+        times = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.wall[stage] = times.wall.get(stage, 0.0) + time.perf_counter() - wall
+                times.cpu[stage] = times.cpu.get(stage, 0.0) + time.process_time() - cpu
+
+        self._undo.append((owner, attr, fn))
+        setattr(owner, attr, timed)
+
+    def __enter__(self) -> StageTimes:
+        from . import program
+        from .graph import TaskGraph
+
+        for stage in COMPILE_STAGES:
+            if stage == "validate":
+                self._wrap(TaskGraph, "validate", stage)
+            else:
+                self._wrap(program, stage, stage)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, fn in reversed(self._undo):
+            setattr(owner, attr, fn)
+        self._undo.clear()
+
+
+def load_module_factory(spec: str) -> tuple[Callable[..., Any], Any]:
+    """``FILE.py:NAME`` -> (NAME, the file's namespace). NAME builds the nn.Module."""
+    import runpy
+
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name:
+        raise OptionError(f"module {spec!r} is not FILE.py:NAME",
+                          hint="e.g. examples/llama_block.py:DecoderBlock")
+    if not Path(path).is_file():
+        raise OptionError(f"module file {path!r} does not exist")
+    namespace = runpy.run_path(path, run_name="mgraph_compile_module")
+    if not callable(namespace.get(name)):
+        found = sorted(k for k, v in namespace.items() if callable(v) and not k.startswith("_"))
+        raise UnknownNameError(f"{path} has no callable {name!r}", hint=f"it has: {', '.join(found)}")
+    return namespace[name], namespace
+
+
+def _literal(text: str) -> Any:
+    import ast
+
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise OptionError(f"--set {text!r} is not key=value", hint="e.g. --set hidden=4096")
+    try:
+        return key.strip(), ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), raw.strip()  # a bare word: a string
+
+
+@command("compile")
+def cmd_compile(args: argparse.Namespace) -> int:
+    import gc
+
+    import torch
+
+    from .graph import torch_dtype
+    from .program import compile as mg_compile
+
+    check_output_path(args.json, "--json")
+    dtype = torch_dtype(args.dtype)
+    factory, namespace = load_module_factory(args.module)
+    kwargs = dict(_literal(s) for s in args.set)
+    shapes = []
+    for text in args.input:
+        try:
+            shapes.append([int(v) for v in text.split(",") if v.strip()])
+        except ValueError:
+            raise ShapeError(f"--input {text!r} is not a comma-separated shape",
+                             hint="e.g. --input 1,4096,4096") from None
+    plan = None
+    if args.plan:
+        if not callable(namespace.get(args.plan)):
+            found = sorted(k for k, v in namespace.items() if callable(v) and not k.startswith("_"))
+            raise UnknownNameError(f"{args.module.rpartition(':')[0]} has no plan function "
+                                   f"{args.plan!r}", hint=f"it has: {', '.join(found)}")
+        plan = namespace[args.plan]()
+    if args.repeat < 1:
+        raise OptionError(f"--repeat {args.repeat} must be at least 1")
+    runs = []
+    for i in range(args.repeat):
+        torch.manual_seed(i)
+        with torch.no_grad():
+            module = factory(**kwargs).to(dtype).eval()
+        inputs = tuple(torch.randn(shape, dtype=dtype) for shape in shapes)
+        gc.collect()
+        with StageTimes() as times:
+            wall, cpu = time.perf_counter(), time.process_time()
+            prog = mg_compile(module, inputs, plan=plan, topology=args.topology,
+                              policy=args.policy)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        runs.append({
+            "run": "cold" if i == 0 else "warm", "wall_s": wall, "cpu_s": cpu,
+            "tasks": len(prog.graph.tasks),
+            "stages": {k: {"wall_s": times.wall[k], "cpu_s": times.cpu[k]} for k in times.wall},
+        })
+        console.print(f"compile {i + 1}/{args.repeat} ({runs[-1]['run']}): "
+                      f"{len(prog.graph.tasks)} tasks on {args.topology} in {wall:.2f} s "
+                      f"(cpu {cpu:.2f} s)")
+        del prog, module, inputs
+    if args.profile:
+        table = Table(title=f"compile stages, seconds (wall / cpu), {args.module} on "
+                            f"{args.topology}")
+        table.add_column("stage")
+        for r in runs:
+            table.add_column(f"{r['run']} #{runs.index(r) + 1}", justify="right")
+        stages = [s for s in COMPILE_STAGES if any(s in r["stages"] for r in runs)]
+        for stage in stages:
+            table.add_row(stage, *(
+                f"{r['stages'][stage]['wall_s']:.2f} / {r['stages'][stage]['cpu_s']:.2f}"
+                if stage in r["stages"] else "-" for r in runs))
+        table.add_row("other", *(
+            f"{r['wall_s'] - sum(v['wall_s'] for v in r['stages'].values()):.2f}" for r in runs))
+        table.add_row("total", *(f"{r['wall_s']:.2f} / {r['cpu_s']:.2f}" for r in runs))
+        console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"module": args.module, "kwargs": kwargs, "inputs": shapes,
+                       "topology": args.topology, "dtype": args.dtype, "runs": runs}, f, indent=1)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 @command("simulate")
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .runtime.sim.cli import simulate_command
@@ -382,6 +533,22 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the five fused ops on the CPU and check them")
     p.add_argument("--topology", default="2x2", help="NODESxGPUS")
     p.add_argument("--out", default="mgraph-demo", help="folder for the timelines")
+    p = sub.add_parser("compile", help="compile a module from a Python file (mg.compile on the "
+                       "reference backend); --profile prints the time of each stage")
+    p.add_argument("module", help="FILE.py:NAME, NAME(**--set) builds the nn.Module")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword argument of NAME (a Python literal)")
+    p.add_argument("--input", action="append", default=[], required=True, metavar="SHAPE",
+                   help="the shape of one example input (random), e.g. 1,4096,4096")
+    p.add_argument("--plan", help="a function in FILE returning the parallel plan")
+    p.add_argument("--topology", default="1x1", help="NODESxGPUS, e.g. 2x8")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--policy", default="critical_path", help="queue ordering policy")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="compile N times in this process, each a freshly built module: the "
+                   "first is cold, the others warm")
+    p.add_argument("--profile", action="store_true", help="print the time of each stage")
+    p.add_argument("--json", help="write the times per stage to this JSON file")
     p = sub.add_parser("simulate", help="predict an op's fused vs baseline time on a cluster")
     add_op_args(p)
     from .runtime.sim.cli import add_arguments as add_simulate_arguments

@@ -8,6 +8,7 @@ is checked by making the runtime's allocator fail the test if it is reached.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,7 @@ def test_a_valid_graph_round_trips(tmp_path):
 
 # -- every CLI subcommand -----------------------------------------------------------------------
 OP = ["--op", "gemm_allreduce", "--shape", "64,64,64", "--topology", "2x2", "--dtype", "float32"]
+EXAMPLE = str(Path(__file__).parent.parent / "examples" / "llama_block.py")
 CLI = [
     ("inspect unknown op", ["inspect", "--op", "gemm_allreduse", "--shape", "1,1,1"],
      "UnknownNameError"),
@@ -251,6 +253,16 @@ CLI = [
      "SettingsError"),
     ("simulate unknown op", ["simulate", "--op", "nope", "--shape", "1"], "UnknownNameError"),
     ("demo bad topology", ["demo", "--topology", "2by2"], "TopologyError"),
+    ("compile not FILE:NAME", ["compile", "nofile", "--input", "1,8"], "OptionError"),
+    ("compile missing file", ["compile", "/nonexistent-dir/m.py:M", "--input", "1,8"],
+     "OptionError"),
+    ("compile unknown name", ["compile", f"{EXAMPLE}:NoSuchModule", "--input", "1,8"],
+     "UnknownNameError"),
+    ("compile input text", ["compile", f"{EXAMPLE}:DecoderBlock", "--input", "1,x"], "ShapeError"),
+    ("compile unknown plan", ["compile", f"{EXAMPLE}:DecoderBlock", "--input", "1,8", "--plan",
+                              "nope"], "UnknownNameError"),
+    ("compile json folder", ["compile", f"{EXAMPLE}:DecoderBlock", "--input", "1,8", "--json",
+                             "/nonexistent-dir/t.json"], "OutputPathError"),
 ]
 if not torch.cuda.is_available():
     CLI.append(("run triton without CUDA", ["run", *OP, "--backend", "triton"],
