@@ -82,10 +82,11 @@ if HAVE_TRITON:
     @triton.jit
     def _operand(x, USE_TIMER: tl.constexpr):
         """A dot operand: as loaded on a GPU; widened to float32 under the interpreter, whose
-        bf16 tl.dot multiplies raw bits."""
-        if USE_TIMER:
-            return x
-        return x.to(tl.float32)
+        bf16 tl.dot multiplies raw bits. One return: the compiler types every return statement
+        it reaches, also one after a taken constexpr branch (bf16 vs float32 fails to compile)."""
+        if not USE_TIMER:
+            x = x.to(tl.float32)
+        return x
 
     @triton.jit
     def _tile(p, stride, rows, cols, n_rows, n_cols):
