@@ -59,10 +59,9 @@ def main(topology: str = "2x2", backend: str = "reference") -> float:
     return err
 
 
-# On 2 GPUs gemm_allreduce's default epilogue (accumulate: TMA reduce-add) runs only in the
-# megakernel's leading GEMM prefix, which down_proj's GEMM (it waits for the silu * up tiles)
-# cannot join: oneshot pushes partial tiles to the peer and runs anywhere.
-GPU_PLAN = dict(PLAN, down_proj=mg.RowwiseParallel(options={"algorithm": "oneshot"}))
+# The same plan on GPUs: down_proj's all-reduce is its GEMM epilogue's reduce-add into both
+# GPUs' outputs (gemm_allreduce's default on 2 GPUs).
+GPU_PLAN = PLAN
 
 
 def main_gpu() -> float:

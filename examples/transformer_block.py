@@ -108,13 +108,9 @@ def main(topology: str = "2x2", backend: str = "reference") -> float:
 
 
 def gpu_plan() -> dict[str, mg.plans.ParallelStyle]:
-    """block_plan() with the row-parallel GEMMs' reduce-scatter pushing its partial tiles: on 2
-    GPUs the default (accumulate: TMA reduce-add) runs only in the megakernel's leading GEMM
-    prefix, which a GEMM waiting for attention or the MLP's product cannot join."""
-    plan = block_plan()
-    for path in ("attn.o_proj", "mlp.down_proj"):
-        plan[path] = mg.RowwiseParallel(options={"algorithm": "push"})
-    return plan
+    """block_plan() as it is: on 2 GPUs the row-parallel GEMMs' reduce-scatter is their
+    epilogue's reduce-add into the row owner's output (the default)."""
+    return block_plan()
 
 
 def main_gpu() -> float:

@@ -78,6 +78,8 @@ class KindSpec:
     # taking ``bufdt`` (the dtype code per slot), or with ``own_dtypes`` (its lowering and body
     # agree on each operand's dtype, e.g. MoE routing metadata is always float32).
     own_dtypes: bool = False
+    # Values of declared params a task may leave out (e.g. gemm's ``accumulate``: 0).
+    param_defaults: dict = field(default_factory=dict)
 
     def _attach(self, facet: str, fn: Any) -> Any:
         if getattr(self, facet) is not None:
@@ -142,7 +144,9 @@ def kind_spec(name: str | TaskKind) -> KindSpec:
 
 
 _ALL = (Role.COMPUTE, Role.NVLINK, Role.RDMA)
-define_kind(TaskKind.GEMM.value, [Role.COMPUTE], "C = A @ B with fp32 accumulation")
+GEMM_SPEC = define_kind(TaskKind.GEMM.value, [Role.COMPUTE], "C = A @ B with fp32 accumulation",
+                        params=("accumulate",))
+GEMM_SPEC.param_defaults = {"accumulate": 0}  # 1: the writes add into zeroed buffers
 define_kind(TaskKind.REDUCE.value, _ALL, "dst = sum of the read regions, fp32 accumulation")
 define_kind(TaskKind.COPY.value, _ALL, "every written region = the one read region")
 define_kind(TaskKind.ATTN_BLOCK.value, [Role.COMPUTE], "online softmax update with one KV block")

@@ -29,6 +29,11 @@ CASES = {
     "gemm_reduce_scatter-1x2-push": ("gemm_reduce_scatter", "1x2", dict(M=64, N=64, K=128, tile=[16, 32], algorithm="push")),
     "gemm_allreduce-1x2-twoshot": ("gemm_allreduce", "1x2", dict(M=64, N=96, K=128, tile=[32, 32], algorithm="twoshot")),
     "allgather_gemm-1x2-peer": ("allgather_gemm", "1x2", dict(M=64, N=64, K=64, tile=[16, 16], gather="peer")),
+    # short edge tiles (sizes that are not multiples of the tile, K not of BK): TMA clips them
+    "gemm-1x1-edge": ("gemm", "1x1", dict(M=40, N=56, K=72, tile=[32, 32])),
+    # 4 writes per task: reduce-adds from the dynamic GEMM body, not the prefix
+    "gemm_allreduce-1x4-accumulate": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], algorithm="accumulate")),
+    "gemm_allreduce-1x2-edge": ("gemm_allreduce", "1x2", dict(M=40, N=56, K=144, tile=[32, 32])),
     # multi-node: rdma tasks push FIFO commands that the native proxy executes (net.py)
     "gemm_allreduce-2x1": ("gemm_allreduce", "2x1", dict(M=64, N=64, K=128, tile=[32, 32], chunk_bytes=4096)),
     "allgather_gemm-2x1": ("allgather_gemm", "2x1", dict(M=64, N=64, K=64, tile=[16, 32])),

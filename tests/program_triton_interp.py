@@ -50,9 +50,9 @@ def mlp() -> None:
     torch.manual_seed(0)
     model = LlamaMLP(hidden=256, ffn=512).eval()
     x = torch.randn(2, 32, 256)
-    # On 2 GPUs gemm_allreduce's default epilogue (accumulate) runs only in the kernel's GEMM
-    # prefix, which a GEMM waiting for the ewise tasks cannot join: oneshot runs anywhere.
-    plan = dict(PLAN, down_proj=mg.RowwiseParallel(options={"algorithm": "oneshot"}))
+    # On 2 ranks down_proj's all-reduce is the default epilogue reduce-add (accumulate); its
+    # GEMM waits for the silu * up tiles, so it runs in the kernel's dynamic GEMM body.
+    plan = PLAN
     for topology in ("1x1", "1x2"):
         prog = mg.compile(model, (x,), plan=plan, topology=topology, backend="triton",
                           backend_options=INTERPRET)

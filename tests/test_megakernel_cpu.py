@@ -147,11 +147,12 @@ def test_accumulate_reduce_adds_from_the_prefix():
             t = encode_rank(mg.schedule(g), rank)
             assert t.prefix_adds and t.qinfo[0][Q_STATIC] == t.qinfo[0][1]
             assert len(t.exit_events) == 1
-    # more than 2 writes per task cannot use the TMA prefix: a named error, not a wrong answer
+    # more than 2 writes per task cannot use the TMA prefix: those tasks reduce-add from the
+    # dynamic GEMM body (megakernel_interp.py runs "gemm_allreduce-1x4-accumulate")
     four = mg.ops.gemm_allreduce(M=256, N=512, K=512, topology="1x4", tile=[128, 256],
                                  algorithm="accumulate")
-    with pytest.raises(mg.ScheduleError, match="accumulates"):
-        encode_rank(mg.schedule(four), 0)
+    t = encode_rank(mg.schedule(four), 0)
+    assert t.qinfo[0][Q_STATIC] == 0 and t.qinfo[0][1] > 0
 
 
 def test_reduce_scatter_pushes_ride_the_gemm_epilogues():
@@ -180,9 +181,11 @@ def test_triton_backend_rejects_what_it_cannot_run():
     odd = mg.ops.gemm(M=32, N=36, K=64, topology="1x1", tile=[16, 36], dtype=torch.bfloat16)
     with pytest.raises(mg.ScheduleError, match="16 bytes"):
         TritonRuntime(mg.schedule(odd), interpret=True)
+    # K below the K step (64) is no longer refused: TMA zero-fills past A's and B's ends
     small_k = mg.ops.gemm(M=32, N=32, K=32, topology="1x1", tile=[16, 16])
-    with pytest.raises(mg.ScheduleError, match="multiple of 64"):
-        TritonRuntime(mg.schedule(small_k), interpret=True)
+    a, b = torch.randn(32, 32), torch.randn(32, 32)
+    got = TritonRuntime(mg.schedule(small_k), interpret=True).run({"a": a, "b": b}).outputs["out"]
+    torch.testing.assert_close(got, a @ b, rtol=1e-4, atol=1e-4)
 
 
 def test_multi_rank_graph_needs_torchrun():
@@ -199,7 +202,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 23, proc.stdout
+    assert len(rows) == 26, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at

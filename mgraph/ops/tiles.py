@@ -17,7 +17,7 @@ from ..kinds import TaskKind, kind_spec
 from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
 
 if HAVE_TRITON:
-    from .abi import buffer_base, load_region
+    from .abi import buffer_base, load_region, param_i32
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
     """The meaning of every GEMM-based fused op on GLOBAL tensors: out = a @ b, fp32 accumulate."""
@@ -98,8 +98,9 @@ if HAVE_TRITON:
 
     @GEMM.triton
     @triton.jit
-    def gemm_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
-                  DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def gemm_tile(tp, params, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
+                  DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  USE_TIMER: tl.constexpr):
         """C = A @ B over the task's K range. ``ad0``/``bd0`` are descriptors the kernel built once
         for the rank's usual A and B buffers: building one costs a global-memory write and a
         fence, so a task only builds its own when it reads another buffer."""
@@ -135,14 +136,29 @@ if HAVE_TRITON:
         # (other tiles' rows, or TMA's zeros past the buffer): the store masks them off, so a
         # short edge tile writes exactly its region.
         w0 = tl.load(tp + _WRITE0)
+        accumulate = param_i32(params, tp, 0)
         for q in range(tl.load(tp + _NWRITE)):  # write 0, then the epilogue's peer stores
             c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
-            rm = cm0 + tl.arange(0, BM)
-            rn = cn0 + tl.arange(0, BN)
-            c = buffer_base(bufaddr, c_slot, DT)
-            c_cols = tl.load(bufcols + c_slot).to(tl.int64)
-            tl.store(c + rm[:, None].to(tl.int64) * c_cols + rn[None, :], out,
-                     mask=(rm < cm1)[:, None] & (rn < cn1)[None, :])
+            if accumulate != 0:
+                # Reduce-add into a zeroed output (this GPU's or a peer's), as the GEMM prefix
+                # does: a TMA reduce, exact because the runtime admits only tiles that end
+                # their buffers (encode.tma_exact). The interpreter runs one program at a
+                # time: a load, add and store is the same there.
+                c_cols = tl.load(bufcols + c_slot)
+                cd = tl.make_tensor_descriptor(buffer_base(bufaddr, c_slot, DT),
+                                               [tl.load(bufrows + c_slot), c_cols], [c_cols, 1],
+                                               [BM, BN])
+                if USE_TIMER:
+                    cd.atomic_add([cm0, cn0], out)
+                else:
+                    cd.store([cm0, cn0], (cd.load([cm0, cn0]).to(tl.float32) + out.to(tl.float32)).to(DT))
+            else:
+                rm = cm0 + tl.arange(0, BM)
+                rn = cn0 + tl.arange(0, BN)
+                c = buffer_base(bufaddr, c_slot, DT)
+                c_cols64 = tl.load(bufcols + c_slot).to(tl.int64)
+                tl.store(c + rm[:, None].to(tl.int64) * c_cols64 + rn[None, :], out,
+                         mask=(rm < cm1)[:, None] & (rn < cn1)[None, :])
 
     @REDUCE.triton
     @triton.jit

@@ -303,6 +303,22 @@ def encode_rank(
     )
 
 
+def tma_exact(graph: TaskGraph, t, block: tuple[int, int], bk: int = 64) -> bool:
+    """Whether whole-block TMA loads and stores compute exactly ``t``'s tile: TMA zero-fills
+    loads and clips stores only at a buffer's END, so a short tile must end every buffer it
+    writes, and a K range that is not a multiple of ``bk`` must end A's columns and B's rows.
+    (The dynamic GEMM body masks instead, so tiles that are not exact run there.)"""
+    rows, cols = t.writes[0].shape
+    for w in t.writes:
+        buf = graph.buffers[w.buffer]
+        if (rows < block[0] and w.row1 != buf.rows) or (cols < block[1] and w.col1 != buf.cols):
+            return False
+    a, b = t.reads[0], t.reads[1]
+    if (a.col1 - a.col0) % bk:
+        return a.col1 == graph.buffers[a.buffer].cols and b.row1 == graph.buffers[b.buffer].rows
+    return True
+
+
 class _Prefix:
     """The compute queue's static prefix: its leading GEMM tasks, cut into segments.
 
@@ -330,6 +346,9 @@ class _Prefix:
         for t in graph.tasks:
             for e in t.signals:
                 self.signallers.setdefault(e, []).append(t)
+        gemms = [t for t in graph.tasks if t.kind == "gemm"]
+        self.block = (max(t.writes[0].shape[0] for t in gemms),
+                      max(t.writes[0].shape[1] for t in gemms)) if gemms else (0, 0)
         self.nw: int | None = None  # writes per task: the kernel's SEG_NW
         self.add: bool | None = None  # writes reduce-add (the kernel's SEG_ADD)
 
@@ -355,7 +374,8 @@ class _Prefix:
             # at most 2 (each a TMA descriptor); other GEMMs run in the dynamic part.
             add = bool(t.params.get("accumulate"))
             if (t.kind != "gemm" or len(t.writes) > 2 or self.nw not in (None, len(t.writes))
-                    or self.add not in (None, add) or not self.hoistable(t)):
+                    or self.add not in (None, add) or not self.hoistable(t)
+                    or not tma_exact(graph, t, self.block)):
                 break
             self.nw, self.add = len(t.writes), add
             a, b = t.reads
@@ -375,17 +395,6 @@ class _Prefix:
                              local[tid]])
             count += 1
         self._close(waits)
-        for tid in queue[count:]:
-            t = graph.tasks[tid]
-            if t.kind == "gemm" and t.params.get("accumulate"):
-                raise ScheduleError(
-                    f"task {t.name!r} accumulates but cannot join the GEMM prefix (it has "
-                    f"{len(t.writes)} writes, or waits, or follows a non-GEMM task): only the "
-                    "prefix's TMA epilogue reduce-adds",
-                    hint="use gemm_allreduce algorithm='oneshot'/'twoshot' (or "
-                    "gemm_reduce_scatter algorithm='push') on more than 2 GPUs per node, or "
-                    "run on backend='reference'",
-                )
         return count
 
     def _close(self, waits: dict[int, int]) -> None:
@@ -404,7 +413,11 @@ def _param_words(task) -> list[int]:
     import struct
 
     words = []
-    for name in KINDS[task.kind].params:
+    spec = KINDS[task.kind]
+    for name in spec.params:
+        if name not in task.params and name in spec.param_defaults:
+            words.append(int(spec.param_defaults[name]))
+            continue
         if name not in task.params:
             raise ScheduleError(
                 f"task {task.name!r} (kind {task.kind!r}) has no param {name!r}",

@@ -32,7 +32,7 @@ from mgraph.settings import Settings
 from ..memory import check_inputs, gather_outputs
 from ..trace import TaskRecord, Trace
 from .dispatch import PUSH_KIND, body_params, has_body, megakernel_for
-from .encode import PUSH_ID, ROLE_ALL, RankTables, encode_rank, kind_id, layout
+from .encode import PUSH_ID, ROLE_ALL, RankTables, encode_rank, kind_id, layout, tma_exact
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
@@ -94,6 +94,26 @@ def _check_dtypes(graph: TaskGraph) -> None:
                     f"Triton body reads every buffer as {graph.dtype}",
                     hint="give the body a `bufdt` parameter and cast float32 slots accordingly",
                 )
+
+
+def gemm_block(gemms) -> tuple[int, int]:
+    """The GEMM block (BM, BN): the largest tile; the others are the short edge tiles."""
+    return (max(t.writes[0].shape[0] for t in gemms), max(t.writes[0].shape[1] for t in gemms))
+
+
+def _check_gemm_tiles(graph: TaskGraph, gemms) -> None:
+    """Short edge tiles: the GEMM prefix runs only tiles whole-block TMA computes exactly
+    (encode.tma_exact); the dynamic body masks the others. A tile that ADDS into its outputs
+    (``accumulate``) always goes through a TMA reduce-add, so it must be exact."""
+    block = gemm_block(gemms)
+    for t in gemms:
+        if t.params.get("accumulate") and not tma_exact(graph, t, block, BK):
+            raise ScheduleError(
+                f"{graph.op}: gemm task {t.name!r} reduce-adds a short {t.writes[0].shape} tile "
+                f"that does not end its buffers (block {block[0]}x{block[1]})",
+                hint="tile the op so that only the last tile row/column is short, or use "
+                "gemm_allreduce algorithm='oneshot'",
+            )
 
 
 def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -237,16 +257,8 @@ class TritonRuntime:
                     hint="choose the op's inner sizes as multiples of 8 (bf16) or 4 (fp32)",
                 )
         gemms = [t for t in graph.tasks if t.kind == TaskKind.GEMM.value]
-        shapes = {t.writes[0].shape for t in gemms}
-        if len(shapes) > 1:
-            raise ScheduleError(f"{graph.op}: gemm tiles of several shapes {sorted(shapes)}")
-        for t in gemms:
-            k = t.reads[0].col1 - t.reads[0].col0
-            if k % BK:
-                raise ScheduleError(
-                    f"{graph.op}: task {t.name!r} has K={k}, not a multiple of {BK}",
-                    hint=f"choose K per rank as a multiple of {BK}",
-                )
+        if gemms:
+            _check_gemm_tiles(graph, gemms)
 
     def _allocate(self) -> None:
         graph, lay, dev = self.graph, self.layout, self.device
@@ -348,7 +360,7 @@ class TritonRuntime:
         self.d["epoch"] = torch.zeros(1, dtype=torch.int32, device=dev)
         self.d["trace"] = torch.zeros(max(len(t.local_tasks), 1) * 3, dtype=torch.int64, device=dev)
         gemms = [x for x in self.graph.tasks if x.kind == TaskKind.GEMM.value]
-        self.bm, self.bn = gemms[0].writes[0].shape if gemms else (16, 16)
+        self.bm, self.bn = gemm_block(gemms) if gemms else (16, 16)
 
     # -- launches -----------------------------------------------------------------------------
     def load_inputs(self, inputs: dict[str, torch.Tensor]) -> None:
