@@ -5,8 +5,9 @@ inputs. Cases "ring", "ring2", "mask": run by the megakernel (float32 graphs, an
 fp32 state). Case "chains": bf16 graphs and one fp32 graph, run by attention_tiles.run_chains
 (the bodies in a standalone kernel, one program per q-block chain).
 Prints one JSON line per case:
-{"case", "kinds", "dtypes", "error_ref", "error_sdpa", "tile_error", "nan_match", "nans"}
-(tile_error: the worst block x D tile's relative error against SDPA)."""
+{"case", "kinds", "dtypes", "error_ref", "error_sdpa", "tile_error", "nan_match", "nans",
+"zero_rows"} (tile_error: the worst block x D tile's relative error against SDPA; zero_rows: the
+output rows that are exactly 0, as SDPA returns a query row whose every key is hidden)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from mgraph.runtime.megakernel import TritonRuntime, run_in_process  # noqa: E40
 from mgraph.runtime.memory import worst_tile_error  # noqa: E402
 
 
-def _err(got: torch.Tensor, want: torch.Tensor, ok: torch.Tensor) -> float:
-    """Relative error over the elements ``ok`` (where the reference runtime is finite)."""
-    return ((got[ok] - want[ok]).norm() / want[ok].norm()).item()
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative error (NaN if either side has a NaN)."""
+    return ((got - want).norm() / want.norm()).item()
 
 
 def compare(case: str, graph, inputs: dict, sdpa: torch.Tensor, chains: bool = False) -> None:
@@ -45,20 +46,18 @@ def compare(case: str, graph, inputs: dict, sdpa: torch.Tensor, chains: bool = F
     want = want.reshape(sdpa.shape).float()
     D = sdpa.shape[-1]
     block = graph.params.get("block", 128)
-    # A query row with every key hidden is 0 / 0 = NaN in the CPU body (the kind's meaning),
-    # where SDPA returns zeros: such rows are compared by their NaN pattern only.
-    ok = torch.isfinite(want)
     dtypes = {str(b.dtype) for b in graph.buffers.values()}
     print(json.dumps({
         "case": case,
         "kinds": sorted({t.kind for t in graph.tasks}),
         "dtypes": sorted(dtypes),
-        "error_ref": _err(got, want, ok),
-        "error_sdpa": _err(got, sdpa, ok),
+        "error_ref": _err(got, want),
+        "error_sdpa": _err(got, sdpa),
         "tile_error": worst_tile_error(got.nan_to_num().reshape(-1, D),
                                        sdpa.nan_to_num().reshape(-1, D), rows=block, cols=D),
         "nan_match": bool(torch.equal(got.isnan(), want.isnan())),
         "nans": int(got.isnan().sum()),
+        "zero_rows": int((got.reshape(-1, D) == 0).all(dim=1).sum()),
     }), flush=True)
 
 
@@ -126,8 +125,8 @@ def mask_cases() -> None:
             want = F.scaled_dot_product_attention(x["q"], x["k"], x["v"], attn_mask=full)
             tag = "x".join(map(str, shape))
             compare(f"mask-{tag}-causal{int(causal)}", g, x, want)
-    # a query row with every key hidden: 0 / 0 in the CPU body and the megakernel alike (the
-    # body must neither make it finite nor spread NaN to other rows)
+    # a query row with every key hidden: exactly 0 there, as SDPA returns it (l = 0: the
+    # finalize body must not divide 0 / 0), the other rows untouched
     g = mg.ops.attention(topology="1x1", B=1, H=1, S=S, D=D, block=32, mask_shape=[1, 1, S, S],
                          dtype=torch.float32)
     x = _inputs(g, seed=13)
@@ -179,8 +178,7 @@ def chain_cases() -> None:
         if causal:
             shown = shown.masked_fill(~tril, float("-inf"))
         compare(f"chains-bf16-mask-{kind}", g, x, _sdpa(x, mask=shown), chains=True)
-    # a query row with every key hidden by a boolean mask: NaN there (0 / 0, as the CPU body),
-    # nowhere else
+    # a query row with every key hidden by a boolean mask: 0 there, as SDPA returns it
     g = mg.ops.attention(topology="1x1", B=1, H=1, S=64, D=D, block=64, mask_shape=[1, 1, 64, 64],
                          mask_kind="boolean", dtype=bf16)
     x = _inputs(g, seed=23, dtype=bf16)
@@ -189,6 +187,16 @@ def chain_cases() -> None:
     shown[9] = False
     x["mask"] = shown.to(bf16)
     compare("chains-bf16-hidden-row", g, x, _sdpa(x, mask=shown), chains=True)
+    # left padding with a causal mask (transformers' SDPA mask for a left-padded batch): the pad
+    # queries of sequence 1 see no key at all; head size 160, the D-chunked path
+    B, S, D, pad = 2, 128, 160, 5
+    g = mg.ops.attention(topology="1x1", B=B, H=1, S=S, D=D, block=64, mask_shape=[B, 1, 1, S],
+                         mask_kind="boolean", causal=True, dtype=bf16)
+    x = _inputs(g, seed=25, dtype=bf16)
+    real = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    real[1, ..., :pad] = False
+    x["mask"] = real.to(bf16).reshape(g.inputs["mask"].shape)
+    compare("chains-bf16-left-padding", g, x, _sdpa(x, mask=real & tril), chains=True)
 
 
 CASES = {"ring": ring_cases, "ring2": ring_multi_rank_cases, "mask": mask_cases,

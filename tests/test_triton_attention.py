@@ -6,7 +6,9 @@ reference runtime on the same graph and torch SDPA (tests/megakernel_attention_i
   (bf16 data, fp32 state: the attention kinds are ``own_dtypes``);
 - run by attention_tiles.run_chains (the bodies in a standalone kernel) on bf16 graphs with fp32
   state: zigzag causal over two ranks, grouped-query attention, KV blocks larger than q blocks,
-  additive and boolean masks, head sizes 40 and 160.
+  additive and boolean masks, head sizes 40 and 160;
+- query rows whose every key is hidden (a masked row, left padding under a causal mask): exactly
+  0, as SDPA returns them, on both paths.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ TOL = 3e-6
 # measured 4e-3..6e-3 against float32 SDPA on the same bf16 inputs, by norm and per tile. A
 # wrong mask, scale or GQA head mapping is O(1e-1) off.
 TOL_BF16 = 1.5e-2
+# query rows with every key hidden, per case: SDPA returns 0 there, and so must the bodies
+HIDDEN_ROWS = {"mask-hidden-row": 1, "chains-bf16-hidden-row": 1, "chains-bf16-left-padding": 5}
 
 
 @cache
@@ -57,6 +61,8 @@ def _check(got: dict, expect: int, kinds: set[str], dtypes: list[str], tol: floa
         assert r["error_ref"] < tol and r["error_sdpa"] < tol, (case, r)
         assert r["tile_error"] < tol, (case, r)
         assert r["nan_match"] and r["nans"] == 0, (case, r)
+        # no row is exactly 0 unless every key of it is hidden (random inputs)
+        assert r["zero_rows"] == HIDDEN_ROWS.get(case, 0), (case, r)
 
 
 def _select(table: dict[str, dict], prefix: str) -> dict[str, dict]:
@@ -88,19 +94,18 @@ def test_megakernel_attention_additive_masks_broadcast():
     _check(_select(table, "mask-1x1x"), 2, {"attn_block", "attn_finalize"}, ["float32"], TOL)
 
 
-def test_megakernel_fully_hidden_row_is_nan_as_in_the_cpu_body():
-    """One query row with every key hidden: 0 / 0 = NaN in the CPU body and in the megakernel
-    (all D columns of that row, no other element), the other rows as accurate as elsewhere."""
-    r = megakernel_rows()["mask-hidden-row"]
-    assert r["nan_match"] and r["nans"] == 32, r
-    assert r["error_ref"] < TOL and r["error_sdpa"] < TOL, r
+def test_megakernel_fully_hidden_row_is_zero_as_sdpa_returns_it():
+    """One query row with every key hidden: 0 in the CPU body and in the megakernel, as in
+    SDPA (l = 0, not 0 / 0 = NaN), the other rows as accurate as elsewhere."""
+    _check(_select(megakernel_rows(), "mask-hidden-row"), 1, {"attn_block", "attn_finalize"},
+           ["float32"], TOL)
 
 
 def test_bf16_ring_attention_variants():
     # D 40 and D 160 (the D-chunked path), zigzag causal over two ranks with 2 q heads per KV
     # head, 256-key blocks folded into 128-row q blocks across the diagonal
     got = _select(rows("chains"), "chains-bf16-")
-    ring = {k: r for k, r in got.items() if "mask" not in k and "hidden" not in k}
+    ring = {k: r for k, r in got.items() if not any(w in k for w in ("mask", "hidden", "left"))}
     two_ranks = {k: ring.pop(k) for k in list(ring) if "1x2" in k}
     _check(ring, 3, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
     _check(two_ranks, 1, {"attn_block", "attn_finalize", "copy"}, ["bfloat16", "float32"],
@@ -113,10 +118,11 @@ def test_bf16_attention_additive_and_boolean_masks():
     _check(got, 2, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
 
 
-def test_bf16_boolean_mask_hidden_row_is_nan_only_there():
-    r = rows("chains")["chains-bf16-hidden-row"]
-    assert r["nan_match"] and r["nans"] == 32, r
-    assert r["error_ref"] < TOL_BF16 and r["error_sdpa"] < TOL_BF16, r
+def test_bf16_fully_hidden_rows_are_zero_only_there():
+    # one row hidden by a boolean mask (D 32); left padding under a causal mask (D 160: the
+    # D-chunked path), 5 rows with no key
+    got = {k: r for k, r in rows("chains").items() if k.endswith(("hidden-row", "left-padding"))}
+    _check(got, 2, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
 
 
 def test_fp32_through_run_chains_matches_to_rounding():

@@ -4,8 +4,9 @@ Every rank computes the (batch, head) pairs it holds: heads sharded (the attenti
 column-parallel QKV projection and a row-parallel output projection), batches sharded, or all of
 them (replicated). Sequence-sharded attention is ring_attention. The math is ring attention's
 online softmax on the same kinds: ``attn_block`` folds one KV block into the fp32 state
-(acc, ml), chained per q block; ``attn_finalize`` writes ``acc / l``. Causal masks skip the
-blocks above the diagonal and mask the diagonal one.
+(acc, ml), chained per q block; ``attn_finalize`` writes ``acc / l`` (0 in a query row whose
+every key the mask hides, as SDPA returns it). Causal masks skip the blocks above the diagonal
+and mask the diagonal one.
 
 Masks: option ``mask_shape`` is the 4-D shape ``[Bm, Hm, Qm, S]`` of a mask (input ``mask``, in
 the compute dtype) broadcast over the batch (Bm = 1), heads (Hm = 1) or queries (Qm = 1), as

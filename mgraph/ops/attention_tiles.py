@@ -264,7 +264,8 @@ if HAVE_TRITON:
     @ATTN_FINALIZE.triton
     @triton.jit
     def attn_finalize_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr):
-        """out = acc / l, cast once to the output's dtype."""
+        """out = acc / l, cast once to the output's dtype; 0 in a row whose every key was hidden
+        (l = 0: left padding), as SDPA returns it, where acc / l would be 0 / 0."""
         r0 = tl.load(tp + _READ0)
         ap, a_stride, n, D = _rows_cols(regions, bufaddr, bufcols, r0, _F32)
         mp, m_stride, _nm, _dm = _rows_cols(regions, bufaddr, bufcols, r0 + 1, _F32)
@@ -272,12 +273,14 @@ if HAVE_TRITON:
         for i0 in range(0, n, _QB):
             om = (i0 + tl.arange(0, _QB)).to(tl.int64)
             l_i = tl.load(mp + om * m_stride + 1, mask=om < n, other=1.0)
+            hidden = (l_i == 0.0)[:, None]
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)  # never computes 0 / 0
             for d0 in range(0, D, _DB):
                 od = d0 + tl.arange(0, _DB)
                 mask = (om < n)[:, None] & (od < D)[None, :]
                 acc = tl.load(ap + om[:, None] * a_stride + od[None, :], mask=mask, other=0.0)
-                tl.store(op + om[:, None] * o_stride + od[None, :], (acc / l_i[:, None]).to(DT),
-                         mask=mask)
+                out = tl.where(hidden, 0.0, acc / l_i[:, None])
+                tl.store(op + om[:, None] * o_stride + od[None, :], out.to(DT), mask=mask)
 
     _FIELDS, _KIND = tl.constexpr(TASK_FIELDS), tl.constexpr(F_KIND)
     __all__ += ["chains_kernel"]

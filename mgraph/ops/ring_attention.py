@@ -18,10 +18,11 @@ Math (per q block, on its rank): online softmax in fp32 with the state acc [rows
 ml [rows, 2] = (running max m, running denominator l). ``attn_block`` folds one KV block into the
 state (the first block of a chain initialises it, so no zeroing task exists); successive blocks of
 one q block are chained by events because they rewrite the same state. ``attn_finalize`` writes
-``acc / l`` in the op dtype. Causal masks use GLOBAL positions (task params ``q_start``,
-``k_start``): with both block sizes dividing a zigzag chunk, a k block either reaches past the
-q block's first position (masked: the body hides keys after each query), lies entirely before
-it (unmasked) or entirely after its last position (no task at all).
+``acc / l`` in the op dtype, and 0 in a row whose every key was hidden (l = 0), as SDPA does.
+Causal masks use GLOBAL positions (task params ``q_start``, ``k_start``): with both block sizes
+dividing a zigzag chunk, a k block either reaches past the q block's first position (masked:
+the body hides keys after each query), lies entirely before it (unmasked) or entirely after its
+last position (no task at all).
 
 The KV "ring" is a CONSUMPTION ORDER, not the movement. Rank r folds its own slice first (no
 wait), then the slices of its node peers (r+1, r+2, ... wrapping inside the node), then the slices
@@ -224,8 +225,11 @@ def _attn_block_flops(
 def _attn_finalize_cpu(
     task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]
 ) -> None:
+    """out = acc / l; a row whose every key was hidden (l = 0: left padding) is 0, as SDPA
+    returns it, not 0 / 0."""
     acc, ml = reads
-    writes[0].copy_(acc / ml[:, 1:2])
+    denom = ml[:, 1:2]
+    writes[0].copy_(torch.where(denom == 0, 0.0, acc / denom))
 
 
 @ATTN_FINALIZE.flops
