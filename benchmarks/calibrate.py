@@ -14,11 +14,12 @@ later predicts:
   2 GPUs, each storing it into the other (entry barrier, exit wait), less ``launch_us``.
 - ``epilogue_peer_gbps``: 8192x8192x4096 GEMM tiles whose epilogue stores each tile into the
   peer GPU, against the same tiles stored locally: the extra time per wave over a tile's bytes.
-- ``nvlink_worker_gbps``: NVLink copy tasks only (256 KiB chunks, 16 workers, no compute): bytes
-  moved over NVLink / (time x workers). Measured pulling (reads from the peer, what AG+GEMM's
-  gather does) and pushing (writes into the peer, what node broadcasts do); the profile keeps
-  the pull rate (the only NVLink-worker tasks of the 1-node lowerings) and reports both.
-- ``copy_engine_gbps``: 1 MiB copy-engine copies GPU0 -> GPU1, back to back.
+- ``nvlink_worker_gbps`` and ``nvlink_worker_push_gbps``: NVLink copy tasks only (256 KiB
+  chunks, 16 workers, no compute): bytes moved over NVLink / (time x workers), pulling (the
+  worker reads from the peer, what AG+GEMM's gather does) and pushing (it writes into the peer,
+  what node broadcasts do). The cost model and the simulator cost each direction at its rate.
+- ``copy_engine_gbps``: 1 MiB copies into a peer GPU's buffer mapped by symmetric memory, both
+  GPUs at once, back to back (the path of bench_emulated.py's wire): bytes per direction / time.
 
 Every other value is kept from the shipped profile with its source. Correctness: every graph's
 outputs are checked against torch on random inputs before it is timed.
@@ -32,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # GPU.md: lazy loading vs spinning kernels
@@ -96,12 +98,12 @@ def gemm_tiles(M: int, N: int, K: int, peer: bool) -> mg.TaskGraph:
 
 
 # -- timing on the GPUs --------------------------------------------------------------------------
-def timed(rt, reps: int, warmup: int = 3) -> float:
-    """Median CUDA-event ms of ``rt.launch()``, max over ranks."""
+def timed(call: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    """Median CUDA-event ms of ``call()`` (a runtime's ``launch``), max over ranks."""
     import torch.distributed as dist
 
     for _ in range(warmup):
-        rt.launch()
+        call()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -109,7 +111,7 @@ def timed(rt, reps: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        rt.launch()
+        call()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
@@ -150,10 +152,44 @@ def run_checked(graph: mg.TaskGraph, workers: dict[str, int] | None, reps: int) 
     err = ((got - want).norm() / want.norm()).item()
     if not err < 2e-2:
         raise SystemExit(f"calibrate: {graph.op} output off by {err:.3g}: not timing a wrong kernel")
-    ms = timed(rt, reps)
+    ms = timed(rt.launch, reps)
     del rt
     torch.cuda.empty_cache()
     return ms
+
+
+def copy_engine_gbps(reps: int, chunks: int = 256) -> float:
+    """GB/s per direction of 1 MiB copy-engine copies into the peer GPU, both GPUs sending at
+    once: each rank copies into the other's buffer through its symmetric-memory mapping, a
+    same-device copy for torch (no cross-device stream syncs), as bench_emulated.py's wire."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    nbytes = chunks << 20
+    recv = symm_mem.empty(nbytes, dtype=torch.uint8, device="cuda")
+    handle = symm_mem.rendezvous(recv, dist.group.WORLD.group_name)
+    peer = handle.get_buffer(1 - dist.get_rank(), (nbytes,), torch.uint8)
+    rank = dist.get_rank()
+
+    def pattern(r: int) -> torch.Tensor:  # each rank's own bytes, so a copy that lands is seen
+        return ((torch.arange(nbytes, dtype=torch.int32, device="cuda") * (r + 3) + 7) % 251).to(torch.uint8)
+
+    src = pattern(rank)
+
+    def send() -> None:
+        for i in range(chunks):
+            peer[i << 20:(i + 1) << 20].copy_(src[i << 20:(i + 1) << 20], non_blocking=True)
+
+    recv.zero_()
+    torch.cuda.synchronize()
+    dist.barrier()
+    send()
+    torch.cuda.synchronize()
+    handle.barrier(channel=0)
+    if not torch.equal(recv, pattern(1 - rank)):
+        raise SystemExit("calibrate: the copy-engine copies did not land: not timing them")
+    ms = timed(send, reps)
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 def measure(reps: int) -> dict[str, float]:
@@ -189,19 +225,8 @@ def measure(reps: int) -> dict[str, float]:
             times.append(statistics.median(ts))
         out["gemm_ms"], out["tiny_ms"] = times
         del rt, tiny
-        # copy engine: 1 MiB copies GPU0 -> GPU1
-        src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:0")
-        dst = torch.empty(256 << 20, dtype=torch.uint8, device="cuda:1")
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(2):
-            s.record()
-            for i in range(256):
-                dst[i << 20:(i + 1) << 20].copy_(src[i << 20:(i + 1) << 20], non_blocking=True)
-            e.record()
-            torch.cuda.synchronize()
-        out["copy_engine_gbps"] = (256 << 20) / (s.elapsed_time(e) * 1e-3) / 1e9
-        del src, dst
     dist.barrier()
+    out["copy_engine_gbps"] = copy_engine_gbps(reps)
     tiles_per_rank = (M // TILE[0]) * (N // TILE[1])
     waves = -(-tiles_per_rank // hw.sms)
     out["epilogue_local_ms"] = run_checked(gemm_tiles(M, N, K, peer=False), None, reps)
@@ -226,17 +251,19 @@ def measure(reps: int) -> dict[str, float]:
     return out
 
 
-def profile_from(m: dict[str, float], host: str) -> mg.HardwareProfile:
-    """The shipped profile with the measured constants replaced, each with its source."""
+def profile_from(m: dict[str, float], machine: str) -> mg.HardwareProfile:
+    """The shipped profile with the measured constants replaced, each with its source.
+    ``machine``: what ran it, as the sources name it ("2x H200")."""
     when = datetime.date.today().isoformat()
-    tag = f"benchmarks/calibrate.py {when} on {host}"
+    tag = f"benchmarks/calibrate.py on {machine}, {when}"
     new = {
         "tile_gemm_tflops": (m["tile_gemm_tflops"], f"{tag}: megakernel GEMM alone 8192x8192x4096 {m['gemm_ms']:.3f} ms, whole waves of 128x256 tiles"),
         "launch_us": (m["launch_us"], f"{tag}: one-tile GEMM launch {m['tiny_ms'] * 1e3:.1f} us"),
         "multi_gpu_launch_us": (m["multi_gpu_launch_us"], f"{tag}: one tile per GPU on 2 GPUs, stored into the peer, {m['tiny_2gpu_ms'] * 1e3:.1f} us, less launch_us"),
         "epilogue_peer_gbps": (m["epilogue_peer_gbps"], f"{tag}: 8192x8192x4096 tiles stored into the peer {m['epilogue_peer_ms']:.3f} ms vs locally {m['epilogue_local_ms']:.3f} ms"),
-        "nvlink_worker_gbps": (m["nvlink_pull_gbps"], f"{tag}: 16 NVLink workers copying 256 KiB chunks: pull {m['nvlink_pull_gbps']:.2f} GB/s per worker (kept), push {m['nvlink_push_gbps']:.2f}"),
-        "copy_engine_gbps": (m["copy_engine_gbps"], f"{tag}: 1 MiB copy-engine copies GPU0 -> GPU1 back to back"),
+        "nvlink_worker_gbps": (m["nvlink_pull_gbps"], f"{tag}: 16 NVLink workers copying 256 KiB chunks out of the peer (pull, no compute): {m['nvlink_pull_gbps']:.2f} GB/s per worker"),
+        "nvlink_worker_push_gbps": (m["nvlink_push_gbps"], f"{tag}: 16 NVLink workers copying 256 KiB chunks into the peer (push, no compute): {m['nvlink_push_gbps']:.2f} GB/s per worker"),
+        "copy_engine_gbps": (m["copy_engine_gbps"], f"{tag}: 1 MiB copy-engine copies into the peer's symmetric-memory buffer, both GPUs at once, per direction"),
     }  # fmt: skip
     hw = mg.H200
     values = {k: round(v, 3) for k, (v, _) in new.items()}
@@ -249,8 +276,6 @@ def main() -> int:
     parser.add_argument("--out", default="h200.json", help="where to write the profile JSON")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    import socket
-
     import torch.distributed as dist
 
     dist.init_process_group("nccl")
@@ -260,7 +285,7 @@ def main() -> int:
         raise SystemExit("calibrate: run with torchrun --nproc_per_node=2")
     m = measure(args.reps)
     if rank == 0:
-        hw = profile_from(m, socket.gethostname())
+        hw = profile_from(m, f"{dist.get_world_size()}x {torch.cuda.get_device_name().split()[-1]}")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         hw.save(args.out)
         Path(args.out).with_suffix(".measurements.json").write_text(json.dumps(m, indent=1) + "\n")

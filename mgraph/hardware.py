@@ -8,9 +8,11 @@ nothing was measured). Users describe their own clusters with ``HardwareProfile.
 ``H200.model_copy(update={...})``.
 
 Who reads what: the scheduler's cost model (mgraph/scheduler/costmodel.py) and the simulator
-(runtime/sim/model.py) both cost an NVLink worker at ``nvlink_worker_gbps`` and a GEMM epilogue's
-peer stores at ``epilogue_peer_gbps``; the static partition and the simulator's controller cap
-NVLink workers at ``nvlink_max_sms``; the proxy costs ``proxy_command_us`` per command in both.
+(runtime/sim/model.py) both cost an NVLink worker's reads from a peer at ``nvlink_worker_gbps``
+(pull), its writes into a peer at ``nvlink_worker_push_gbps`` (push), and a GEMM epilogue's peer
+stores at ``epilogue_peer_gbps``; the static partition and the controller (simulator, reference
+runtime) cap NVLink workers at ``nvlink_max_sms``; the proxy costs ``proxy_command_us`` per
+command in both.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ _RENAMED = {"nvlink_task_gbps": "nvlink_worker_gbps"}
 # ``nvlink_push_sms`` was a second NVLink worker cap (16, the simulator's controller) beside
 # ``nvlink_max_sms`` (32, the static partition): one cap now, so the old value is dropped.
 _DROPPED = ("nvlink_push_sms",)
+# Profiles saved before pushes and pulls were costed apart had one NVLink worker rate: it stays
+# the rate of both directions when ``nvlink_worker_push_gbps`` is absent.
+_ONE_RATE = ("nvlink_worker_gbps", "nvlink_worker_push_gbps")
 
 
 class HardwareProfile(BaseModel):
@@ -70,7 +75,14 @@ class HardwareProfile(BaseModel):
     nccl_sms: int = Field(16, ge=0, description="SMs NCCL kernels occupy while they run")
     # -- the megakernel as measured; the scheduler's partition and the simulator both use them --
     nvlink_worker_gbps: float = Field(
-        3.0, gt=0, description="bytes/s over NVLink one megakernel NVLink worker moves in tasks"
+        3.0,
+        gt=0,
+        description="bytes/s one megakernel NVLink worker reads from peers in tasks (pull)",
+    )
+    nvlink_worker_push_gbps: float = Field(
+        3.0,
+        gt=0,
+        description="bytes/s one megakernel NVLink worker writes into peers in tasks (push)",
     )
     nvlink_max_sms: int = Field(
         32, gt=0, description="most SMs NVLink tasks get (static partition and controller)"
@@ -87,6 +99,12 @@ class HardwareProfile(BaseModel):
     def _migrate(cls, data: Any) -> Any:
         if isinstance(data, dict) and any(k in data for k in (*_RENAMED, *_DROPPED)):
             data = {_RENAMED.get(k, k): v for k, v in data.items() if k not in _DROPPED}
+        pull, push = _ONE_RATE
+        if isinstance(data, dict) and pull in data and push not in data:
+            data = {**data, push: data[pull]}
+            sources = data.get("sources")
+            if isinstance(sources, dict) and pull in sources and push not in sources:
+                data["sources"] = {**sources, push: f"the profile's one rate: {sources[pull]}"}
         return data
 
     @model_validator(mode="after")

@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mgraph as mg
+from mgraph.builder import GraphBuilder
+from mgraph.kinds import Role
 from mgraph.scheduler import DAMPING, balance_workers, role_work, static_partition, task_costs
 from mgraph.scheduler.balance import _ticks
 from mgraph.scheduler.controller import RoleProgress, decide
@@ -200,7 +202,8 @@ def test_invalid_arguments(kw):
 
 # -- the static partition ----------------------------------------------------------------------
 def test_static_partition_follows_the_rule():
-    g = mg.ops.gemm_allreduce(M=64, N=128, K=64, topology="2x2", tile=[32, 32], chunk_bytes=4096)
+    # 128 NVLink tasks per rank: more than the rule gives them, so neither cap binds
+    g = mg.ops.gemm_allreduce(M=512, N=512, K=64, topology="2x2", tile=[32, 32], chunk_bytes=4096)
     hw = mg.H200.model_copy(update={"nvlink_max_sms": 200})  # no cap: the rule alone
     part = static_partition(g, hw)
     work = role_work(g, task_costs(g, hw))
@@ -208,7 +211,28 @@ def test_static_partition_follows_the_rule():
         wp, ws = work[rank]["compute"][1], work[rank]["nvlink"][1]
         pool = hw.sms - 1
         want = min(max(math.floor(pool * ws / (wp + ws) + 0.5), 1), pool - 1)
+        assert work[rank]["nvlink"][0] > want
         assert workers == {"compute": pool - want, "nvlink": want, "rdma": 1}
+
+
+def test_static_partition_gives_nvlink_at_most_one_worker_per_task():
+    """4 NVLink tasks per rank beside 14 compute tasks: the rule's too-few-tasks case would give
+    NVLink 44 of 131 SMs; the partition keeps 4 (the rest would idle) and computes on the rest.
+    A rank with NVLink tasks only gets one worker per task, not every SM."""
+    g = mg.ops.gemm_allreduce(M=64, N=128, K=64, topology="2x2", tile=[32, 32], chunk_bytes=4096)
+    hw = mg.H200.model_copy(update={"nvlink_max_sms": 200})
+    work = role_work(g, task_costs(g, hw))
+    for rank, workers in static_partition(g, hw).items():
+        assert work[rank]["nvlink"][0] == 4
+        assert workers == {"compute": hw.sms - 1 - 4, "nvlink": 4, "rdma": 1}
+    b = GraphBuilder("copies", mg.Topology.parse("1x2"), "float32", {})
+    for src in range(2):  # 3 NVLink copies on each rank into the other, no compute
+        x, y = b.buffer("x", src, 96, 32), b.buffer("y", 1 - src, 96, 32)
+        for c in range(3):
+            rows = (32 * c, 32 * (c + 1))
+            b.task(src, Role.NVLINK, "copy", [x.region(rows)], [y.region(rows)])
+    for workers in static_partition(b.finish().validate(), mg.H200).values():
+        assert workers == {"compute": 0, "nvlink": 3, "rdma": 0}
 
 
 def test_static_partition_caps_and_tiny_chips():

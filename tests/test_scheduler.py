@@ -23,6 +23,7 @@ from mgraph.scheduler import (
     task_cost,
     task_costs,
 )
+from mgraph.scheduler.costmodel import remote_bytes
 
 BUILTIN = ["topological", "critical_path", "remote_first"]
 
@@ -477,12 +478,18 @@ def test_scheduler_and_simulator_cost_a_task_alike(op):
         if role == COMPUTE:
             assert m.duration[t.id] == pytest.approx(costs[t.id], rel=1e-12)
         elif role == NVLINK and m.remote[t.id]:
-            assert m.remote[t.id] / m.nvlink_demand == pytest.approx(costs[t.id], rel=1e-12)
+            assert m.remote[t.id] / m.demand[t.id] == pytest.approx(costs[t.id], rel=1e-12)
         else:
             continue
         checked[role] += 1
     assert checked[COMPUTE] and checked[NVLINK]
-    assert m.nvlink_demand == mg.H200.nvlink_worker_gbps * 1e9
+    # pulls (reads from peers) at the pull rate, pushes (writes into peers) at the push rate
+    pull, push = mg.H200.nvlink_worker_gbps * 1e9, mg.H200.nvlink_worker_push_gbps * 1e9
+    reads, writes = remote_bytes(g)
+    for t in g.tasks:
+        if m.role[t.id] == NVLINK and m.remote[t.id]:
+            r, w = reads[t.id], writes[t.id]
+            assert m.demand[t.id] == pytest.approx((r + w) / (r / pull + w / push), rel=1e-12)
 
 
 def test_first_pushes_rotate_over_the_node():

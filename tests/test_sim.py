@@ -76,12 +76,13 @@ def test_busy_never_exceeds_wall(op):
 
 
 # -- critical paths on hand graphs, one worker per role ------------------------------------------
-# Round numbers: 1 GFLOP/s and 1 GB/s per SM, so a 64x64x64 gemm takes 524.288 us.
+# Round numbers: 1 GFLOP/s and 1 GB/s per SM (an NVLink worker pulls at 1 GB/s and pushes at 2),
+# so a 64x64x64 gemm takes 524.288 us.
 HW = mg.HardwareProfile.model_validate(
     mg.H200.model_dump()
     | dict(
         name="toy", sms=4, tile_gemm_tflops=0.004, hbm_gbps=4.0, nvlink_push_gbps=2.0,
-        nvlink_worker_gbps=1.0, nvlink_gbps=100.0, rdma_gbps=1.0, rdma_latency_us=3.0,
+        nvlink_worker_gbps=1.0, nvlink_worker_push_gbps=2.0, nvlink_gbps=100.0, rdma_gbps=1.0, rdma_latency_us=3.0,
         proxy_command_us=5.0, rdma_chunk_us=0.5, fifo_push_us=2.0, nvlink_latency_us=10.0,
         launch_us=0.0, multi_gpu_launch_us=0.0, sources={},
     )
@@ -90,13 +91,14 @@ GEMM_US = 2 * 64**3 / 1e9 * 1e6  # 524.288
 TILE_BYTES = 64 * 64 * 4  # 16384: 16.384 us at 1 GB/s
 
 
-def chain(topology: str, link: Role) -> mg.TaskGraph:
-    """gemm on rank 0 -> copy to rank 1 over ``link`` -> reduce (memory bound) on rank 1."""
+def chain(topology: str, link: Role, mover: int = 0) -> mg.TaskGraph:
+    """gemm on rank 0 -> copy to rank 1 over ``link`` by a worker of rank ``mover`` (0: it
+    writes into the peer, 1: it reads from the peer) -> reduce (memory bound) on rank 1."""
     b = GraphBuilder("hand", mg.Topology.parse(topology), "float32", {})
     x0, y0 = b.buffer("x", 0, 64, 64), b.buffer("y", 0, 64, 64)
     y1, z1 = b.buffer("y", 1, 64, 64), b.buffer("z", 1, 64, 64)
     g = b.task(0, Role.COMPUTE, "gemm", [x0.region(), x0.region()], [y0.region()])
-    c = b.task(0, link, "copy", [y0.region()], [y1.region()], waits=b.after(0, [g]))
+    c = b.task(mover, link, "copy", [y0.region()], [y1.region()], waits=b.after(mover, [g]))
     b.task(1, Role.COMPUTE, "reduce", [y1.region()], [z1.region()], waits=b.after(1, [c]))
     return b.finish().validate()
 
@@ -105,10 +107,14 @@ def one_each(graph: mg.TaskGraph) -> Schedule:
     return mg.schedule(graph, HW, workers={"compute": 1, "nvlink": 1, "rdma": 1})
 
 
-def test_critical_path_nvlink_chain():
-    res = simulate(one_each(chain("1x2", Role.NVLINK)), baselines=False)
-    # gemm + NVLink copy at one SM's 1 GB/s + remote flag latency + reduce (2 x 16 KiB at 1 GB/s)
-    want = GEMM_US + 16.384 + 10.0 + 32.768
+@pytest.mark.parametrize("mover", [0, 1])
+def test_critical_path_nvlink_chain(mover):
+    res = simulate(one_each(chain("1x2", Role.NVLINK, mover)), baselines=False)
+    # gemm + NVLink copy (rank 0 pushes at 2 GB/s, rank 1 pulls at 1 GB/s) + reduce (2 x 16 KiB
+    # at 1 GB/s); the gemm's flag to a puller on rank 1, or the pusher's to the reduce, crosses
+    # NVLink once (10 us)
+    copy = TILE_BYTES / 1e3 / (2.0 if mover == 0 else 1.0)
+    want = GEMM_US + copy + 10.0 + 32.768
     assert res.predicted_s * 1e6 == pytest.approx(want, rel=1e-9)
 
 
@@ -314,12 +320,15 @@ def test_fill_what_if_and_old_profile_json():
     for key in ("launch_us", "nccl_nvlink_gbps", "grouped_gemm_tflops", "nccl_sms", "sources"):
         del doc[key]
     doc["nvlink_task_gbps"] = doc.pop("nvlink_worker_gbps")
+    del doc["nvlink_worker_push_gbps"]
     doc["nvlink_push_sms"] = 16
     old = mg.HardwareProfile.model_validate(doc)
     fields = mg.HardwareProfile.model_fields
     for key in ("launch_us", "nccl_nvlink_gbps", "grouped_gemm_tflops", "nccl_sms"):
         assert getattr(old, key) == fields[key].default
     assert old.nvlink_worker_gbps == mg.H200.nvlink_worker_gbps
+    # one NVLink worker rate then: it costs pushes too
+    assert old.nvlink_worker_push_gbps == old.nvlink_worker_gbps != mg.H200.nvlink_worker_push_gbps
     assert old.nvlink_push_sms == old.nvlink_max_sms == mg.H200.nvlink_max_sms
 
 

@@ -109,7 +109,9 @@ def static_partition(
 
     rdma gets one worker when it has tasks (it only pushes proxy commands); compute and nvlink
     split the remaining SMs by ``balance_workers`` with C = mean estimated cost per task, and
-    nvlink keeps at most ``hardware.nvlink_max_sms`` (measured: more stop paying off).
+    nvlink keeps at most ``hardware.nvlink_max_sms`` (measured: more stop paying off) and at
+    most one worker per NVLink task of the rank (a worker without a task only idles; the rule
+    alone gives a rank with no compute tasks, or too few to matter, every SM).
     """
     if costs is None:
         costs = task_costs(graph, hardware)
@@ -137,7 +139,7 @@ def static_partition(
                 comm_remaining=n_nvl,
                 comm_cost=w_nvl / n_nvl if n_nvl else 0.0,
             )
-            nvlink = min(nvlink, hardware.nvlink_max_sms)
+            nvlink = min(nvlink, hardware.nvlink_max_sms, n_nvl)
         compute = pool - nvlink if n_comp else 0
         out[rank] = {_COMPUTE: compute, _NVLINK: nvlink, _RDMA: rdma}
     return out

@@ -4,15 +4,17 @@
 The scheduler uses these numbers twice: summed per rank and role they are the work the static SM
 partition splits (balance.py), and along paths they are the critical-path priorities
 (policies.py). The simulator (runtime/sim/model.py) costs a task alone on its worker with the
-SAME rules and constants (``MATH_RATE``, ``nvlink_worker_gbps``, ``epilogue_peer_gbps``); it
+SAME rules and constants (``MATH_RATE``, ``nvlink_worker_gbps`` and ``nvlink_worker_push_gbps``,
+``epilogue_peer_gbps``); it
 adds what a schedule decides (bandwidth shared between concurrent flows, waits, the proxy's
 queue), so it owns timing.
 
 - compute: a math kind at its full-chip rate over the SM count; any other kind is memory bound
   (the larger of its flops at the tile rate and its bytes at one SM's share of HBM); plus the
   bytes its epilogue stores into node peers at ``epilogue_peer_gbps`` (the SM waits for them).
-- nvlink: the bytes it reads from or writes to other GPUs at ``nvlink_worker_gbps`` (what one
-  megakernel NVLink worker was measured to move); a task with none is a local copy at HBM rate.
+- nvlink: the bytes it reads from other GPUs at ``nvlink_worker_gbps`` (pull) plus the bytes it
+  writes into them at ``nvlink_worker_push_gbps`` (push): what one megakernel NVLink worker was
+  measured to move each way; a task with neither is a local copy at HBM rate.
 - rdma: proxy command + latency + wire, what delays the consumer (the worker only pushes).
 """
 
@@ -28,6 +30,7 @@ __all__ = [
     "compute_rate_per_sm",
     "hbm_rate_per_sm",
     "nvlink_rate_per_sm",
+    "nvlink_seconds",
     "epilogue_rate_per_sm",
     "remote_bytes",
     "task_cost",
@@ -60,10 +63,17 @@ def hbm_rate_per_sm(hw: HardwareProfile) -> float:
     return hw.hbm_gbps * 1e9 / hw.sms
 
 
-def nvlink_rate_per_sm(hw: HardwareProfile) -> float:
-    """Bytes/s over NVLink one megakernel NVLink worker moves through its tasks, as measured
-    (per-tile tasks pay waits and system-scope signals; far below a bulk push probe's rate)."""
-    return hw.nvlink_worker_gbps * 1e9
+def nvlink_rate_per_sm(hw: HardwareProfile, push: bool = False) -> float:
+    """Bytes/s over NVLink one megakernel NVLink worker moves through its tasks, as measured:
+    reading from a peer (pull) or, with ``push``, writing into one (per-tile tasks pay waits and
+    system-scope signals; far below a bulk push probe's rate)."""
+    return (hw.nvlink_worker_push_gbps if push else hw.nvlink_worker_gbps) * 1e9
+
+
+def nvlink_seconds(hw: HardwareProfile, pulled: float, pushed: float) -> float:
+    """Seconds one NVLink worker spends reading ``pulled`` bytes from peers and writing
+    ``pushed`` bytes into them (a task doing both does one after the other)."""
+    return pulled / nvlink_rate_per_sm(hw) + pushed / nvlink_rate_per_sm(hw, push=True)
 
 
 def epilogue_rate_per_sm(hw: HardwareProfile) -> float:
@@ -115,9 +125,8 @@ def _cost(t: Task, hw: HardwareProfile, remote_read: int, remote_write: int) -> 
             base = max(t.flops / compute_rate_per_sm(hw), t.bytes * fill / hbm_rate_per_sm(hw))
         return base + remote_write / epilogue_rate_per_sm(hw)
     if t.role == _NVLINK:
-        remote = remote_read + remote_write
-        if remote:
-            return remote * fill / nvlink_rate_per_sm(hw)
+        if remote_read or remote_write:
+            return nvlink_seconds(hw, remote_read * fill, remote_write * fill)
         return t.bytes * fill / hbm_rate_per_sm(hw)
     # An rdma worker only pushes a command; the transfer itself is the NIC's and the proxy's.
     # For the critical path it is what delays the consumer: proxy + wire + latency. Task.bytes

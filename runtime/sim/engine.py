@@ -208,9 +208,7 @@ class Engine:
         elif role == COMPUTE or not m.remote[tid]:
             self.at(now + m.duration[tid], _TASK_END, tid)
         else:
-            self.reflow(
-                self.net.start(Flow(tid, m.remote[tid], m.nvlink_demand, m.ports[tid]), now)
-            )
+            self.reflow(self.net.start(Flow(tid, m.remote[tid], m.demand[tid], m.ports[tid]), now))
 
     def reflow(self, flows: list[Flow]) -> None:
         for f in flows:
@@ -411,7 +409,7 @@ class Engine:
         return (
             m.duration[tid]
             if code == COMPUTE or not m.remote[tid]
-            else (m.remote[tid] / m.nvlink_demand)
+            else (m.remote[tid] / m.demand[tid])
         )
 
     def rebalance(self, rank: int, code: int) -> int:

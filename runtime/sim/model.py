@@ -4,8 +4,9 @@
   rate divided by the SM count, so a rank's compute speed scales with the SMs left to compute;
   any other kind (reduce, copy, finalize, route, combine) is memory bound: the larger of its flops
   at the tile rate and its bytes at the SM's share of HBM bandwidth.
-- nvlink: a flow of the task's REMOTE bytes (reads of peers' memory, writes into it) at up to one
-  SM's push rate, through its own GPU's issue port (what all of a GPU's SMs together push or pull:
+- nvlink: a flow of the task's REMOTE bytes (reads of peers' memory, writes into it) at up to
+  what one NVLink worker was measured to drive (``nvlink_worker_gbps`` for the bytes it pulls,
+  ``nvlink_worker_push_gbps`` for the bytes it pushes), through its own GPU's issue port (what all of a GPU's SMs together push or pull:
   GPU.md measured 340 GB/s however many SMs try), the NVLink egress of the GPU that holds the
   data and the ingress of the GPU that receives it (link rate each; flows.py shares them). A
   task with no remote bytes is a local copy at the SM's share of HBM bandwidth.
@@ -27,7 +28,7 @@ Signals to a counter on another GPU of the node become visible ``nvlink_latency_
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mgraph.graph import ITEMSIZE, Task, TaskGraph
 from mgraph.hardware import HardwareProfile
@@ -38,6 +39,7 @@ from mgraph.scheduler.costmodel import (
     hbm_rate_per_sm,
     kind_rate,
     nvlink_rate_per_sm,
+    nvlink_seconds,
 )
 
 __all__ = [
@@ -61,7 +63,9 @@ class TaskModel:
     signals: list[list[tuple[int, float]]]  # compute/nvlink: (event, visibility delay)
     dst_events: list[list[int]]  # rdma: raised on arrival at the destination
     src_events: list[list[int]]  # rdma: raised when the completion is back at the source
-    nvlink_demand: float = 0.0  # bytes/s one nvlink worker drives (an SM's push rate)
+    # nvlink: bytes/s the task's one worker drives, from the measured pull rate for the bytes it
+    # reads from peers and the push rate for the bytes it writes into them
+    demand: list[float] = field(default_factory=list)
     # bytes/s of a GPU's epilogue pushes (TMA stores are asynchronous: the GPU's push port
     # limits them, not one SM's store rate); they drain one after another (engine.epilogue)
     epilogue_demand: float = 0.0
@@ -117,11 +121,12 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
     nvl_lat = hw.nvlink_latency_us * 1e-6
     push = hw.fifo_push_us * 1e-6
     epilogue = epilogue_rate_per_sm(hw)
+    pull, push_rate = nvlink_rate_per_sm(hw), nvlink_rate_per_sm(hw, push=True)
     n = len(graph.tasks)
     m = TaskModel(
         role=[0] * n, duration=[0.0] * n, remote=[0] * n, ports=[()] * n, dst=[-1] * n,
         commands=[0] * n, signals=[[] for _ in range(n)], dst_events=[[] for _ in range(n)],
-        src_events=[[] for _ in range(n)], nvlink_demand=nvlink_rate_per_sm(hw),
+        src_events=[[] for _ in range(n)], demand=[0.0] * n,
         epilogue_demand=hw.nvlink_push_gbps * 1e9,
     )  # fmt: skip
     for t in graph.tasks:
@@ -159,13 +164,14 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
             # (engine.epilogue).
             m.remote[tid] = sum(
                 (w[2] - w[1]) * (w[4] - w[3]) * buf_item[w[0]]
-                for w in t.writes if buf_rank[w[0]] != rank
+                for w in t.writes
+                if buf_rank[w[0]] != rank
             )
             m.duration[tid] += m.remote[tid] / epilogue
             continue
         # nvlink: per port, the share of the task's remote bytes that crosses it
         load: dict[int, int] = {}
-        total = 0
+        total = pulled = 0
         for regions, reading in ((t.reads, True), (t.writes, False)):
             for r in regions:
                 holder = buf_rank[r[0]]
@@ -177,12 +183,19 @@ def task_model(graph: TaskGraph, hw: HardwareProfile, fill: Fill | None = None) 
                 for port in (base["egress"] + src, base["ingress"] + dst):
                     load[port] = load.get(port, 0) + nbytes
                 total += nbytes
+                if reading:
+                    pulled += nbytes
         f = fill(t) if total else 1.0
         if f != 1.0:
             load = {p: b * f for p, b in load.items()}
             total *= f
+            pulled *= f
         if total:
             m.remote[tid] = total
+            m.demand[tid] = (
+                pull if pulled == total else push_rate if pulled == 0
+                else total / nvlink_seconds(hw, pulled, total - pulled)
+            )  # fmt: skip
             load[base["issue"] + rank] = total
             m.ports[tid] = tuple((p, b / total) for p, b in sorted(load.items()))
         else:
