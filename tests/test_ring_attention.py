@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mgraph as mg
-from helpers import TOPOLOGIES, check_graph, written_once
+from helpers import TOPOLOGIES, check_graph, rel_err, written_once
 from mgraph.graph import Task
 from mgraph.kinds import TaskKind, kind_spec
 
@@ -262,3 +262,28 @@ def test_attention_gqa_with_masks_matches_torch(mask_kind):
     with pytest.raises(mg.errors.ShapeError):
         mg.ops.attention(topology="1x1", B=1, H=2, S=32, D=8, mask_shape=[1, 1, 1, 32],
                          mask_kind="bool")
+
+
+@pytest.mark.parametrize("mask_kind", ["additive", "boolean"])
+def test_attention_rows_with_every_key_hidden_are_zero_as_in_sdpa(mask_kind):
+    """Left padding under a causal mask: a pad query sees no key at all. SDPA returns 0 in such
+    a row; so does attn_finalize (l = 0), where acc / l would be 0 / 0 = NaN."""
+    B, H, S, D, pad = 2, 4, 32, 8, 5
+    dims = dict(B=B, H=H, S=S, D=D, block=8, kv_heads=2, causal=True)
+    g = mg.ops.attention(
+        topology="1x2", mask_shape=[B, 1, 1, S], mask_kind=mask_kind, layout=["shard", 1, False],
+        **dims,
+    )
+    x = mg.ops.get_op("attention").random_inputs(g, seed=3)
+    real = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    real[1, ..., :pad] = False
+    hidden = torch.zeros(B, 1, 1, S).masked_fill(~real, float("-inf"))
+    mask = real.float() if mask_kind == "boolean" else hidden
+    x["mask"] = mask.reshape(g.inputs["mask"].shape)
+    got = mg.run(mg.schedule(g), x).outputs["out"]
+    k, v = (x[n].repeat_interleave(2, dim=1) for n in "kv")
+    shown = real & torch.ones(S, S, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(x["q"], k, v, attn_mask=shown)
+    assert bool(want[1, :, :pad].eq(0).all())  # what torch returns there
+    assert bool(got[1, :, :pad].eq(0).all()) and bool(got.isfinite().all())
+    assert rel_err(got, want) < 1e-5

@@ -185,26 +185,29 @@ def test_llama_mask_inputs(attn):
     assert att.params["mask_shape"] == [B, 1, S, S] and not att.params["causal"]
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_llama_padding_mask_through_create_causal_mask(attn):
+def test_llama_padding_mask_through_create_causal_mask(attn, side):
     """The [B, S] padding mask a tokenizer gives, as torch.bool, turned into the 4-D mask by
     transformers' create_causal_mask inside the module: index by aranges (a view), & with the
-    folded causal mask (a sum of additive masks), and for eager where(mask, 0, lowest)."""
+    folded causal mask (a sum of additive masks), and for eager where(mask, 0, lowest).
+    Left padding hides every key from the pad queries: SDPA returns 0 in their attention rows
+    (and mgraph's attn_finalize too, l = 0); eager's lowest-value mask hides nothing there
+    (scores + lowest are all equal: a uniform average of v), and mgraph adds the same mask."""
     torch.manual_seed(4)
     model = llama(attn, mask="padding")
     x = torch.randn(B, S, SMALL["hidden_size"])
-    # Right padding: every query row sees a key. (Left padding hides whole rows of the pad
-    # tokens: SDPA returns zeros there, mgraph's attention NaN; eager's lowest-value mask is
-    # not hidden, and matches.)
     padding = torch.ones(B, S, dtype=torch.bool)
-    padding[1, S - 5 :] = False
+    pad = slice(S - 5, None) if side == "right" else slice(0, 5)
+    padding[1, pad] = False
     prog = compiled_matches(model, (x, padding), tp_plan(mlp=False), "1x2")
     (att,) = attention_nodes(prog)
     assert att.params["mask_shape"] == [B, 1, S, S] and not att.params["causal"]
     mask_ops = [n for n in prog.opgraph.nodes if n.outputs["out"].encoding]  # computed masks
     fns = [n.params["fn"] for n in mask_ops if n.op == "elementwise"]
     assert fns == (["add", "maximum"] if attn == "eager" else ["add"])
-    padding[0, S - 2 :] = False  # the mask is an input: another padding, the same program
+    # the mask is an input: another padding, the same program
+    padding[0, slice(S - 2, None) if side == "right" else slice(0, 2)] = False
     with torch.no_grad():
         want = model(x, padding)
     assert rel_err(prog(x, padding), want) < 1e-5
