@@ -286,14 +286,15 @@ if HAVE_TRITON:
     __all__ += ["chains_kernel"]
 
     @triton.jit
-    def chains_kernel(tasks, order, starts, params, regions, bufaddr, bufcols,
+    def chains_kernel(tasks, order, starts, param_table, regions, bufaddr, bufcols,
                        BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
         """Program c runs chain c: its attn_block tasks in order, then its attn_finalize."""
         c = tl.program_id(0)
         for i in range(tl.load(starts + c), tl.load(starts + c + 1)):
             tp = tasks + tl.load(order + i) * _FIELDS
             if tl.load(tp + _KIND) == BLOCK_ID:
-                attn_block_tile(tp, params, regions, bufaddr, bufcols, DT, USE_TIMER)
+                # (not named ``params``: Triton 3.6's argument binder shadows that name)
+                attn_block_tile(tp, param_table, regions, bufaddr, bufcols, DT, USE_TIMER)
             else:
                 attn_finalize_tile(tp, regions, bufaddr, bufcols, DT)
 
