@@ -128,19 +128,36 @@ class _Lowering:
         """Each task that reads an earlier op's buffer waits for the writers of what it reads."""
         writers = self.reshard.writers
         index = self._writer_index
+        # Many tasks read the same regions (every column tile of a GEMM row reads one A tile):
+        # the producers of a region, and the waits of a rank on a set of regions, are found once.
+        # Nothing is noted as written until the op's tasks all have their waits.
+        of_region: dict[Region, list[Task]] = {}
+        waits_of: dict[tuple, list[tuple[int, int]]] = {}
         for t in tasks:
-            producers: dict[int, Task] = {}
+            key: list = [t.rank]
             for r in t.reads:
-                ws = writers.get(r.buffer)
-                if not ws:
-                    continue
-                found = index.get(r.buffer)
-                if found is None or found.size != len(ws):
-                    found = index[r.buffer] = _WriterIndex(ws)
-                for p in found.overlapping(r):
-                    producers[p.id] = p
-            if producers:
-                t.waits.extend(self.b.after(t.rank, list(producers.values())))
+                found = of_region.get(r)
+                if found is None:
+                    ws = writers.get(r.buffer)
+                    found = []
+                    if ws:
+                        idx = index.get(r.buffer)
+                        if idx is None or idx.size != len(ws):
+                            idx = index[r.buffer] = _WriterIndex(ws)
+                        found = idx.overlapping(r)
+                    of_region[r] = found
+                if found:
+                    key.append(r)
+            if len(key) == 1:
+                continue
+            waits = waits_of.get(tuple(key))
+            if waits is None:
+                producers: dict[int, Task] = {}
+                for r in key[1:]:
+                    for p in of_region[r]:
+                        producers[p.id] = p
+                waits = waits_of[tuple(key)] = self.b.after(t.rank, list(producers.values()))
+            t.waits.extend(waits)
 
     # -- outputs ------------------------------------------------------------------------------
     def bind_outputs(self) -> None:

@@ -162,12 +162,14 @@ def _check_event_nodes(graph: TaskGraph, t: Task, where: str, allowed_nodes: set
 def topo_order(graph: TaskGraph) -> list[int]:
     """Task ids in an order the counters allow (by simulation); raise if some can never run."""
     tasks = graph.tasks
-    waiters: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    # event -> count -> waiters: a signal looks up the waiters its new count releases instead of
+    # scanning every waiter (a join event of a traced layer has ~100 signals and many waiters)
+    waiters: dict[int, dict[int, list[int]]] = defaultdict(dict)
     missing = [0] * len(tasks)
     for t in tasks:
         missing[t.id] = len(t.waits)
         for e, c in t.waits:
-            waiters[e].append((t.id, c))
+            waiters[e].setdefault(c, []).append(t.id)
     count = [0] * len(graph.events)
     ready = deque(t.id for t in tasks if not t.waits)
     order: list[int] = []
@@ -176,11 +178,13 @@ def topo_order(graph: TaskGraph) -> list[int]:
         order.append(tid)
         for e in tasks[tid].signals:
             count[e] += 1
-            for w, c in waiters.get(e, ()):
-                if count[e] == c:
-                    missing[w] -= 1
-                    if missing[w] == 0:
-                        ready.append(w)
+            by_count = waiters.get(e)
+            if by_count is None:
+                continue
+            for w in by_count.get(count[e], ()):
+                missing[w] -= 1
+                if missing[w] == 0:
+                    ready.append(w)
     if len(order) < len(tasks):
         _explain_stuck(graph, set(range(len(tasks))) - set(order))
     return order
@@ -239,50 +243,69 @@ def order_edges(graph: TaskGraph) -> list[list[int]]:
 
 
 class Reachability:
-    """Answers "is b ordered after a": a direct edge first (the usual case: a consumer waits on
-    its producer's event), else a search pruned with topological positions."""
+    """Answers "is b ordered after a".
+
+    ``preds(b)``: the tasks b is ordered directly after, the signalers of the events it waits
+    for with their full count (one shared set per event: the readiness waits of a traced layer
+    are ~10^7 edges, too many to store per task). ``before`` tries that set, then searches
+    backwards from b, pruned with topological positions."""
 
     def __init__(self, graph: TaskGraph, order: list[int]) -> None:
-        self.succ = order_edges(graph)
+        self.tasks = graph.tasks
         self.pos = [0] * len(graph.tasks)
         for i, tid in enumerate(order):
             self.pos[tid] = i
+        total = [0] * len(graph.events)
+        signalers: list[list[int]] = [[] for _ in graph.events]
+        for t in graph.tasks:
+            for e in t.signals:
+                total[e] += 1
+                signalers[e].append(t.id)
+        self.total = total
+        self.signalers = signalers
+        self._event_set: dict[int, frozenset[int]] = {}
+        self._preds: dict[int, frozenset[int]] = {}
         self.cache: dict[tuple[int, int], bool] = {}
-        self._pred: list[set[int]] | None = None
 
-    def preds(self) -> list[set[int]]:
-        """pred[b] = tasks b is ordered directly after (built on first use)."""
-        if self._pred is None:
-            pred: list[set[int]] = [set() for _ in self.succ]
-            for a, succ in enumerate(self.succ):
-                for s in succ:
-                    pred[s].add(a)
-            self._pred = pred
-        return self._pred
+    def preds(self, b: int) -> frozenset[int]:
+        found = self._preds.get(b)
+        if found is not None:
+            return found
+        sets = []
+        for e, c in self.tasks[b].waits:
+            if c >= self.total[e]:
+                es = self._event_set.get(e)
+                if es is None:
+                    es = self._event_set[e] = frozenset(self.signalers[e])
+                sets.append(es)
+        found = sets[0] if len(sets) == 1 else frozenset().union(*sets)
+        self._preds[b] = found
+        return found
 
     def before(self, a: int, b: int) -> bool:
         if a == b:
             return True
-        limit = self.pos[b]
-        if self.pos[a] > limit:
+        pos = self.pos
+        floor = pos[a]
+        if floor > pos[b]:
             return False
-        if a in self.preds()[b]:
+        if a in self.preds(b):
             return True
         key = (a, b)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
-        seen = {a}
-        stack = [a]
+        seen = {b}
+        stack = [b]
         found = False
         while stack and not found:
-            for s in self.succ[stack.pop()]:
-                if s == b:
+            for p in self.preds(stack.pop()):
+                if p == a:
                     found = True
                     break
-                if s not in seen and self.pos[s] < limit:
-                    seen.add(s)
-                    stack.append(s)
+                if p not in seen and pos[p] > floor:
+                    seen.add(p)
+                    stack.append(p)
         self.cache[key] = found
         return found
 
@@ -298,8 +321,12 @@ def _check_races(graph: TaskGraph, order: list[int]) -> None:
     write after the reads since that write: the other pairs follow by transitivity (an earlier
     write is ordered before the last one, an earlier read before the write that followed it).
     So a region that many tiles read and rewrite (a chain of attention blocks accumulating into
-    one state tile) costs a pass, not a pass per pair. Pairs of different, overlapping regions
-    are checked one by one; most are a direct edge (the reader waits on the writer's event).
+    one state tile) costs a pass, not a pass per pair.
+
+    Across groups, each access is checked against the writers of every other group overlapping
+    its region at once: those writers, less the tasks it directly waits for (one set difference),
+    are usually none; the rest are checked one by one. A GEMM tile reading a row of ~100
+    elementwise tiles is one set operation, not 100 searches.
     """
     # Writes that accumulate (atomic adds into a zeroed buffer) commute with each other: two of
     # them on one region are no race; against a plain write or a read they still are.
@@ -315,44 +342,47 @@ def _check_races(graph: TaskGraph, order: list[int]) -> None:
             if r not in writes:
                 by_buffer[r.buffer].setdefault(r, []).append((tid, False))
     reach = Reachability(graph, order)
-    pos = reach.pos
     for groups in by_buffer.values():
-        if len(groups) == 1:
-            ((region, accesses),) = groups.items()
-            if any(w for _, w in accesses):
-                _check_group(graph, reach, region, accesses, adds)
-            continue
-        # (region, writers, every access) per group; groups with no write only matter against
-        # a group that has one
-        items = []
+        items = []  # (region, writers, accesses) per exact region
         for region, accesses in groups.items():
-            writers = [a for a in accesses if a[1]]
+            writers = frozenset(tid for tid, w in accesses if w)
             if writers:
                 _check_group(graph, reach, region, accesses, adds)
             items.append((region, writers, accesses))
-        if not any(w for _, w, _ in items):
+        if len(items) == 1 or not any(w for _, w, _ in items):
             continue
+        # Sweep by rows: each group collects the writers of the other groups it overlaps.
         items.sort(key=lambda it: it[0].row0)
-        active: list[tuple[Region, list, list]] = []
-        for item in items:
-            region, writers, accesses = item
+        others: list[set[int]] = [set() for _ in items]
+        active: list[int] = []
+        for i, (region, writers, _) in enumerate(items):
             row0, col0, col1 = region.row0, region.col0, region.col1
-            active = [a for a in active if a[0].row1 > row0]
-            for other_region, other_writers, other_accesses in active:
-                if not (writers or other_writers):
-                    continue
-                if not (other_region.col0 < col1 and col0 < other_region.col1):
-                    continue
-                for other, other_write in other_accesses:
-                    for tid, is_write in (accesses if other_write else writers):
-                        if other == tid:
-                            continue
-                        if is_write and other_write and tid in adds and other in adds:
-                            continue
-                        a, b = (other, tid) if pos[other] < pos[tid] else (tid, other)
-                        if not reach.before(a, b):
-                            _race(graph, other, other_region, other_write, tid, region, is_write)
-            active.append(item)
+            active = [j for j in active if items[j][0].row1 > row0]
+            for j in active:
+                other_region, other_writers, _ = items[j]
+                if (writers or other_writers) and other_region.col0 < col1 and col0 < other_region.col1:
+                    others[i] |= other_writers
+                    others[j] |= writers
+            active.append(i)
+        for (region, _, accesses), over in zip(items, others, strict=True):
+            if not over:
+                continue
+            for tid, is_write in accesses:
+                left = over - reach.preds(tid)
+                left.discard(tid)
+                for w in left:
+                    if is_write and tid in adds and w in adds:
+                        continue
+                    if not reach.ordered(w, tid):
+                        theirs = _region_of(graph, w, region)
+                        if w < tid:  # named in task order
+                            _race(graph, w, theirs, True, tid, region, is_write)
+                        _race(graph, tid, region, is_write, w, theirs, True)
+
+
+def _region_of(graph: TaskGraph, tid: int, near: Region) -> Region:
+    """The write of task ``tid`` that overlaps ``near`` (for the race message)."""
+    return next(w for w in graph.tasks[tid].writes if w.overlaps(near))
 
 
 def _check_group(graph: TaskGraph, reach: Reachability, region: Region,

@@ -45,12 +45,14 @@ def check_queues(graph: TaskGraph, ranks: Sequence[RankSchedule]) -> list[int]:
     for qi, q in enumerate(queues):
         for tid in q:
             queue_of[tid] = qi
-    waiters: dict[int, list[tuple[int, int]]] = {}
+    # event -> count -> waiters: a signal looks up whom its new count releases (no scan of
+    # every waiter of an event with many signals)
+    waiters: dict[int, dict[int, list[int]]] = {}
     missing = [0] * len(tasks)
     for t in tasks:
         missing[t.id] = len(t.waits)
         for e, c in t.waits:
-            waiters.setdefault(e, []).append((t.id, c))
+            waiters.setdefault(e, {}).setdefault(c, []).append(t.id)
     count = [0] * len(graph.events)
     ready = [q[0] for q in queues if q and missing[q[0]] == 0]
     heapq.heapify(ready)
@@ -65,12 +67,14 @@ def check_queues(graph: TaskGraph, ranks: Sequence[RankSchedule]) -> list[int]:
             heapq.heappush(ready, q[head[qi]])
         for e in tasks[tid].signals:
             count[e] += 1
-            for w, c in waiters.get(e, ()):
-                if count[e] == c:
-                    missing[w] -= 1
-                    # A task becomes runnable only at its queue's head: the worker is in order.
-                    if missing[w] == 0 and queues[queue_of[w]][head[queue_of[w]]] == w:
-                        heapq.heappush(ready, w)
+            by_count = waiters.get(e)
+            if by_count is None:
+                continue
+            for w in by_count.get(count[e], ()):
+                missing[w] -= 1
+                # A task becomes runnable only at its queue's head: the worker is in order.
+                if missing[w] == 0 and queues[queue_of[w]][head[queue_of[w]]] == w:
+                    heapq.heappush(ready, w)
     if len(order) < len(tasks):
         _explain_blocked(graph, ranks, queues, head, count, set(order))
     return order
