@@ -25,136 +25,155 @@ def validate(graph: TaskGraph) -> None:
 
 
 # -- structure ---------------------------------------------------------------------------------
+def _where(t: Task) -> str:
+    return f"task {t.name!r} (id {t.id}, rank {t.rank})"
+
+
 def _check_structure(graph: TaskGraph) -> None:
+    # Hot at 10^5 tasks: per-rank and per-kind facts are looked up in tables built once, and a
+    # task's description is formatted only when it is wrong.
     world = graph.topology.world_size
-    nevents = len(graph.events)
-    for i, ev in enumerate(graph.events):
+    node_of = [graph.topology.node_of(r) for r in range(world)]
+    events = graph.events
+    nevents = len(events)
+    for i, ev in enumerate(events):
         if ev.id != i or not 0 <= ev.rank < world:
             raise GraphError(f"event {ev.name!r} has id {ev.id} / rank {ev.rank}; expected id {i}")
-    for buf in graph.buffers.values():
+    event_node = [node_of[ev.rank] for ev in events]
+    buffers = graph.buffers
+    for buf in buffers.values():
         if not 0 <= buf.rank < world or buf.rows <= 0 or buf.cols <= 0:
             raise GraphError(f"buffer {buf.id} has rank {buf.rank} / shape {buf.shape}")
+    roles_of = {name: {r.value for r in spec.roles} for name, spec in KINDS.items()}
     for i, t in enumerate(graph.tasks):
-        where = f"task {t.name!r} (id {t.id}, rank {t.rank})"
         if t.id != i:
-            raise GraphError(f"{where}: id should be its position {i}")
+            raise GraphError(f"{_where(t)}: id should be its position {i}")
         if not 0 <= t.rank < world:
-            raise GraphError(f"{where}: rank outside topology {graph.topology}")
-        spec = KINDS.get(t.kind)
-        if spec is None:
-            raise GraphError(f"{where}: unknown kind {t.kind!r}", hint="define it with define_kind")
-        if Role(t.role) not in spec.roles:
+            raise GraphError(f"{_where(t)}: rank outside topology {graph.topology}")
+        roles = roles_of.get(t.kind)
+        if roles is None:
+            raise GraphError(f"{_where(t)}: unknown kind {t.kind!r}",
+                             hint="define it with define_kind")
+        if t.role not in roles:
             raise GraphError(
-                f"{where}: kind {t.kind!r} cannot run in role {t.role!r}",
-                hint=f"allowed roles: {', '.join(sorted(r.value for r in spec.roles))}",
+                f"{_where(t)}: kind {t.kind!r} cannot run in role {t.role!r}",
+                hint=f"allowed roles: {', '.join(sorted(roles))}",
             )
         for r in (*t.reads, *t.writes):
-            buf = graph.buffers.get(r.buffer)
+            buf = buffers.get(r.buffer)
             if buf is None:
-                raise GraphError(f"{where}: region {r} names an unknown buffer")
+                raise GraphError(f"{_where(t)}: region {r} names an unknown buffer")
             if not (0 <= r.row0 < r.row1 <= buf.rows and 0 <= r.col0 < r.col1 <= buf.cols):
-                raise GraphError(f"{where}: region {r} is outside buffer {buf.id} {buf.shape}")
+                raise GraphError(f"{_where(t)}: region {r} is outside buffer {buf.id} {buf.shape}")
         if t.params.get("accumulate"):
-            plain = [w for w in t.writes if not graph.buffers[w.buffer].zeroed]
+            plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
             if plain:
                 raise GraphError(
-                    f"{where} accumulates into {plain[0]}, whose buffer is not zeroed",
+                    f"{_where(t)} accumulates into {plain[0]}, whose buffer is not zeroed",
                     hint="create the buffer with zeroed=True (runtimes zero it every launch)",
                 )
+        node = node_of[t.rank]
         for e, count in t.waits:
             if not 0 <= e < nevents or count <= 0:
-                raise GraphError(f"{where}: bad wait (event {e}, count {count})")
-            ev = graph.events[e]
-            if graph.topology.node_of(ev.rank) != graph.topology.node_of(t.rank):
+                raise GraphError(f"{_where(t)}: bad wait (event {e}, count {count})")
+            if event_node[e] != node:
+                ev = events[e]
                 raise GraphError(
-                    f"{where} waits on event {ev.name!r} of rank {ev.rank}, on another node",
+                    f"{_where(t)} waits on event {ev.name!r} of rank {ev.rank}, on another node",
                     hint="a task can only spin on counters of its own node",
                 )
         for e in t.signals:
             if not 0 <= e < nevents:
-                raise GraphError(f"{where}: signals unknown event {e}")
+                raise GraphError(f"{_where(t)}: signals unknown event {e}")
 
 
 # -- transfers ---------------------------------------------------------------------------------
 def _check_transfers(graph: TaskGraph) -> None:
     topo = graph.topology
     bufs = graph.buffers
+    node_of = [topo.node_of(r) for r in range(topo.world_size)]
+    events = graph.events
+    compute, nvlink = Role.COMPUTE.value, Role.NVLINK.value
+    same_shape = (TaskKind.COPY.value, TaskKind.REDUCE.value)
     for t in graph.tasks:
-        where = f"task {t.name!r} (rank {t.rank}, role {t.role})"
-        node = topo.node_of(t.rank)
-        read_ranks = {bufs[r.buffer].rank for r in t.reads}
-        write_ranks = {bufs[w.buffer].rank for w in t.writes}
-        event_ranks = {graph.events[e].rank for e in t.signals}
-        if t.kind in (TaskKind.COPY.value, TaskKind.REDUCE.value):
-            _check_same_shapes(graph, t, where)
-        if t.role == Role.COMPUTE.value:
+        node = node_of[t.rank]
+        if t.kind in same_shape:
+            _check_same_shapes(graph, t)
+        if t.role == compute or t.role == nvlink:
             # A compute tile may read or write peers' memory over NVLink (its epilogue stores
             # the tile into a peer's buffer; a GEMM may load a peer's shard with TMA), never
             # across nodes: that is an rdma task's job.
-            far = sorted(r for r in read_ranks | write_ranks if topo.node_of(r) != node)
+            far = [r for r in (*t.reads, *t.writes) if node_of[bufs[r.buffer].rank] != node]
             if far:
+                ranks = sorted({bufs[r.buffer].rank for r in far})
+                if t.role == compute:
+                    raise TransferError(
+                        f"{_transfer_where(t)} touches memory of rank(s) {ranks} on another node",
+                        hint="compute tasks reach node peers only; cross nodes with an rdma task",
+                    )
                 raise TransferError(
-                    f"{where} touches memory of rank(s) {far} on another node",
-                    hint="compute tasks reach node peers only; cross nodes with an rdma task",
-                )
-            _check_event_nodes(graph, t, where, allowed_nodes={node})
-        elif t.role == Role.NVLINK.value:
-            far = sorted(r for r in read_ranks | write_ranks if topo.node_of(r) != node)
-            if far:
-                raise TransferError(
-                    f"{where} reaches rank(s) {far} on another node over NVLink",
+                    f"{_transfer_where(t)} reaches rank(s) {ranks} on another node over NVLink",
                     hint="cross-node traffic goes through an rdma task to the rail peer",
                 )
-            _check_event_nodes(graph, t, where, allowed_nodes={node})
-        else:
-            if read_ranks != {t.rank}:
-                raise TransferError(
-                    f"{where} reads rank(s) {sorted(read_ranks)}: an RDMA write sends local data",
-                    hint="run the rdma task on the rank that holds the source region",
-                )
-            if len(write_ranks) != 1:
-                raise TransferError(f"{where} writes to ranks {sorted(write_ranks)}; need one")
-            (dst,) = write_ranks
-            if topo.link(t.rank, dst) != "rdma":
-                raise TransferError(
-                    f"{where} writes rank {dst} on the same node",
-                    hint="use an nvlink task inside a node",
-                )
-            if topo.local_of(dst) != topo.local_of(t.rank):
-                raise TransferError(
-                    f"{where} writes rank {dst}, which is not a rail peer of rank {t.rank}",
-                    hint=f"send to rank {topo.rail_peer(t.rank, topo.node_of(dst))}, "
-                    "then forward over NVLink",
-                )
-            if event_ranks - {t.rank, dst}:
-                raise TransferError(
-                    f"{where} signals events on ranks {sorted(event_ranks - {t.rank, dst})}",
-                    hint="an RDMA write raises events on its source or its destination only",
-                )
-
-
-def _check_same_shapes(graph: TaskGraph, t: Task, where: str) -> None:
-    ref = t.writes[0] if t.kind == TaskKind.REDUCE.value else t.reads[0]
-    ref_dtype = graph.buffers[t.reads[0].buffer].dtype
-    for r in (*t.reads, *t.writes):
-        if r.shape != ref.shape:
+            for e in t.signals:
+                ev = events[e]
+                if node_of[ev.rank] != node:
+                    raise TransferError(
+                        f"{_transfer_where(t)} signals event {ev.name!r} on rank {ev.rank}, "
+                        "another node",
+                        hint="only rdma tasks raise events across nodes",
+                    )
+            continue
+        where = _transfer_where(t)
+        read_ranks = {bufs[r.buffer].rank for r in t.reads}
+        write_ranks = {bufs[w.buffer].rank for w in t.writes}
+        event_ranks = {events[e].rank for e in t.signals}
+        if read_ranks != {t.rank}:
             raise TransferError(
-                f"{where}: region {r} has shape {r.shape}, the transfer moves {ref.shape}",
+                f"{where} reads rank(s) {sorted(read_ranks)}: an RDMA write sends local data",
+                hint="run the rdma task on the rank that holds the source region",
+            )
+        if len(write_ranks) != 1:
+            raise TransferError(f"{where} writes to ranks {sorted(write_ranks)}; need one")
+        (dst,) = write_ranks
+        if topo.link(t.rank, dst) != "rdma":
+            raise TransferError(
+                f"{where} writes rank {dst} on the same node",
+                hint="use an nvlink task inside a node",
+            )
+        if topo.local_of(dst) != topo.local_of(t.rank):
+            raise TransferError(
+                f"{where} writes rank {dst}, which is not a rail peer of rank {t.rank}",
+                hint=f"send to rank {topo.rail_peer(t.rank, topo.node_of(dst))}, "
+                "then forward over NVLink",
+            )
+        if event_ranks - {t.rank, dst}:
+            raise TransferError(
+                f"{where} signals events on ranks {sorted(event_ranks - {t.rank, dst})}",
+                hint="an RDMA write raises events on its source or its destination only",
+            )
+
+
+def _transfer_where(t: Task) -> str:
+    return f"task {t.name!r} (rank {t.rank}, role {t.role})"
+
+
+def _check_same_shapes(graph: TaskGraph, t: Task) -> None:
+    ref = t.writes[0] if t.kind == TaskKind.REDUCE.value else t.reads[0]
+    bufs = graph.buffers
+    ref_dtype = bufs[t.reads[0].buffer].dtype
+    rows, cols = ref.row1 - ref.row0, ref.col1 - ref.col0
+    for r in (*t.reads, *t.writes):
+        if r.row1 - r.row0 != rows or r.col1 - r.col0 != cols:
+            raise TransferError(
+                f"{_transfer_where(t)}: region {r} has shape {r.shape}, the transfer moves "
+                f"{ref.shape}",
                 hint="both ends of a copy/reduce must be the same tile shape",
             )
-        if graph.buffers[r.buffer].dtype != ref_dtype:
+        if bufs[r.buffer].dtype != ref_dtype:
             raise TransferError(
-                f"{where}: region {r} is {graph.buffers[r.buffer].dtype}, source is {ref_dtype}"
-            )
-
-
-def _check_event_nodes(graph: TaskGraph, t: Task, where: str, allowed_nodes: set[int]) -> None:
-    for e in t.signals:
-        ev = graph.events[e]
-        if graph.topology.node_of(ev.rank) not in allowed_nodes:
-            raise TransferError(
-                f"{where} signals event {ev.name!r} on rank {ev.rank}, another node",
-                hint="only rdma tasks raise events across nodes",
+                f"{_transfer_where(t)}: region {r} is {bufs[r.buffer].dtype}, source is "
+                f"{ref_dtype}"
             )
 
 
