@@ -296,7 +296,7 @@ def sim_windows(op, topology, options, period) -> tuple[Engine, list[Window]]:
     "op,topology,options",
     [
         ("gemm_allreduce", "2x2", dict(M=2048, N=2048, K=1024, chunk_bytes=65536)),
-        ("allgather_gemm", "2x2", dict(M=4096, N=4096, K=1024, chunk_bytes=65536, gather="copy")),
+        ("allgather_gemm", "2x2", dict(M=4096, N=4096, K=2048, chunk_bytes=65536, gather="copy")),
     ],
 )
 def test_simulator_decides_by_the_rule_and_moves_sms(op, topology, options):

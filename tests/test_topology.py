@@ -43,7 +43,7 @@ def test_hardware_profile_json_round_trip(tmp_path):
     again = mg.HardwareProfile.load(path)
     assert again == mg.H200
     assert mg.H200.sms == 132
-    assert 700 < mg.H200.tile_gemm_tflops < 750  # GPU.md: cuBLAS 710-742 TFLOP/s
+    assert 700 < mg.H200.tile_gemm_tflops < 850  # calibrate.py on 2x H200: 819 TF/s per tile wave
     assert mg.H200.sm_share(116) == pytest.approx(116 / 132)
 
 
