@@ -108,13 +108,22 @@ if __name__ == "__main__":
     import triton
     import triton.language as tl
 
-    from mgraph.ops.abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, TASK_FIELDS, buffer_base
+    from mgraph.ops.abi import (
+        F_NPARAM,
+        F_NREAD,
+        F_NWRITE,
+        F_PARAM0,
+        F_READ0,
+        F_WRITE0,
+        TASK_FIELDS,
+        buffer_base,
+    )
     from mgraph.ops.tiles import gemm_tile
 
     BM, BN, BK = 128, 128, 64
 
     @triton.jit
-    def harness(tasks, regions, bufaddr, bufrows, bufcols, a0_slot, b0_slot,
+    def harness(tasks, params, regions, bufaddr, bufrows, bufcols, a0_slot, b0_slot,
                 NF: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr):
         # as the kernel does: the rank's usual A and B descriptors built once (slots 0 and 1)
@@ -125,8 +134,8 @@ if __name__ == "__main__":
         bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, 1, DT),
                                         [tl.load(bufrows + 1), b_cols], [b_cols, 1], [BK, BN])
         tp = tasks + tl.program_id(0) * NF
-        gemm_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
-                  DT, BM, BN, BK)
+        gemm_tile(tp, params, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
+                  DT, BM, BN, BK, False)
 
     def run(case: str, a: torch.Tensor, b: torch.Tensor, ks: int, tiles, own: bool) -> None:
         """C[tile] = A[tile rows, :ks] @ B[:ks, tile cols] for each tile, also stored into a
@@ -142,9 +151,11 @@ if __name__ == "__main__":
                         (3, r0, r1, c0, c1)]
             row = [0] * TASK_FIELDS
             row[F_READ0], row[F_NREAD], row[F_WRITE0], row[F_NWRITE] = first, 2, first + 2, 2
+            row[F_PARAM0], row[F_NPARAM] = 0, 1  # params[0]: accumulate = 0 (plain stores)
             tasks.append(row)
         harness[(len(tasks),)](
-            torch.tensor(tasks, dtype=torch.int32), torch.tensor(regions, dtype=torch.int32),
+            torch.tensor(tasks, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+            torch.tensor(regions, dtype=torch.int32),
             torch.tensor([t.data_ptr() for t in bufs], dtype=torch.int64),
             torch.tensor([t.shape[0] for t in bufs], dtype=torch.int32),
             torch.tensor([t.shape[1] for t in bufs], dtype=torch.int32),
