@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import mgraph as mg
 from helpers import check_graph, rel_err
+from mgraph.graph import ITEMSIZE
 
 
 # -- Llama-style attention, written as transformers writes it --------------------------------
@@ -118,6 +119,15 @@ def ops(prog) -> list[str]:
     return [n.op for n in prog.opgraph.nodes]
 
 
+def kv_repeats(prog) -> list:
+    """Relayouts that repeat KV heads: an expand to [B, Hkv, rep, S, D] (repeat_kv's form)."""
+    return [
+        n
+        for n in prog.opgraph.nodes
+        if n.op == "relayout" and any(s[0] == "expand" and len(s[1]) == 5 for s in n.params["steps"])
+    ]
+
+
 @pytest.mark.parametrize("gqa", ["repeat", "sdpa"])
 @pytest.mark.parametrize("topology", ["1x2", "2x2"])
 def test_gqa_rope_and_causal_triu_mask(gqa, topology):
@@ -127,11 +137,66 @@ def test_gqa_rope_and_causal_triu_mask(gqa, topology):
     att = [n for n in prog.opgraph.nodes if n.op == "attention"]
     # The folded triu mask IS the causal mask: no mask tensor, blocks above the diagonal skipped.
     assert len(att) == 1 and att[0].params["causal"] and "mask" not in att[0].inputs
-    # Heads stay sharded through the KV repeat: no resharding around attention.
+    # Heads stay sharded (1 or 2 KV heads per rank): no resharding around attention.
     assert att[0].params["layout"] == ["shard", 1, False]
-    assert "concat" in ops(prog) and any(
-        s[0] == "expand" for n in prog.opgraph.nodes if n.op == "relayout" for s in n.params["steps"]
+    assert "concat" in ops(prog)
+    # enable_gqa and repeat_kv alike: the op shares each of the 4 KV heads among 2 query heads,
+    # nothing repeats them
+    assert att[0].params["kv_heads"] == 4 and att[0].inputs["k"].shape == (2, 4, 16, 8)
+    assert not kv_repeats(prog)
+
+
+@pytest.mark.parametrize("gqa", ["repeat", "sdpa"])
+def test_gqa_ring_moves_only_the_kv_heads(gqa):
+    """Under ContextParallel the ring pushes each rank's k and v slices of the 4 KV heads, not
+    of 8 repeated ones: half the bytes."""
+    torch.manual_seed(7)
+    B, S, W = 2, 16, 2
+    x = torch.randn(B, S, 64)
+    plan = {"": mg.ContextParallel()}
+    prog = compiled_matches(Attention(gqa=gqa, mask="causal"), (x,), plan=plan, topology="1x2")
+    (att,) = [n for n in prog.opgraph.nodes if n.op == "ring_attention"]
+    assert att.params["kv_heads"] == 4 and not kv_repeats(prog)
+    g = prog.graph
+    pushed = sum(
+        (r.row1 - r.row0) * (r.col1 - r.col0) * ITEMSIZE[g.buffers[r.buffer].dtype]
+        for t in g.tasks
+        if t.kind == "copy" and (": push k[" in t.name or ": push v[" in t.name)
+        for r in t.reads[:1]
     )
+    assert pushed == W * 2 * (B * 4 * (S // W) * 8) * 4  # ranks x (k, v) x one fp32 slice
+
+
+def test_gqa_heads_sharded_past_the_kv_heads_repeat_them():
+    """8 query heads and 4 KV heads on 8 ranks: a rank cannot hold a whole KV head, so each is
+    repeated in a relayout (the op's kv_heads must divide over the ranks), and it still
+    matches."""
+    torch.manual_seed(8)
+    x = torch.randn(1, 16, 64)
+    for gqa in ("repeat", "sdpa"):
+        prog = compiled_matches(Attention(gqa=gqa, mask="causal"), (x,), topology="1x8")
+        (att,) = [n for n in prog.opgraph.nodes if n.op == "attention"]
+        assert "kv_heads" not in att.params and len(kv_repeats(prog)) == 2
+
+
+class ReadsRepeatedK(Attention):
+    """repeat_kv's k is read again after attention: its repeat stays (other ops need it)."""
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        k = self.k_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = repeat_kv(k, self.heads // self.kv_heads)
+        o = F.scaled_dot_product_attention(k, k, k, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1)) + k.transpose(1, 2).reshape(
+            B, S, -1
+        )
+
+
+def test_repeat_kv_read_elsewhere_stays_repeated():
+    torch.manual_seed(9)
+    prog = compiled_matches(ReadsRepeatedK(), (torch.randn(2, 16, 64),), plan={}, topology="1x2")
+    (att,) = [n for n in prog.opgraph.nodes if n.op == "attention"]
+    assert "kv_heads" not in att.params and len(kv_repeats(prog)) == 1
 
 
 @pytest.mark.parametrize("mask", ["arange", "window", "causal"])
@@ -142,6 +207,10 @@ def test_masks_built_in_forward(mask):
     (att,) = [n for n in prog.opgraph.nodes if n.op == "attention"]
     assert att.params["causal"] == (mask != "window")
     assert ("mask" in att.inputs) == (mask == "window")  # a non-causal one stays a constant
+    if mask == "window":  # boolean, read as SDPA reads it (1 = attend), no -inf constant
+        assert att.params["mask_kind"] == "boolean"
+        const = prog.opgraph.constants[att.inputs["mask"].root().name]
+        assert set(const.unique().tolist()) == {0.0, 1.0}
 
 
 def test_rope_tables_as_inputs_broadcast_over_heads():

@@ -145,6 +145,10 @@ def test_llama_decoder_layer(attn, topology, plan):
     # no mask tensor reaches the attention, which skips the blocks above the diagonal.
     assert att.params["causal"] and "mask" not in att.inputs
     assert att.params["scale"] == pytest.approx(model.layer.self_attn.scaling)
+    # repeat_kv's expand + reshape is undone (eager), or never there (SDPA's enable_gqa): the
+    # op shares each KV head among 2 query heads
+    assert att.params["kv_heads"] == SMALL["num_key_value_heads"]
+    assert att.inputs["k"].shape[1] == att.inputs["v"].shape[1] == SMALL["num_key_value_heads"]
     if plan is not None:  # heads stay sharded through RoPE and the KV repeat
         assert att.params["layout"] == ["shard", 1, False]
     ops = {n.op for n in prog.opgraph.nodes}
@@ -159,6 +163,7 @@ def test_llama_eager_attention_under_context_parallel():
     prog = compiled_matches(llama("eager"), (x,), plan, "1x2")
     (att,) = attention_nodes(prog)
     assert att.op == "ring_attention" and att.params["causal"]
+    assert att.params["kv_heads"] == SMALL["num_key_value_heads"]  # the ring moves 4 heads, not 8
 
 
 def test_llama_rotary_tables_as_inputs():

@@ -13,8 +13,9 @@ the compute dtype) broadcast over the batch (Bm = 1), heads (Hm = 1) or queries 
 SDPA's ``attn_mask`` broadcasts. ``mask_kind="additive"`` (the default): added to the scores,
 -inf where a key is hidden. ``mask_kind="boolean"``: nonzero where a key is shown, 0 where it is
 hidden (SDPA's boolean mask, as ``mask.to(dtype)``). Every rank holds it whole; each
-``attn_block`` reads its tile of it (its last read). The tracer turns a boolean SDPA mask into
-the additive form on the way in (mgraph/trace/attention_map.py).
+``attn_block`` reads its tile of it (its last read). The tracer gives a boolean SDPA mask
+folded at trace time as ``mask_kind="boolean"``, and a boolean program input in the additive
+form, which the Program makes on the way in (mgraph/trace/attention_map.py).
 
 Grouped-query attention: option ``kv_heads`` (dividing H) gives k and v that many heads, each
 shared by H / kv_heads query heads (SDPA's ``enable_gqa``); the q blocks of a group read the

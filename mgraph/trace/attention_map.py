@@ -1,19 +1,29 @@
 """``F.scaled_dot_product_attention`` -> ``attention`` (or ``ring_attention`` under
 ContextParallel), with the forms model code writes:
 
-- grouped-query attention: ``enable_gqa=True`` with fewer KV heads than query heads repeats each
-  KV head in a relayout (what ``repeat_kv`` does by hand, which traces as expand + reshape);
+- grouped-query attention: ``enable_gqa=True`` with fewer KV heads than query heads, and
+  transformers' ``repeat_kv`` (``x[:, :, None].expand(B, Hkv, rep, S, D).reshape(B, H, S, D)``,
+  read by this attention only) give the op ``kv_heads``: k and v keep their Hkv heads, each
+  shared by H / Hkv query heads, so nothing repeats them and a ring moves Hkv / H of the bytes.
+  Where the op cannot share them (heads sharded over more ranks than there are KV heads, or
+  ``repeat_kv``'s result read by another op too), each KV head is repeated in a relayout;
 - masks: ``attn_mask`` boolean (True = attend) or additive, of any shape that broadcasts to
   ``[B, H, S, S]``. A mask computed at trace time (``torch.triu``/``arange``/``ones`` on shapes)
   is folded: one equal to the causal mask becomes ``is_causal`` (blocks above the diagonal are
-  skipped, and ring attention can zigzag), any other is a constant additive mask. A boolean
-  program input is taken as an attention mask: the Program turns it into the additive form on
-  the way in (``Value.encoding``), and no other op may read it.
+  skipped, and ring attention can zigzag), any other is a constant mask, ``mask_kind="boolean"``
+  (1 = attend, 0 = hidden) for a boolean one and additive otherwise. A boolean program input is
+  taken as an attention mask: the Program turns it into the additive form on the way in
+  (``Value.encoding``; masks.py combines masks in that form), and no other op may read it.
+
+A query row whose every key is hidden (left padding) is 0, as SDPA returns it (the op's
+``attn_finalize``); an eager mask that hides with the dtype's lowest value instead hides nothing
+in such a row (all its scores are equal), in eager torch as in the op.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +35,7 @@ from ..plans import ContextParallel
 from .capture import CNode
 from .fold import Folded
 from .mapping import handles
-from .opgraph import Value
+from .opgraph import OpNode, Value
 from .tracer import Tracer
 
 __all__ = ["additive_mask"]
@@ -64,17 +74,19 @@ def _is_causal(mask: torch.Tensor, S: int) -> bool:
     )
 
 
-def _mask(tr: Tracer, n: CNode, arg: Any, q_shape: tuple[int, ...]) -> tuple[Value | None, bool]:
-    """(the additive mask as a Value, or None; whether it is the causal mask)."""
+def _mask(
+    tr: Tracer, n: CNode, arg: Any, q_shape: tuple[int, ...]
+) -> tuple[Value | None, bool, str]:
+    """(the mask as a Value, or None; whether it is the causal mask; the op's ``mask_kind``)."""
     B, H, S, _ = q_shape
+    kind = "additive"
     folded = tr.folded(arg)
     if folded is not None:
         if folded.shape[-2:] == (S, S) and _is_causal(folded, S):
-            return None, True
-        t = folded
-        if t.dtype == torch.bool:
-            t = additive_mask(t, torch_dtype(tr.dtype))
-        v = tr.constant(arg, Folded(t.to(torch_dtype(tr.dtype))))
+            return None, True, kind
+        if folded.dtype == torch.bool:
+            kind = "boolean"  # as SDPA reads it, 1 = attend: no -inf in the constant
+        v = tr.constant(arg, Folded(folded.to(torch_dtype(tr.dtype))))
     else:
         v = tr.tensor(n, arg, "attn_mask")
     shape = (1,) * (4 - len(v.shape)) + tuple(v.shape)
@@ -90,7 +102,7 @@ def _mask(tr: Tracer, n: CNode, arg: Any, q_shape: tuple[int, ...]) -> tuple[Val
         )
     if shape != v.shape:
         v = tr.relayout(n, v, ("view", shape), shape=shape, name=f"{n.name}_mask4d")
-    return v, False
+    return v, False, kind
 
 
 @handles("scaled_dot_product_attention")
@@ -121,24 +133,56 @@ def attention(
 ) -> Value:
     """``softmax(q k^T * scale + mask) v`` as an attention (or ring_attention) node; ``scale``
     None is 1/sqrt(head_dim), as in SDPA."""
-    if len(q.shape) == 4 and gqa and k.shape[1] != q.shape[1]:
-        k = _repeat_heads(tr, n, k, q.shape[1], "k")
-        v = _repeat_heads(tr, n, v, q.shape[1], "v")
-    if not (len(q.shape) == 4 and q.shape == k.shape == v.shape):
+    region = tr.region(n)
+    ring = region is not None and isinstance(region[1], ContextParallel)
+    lay = REPLICATE
+    if len(q.shape) == 4 and not ring:
+        lay = tr.layout_in(q, n) or REPLICATE
+        if lay.kind == "rows" or (lay.kind == "shard" and lay.dim >= 2):
+            as_dim = as_dim_shard(q.shape, lay, tr.world)
+            lay = as_dim if as_dim is not None and as_dim.dim < 2 else REPLICATE
+
+    def shared(kv_heads: int) -> bool:
+        """Whether the op can share ``kv_heads`` KV heads among the query heads: always, but
+        with heads sharded each rank must hold whole KV heads."""
+        return ring or not (lay.kind == "shard" and lay.dim == 1 and kv_heads % tr.world)
+
+    if len(q.shape) == 4 and len(k.shape) == 4 and k.shape[1] != q.shape[1] and gqa:
+        if q.shape[1] % k.shape[1]:
+            raise UnsupportedOpError(
+                f"{n.where()}: {q.shape[1]} query heads are not a multiple of {k.shape[1]} "
+                "KV heads",
+                hint="grouped-query attention shares each KV head among heads / kv_heads queries",
+            )
+        if not shared(k.shape[1]):
+            k = _repeat_heads(tr, n, k, q.shape[1], "k")
+            v = _repeat_heads(tr, n, v, q.shape[1], "v")
+    elif len(q.shape) == 4 and q.shape == k.shape == v.shape:
+        k, v = _unrepeat_kv(tr, n, k, v, shared)
+        gqa = k.shape[1] != q.shape[1]
+    if not (
+        len(q.shape) == 4
+        and k.shape == v.shape
+        and len(k.shape) == 4
+        and (k.shape[0], *k.shape[2:]) == (q.shape[0], *q.shape[2:])
+        and (k.shape[1] == q.shape[1] or gqa)
+    ):
         raise UnsupportedOpError(
             f"{n.where()}: q, k, v must be [batch, heads, seq, head_dim] of one shape "
             f"(got {list(q.shape)}, {list(k.shape)}, {list(v.shape)})",
             hint="self-attention; for fewer KV heads pass enable_gqa=True or repeat them "
             "(repeat_kv)",
         )
-    mask = None
+    mask, mask_kind = None, "additive"
     if mask_arg is not None:
-        mask, is_causal = _mask(tr, n, mask_arg, q.shape)
+        mask, is_causal, mask_kind = _mask(tr, n, mask_arg, q.shape)
         causal = causal or is_causal
     B, H, S, D = q.shape
-    dims = {"B": B, "H": H, "S": S, "D": D, "causal": causal}
-    region = tr.region(n)
-    if region is not None and isinstance(region[1], ContextParallel):
+    dims: dict[str, Any] = {"B": B, "H": H, "S": S, "D": D, "causal": causal}
+    if k.shape[1] != H:
+        dims["kv_heads"] = k.shape[1]
+    if ring:
+        assert region is not None
         if mask is not None:
             raise UnsupportedOpError(
                 f"{n.where()}: ring_attention (ContextParallel) takes no attn_mask other than "
@@ -159,13 +203,102 @@ def attention(
             q.shape,
             Layout("shard", 2, causal),
         )
-    lay = tr.layout_in(q, n) or REPLICATE
-    if lay.kind == "rows" or (lay.kind == "shard" and lay.dim >= 2):
-        as_dim = as_dim_shard(q.shape, lay, tr.world)
-        lay = as_dim if as_dim is not None and as_dim.dim < 2 else REPLICATE
     params = {**dims, "scale": scale, "layout": lay.to_json()}
     inputs = {"q": q, "k": k, "v": v}
     if mask is not None:
         params["mask_shape"] = list(mask.shape)
         inputs["mask"] = mask
+        if mask_kind != "additive":
+            params["mask_kind"] = mask_kind
     return tr.emit(n, "attention", params, inputs, q.shape, lay)
+
+
+# -- transformers' repeat_kv, undone ----------------------------------------------------------
+def _unrepeat_kv(
+    tr: Tracer, n: CNode, k: Value, v: Value, shared: Callable[[int], bool]
+) -> tuple[Value, Value]:
+    """k and v before transformers' ``repeat_kv`` when both are its result, read by this
+    attention only, and the op can share their heads (``shared``): their repeat relayouts are
+    taken out of the graph. Else k and v as given."""
+    found = [_repeat_of(tr, x) for x in (k, v)]
+    if any(f is None for f in found):
+        return k, v
+    (k_node, k_base), (v_node, v_base) = found  # type: ignore[misc]
+    if k_base.shape != v_base.shape or not shared(k_base.shape[1]):
+        return k, v
+    if not all(_only_read_by(tr, n, node) for node in (k_node, v_node)):
+        return k, v
+    for node in (k_node, v_node):
+        del tr.og.nodes[next(i for i, m in enumerate(tr.og.nodes) if m is node)]
+        del tr.relayouts[node.outputs["out"].name]
+    return k_base, v_base
+
+
+def _repeat_of(tr: Tracer, x: Value) -> tuple[OpNode, Value] | None:
+    """(the relayout node, its [B, Hkv, S, D] source) when ``x`` [B, H, S, D] is that source
+    repeated head-wise as ``repeat_kv`` writes it: a view to [B, Hkv, 1, S, D], an expand to
+    [B, Hkv, H / Hkv, S, D] and a view back to 4-D (the views may be free aliases)."""
+    out = x
+    while out.name not in tr.relayouts and out.alias_of is not None:
+        out = out.alias_of
+    node = tr.relayouts.get(out.name)
+    if node is None or node.outputs["out"] is not out or len(x.shape) != 4:
+        return None
+    B, H, S, D = x.shape
+    steps = [(kind, tuple(arg)) for kind, arg in node.params["steps"]]
+    source = node.inputs["x"]
+    in_shape = tuple(node.params["in_shape"])
+    if steps and steps[-1] == ("view", x.shape):
+        steps.pop()
+    if len(in_shape) == 4 and steps and steps[0][0] == "view":
+        in_shape = steps.pop(0)[1]
+    if len(in_shape) != 5 or len(steps) != 1 or steps[0][0] != "expand":
+        return None
+    b, kv_heads, one, s, d = in_shape
+    rep = steps[0][1]
+    if (b, one, s, d) != (B, 1, S, D) or rep != (B, kv_heads, H // kv_heads, S, D):
+        return None
+    if kv_heads * rep[2] != H or out.shape not in (x.shape, rep):
+        return None
+    if len(source.shape) == 5:  # the free [:, :, None] alias: take what it views
+        if source.alias_of is not None and source.alias_of.shape == (B, kv_heads, S, D):
+            source = source.alias_of
+        else:
+            return None
+    return node, source
+
+
+def _only_read_by(tr: Tracer, n: CNode, node: OpNode) -> bool:
+    """Whether the result of relayout ``node`` (and every alias of it) is read by captured node
+    ``n`` alone: no op emitted so far reads it, and every path of captured users from a node
+    holding it leads to ``n`` (hand-written attention's transpose and score matmul, absorbed
+    into ``n``'s attention node, may lie between), never to a program output."""
+    out = node.outputs["out"]
+
+    def holds(x: Any) -> bool:
+        if isinstance(x, (list, tuple)):
+            return any(holds(y) for y in x)
+        while isinstance(x, Value):
+            if x is out:
+                return True
+            x = x.alias_of
+        return False
+
+    for other in tr.og.nodes:
+        if other is not node and any(holds(x) for x in other.inputs.values()):
+            return False
+    outputs = set(tr.cap.outputs)
+    seen: dict[CNode, bool] = {}
+
+    def feeds_only_n(c: CNode) -> bool:
+        if c is n:
+            return True
+        if c in seen:
+            return seen[c]
+        seen[c] = False  # a cycle cannot occur in a captured graph; stay conservative
+        live = [u for u in c.users if u.users or u in outputs]
+        seen[c] = c not in outputs and bool(live) and all(feeds_only_n(u) for u in live)
+        return seen[c]
+
+    holders = [c for c, x in tr.env.items() if holds(x)]
+    return bool(holders) and all(feeds_only_n(c) for c in holders)
