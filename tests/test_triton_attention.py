@@ -8,7 +8,8 @@ reference runtime on the same graph and torch SDPA (tests/megakernel_attention_i
   state: zigzag causal over two ranks, grouped-query attention, KV blocks larger than q blocks,
   additive and boolean masks, head sizes 40 and 160;
 - query rows whose every key is hidden (a masked row, left padding under a causal mask): exactly
-  0, as SDPA returns them, on both paths.
+  0, as SDPA returns them, on both paths; and on a GPU (``pytest -m gpu``), compiled, through
+  run_chains.
 """
 
 from __future__ import annotations
@@ -129,3 +130,37 @@ def test_fp32_through_run_chains_matches_to_rounding():
     # the same algorithm at float32: any bf16 tolerance would hide a small rescale error
     _check(_select(rows("chains"), "chains-fp32-"), 1, {"attn_block", "attn_finalize"},
            ["float32"], TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_kind", ["boolean", "additive"])
+def test_gpu_left_padding_rows_are_zero(mask_kind):
+    """On a GPU (compiled, not interpreted): bf16 attention with a left-padded batch under a
+    causal mask, run by run_chains. The pad queries' rows are exactly 0, as SDPA returns them;
+    every other row and tile within the bf16 tolerance of float32 SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    import mgraph as mg
+    from mgraph.ops.attention_tiles import run_chains
+    from mgraph.runtime.memory import worst_tile_error
+
+    B, H, S, D, pad = 2, 4, 1024, 128, 37
+    g = mg.ops.attention(topology="1x1", B=B, H=H, S=S, D=D, block=128, kv_heads=2,
+                         mask_shape=[B, 1, 1, S], mask_kind=mask_kind, causal=True,
+                         dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(31)
+    x = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16) for n, s in g.inputs.items()}
+    real = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    real[1, ..., :pad] = False
+    hidden = torch.zeros(B, 1, 1, S).masked_fill(~real, float("-inf"))
+    mask = real.float() if mask_kind == "boolean" else hidden
+    x["mask"] = mask.to(torch.bfloat16).reshape(g.inputs["mask"].shape)
+    got = run_chains(mg.schedule(g), x, device="cuda")["out"].float().cpu()
+    q, k, v = (x[n].float() for n in "qkv")
+    shown = real & torch.ones(S, S, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=shown, enable_gqa=True)
+    assert bool(got[1, :, :pad].eq(0).all()) and bool(got.isfinite().all())
+    assert ((got - want).norm() / want.norm()).item() < TOL_BF16
+    tile = worst_tile_error(got.reshape(-1, D), want.reshape(-1, D), rows=128, cols=D)
+    assert tile < TOL_BF16, tile
