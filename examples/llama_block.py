@@ -5,7 +5,7 @@
 What mgraph does with it: the rotary tables and the mask depend on no input, so they are computed
 once at trace time (the triu mask is recognised as causal: attention skips the blocks above the
 diagonal); ``cos``/``sin`` of shape ``[B, 1, S, D]`` broadcast over the heads of ``[B, H, S, D]``;
-``repeat_kv``'s expand is a local relayout that keeps the KV heads sharded like the query heads;
+``repeat_kv`` is undone: the attention shares each KV head among its query heads;
 the norms run on token shards (SequenceParallel), so the column-parallel projections become
 AllGather+GEMM and the row-parallel ones GEMM+ReduceScatter. One TaskGraph holds the whole block.
 
