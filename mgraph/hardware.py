@@ -9,8 +9,11 @@ nothing was measured). Users describe their own clusters with ``HardwareProfile.
 
 Who reads what: the scheduler's cost model (mgraph/scheduler/costmodel.py) and the simulator
 (runtime/sim/model.py) both cost an NVLink worker's reads from a peer at ``nvlink_worker_gbps``
-(pull), its writes into a peer at ``nvlink_worker_push_gbps`` (push), and a GEMM epilogue's peer
-stores at ``epilogue_peer_gbps``; the static partition and the controller (simulator, reference
+(pull), its writes into a peer at ``nvlink_worker_push_gbps`` (push), both measured with no
+compute on the GPU and scaled by ``nvlink_beside_compute`` while compute runs beside the worker
+(the scheduler: on every rank of a graph with compute tasks; the simulator: while compute tasks
+run on that GPU), and a GEMM epilogue's peer stores at ``epilogue_peer_gbps`` (measured beside
+its own GEMM, so not scaled again); the static partition and the controller (simulator, reference
 runtime) cap NVLink workers at ``nvlink_max_sms``; the proxy costs ``proxy_command_us`` per
 command in both.
 """
@@ -83,6 +86,13 @@ class HardwareProfile(BaseModel):
         3.0,
         gt=0,
         description="bytes/s one megakernel NVLink worker writes into peers in tasks (push)",
+    )
+    nvlink_beside_compute: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="fraction of the alone NVLink worker rates a worker gets while compute tiles "
+        "run on its GPU's other SMs (1: no contention)",
     )
     nvlink_max_sms: int = Field(
         32, gt=0, description="most SMs NVLink tasks get (static partition and controller)"

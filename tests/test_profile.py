@@ -58,6 +58,12 @@ def test_one_nvlink_worker_cap_and_rates():
     assert nvlink_rate_per_sm(hw, push=True) == hw.nvlink_worker_push_gbps * 1e9
     for field in ("nvlink_worker_gbps", "nvlink_worker_push_gbps"):
         assert hw.source(field).startswith("benchmarks/calibrate.py on 2x H200")
+    # one contention constant beside compute, from the v7 traces over the calibrated push rate
+    assert hw.source("nvlink_beside_compute").startswith("bench_tp v7 traces")
+    assert hw.nvlink_beside_compute == pytest.approx(3.54 / hw.nvlink_worker_push_gbps, abs=0.01)
+    assert nvlink_rate_per_sm(hw, push=True, beside=True) == pytest.approx(
+        hw.nvlink_worker_push_gbps * 1e9 * hw.nvlink_beside_compute
+    )
     assert mg.schedule(mg.ops.gemm(M=256, N=256, K=256, topology="1x1")).hardware == hw
 
 
@@ -117,10 +123,10 @@ def _pairs() -> dict[tuple, dict[str, tuple[float, float]]]:
 # The pairs where the calibrated model predicts the default fused kernel beats cuBLAS+NCCL by
 # more than 5% but bench_tp v7 measured it slower: the model built from microbenchmarks alone
 # (calibrate.py, 2026-11-30) is optimistic on fused rows (see the next test). The issue asks for
-# none; this list may only shrink (benchmarks/NOTES.md, "calibrated profile v2").
+# none; this list may only shrink (benchmarks/NOTES.md, "calibrated profile v2"; AG+GEMM at
+# 4096x8192x4096 left it with the contention constant, nvlink_beside_compute).
 FALSE_SPEEDUPS = {
     ("allgather_gemm", 8192, 8192, 4096),
-    ("allgather_gemm", 4096, 8192, 4096),
     ("allgather_gemm", 8192, 8192, 14336),
     ("gemm_reduce_scatter", 2048, 8192, 8192),
     ("gemm_reduce_scatter", 1024, 8192, 8192),
@@ -148,9 +154,11 @@ def test_rows_the_calibration_predicts_within_goal():
     cuBLAS+NCCL baseline (15) and every megakernel GEMM alone (5) is predicted within 15%. The
     megakernel's fused rows are not: every one is predicted FASTER than measured (default
     GEMM+AR 2 of 5 within 15%, GEMM+RS 0 of 5, AG+GEMM 0 of 5, down to -63%): the GEMM alone
-    ran 0.790 ms in v7 and 0.708 ms in the calibration run, the NVLink workers moved 3.4-4.1
-    GB/s each beside a GEMM in v7 and 6.7 GB/s alone, and the 2-GPU launch cost 96 us fitted to
-    v7's fused rows and 17 us measured alone. predictions.json lists every row's error."""
+    ran 0.790 ms in v7 and 0.708 ms in the calibration run, and the 2-GPU launch cost 96 us
+    fitted to v7's fused rows and 17 us measured alone. The NVLink workers' slowdown beside a
+    GEMM (v7: 3.4-4.1 GB/s each, 8.5 alone) is modelled (nvlink_beside_compute 0.42): it moved
+    only the AG rows where the gather limits (8 workers -49% -> -17%), none into 15%.
+    predictions.json lists every row's error."""
     rows = [r for r in PREDICTIONS["rows"] if r["source"] == "bench_tp_v7.json"]
     held = [r for r in rows if r["impl"] in ("cublas_nccl", "mgraph_gemm")]
     assert len(held) == 15 + 5

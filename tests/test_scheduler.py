@@ -466,19 +466,27 @@ def test_cost_model():
 @pytest.mark.parametrize("op", ["gemm_allreduce", "allgather_gemm", "ring_attention"])
 def test_scheduler_and_simulator_cost_a_task_alike(op):
     """One profile: a task alone on its worker costs the scheduler what it costs the simulator
-    (compute: math + epilogue wait; nvlink: remote bytes at the measured per-worker rate)."""
+    (compute: math + epilogue wait; nvlink: remote bytes at the measured per-worker rate, scaled
+    by ``nvlink_beside_compute`` on a rank with compute tasks: the scheduler always, the
+    simulator's engine while the GPU has compute left, from the task model's alone demand)."""
     from mgraph.runtime.sim.model import COMPUTE, NVLINK, task_model
+    from mgraph.scheduler.costmodel import compute_ranks
 
     g = build(op, "2x4")
     costs = task_costs(g, mg.H200)
     m = task_model(g, mg.H200)
+    assert compute_ranks(g) == frozenset(g.topology.ranks)  # fused: compute on every rank
+    beside = mg.H200.nvlink_beside_compute
+    assert 0 < beside < 1
     checked = {COMPUTE: 0, NVLINK: 0}
     for t in g.tasks:
         role = m.role[t.id]
         if role == COMPUTE:
             assert m.duration[t.id] == pytest.approx(costs[t.id], rel=1e-12)
         elif role == NVLINK and m.remote[t.id]:
-            assert m.remote[t.id] / m.demand[t.id] == pytest.approx(costs[t.id], rel=1e-12)
+            assert m.remote[t.id] / (m.demand[t.id] * beside) == pytest.approx(
+                costs[t.id], rel=1e-12
+            )
         else:
             continue
         checked[role] += 1

@@ -84,7 +84,7 @@ HW = mg.HardwareProfile.model_validate(
         name="toy", sms=4, tile_gemm_tflops=0.004, hbm_gbps=4.0, nvlink_push_gbps=2.0,
         nvlink_worker_gbps=1.0, nvlink_worker_push_gbps=2.0, nvlink_gbps=100.0, rdma_gbps=1.0, rdma_latency_us=3.0,
         proxy_command_us=5.0, rdma_chunk_us=0.5, fifo_push_us=2.0, nvlink_latency_us=10.0,
-        launch_us=0.0, multi_gpu_launch_us=0.0, sources={},
+        launch_us=0.0, multi_gpu_launch_us=0.0, nvlink_beside_compute=1.0, sources={},
     )
 )  # fmt: skip
 GEMM_US = 2 * 64**3 / 1e9 * 1e6  # 524.288
@@ -105,6 +105,50 @@ def chain(topology: str, link: Role, mover: int = 0) -> mg.TaskGraph:
 
 def one_each(graph: mg.TaskGraph) -> Schedule:
     return mg.schedule(graph, HW, workers={"compute": 1, "nvlink": 1, "rdma": 1})
+
+
+@pytest.mark.parametrize("mover", [0, 1])
+def test_nvlink_worker_slows_while_its_gpu_has_compute_left(mover):
+    """``nvlink_beside_compute``: a worker whose GPU still has compute tasks (here rank 1's
+    reduce, claimed and waiting for the copy) moves at that fraction of its alone rate; a worker
+    whose GPU's compute is all done (rank 0 after its gemm) at the alone rate. The scheduler's
+    cost model slows every NVLink task of a rank with compute tasks (the static partition)."""
+    from mgraph.scheduler.costmodel import task_costs
+
+    hw = HW.model_copy(update={"nvlink_beside_compute": 0.5})
+    graph = chain("1x2", Role.NVLINK, mover)
+    sched = mg.schedule(graph, hw, workers={"compute": 1, "nvlink": 1, "rdma": 1})
+    res = simulate(sched, hardware=hw, baselines=False)
+    alone = TILE_BYTES / 1e3 / (2.0 if mover == 0 else 1.0)
+    copy = alone if mover == 0 else alone / 0.5
+    assert res.predicted_s * 1e6 == pytest.approx(GEMM_US + copy + 10.0 + 32.768, rel=1e-9)
+    cost = next(c for t, c in zip(graph.tasks, task_costs(graph, hw), strict=True)
+                if t.role == "nvlink")  # fmt: skip
+    assert cost * 1e6 == pytest.approx(alone / 0.5, rel=1e-12)  # both ranks have compute
+    b = GraphBuilder("hand", mg.Topology.parse("1x2"), "float32", {})  # a copy, no compute
+    y0, y1 = b.buffer("y", 0, 64, 64), b.buffer("y", 1, 64, 64)
+    b.task(1, Role.NVLINK, "copy", [y0.region()], [y1.region()])
+    g2 = b.finish().validate()
+    assert task_costs(g2, hw)[0] * 1e6 == pytest.approx(TILE_BYTES / 1e3, rel=1e-12)
+    res2 = simulate(mg.schedule(g2, hw, workers={"compute": 0, "nvlink": 1, "rdma": 0}),
+                    hardware=hw, baselines=False)  # fmt: skip
+    assert res2.predicted_s * 1e6 == pytest.approx(TILE_BYTES / 1e3, rel=1e-9)
+
+
+def test_slowed_flows_keep_the_bytes_they_moved():
+    """FlowNet.set_demands re-rates a flow in flight: what it moved at the old rate stays moved."""
+    from mgraph.runtime.sim.flows import Flow, FlowNet
+
+    net = FlowNet([10.0])
+    f = Flow(0, 100.0, 5.0, ((0, 1.0),))
+    net.start(f, 0.0)
+    assert f.finish_time() == pytest.approx(20.0)
+    (changed,) = net.set_demands([f], [2.5], 4.0)  # 20 bytes moved, 80 left at 2.5/s
+    assert changed is f and f.finish_time() == pytest.approx(4.0 + 32.0)
+    g = Flow(1, 100.0, 8.0, ((0, 1.0),))
+    net.start(g, 4.0)  # port load 10.5 > 10: both scaled by 10/10.5
+    net.set_demands([f], [5.0], 4.0)  # load 13: both scaled by 10/13
+    assert f.rate == pytest.approx(5.0 * 10 / 13) and g.rate == pytest.approx(8.0 * 10 / 13)
 
 
 @pytest.mark.parametrize("mover", [0, 1])

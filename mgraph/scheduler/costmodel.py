@@ -5,16 +5,19 @@ The scheduler uses these numbers twice: summed per rank and role they are the wo
 partition splits (balance.py), and along paths they are the critical-path priorities
 (policies.py). The simulator (runtime/sim/model.py) costs a task alone on its worker with the
 SAME rules and constants (``MATH_RATE``, ``nvlink_worker_gbps`` and ``nvlink_worker_push_gbps``,
-``epilogue_peer_gbps``); it
-adds what a schedule decides (bandwidth shared between concurrent flows, waits, the proxy's
-queue), so it owns timing.
+``nvlink_beside_compute``, ``epilogue_peer_gbps``); it adds what a schedule decides (bandwidth
+shared between concurrent flows, waits, the proxy's queue, when compute runs beside an NVLink
+worker), so it owns timing.
 
 - compute: a math kind at its full-chip rate over the SM count; any other kind is memory bound
   (the larger of its flops at the tile rate and its bytes at one SM's share of HBM); plus the
   bytes its epilogue stores into node peers at ``epilogue_peer_gbps`` (the SM waits for them).
 - nvlink: the bytes it reads from other GPUs at ``nvlink_worker_gbps`` (pull) plus the bytes it
   writes into them at ``nvlink_worker_push_gbps`` (push): what one megakernel NVLink worker was
-  measured to move each way; a task with neither is a local copy at HBM rate.
+  measured to move each way with no compute on the GPU, times ``nvlink_beside_compute`` on a
+  rank that also has compute tasks (a fused op: its GEMM tiles share the GPU with the worker for
+  the whole gather, measured 0.54x in bench_tp v7's traces); a task with neither is a local
+  copy at HBM rate.
 - rdma: proxy command + latency + wire, what delays the consumer (the worker only pushes).
 """
 
@@ -31,6 +34,7 @@ __all__ = [
     "hbm_rate_per_sm",
     "nvlink_rate_per_sm",
     "nvlink_seconds",
+    "compute_ranks",
     "epilogue_rate_per_sm",
     "remote_bytes",
     "task_cost",
@@ -63,17 +67,31 @@ def hbm_rate_per_sm(hw: HardwareProfile) -> float:
     return hw.hbm_gbps * 1e9 / hw.sms
 
 
-def nvlink_rate_per_sm(hw: HardwareProfile, push: bool = False) -> float:
+def nvlink_rate_per_sm(hw: HardwareProfile, push: bool = False, beside: bool = False) -> float:
     """Bytes/s over NVLink one megakernel NVLink worker moves through its tasks, as measured:
     reading from a peer (pull) or, with ``push``, writing into one (per-tile tasks pay waits and
-    system-scope signals; far below a bulk push probe's rate)."""
-    return (hw.nvlink_worker_push_gbps if push else hw.nvlink_worker_gbps) * 1e9
+    system-scope signals; far below a bulk push probe's rate). ``beside``: while compute tiles
+    run on the GPU's other SMs (``nvlink_beside_compute`` of the alone rate)."""
+    rate = (hw.nvlink_worker_push_gbps if push else hw.nvlink_worker_gbps) * 1e9
+    return rate * hw.nvlink_beside_compute if beside else rate
 
 
-def nvlink_seconds(hw: HardwareProfile, pulled: float, pushed: float) -> float:
+def nvlink_seconds(
+    hw: HardwareProfile, pulled: float, pushed: float, beside: bool = False
+) -> float:
     """Seconds one NVLink worker spends reading ``pulled`` bytes from peers and writing
-    ``pushed`` bytes into them (a task doing both does one after the other)."""
-    return pulled / nvlink_rate_per_sm(hw) + pushed / nvlink_rate_per_sm(hw, push=True)
+    ``pushed`` bytes into them (a task doing both does one after the other), alone or, with
+    ``beside``, while compute runs on the GPU's other SMs."""
+    return pulled / nvlink_rate_per_sm(hw, beside=beside) + pushed / nvlink_rate_per_sm(
+        hw, push=True, beside=beside
+    )
+
+
+def compute_ranks(graph: TaskGraph) -> frozenset[int]:
+    """Ranks with compute tasks: there the cost model costs NVLink workers beside compute
+    (the static partition runs both roles for the whole launch)."""
+    compute = _COMPUTE
+    return frozenset(t.rank for t in graph.tasks if t.role == compute)
 
 
 def epilogue_rate_per_sm(hw: HardwareProfile) -> float:
@@ -101,7 +119,10 @@ def remote_bytes(graph: TaskGraph) -> tuple[list[int], list[int]]:
 
 def task_cost(task: Task, hw: HardwareProfile, graph: TaskGraph) -> float:
     """Seconds one worker of the task's role spends on it (rdma: until the data has landed)."""
-    return _cost(task, hw, *_remote_of(graph, task))
+    beside = task.role == _NVLINK and any(
+        t.role == _COMPUTE and t.rank == task.rank for t in graph.tasks
+    )
+    return _cost(task, hw, *_remote_of(graph, task), beside)
 
 
 def _remote_of(graph: TaskGraph, task: Task) -> tuple[int, int]:
@@ -115,7 +136,7 @@ def _remote_of(graph: TaskGraph, task: Task) -> tuple[int, int]:
     return out[0], out[1]
 
 
-def _cost(t: Task, hw: HardwareProfile, remote_read: int, remote_write: int) -> float:
+def _cost(t: Task, hw: HardwareProfile, remote_read: int, remote_write: int, beside: bool) -> float:
     fill = t.params.get("expected_fill", 1.0) if t.params else 1.0
     if t.role == _COMPUTE:
         rate = MATH_RATE.get(t.kind)
@@ -126,7 +147,7 @@ def _cost(t: Task, hw: HardwareProfile, remote_read: int, remote_write: int) -> 
         return base + remote_write / epilogue_rate_per_sm(hw)
     if t.role == _NVLINK:
         if remote_read or remote_write:
-            return nvlink_seconds(hw, remote_read * fill, remote_write * fill)
+            return nvlink_seconds(hw, remote_read * fill, remote_write * fill, beside)
         return t.bytes * fill / hbm_rate_per_sm(hw)
     # An rdma worker only pushes a command; the transfer itself is the NIC's and the proxy's.
     # For the critical path it is what delays the consumer: proxy + wire + latency. Task.bytes
@@ -138,7 +159,8 @@ def _cost(t: Task, hw: HardwareProfile, remote_read: int, remote_write: int) -> 
 def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
     """``task_cost`` of every task, indexed by task id."""
     reads, writes = remote_bytes(graph)
-    return [_cost(t, hw, reads[t.id], writes[t.id]) for t in graph.tasks]
+    beside = compute_ranks(graph)
+    return [_cost(t, hw, reads[t.id], writes[t.id], t.rank in beside) for t in graph.tasks]
 
 
 def role_work(graph: TaskGraph, costs: list[float]) -> dict[int, dict[str, tuple[int, float]]]:

@@ -11,6 +11,15 @@ flow through the source NIC's out port and the destination NIC's in port. Data i
 destination ``rdma_latency_us`` after its last byte left; the completion is back at the source
 one latency later.
 
+An NVLink worker's flow is driven at ``nvlink_beside_compute`` of the measured alone rate
+(``task_model``'s demand) while its GPU has compute tasks not yet finished (in their math, or
+claimed and spinning on their waits, or queued), and at the alone rate once they all have; the
+GPU's NVLink flows in flight are re-rated once, when its last compute task ends. Not "only while
+a compute task is in its math": bench_tp v7's AG+GEMM trace at 8 NVLink workers had the compute
+SMs busy 51% of the time (the rest waiting for gathered rows) and the workers still moved 0.48x
+of their alone push rate, as at 16-24 workers with compute busy 80-92%. Epilogue peer stores
+are not scaled: ``epilogue_peer_gbps`` was measured beside the GEMM that issues them.
+
 With ``adaptive=True`` each rank's compute and nvlink workers are re-split every ``period``
 seconds by the controller's rule, ``mgraph.scheduler.controller.decide`` (the same function the
 CPU reference runtime calls with ``Settings(adaptive=True)``), fed in ns: tasks not yet taken,
@@ -134,6 +143,8 @@ class Engine:
         self.finished = 0
         self.draining: set[int] = set()  # compute tasks whose epilogue stores are in flight
         self.push_free = [0.0] * graph.topology.world_size  # when each GPU's push port frees
+        self.beside = hw.nvlink_beside_compute
+        self.nvl_flows: list[dict[int, Flow]] = [{} for _ in range(world)]  # in flight, per GPU
         self.last = 0.0
 
     # -- event plumbing -----------------------------------------------------------------------
@@ -208,7 +219,23 @@ class Engine:
         elif role == COMPUTE or not m.remote[tid]:
             self.at(now + m.duration[tid], _TASK_END, tid)
         else:
-            self.reflow(self.net.start(Flow(tid, m.remote[tid], m.demand[tid], m.ports[tid]), now))
+            rank = self.graph.tasks[tid].rank
+            flow = Flow(tid, m.remote[tid], m.demand[tid] * self.slowdown(rank), m.ports[tid])
+            self.nvl_flows[rank][tid] = flow
+            self.reflow(self.net.start(flow, now))
+
+    # -- compute beside NVLink workers ----------------------------------------------------------
+    def slowdown(self, rank: int) -> float:
+        """Fraction of its alone rate an NVLink worker of ``rank`` drives now."""
+        return self.beside if self.unfinished[rank][COMPUTE] else 1.0
+
+    def rerate_nvlink(self, rank: int, now: float) -> None:
+        flows = self.nvl_flows[rank]
+        if not flows or self.beside == 1.0:
+            return
+        f, demand = self.slowdown(rank), self.m.demand
+        moved = list(flows.values())
+        self.reflow(self.net.set_demands(moved, [demand[x.id] * f for x in moved], now))
 
     def reflow(self, flows: list[Flow]) -> None:
         for f in flows:
@@ -251,6 +278,8 @@ class Engine:
                 self.signal(e, now)
         rank, code = self.graph.tasks[tid].rank, self.m.role[tid]
         self.unfinished[rank][code] -= 1
+        if code == COMPUTE and not self.unfinished[rank][COMPUTE]:
+            self.rerate_nvlink(rank, now)  # the GPU's last compute task: workers run alone
         if code != RDMA:
             self.done_time[rank][code] += now - self.start_at[tid]
             self.done_count[rank][code] += 1
@@ -262,6 +291,7 @@ class Engine:
     def flow_end(self, flow: Flow, now: float) -> None:
         self.reflow(self.net.end(flow, now))
         if flow.id < self.n:
+            del self.nvl_flows[self.graph.tasks[flow.id].rank][flow.id]
             self.bytes["nvlink"] += self.m.remote[flow.id]
             self.task_end(flow.id, now)
         else:
@@ -409,7 +439,7 @@ class Engine:
         return (
             m.duration[tid]
             if code == COMPUTE or not m.remote[tid]
-            else (m.remote[tid] / m.demand[tid])
+            else (m.remote[tid] / (m.demand[tid] * self.slowdown(rank)))
         )
 
     def rebalance(self, rank: int, code: int) -> int:

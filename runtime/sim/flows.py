@@ -75,6 +75,20 @@ class FlowNet:
         changed.pop(flow.id, None)
         return self._rerate(changed, now)
 
+    def set_demands(
+        self, flows: Sequence[Flow], demands: Sequence[float], now: float
+    ) -> list[Flow]:
+        """Flows in flight whose drivers now drive them at ``demands`` (an NVLink worker slowed
+        or released by compute beside it): the bytes moved so far at the old rate are kept."""
+        changed: dict[int, Flow] = {}
+        for flow, demand in zip(flows, demands, strict=True):
+            changed[flow.id] = flow
+            for port, frac in flow.ports:
+                self._reload(port, (demand - flow.demand) * frac, changed)
+        for flow, demand in zip(flows, demands, strict=True):
+            flow.demand = demand
+        return self._rerate(changed, now)
+
     def _reload(self, port: int, delta: float, changed: dict[int, Flow]) -> None:
         members = self.members[port]
         # An empty port is reset exactly, so float drift never leaves a phantom load behind.

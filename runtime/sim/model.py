@@ -8,8 +8,10 @@
   what one NVLink worker was measured to drive (``nvlink_worker_gbps`` for the bytes it pulls,
   ``nvlink_worker_push_gbps`` for the bytes it pushes), through its own GPU's issue port (what all of a GPU's SMs together push or pull:
   GPU.md measured 340 GB/s however many SMs try), the NVLink egress of the GPU that holds the
-  data and the ingress of the GPU that receives it (link rate each; flows.py shares them). A
-  task with no remote bytes is a local copy at the SM's share of HBM bandwidth.
+  data and the ingress of the GPU that receives it (link rate each; flows.py shares them). That
+  demand is the alone rate: the engine drives it at ``nvlink_beside_compute`` of it while the
+  worker's GPU has compute tasks left (engine.py). A task with no remote bytes is a local copy
+  at the SM's share of HBM bandwidth.
 - compute tasks whose epilogue also stores into node peers (the v2 data path): the SM waits
   for those stores at ``epilogue_peer_gbps`` (measured: 7-8 us per 64 KiB tile beside the same
   GEMM storing locally), then takes its next task while the bytes drain through the GPU's push
@@ -63,8 +65,9 @@ class TaskModel:
     signals: list[list[tuple[int, float]]]  # compute/nvlink: (event, visibility delay)
     dst_events: list[list[int]]  # rdma: raised on arrival at the destination
     src_events: list[list[int]]  # rdma: raised when the completion is back at the source
-    # nvlink: bytes/s the task's one worker drives, from the measured pull rate for the bytes it
-    # reads from peers and the push rate for the bytes it writes into them
+    # nvlink: bytes/s the task's one worker drives alone (no compute on its GPU), from the
+    # measured pull rate for the bytes it reads from peers and the push rate for the bytes it
+    # writes into them; the engine scales it by nvlink_beside_compute while compute runs
     demand: list[float] = field(default_factory=list)
     # bytes/s of a GPU's epilogue pushes (TMA stores are asynchronous: the GPU's push port
     # limits them, not one SM's store rate); they drain one after another (engine.epilogue)
