@@ -3,7 +3,8 @@
 moe_dispatch_combine graphs, compared with the sequential CPU runtime on the same graph and
 inputs (random, never zeros): each body's outputs (only the rows the counts say are filled:
 the rest is never written) and the op's output against its torch reference. Routings: random,
-experts left empty, experts filled to capacity. Prints one JSON line per case."""
+experts left empty, experts filled to capacity, and (capacity_factor 1) experts sent more
+tokens than their segments hold, which drop the later ones. Prints one JSON line per case."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ OP = "moe_dispatch_combine"
 # Sizes off every block of the bodies (H=40, F=72, E=6, 32 tokens per rank) so that the masked
 # edges run; expert tiles of 16 rows (two per segment), combine tiles of 16 tokens x 20 columns.
 SIZES = dict(H=40, F=72, top_k=2, expert_rows=16, combine_rows=16, combine_cols=20)
+# The "drop" cases: capacity_factor 1 gives segments shorter than T_loc, and the full routing
+# sends more tokens to experts 0 and 3 than they hold: the route body drops the later ones.
+DROP = dict(capacity_factor=1.0)
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -32,10 +36,12 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def build(topology: str, T_loc: int = 32, E_loc: int = 6, group: int = 2) -> mg.TaskGraph:
+def build(
+    topology: str, T_loc: int = 32, E_loc: int = 6, group: int = 2, **options: object
+) -> mg.TaskGraph:
     W = mg.Topology.parse(topology).world_size
     return mg.ops.moe_dispatch_combine(T=T_loc * W, E=E_loc * W, topology=topology,
-                                       expert_group=group, **SIZES)  # fmt: skip
+                                       expert_group=group, **{**SIZES, **options})  # fmt: skip
 
 
 def inputs_for(graph: mg.TaskGraph, routing: str, seed: int) -> dict[str, torch.Tensor]:
@@ -52,18 +58,18 @@ def emit(case: str, **row: object) -> None:
     print(json.dumps({"case": case, **row}), flush=True)
 
 
-def one_rank(routing: str, seed: int) -> None:
+def one_rank(routing: str, seed: int, drop: bool = False) -> None:
     """1x1: every body's output region against the CPU runtime's, filled rows only."""
-    g = build("1x1")
+    g = build("1x1", **(DROP if drop else {}))
     inputs = inputs_for(g, routing, seed)
     want = execute_sequential(g, inputs)
     rt = TritonRuntime(mg.schedule(g), interpret=True)
     out = rt.run(inputs).outputs["out"]  # poisoned with NaN first: unwritten rows would show
     got = {b: v.clone() for b, v in rt.views.items()}
-    T_loc = g.params["T"]
+    segment = g.buffers["send@0"].rows // g.params["E"]  # the capacity of a segment
     counts = want["counts@0"]
     assert torch.equal(got["counts@0"], counts), (got["counts@0"], counts)
-    rows = filled_rows(counts, T_loc)
+    rows = filled_rows(counts, segment)
     errors = {
         "route-send": rel(got["send@0"][rows], want["send@0"][rows]),
         "route-meta": rel(got["send_meta@0"][rows], want["send_meta@0"][rows]),
@@ -76,21 +82,23 @@ def one_rank(routing: str, seed: int) -> None:
     reference = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
     errors["op-reference"] = rel(out, reference)
     for body, err in errors.items():
-        emit(f"1x1-{routing}-{seed}-{body}", error=err, counts=counts.flatten().tolist(),
-             nan=bool(out.isnan().any()))  # fmt: skip
+        emit(f"1x1-{routing}{'-drop' if drop else ''}-{seed}-{body}", error=err, segment=segment,
+             counts=counts.flatten().tolist(), nan=bool(out.isnan().any()))  # fmt: skip
 
 
-def two_ranks(routing: str, seed: int, launches: int = 1) -> None:
+def two_ranks(routing: str, seed: int, launches: int = 1, drop: bool = False) -> None:
     """1x2 in one interpreter program: dispatch and return through moe_move into the peer's
     buffers; the output against the CPU runtime and the op's torch reference."""
-    g = build("1x2", T_loc=16, E_loc=3, group=1)
+    options = {**DROP, "expert_rows": 8} if drop else {}  # drop: segments of 8 of 16 rows
+    g = build("1x2", T_loc=16, E_loc=3, group=1, **options)
     inputs = inputs_for(g, routing, seed)
     want = mg.run(mg.schedule(g), inputs).outputs["out"]
     reference = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
     out = run_in_process(mg.schedule(g), inputs, launches=launches)["out"]
     kinds = sorted({t.kind for t in g.tasks})
     for what, err in (("runtime", rel(out, want)), ("reference", rel(out, reference))):
-        emit(f"1x2-{routing}-{seed}-x{launches}-{what}", error=err, kinds=kinds,
+        emit(f"1x2-{routing}{'-drop' if drop else ''}-{seed}-x{launches}-{what}", error=err,
+             kinds=kinds, segment=g.buffers["send@0"].rows // g.params["E"],
              nan=bool(out.isnan().any()))  # fmt: skip
 
 
@@ -100,7 +108,9 @@ if __name__ == "__main__":
     if "one" in which:
         for routing, seed in (("random", 0), ("empty", 1), ("full", 2)):
             one_rank(routing, seed)
+        one_rank("full", 6, drop=True)
     if "two" in which:
         two_ranks("random", 3, launches=2)
         two_ranks("empty", 4)
         two_ranks("full", 5)
+        two_ranks("full", 7, drop=True)

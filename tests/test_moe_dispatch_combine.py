@@ -5,9 +5,11 @@ import torch
 
 import mgraph as mg
 from helpers import TOPOLOGIES, check_graph, rel_err, written_once
-from mgraph.graph import Task
+from mgraph.graph import ITEMSIZE, Task
 from mgraph.kinds import kind_spec
+from mgraph.ops.moe_dispatch_combine import kept_picks, rank_bytes, segment_capacity
 from mgraph.runtime import run_sequential
+from mgraph.settings import Settings
 
 OP = "moe_dispatch_combine"
 
@@ -29,13 +31,16 @@ def test_matches_torch(topology, E_loc):
         written_once(g, name)
 
 
-def dense_moe(x, router_logits, w_gate, w_up, w_down, top_k):
+def dense_moe(x, router_logits, w_gate, w_up, w_down, top_k, drop=None):
     """Mixtral MoE written independently of mgraph (it shares no helper with the tile bodies):
-    a dense [T, E] gate matrix from a masked softmax, every expert applied to every token."""
+    a dense [T, E] gate matrix from a masked softmax, every expert applied to every token.
+    ``drop`` (bool [T, E]): picks whose gate is zeroed afterwards (not renormalised)."""
     logits = router_logits.double()
     kth = logits.sort(dim=-1, descending=True).values[:, top_k - 1 : top_k]
     masked = logits.masked_fill(logits < kth, float("-inf"))
     gates = masked.softmax(dim=-1)  # zero off the top k: softmax over the k kept logits
+    if drop is not None:
+        gates = gates.masked_fill(drop, 0.0)
     xd = x.double()
     out = torch.zeros_like(xd)
     for e in range(w_gate.shape[0]):
@@ -81,39 +86,67 @@ def _run_skewed(graph, columns: list[int]) -> None:
 
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_skewed_router_no_token_dropped(topology):
-    g = build(topology, T_loc=16)
+    # capacity_factor = E / top_k: segments of T_loc rows, which no routing can overflow
+    g = build(topology, T_loc=16, capacity_factor=8.0)
+    assert g.buffers["send@0"].rows == 16 * g.params["E"]
     E = g.params["E"]
     _run_skewed(g, [0])  # one expert gets every token of every rank: its capacity is full
     _run_skewed(g, [E - 2, E - 1])  # every token goes to the last rank only
 
 
-def test_route_tile_packs_segments():
+def test_skewed_router_drops_by_the_policy():
+    """Default capacity_factor 4 at T_loc=16, E=16, top_k=2: segments of 8 rows. Every token
+    prefers expert 5, so each rank's tokens 8..15 lose that pick (the first 8, ascending, keep
+    it); the runtime equals dense_moe with exactly those gates zeroed, not renormalised."""
+    topology, T_loc = "2x4", 16
+    g = build(topology, T_loc=T_loc)
+    assert g.buffers["send@0"].rows == 8 * 16
+    op = mg.ops.get_op(OP)
+    inputs = op.random_inputs(g, seed=4)
+    inputs["router_logits"][:, 5] += 50.0
+    top = inputs["router_logits"].double().sort(dim=-1, descending=True).values
+    assert (top[:, 1] - top[:, 2]).abs().min() > 1e-9, "a tie at the k-th logit: pick a seed"
+    _, experts = inputs["router_logits"].topk(2, dim=-1)
+    drop = torch.zeros(8 * T_loc, 16, dtype=torch.bool)
+    for source in range(8):  # per (source rank, expert): picks past the 8th are dropped
+        seen = [0] * 16
+        for t in range(source * T_loc, (source + 1) * T_loc):
+            for e in experts[t].tolist():
+                seen[e] += 1
+                drop[t, e] = seen[e] > 8
+    assert drop[:, 5].sum() == 8 * 8
+    want = dense_moe(**inputs, top_k=2, drop=drop)
+    got = run_sequential(g, inputs)["out"]
+    assert rel_err(got.double(), want) < 1e-4
+    assert rel_err(op.run_reference(inputs, g.params)["out"].double(), want) < 1e-4
+    assert rel_err(dense_moe(**inputs, top_k=2), want) > 1e-2  # the drops do change the output
+    _, _, kept = kept_picks(inputs["router_logits"], 2, T_loc, 8)
+    assert (~kept).sum() == drop.sum()
+
+
+@pytest.mark.parametrize("capacity", [12, 5])
+def test_route_tile_packs_segments(capacity):
+    """Capacity T_loc = 12: nothing dropped, expert 4 exactly full. Capacity 5: each segment
+    keeps its first 5 tokens (ascending), the others' picks are dropped from the picks map."""
     T_loc, E, E_loc, k, H = 12, 6, 3, 2, 5
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(T_loc, H, generator=gen)
     logits = torch.randn(T_loc, E, generator=gen)
     logits[:, 4] += 50.0  # expert 4's segment fills up to its capacity
-    send = torch.full((E * T_loc, H), float("nan"))
-    meta = torch.full((E * T_loc, 3), float("nan"))
+    send = torch.full((E * capacity, H), float("nan"))
+    meta = torch.full((E * capacity, 3), float("nan"))
     counts = torch.full((E // E_loc, E_loc), float("nan"))
     pick_rows, pick_weights = torch.full((2, T_loc, E), float("nan"))
-    task = Task(
-        0,
-        "route",
-        0,
-        "compute",
-        "moe_route",
-        [],
-        [],
-        params={"top_k": k, "experts_per_rank": E_loc, "expert0": 0},
-    )
+    params = {"top_k": k, "experts_per_rank": E_loc, "expert0": 0, "capacity": capacity}
+    task = Task(0, "route", 0, "compute", "moe_route", [], [], params=params)
     writes = [send, meta, counts, pick_rows, pick_weights]
     kind_spec("moe_route").run_cpu(task, [x, logits], writes)
     weights, experts = torch.softmax(logits.topk(k).values, -1), logits.topk(k).indices
     seen = torch.zeros(T_loc, dtype=torch.long)
     for e in range(E):
-        seg, seg_meta = send[e * T_loc : (e + 1) * T_loc], meta[e * T_loc : (e + 1) * T_loc]
-        tokens = (experts == e).any(-1).nonzero().flatten()
+        seg = send[e * capacity : (e + 1) * capacity]
+        seg_meta = meta[e * capacity : (e + 1) * capacity]
+        tokens = (experts == e).any(-1).nonzero().flatten()[:capacity]  # the kept picks
         n = len(tokens)
         assert seg_meta[:n, 0].long().tolist() == tokens.tolist()  # packed, ascending
         assert torch.equal(seg[:n], x[tokens])
@@ -122,25 +155,31 @@ def test_route_tile_packs_segments():
             t = tokens[row]
             assert seg_meta[row, 1] == weights[t][experts[t] == e].item()
             # the picks map: where token t's output from e lands in back, and its weight
-            assert pick_rows[t, e] == e * T_loc + row and pick_weights[t, e] == seg_meta[row, 1]
+            assert pick_rows[t, e] == e * capacity + row and pick_weights[t, e] == seg_meta[row, 1]
         others = torch.ones(T_loc, dtype=torch.bool)
-        others[tokens] = False
+        others[tokens] = False  # not picked, or dropped
         assert (pick_rows[others, e] == -1).all() and (pick_weights[others, e] == 0).all()
         assert counts.view(-1)[e] == n
         # Capacity bounds the buffer, not the work: rows past the count are never written.
         assert seg[n:].isnan().all() and seg_meta[n:].isnan().all()
         seen[tokens] += 1
-    assert (seen == k).all()
-    assert counts.view(-1)[4] == T_loc  # exactly full
-    assert counts.sum() == T_loc * k
+    assert counts.view(-1)[4] == capacity  # exactly full
+    if capacity == T_loc:
+        assert (seen == k).all() and counts.sum() == T_loc * k
+    else:  # every token picked expert 4; only the first `capacity` kept it
+        assert (seen[:capacity] == k).all() and (seen[capacity:] < k).any()
+        hits = torch.zeros(T_loc, E).scatter_(1, experts, 1.0)
+        assert counts.view(-1).tolist() == hits.sum(0).clamp(max=capacity).tolist()
 
 
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
 def test_traffic_rail_peers_and_nvlink_inside_nodes(topology):
     g = build(topology, T_loc=16)
     topo = g.topology
-    E_loc, T_loc, H = 2, 16, 16
-    block = E_loc * T_loc
+    E_loc, H = 2, 16
+    seg = segment_capacity(16, 16, 2, 4.0, 8)  # rows per (source, expert): 8 of T_loc = 16
+    assert seg == 8
+    block = E_loc * seg
     assert g.buffers["w_gate@1"].shape == (E_loc * H, 32)  # one piece of E_loc experts
     assert g.buffers["w_down@1"].shape == (E_loc * 32, H)
     writers: dict[tuple, Task] = {}
@@ -189,7 +228,9 @@ def test_cost_hints_use_expected_rows():
     W = 8
     T = T_loc * W
     experts = [t for t in g.tasks if t.kind == "moe_expert"]
-    assert len(experts) == W * E_loc * W * (T_loc // 8)  # (rank, expert, source, row tile)
+    seg = segment_capacity(T_loc, E_loc * W, k, 4.0, 8)
+    assert seg == 16  # four times the mean load of 4 rows per (source, expert)
+    assert len(experts) == W * E_loc * W * (seg // 8)  # (rank, expert, source, row tile)
     assert sum(t.flops for t in experts) == pytest.approx(6.0 * T * k * H * F)
     capacity = 6.0 * T * (E_loc * W) * H * F  # what the worst-case capacity would charge
     assert sum(t.flops for t in experts) < capacity / 4
@@ -246,3 +287,46 @@ def test_bad_input(kw):
     with pytest.raises(mg.ShapeError) as info:
         mg.ops.moe_dispatch_combine(H=16, F=32, topology="1x4", **kw)
     assert OP in str(info.value)
+
+
+ISSUE_SHAPE = dict(T=2 * 4096, H=7168, E=256, top_k=8, F=2048, expert_group=8, expert_rows=64,
+                   combine_rows=64, combine_cols=256)  # fmt: skip
+
+
+def test_issue_shape_fits_in_gpu_memory():
+    """The issue's shape (4096 tokens per GPU, H=7168, 256 experts, top-8, F=2048, bf16, 2 ranks)
+    builds and validates (about 1 s) and its buffers take what the capacity bound says: segments
+    of 4 x 128 rows (four times an expert's mean load from one rank), 16.4 GiB per rank of which
+    10.5 GiB are the rank's expert weights. Segments of T_loc rows (capacity_factor E / top_k =
+    32: what the lowering did before) would take 56.6 GiB per rank and hit the size guard."""
+    limits = Settings(max_bytes=64 << 30)
+    g = mg.ops.moe_dispatch_combine(topology="1x2", dtype=torch.bfloat16, settings=limits,
+                                    **ISSUE_SHAPE)  # fmt: skip
+    g.validate()
+    T_loc, k, E, H, F, W = 4096, 8, 256, 7168, 2048, 2
+    assert segment_capacity(T_loc, E, k, 4.0, 64) == 512 == 4 * T_loc * k // E
+    # every segment of every (source, expert): 4x what a source can route in all (T_loc * k)
+    assert g.buffers["send@0"].shape == (4 * T_loc * k, H)
+    per_rank = [0] * W
+    for buf in g.buffers.values():
+        per_rank[buf.rank] += buf.rows * buf.cols * ITEMSIZE[buf.dtype]
+    bound = rank_bytes(1, W, **{n: ISSUE_SHAPE[n] for n in ("T", "H", "E", "top_k", "F")},
+                       itemsize=2, expert_rows=64)  # fmt: skip
+    assert per_rank == [bound, bound]
+    weights = 3 * (E // W) * H * F * 2
+    routed = (2 * W + 2 * (W - 1)) * (E // W) * 512 * H * 2  # send, back, recv, ret: 5.25 GiB
+    hidden = W * (E // W) * 512 * F * 2  # 0.5 GiB
+    # the rest (x, out, logits, metadata, picks map, counts) is below 0.2 GiB
+    assert routed + weights + hidden < bound < routed + weights + hidden + 0.2 * 2**30
+    assert bound < 16.5 * 2**30
+    no_drop = rank_bytes(1, W, 8192, H, E, k, F, itemsize=2, capacity_factor=E / k)
+    assert 56 * 2**30 < no_drop < 57 * 2**30
+    with pytest.raises(mg.SizeLimitError):
+        mg.ops.moe_dispatch_combine(topology="1x2", dtype=torch.bfloat16, settings=limits,
+                                    capacity_factor=E / k, **ISSUE_SHAPE)  # fmt: skip
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0])
+def test_capacity_factor_must_be_positive(factor):
+    with pytest.raises(mg.OptionError, match="capacity_factor"):
+        build("1x2", capacity_factor=factor)

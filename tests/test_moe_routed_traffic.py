@@ -32,7 +32,9 @@ def routed(kind: str, topology: str, E: int, seed: int) -> tuple[mg.TaskGraph, d
     logits = inputs["router_logits"]
     if kind == "empty":  # experts 1 and E-1 get no token at all
         logits[:, [1, E - 1]] -= 50.0
-    elif kind == "full":  # experts 0 and 3 get every token: their segments hit capacity exactly
+    elif kind == "full":  # experts 0 and 3 get every token: on 1x4 and 2x2 their segments
+        # (T_loc rows) fill exactly; on 2x4 (segments of 8 rows: capacity_factor 4 times a mean
+        # load of 2) half of each rank's tokens lose those picks, as the drop policy says
         logits[:, [0, 3]] += 50.0
     return g, inputs
 
@@ -51,10 +53,11 @@ def test_exact_on_both_runtimes(topology, kind):
 
 
 def test_capacity_cannot_overflow():
-    """Capacity is T_loc rows per (source, expert): a token picks an expert at most once, so even
-    a router that sends every token to the same top_k experts fills them exactly and drops
-    nothing (the semantics the op always had)."""
+    """On 1x4 (E=8, top_k=2) capacity_factor 4 = E / top_k: segments of T_loc rows per (source,
+    expert). A token picks an expert at most once, so even a router that sends every token to
+    the same top_k experts fills them exactly and drops nothing."""
     g, inputs = routed("full", "1x4", 8, 0)
+    assert g.buffers["send@0"].rows == 8 * 16
     mem = execute_sequential(g, inputs)
     counts = torch.stack([mem[g.buffers[f"counts@{r}"].id] for r in range(4)])
     assert (counts.view(4, -1)[:, [0, 3]] == 16).all() and counts.sum() == 4 * 16 * 2
@@ -125,7 +128,8 @@ def test_sim_costs_routed_bytes():
 
 def test_relaunch_with_another_routing():
     """One runtime, launches with different counts: rows past a count (NaN-poisoned each launch,
-    or left from a fuller routing) never reach the output."""
+    or left from a fuller routing) never reach the output. The full routing drops (segments of
+    8 rows of 16 tokens); the reference applies the same policy."""
     rt = ReferenceRuntime(mg.schedule(build("2x4")))
     for kind, seed in (("full", 0), ("empty", 1), ("random", 2)):
         g, inputs = routed(kind, "2x4", 16, seed)

@@ -26,13 +26,17 @@ def rows() -> dict[str, dict]:
     return interpreter_rows("megakernel_moe_interp.py")
 
 
-@pytest.mark.parametrize("routing", ["random-0", "empty-1", "full-2"])
+@pytest.mark.parametrize("routing", ["random-0", "empty-1", "full-2", "full-drop-6"])
 def test_every_body_on_one_rank(routing):
     got = {k: r for k, r in rows().items() if k.startswith(f"1x1-{routing}-")}
     assert sorted(got) == sorted(f"1x1-{routing}-{b}" for b in BODIES)
     for case, r in got.items():
         assert r["error"] < TOL and not r["nan"], (case, r)
     counts = next(iter(got.values()))["counts"]
+    if routing.startswith("full-drop"):  # segments of 16 rows: tokens 16..31 lose experts 0, 3
+        assert next(iter(got.values()))["segment"] == 16
+        assert counts == [16, 0, 0, 16, 0, 0]
+        return
     assert sum(counts) == 32 * 2  # every token routed to top_k = 2 experts
     if routing.startswith("empty"):  # empty segments: their expert tiles exited at once
         assert counts[1] == counts[5] == 0
@@ -40,11 +44,13 @@ def test_every_body_on_one_rank(routing):
         assert counts == [32, 0, 0, 32, 0, 0]
 
 
-@pytest.mark.parametrize("case", ["random-3-x2", "empty-4-x1", "full-5-x1"])
+@pytest.mark.parametrize("case", ["random-3-x2", "empty-4-x1", "full-5-x1", "full-drop-7-x1"])
 def test_whole_graph_on_two_ranks(case):
     """1x2 in one interpreter program: moves into the peer's buffers, the return path, combine;
-    random-3 launches twice (epochs, counts rewritten)."""
+    random-3 launches twice (epochs, counts rewritten); full-drop-7 has segments of 8 rows of
+    16 tokens, so both ranks drop half their picks of experts 0 and 3 (the reference too)."""
     for what in ("runtime", "reference"):
         r = rows()[f"1x2-{case}-{what}"]
         assert r["error"] < TOL and not r["nan"], r
         assert {"moe_route", "moe_move", "moe_expert", "moe_combine"} <= set(r["kinds"])
+        assert r["segment"] == (8 if "drop" in case else 16)

@@ -9,7 +9,7 @@ Lowering (a static graph; the CONTENTS of its buffers are data-dependent, see mo
 Experts go in groups of ``expert_group`` consecutive experts of one rank: the unit of routing
 and of transfer, so work on a group starts as soon as that group's rows are there.
 1. route (compute, source s, one task per group): top-k, then pack ``x`` rows into ``send[s]``,
-   one segment of T_loc rows per global expert (worst-case capacity: nothing is dropped), plus
+   one segment of C rows per global expert (the segment capacity, see "Capacity"), plus
    fp32 metadata rows, the group's entries of ``counts[s]`` [W, E_loc] (the filled rows of each
    segment; row d: destination d's experts) and its columns of the picks map (``pick_rows`` /
    ``pick_weights`` [T_loc, E]: where each token's outputs will land in ``back[s]``, and their
@@ -34,26 +34,56 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
 No host synchronisation: counts are data in the graph's buffers. Buffers stay capacity-sized
 (static regions); traffic follows the routing.
 
+Capacity. A source rank sends at most T_loc * top_k rows in all, and at most T_loc to one
+expert (a token picks an expert once); so T_loc rows per (source, expert) segment never drops a
+token, but it sizes every exchange buffer at E * T_loc rows per rank: E / top_k times what can
+ever be routed (1048576 rows of 7168 bf16 per buffer at T_loc=4096, E=256, top_k=8 on 2 ranks;
+57 GiB per rank with the weights). Segments are static regions because every tile task has
+static regions (the graph's race check proves that tiles running in parallel write disjoint
+rows); a packed layout with offsets from device-side prefix sums would make each expert tile's
+region the whole block. So
+segments keep a fixed size, bounded by the ``capacity_factor`` option:
+C = min(T_loc, ceil(capacity_factor * T_loc * top_k / E)) rounded up to whole expert tiles. The
+default 4.0 is four times the mean load of an expert (C = 512 rows at the shape above, where a
+uniform router sends 128 +- 11: a drop is beyond reach; a router that sends one expert more than
+four times its share of a rank's tokens drops). A ``capacity_factor`` >= E / top_k gives C =
+T_loc: nothing is ever dropped. Drop policy, identical on every backend and in the reference:
+per (source rank, expert), the first C picks in ascending token order are kept; a dropped pick
+contributes nothing to its token's output and the token's other weights are not renormalised
+(Switch/GShard token dropping). ``kept_picks`` says which picks a routing drops, from the logits
+alone (benchmarks report it). With B = E_loc * C rows per (source, destination) block and R
+relay slots per rank ((nodes - 1) * (gpus_per_node - 1)), the buffers of one rank hold
+(2W + 2(W - 1) + 2R) * B rows of H (send, back, recv, ret, relay, relay_ret), W * B rows of F
+(hidden), (2W - 1 + R) * B rows of META_COLS fp32, the picks map (2 * T_loc * E fp32), the
+counts and the rank's shards of the inputs, weights and output (``rank_bytes``).
+
+The graph's params record ``world_size``: the reference needs it (the drop policy is per source
+rank).
+
 Cost hints: an expert tile's flops use the EXPECTED routed rows (T_loc * top_k / E per source and
 expert, packed at the front of the segment as the route tile packs them), not its capacity. Tasks
 whose bytes follow the routing carry ``params["expected_fill"]``: the expected fraction of their
-region bytes that is really touched (top_k / E of a capacity block; a combine tile touches
-top_k rows per token of a ``back`` that holds E rows per token). It is an expectation for a
+region bytes that is really touched (T_loc * top_k / E of a segment's C rows; a combine tile
+touches top_k rows per token of a ``back`` that holds E * C rows). It is an expectation for a
 uniform router, not a measurement: the simulator has no data (runtime/sim/model.py reads it).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..builder import GraphBuilder, pick_tile, piece, shard_range, split
-from ..errors import ShapeError
+from ..errors import GraphError, OptionError, ShapeError
 from ..graph import ITEMSIZE, Buffer, Region, Task, torch_dtype
 from ..kinds import Role, TaskKind
 from ..topology import Topology
 from .moe_tiles import META_COLS, combine_flops, expert_flops, route_topk, swiglu
 from .moe_transport import Counted, move
 from .registry import OpDef
+
+__all__ = ["kept_picks", "rank_bytes", "segment_capacity"]
 
 moe_dispatch_combine = OpDef(
     "moe_dispatch_combine",
@@ -100,6 +130,58 @@ def _shapes(
     }
 
 
+def segment_capacity(
+    tokens_per_rank: int, E: int, top_k: int, capacity_factor: float, tile_rows: int
+) -> int:
+    """Rows of one (source rank, expert) segment: ``capacity_factor`` times an expert's mean load
+    from one rank, rounded up to whole expert tiles, at most ``tokens_per_rank`` (which never
+    drops)."""
+    want = math.ceil(capacity_factor * tokens_per_rank * top_k / E)
+    tiles = -(-want // tile_rows)
+    return max(tile_rows, min(tokens_per_rank, tiles * tile_rows))
+
+
+def kept_picks(
+    router_logits: torch.Tensor, top_k: int, tokens_per_rank: int, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing and its drop policy: ``(weights [T, k] fp32, experts [T, k], kept [T, k]
+    bool)``; a pick is kept when fewer than ``capacity`` earlier tokens of its source rank
+    (consecutive ``tokens_per_rank`` rows) picked the same expert."""
+    weights, experts = route_topk(router_logits, top_k)
+    T, E = router_logits.shape
+    hits = torch.zeros(T, E, dtype=torch.int32, device=router_logits.device)
+    hits.scatter_(1, experts, 1)
+    # a token's place among its source's tokens that picked the expert (0 for the first)
+    place = hits.view(T // tokens_per_rank, tokens_per_rank, E).cumsum(1).view(T, E) - 1
+    return weights, experts, place.gather(1, experts) < capacity
+
+
+def rank_bytes(
+    nodes: int,
+    gpus_per_node: int,
+    T: int,
+    H: int,
+    E: int,
+    top_k: int,
+    F: int,
+    itemsize: int,
+    expert_rows: int = 64,
+    capacity_factor: float = 4.0,
+) -> int:
+    """Bytes of the buffers of one rank of this op's graph (the sum in the module docstring's
+    "Capacity"), from the sizes alone: what a run allocates per GPU."""
+    W = nodes * gpus_per_node
+    T_loc, E_loc = T // W, E // W
+    C = segment_capacity(T_loc, E, top_k, capacity_factor, min(expert_rows, T_loc))
+    B, R = E_loc * C, (nodes - 1) * (gpus_per_node - 1)
+    rows_h = (2 * W + 2 * (W - 1) + 2 * R) * B  # send, back, recv, ret, relay, relay_ret
+    meta = (2 * W - 1 + R) * B * META_COLS * 4
+    counts = (2 * W - 1 + R) * E_loc * 4
+    picks = 2 * T_loc * E * 4
+    shards = (2 * T_loc * H + T_loc * E + 3 * E_loc * H * F) * itemsize  # x, out, logits, weights
+    return (rows_h * H + W * B * F) * itemsize + meta + counts + picks + shards
+
+
 @moe_dispatch_combine.reference
 def _reference(
     x: torch.Tensor,
@@ -107,13 +189,25 @@ def _reference(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    T: int,
+    E: int,
     top_k: int,
+    expert_rows: int = 64,
+    capacity_factor: float = 4.0,
+    world_size: int | None = None,
     **_: object,
 ) -> dict[str, torch.Tensor]:
-    weights, experts = route_topk(router_logits, top_k)
+    if world_size is None:
+        raise GraphError(
+            f"{OP}: the params lack world_size: the reference cannot apply the drop policy",
+            hint="pass the params of a graph built by moe_dispatch_combine (they record it)",
+        )
+    T_loc = T // world_size
+    capacity = segment_capacity(T_loc, E, top_k, capacity_factor, min(expert_rows, T_loc))
+    weights, experts, kept = kept_picks(router_logits, top_k, T_loc, capacity)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(w_gate.shape[0]):
-        token, slot = (experts == e).nonzero(as_tuple=True)
+        token, slot = ((experts == e) & kept).nonzero(as_tuple=True)
         if token.numel():
             y = swiglu(x[token], w_gate[e], w_up[e], w_down[e])
             out.index_add_(0, token, y * weights[token, slot, None])
@@ -144,20 +238,36 @@ def _lower(
     combine_cols: int = 256,
     combine_rows: int = 64,
     expert_group: int = 1,
+    capacity_factor: float = 4.0,
 ) -> None:
     tiles = {"expert_rows": expert_rows, "combine_cols": combine_cols,
              "combine_rows": combine_rows, "expert_group": expert_group}  # fmt: skip
     for name, value in tiles.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ShapeError(f"{OP}: {name}={value!r} must be a positive int")
-    _Lowering(b, T, H, E, top_k, F, tiles).run()
+    if not capacity_factor > 0:
+        raise OptionError(
+            f"{OP}: capacity_factor={capacity_factor!r} must be positive",
+            hint=f"a segment holds capacity_factor times an expert's mean load; {E / top_k:g} "
+            "(E / top_k) or more never drops a token",
+        )
+    b.params["world_size"] = b.world  # the reference's drop policy is per source rank
+    _Lowering(b, T, H, E, top_k, F, tiles, capacity_factor).run()
 
 
 class _Lowering:
     """The five stages of the module docstring, sharing the per-rank buffers."""
 
     def __init__(
-        self, b: GraphBuilder, T: int, H: int, E: int, top_k: int, F: int, tiles: dict[str, int]
+        self,
+        b: GraphBuilder,
+        T: int,
+        H: int,
+        E: int,
+        top_k: int,
+        F: int,
+        tiles: dict[str, int],
+        capacity_factor: float,
     ) -> None:
         self.b, self.topo, self.world = b, b.topo, b.world
         self.H, self.E, self.F, self.top_k = H, E, F, top_k
@@ -173,8 +283,11 @@ class _Lowering:
                 hint="a group of experts belongs to one rank: pick a divisor of E/W",
             )
         self.groups = self.E_loc // self.group  # groups per rank
-        self.block = self.E_loc * self.T_loc  # rows one (source, destination) pair exchanges
-        self.fill = top_k / E  # expected filled rows / capacity rows of a segment
+        # rows of one (source, expert) segment
+        self.seg = segment_capacity(self.T_loc, E, top_k, capacity_factor, self.tile_rows)
+        self.block = self.E_loc * self.seg  # rows one (source, destination) pair exchanges
+        self.expected = self.T_loc * top_k / E  # routed rows of a segment, uniform router
+        self.fill = min(1.0, self.expected / self.seg)  # expected filled / capacity rows
 
     def run(self) -> None:
         self.declare()
@@ -289,8 +402,8 @@ class _Lowering:
     # -- stages -------------------------------------------------------------------------------
     def _group_rows(self, slot: int, g: int) -> tuple[int, int]:
         """Rows of group ``g`` (of the slot's rank) inside ``slot``."""
-        r0 = slot * self.block + g * self.group * self.T_loc
-        return (r0, r0 + self.group * self.T_loc)
+        r0 = slot * self.block + g * self.group * self.seg
+        return (r0, r0 + self.group * self.seg)
 
     def _group_cols(self, g: int) -> tuple[int, int]:
         """Columns of group ``g`` in a row of counts (E_loc entries)."""
@@ -322,6 +435,7 @@ class _Lowering:
                         "top_k": self.top_k,
                         "experts_per_rank": self.E_loc,
                         "expert0": expert0,
+                        "capacity": self.seg,
                         "expected_fill": self._expected_fill([*reads, *whole], packed),
                     },
                 )
@@ -350,7 +464,7 @@ class _Lowering:
                 [count],
             )
             src, dst = self._group_rows(d, g), self._group_rows(i, g)
-            offset = g * self.group * self.T_loc
+            offset = g * self.group * self.seg
             tag = f"r{s}->r{d} g{g}"
             rows = self.move(self.send[s].region(src), self.recv[d].region(dst), self.relay,
                              [mine[g]], f"dispatch {tag}", counts=counts, offset=offset)  # fmt: skip
@@ -363,7 +477,7 @@ class _Lowering:
     def experts(self, d: int, s: int, ready: list[list[Task]]) -> list[list[Task]]:
         """Expert tiles on d for the rows s sent, per group (each after ``ready[group]``); they
         write back[d] (own) or ret[d]."""
-        T_loc, H, F = self.T_loc, self.H, self.F
+        seg, H, F = self.seg, self.H, self.F
         if s == d:
             rows, meta, out, base = self.send[d], self.send_meta[d], self.back[d], d * self.block
             counts, slot = self.counts[d], d
@@ -371,7 +485,7 @@ class _Lowering:
             rows, meta, out = self.recv[d], self.recv_meta[d], self.ret[d]
             base = self._peer_slot(d, s)[0]
             counts, slot = self.recv_counts[d], self._peer_index(d, s)
-        expected = T_loc * self.top_k / self.E  # per (source, expert); <= T_loc as top_k <= E
+        expected = self.expected  # per (source, expert); <= T_loc as top_k <= E
         by_group: list[list[Task]] = []
         for j in range(self.E_loc):
             if j % self.group == 0:
@@ -383,11 +497,11 @@ class _Lowering:
                 self.w_down[d].region((j * F, (j + 1) * F)),
             ]
             count = counts.region((slot, slot + 1), cols=(j, j + 1))
-            for r0, r1 in split(T_loc, self.tile_rows):
+            for r0, r1 in split(seg, self.tile_rows):
                 # The route tile packs routed rows at the front of a segment.
                 rows_expected = min(max(expected - r0, 0.0), float(r1 - r0))
-                span = (base + j * T_loc + r0, base + j * T_loc + r1)
-                scratch = s * self.block + j * T_loc
+                span = (base + j * seg + r0, base + j * seg + r1)
+                scratch = s * self.block + j * seg
                 by_group[-1].append(
                     self.b.task(
                         d,
@@ -418,15 +532,15 @@ class _Lowering:
             src, dst = self._group_rows(i, g), self._group_rows(d, g)
             moves.append(self.move(self.ret[d].region(src), self.back[s].region(dst),
                                    self.relay_ret, tiles[g], f"return r{d}->r{s} g{g}",
-                                   counts=counts, offset=g * self.group * self.T_loc))  # fmt: skip
+                                   counts=counts, offset=g * self.group * self.seg))  # fmt: skip
         return moves
 
     def combine(self, s: int, finished: list[Task]) -> None:
         waits = self.b.after(s, finished)
         k = self.top_k
         for t0, t1 in split(self.T_loc, self.combine_rows):
-            # back holds E rows per token; a token tile touches k of them per token
-            fill = k * (t1 - t0) / (self.E * self.T_loc)
+            # back holds E * seg rows; a token tile touches k of them per token
+            fill = min(1.0, k * (t1 - t0) / (self.E * self.seg))
             for c0, c1 in split(self.H, self.tile_cols):
                 routed = [self.back[s].region(cols=(c0, c1))]
                 picks = [self.pick_rows[s].region((t0, t1)), self.pick_weights[s].region((t0, t1))]
@@ -454,5 +568,5 @@ class _Lowering:
         starts ``offset`` rows into its slot) and, given ``counts`` (at the source, at the
         destination, tasks landing the latter), NVLink legs that move only the filled rows of
         each segment."""
-        counted = None if counts is None else Counted(*counts, self.T_loc, self.fill)
+        counted = None if counts is None else Counted(*counts, self.seg, self.fill)
         return move(self.b, src, dst, relay, ready, name, unit or self.block, counted, offset)

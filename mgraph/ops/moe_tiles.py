@@ -6,11 +6,15 @@ a picks map, which travel with the data or stay home. Every later tile reads the
 assuming a routing, so the same graph is exact for any router output.
 
 Send-slot layout (one per source rank): segment ``e`` (global expert) holds rows
-``[e * T_loc, (e + 1) * T_loc)``; the tokens routed to ``e`` fill its first rows in ascending
-token order. A token picks an expert at most once, so ``T_loc`` rows per segment is the worst
-case: no token is ever dropped. Metadata columns (``META_COLS``): token index (local to the
-source rank), routing weight, local expert index. ``back`` (the expert outputs, home again) has
-the send layout.
+``[e * C, (e + 1) * C)``, ``C`` the segment capacity (the route tile's ``capacity`` param; the
+lowering derives it from its ``capacity_factor`` option, at most T_loc); the tokens routed to
+``e`` fill its first rows in ascending token order. Drop policy: when more than ``C`` of the
+source's tokens pick ``e``, the first ``C`` of them (ascending token index) keep that pick and the
+others lose it: their row is not sent, their picks map entry says "not picked", so their output
+sums their other picks only (weights are not renormalised). A token picks an expert at most once,
+so ``C = T_loc`` never drops. Metadata columns (``META_COLS``): token index (local to the source
+rank), routing weight, local expert index. ``back`` (the expert outputs, home again) has the send
+layout.
 
 A route tile covers a group of consecutive experts (``expert0`` and the width of its counts
 region): it ranks every token's logits, then packs the tokens of its own experts. Tiles of
@@ -20,7 +24,7 @@ expert e, the row of ``back`` that will hold e's output for t (-1: not picked) a
 (0). Combine reads it to gather each token's k rows: no scatter, no atomics.
 
 Counts travel as data: the route tiles also write ``counts [W, E_loc]`` (fp32, exact below
-2**24), the filled rows of each segment, and every later tile reads them. Capacity bounds the
+2**24), the filled rows of each segment (at most ``C``: kept picks only), and every later tile reads them. Capacity bounds the
 buffers, not the traffic: ``moe_move`` copies only the filled rows of each segment, an expert
 tile computes only its filled rows (a tile past its segment's count exits at once), combine
 reads only picked rows. Rows past a count are never written nor read (they hold whatever the
@@ -65,7 +69,7 @@ EXPERT = kind_spec(TaskKind.MOE_EXPERT)
 COMBINE = kind_spec(TaskKind.MOE_COMBINE)
 # The builtin kinds are defined in mgraph/kinds.py without params; the params a Triton body
 # reads are declared beside it (the encoder packs them in this order).
-ROUTE.params = ("top_k", "experts_per_rank", "expert0")
+ROUTE.params = ("top_k", "experts_per_rank", "expert0", "capacity")
 EXPERT.params = ("local_expert", "row0")
 COMBINE.params = ("top_k",)
 # A transfer whose size is data: the COPY kind moves whole regions, and the builtin kinds are not
@@ -121,14 +125,15 @@ def combine_flops(rows: float, cols: int) -> float:
     return 2.0 * rows * cols
 
 
-# -- moe_route: reads [x (T_loc, H), logits (T_loc, E)], writes [send (G*T_loc, H), meta, counts
-# (1, G), pick_rows (T_loc, G), pick_weights (T_loc, G)] for the group of G experts at expert0 --
+# -- moe_route: reads [x (T_loc, H), logits (T_loc, E)], writes [send (G*C, H), meta, counts
+# (1, G), pick_rows (T_loc, G), pick_weights (T_loc, G)] for the group of G experts at expert0,
+# C = params["capacity"] rows per segment --------------------------------------------------------
 @ROUTE.cpu
 def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     x, logits = reads
     send, meta, counts, pick_rows, pick_weights = writes
-    tokens = logits.shape[0]
     per_rank, first = task.params["experts_per_rank"], task.params["expert0"]
+    capacity = task.params["capacity"]
     weights, experts = route_topk(logits, task.params["top_k"])
     flat = counts.view(-1)
     flat.zero_()
@@ -136,19 +141,20 @@ def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch
     pick_weights.zero_()
     for j in range(flat.numel()):
         e = first + j
-        # nonzero() lists tokens in ascending order, as the Triton body packs them.
+        # nonzero() lists tokens in ascending order, as the Triton body packs them; the first
+        # `capacity` keep the pick (the drop policy of the module docstring).
         token, slot = (experts == e).nonzero(as_tuple=True)
+        token, slot = token[:capacity], slot[:capacity]
         n = token.numel()
         if n == 0:
             continue
-        assert n <= tokens, (task.name, e, n)  # top-k picks distinct experts
         flat[j] = n
-        rows = slice(j * tokens, j * tokens + n)
+        rows = slice(j * capacity, j * capacity + n)
         send[rows] = x[token].to(send.dtype)
         meta[rows, 0] = token.to(meta.dtype)
         meta[rows, 1] = weights[token, slot].to(meta.dtype)
         meta[rows, 2] = float(e % per_rank)
-        pick_rows[token, j] = (e * tokens + torch.arange(n)).to(pick_rows.dtype)
+        pick_rows[token, j] = (e * capacity + torch.arange(n)).to(pick_rows.dtype)
         pick_weights[token, j] = weights[token, slot].to(pick_weights.dtype)
 
 
@@ -198,7 +204,7 @@ def _expert_flops(
     return expert_flops(params.get("expected_rows", capacity), hidden, ffn)
 
 
-# -- moe_combine: reads [back (E*T_loc, cols), pick_rows (n, E), pick_weights (n, E)], writes
+# -- moe_combine: reads [back (E*C, cols), pick_rows (n, E), pick_weights (n, E)], writes
 # out (n, cols): out[t] = sum over t's picked experts, ascending, of weight * back[row] ---------
 @COMBINE.cpu
 def _combine_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
@@ -264,12 +270,14 @@ if HAVE_TRITON:
         """Per block of tokens: top_k passes over the logits find each token's k-th pick (value,
         index) and the softmax denominator over its k picks; then, per expert of the group, a
         token is picked when its logit ranks at or above that threshold, its row in the segment
-        is the running count plus its exclusive prefix among the block's picked tokens."""
+        is the running count plus its exclusive prefix among the block's picked tokens; a row at
+        or past the segment's capacity is dropped (the module docstring's policy)."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         top_k = param_i32(params, tp, 0)
         per_rank = param_i32(params, tp, 1)
         first = param_i32(params, tp, 2)
+        cap = param_i32(params, tp, 3)
         xp, x_stride, T, H = _corner(regions, bufaddr, bufcols, r0, DT)
         lp, l_stride, _nl, E = _corner(regions, bufaddr, bufcols, r0 + 1, DT)
         sp, s_stride, _ns, _hs = _corner(regions, bufaddr, bufcols, w0, DT)
@@ -317,19 +325,21 @@ if HAVE_TRITON:
                 hit = picked.to(tl.int32)
                 n = tl.load(cp + j).to(tl.int32)
                 pos = n + tl.cumsum(hit, 0) - hit
+                # the drop policy: picks past the segment's capacity are not sent nor mapped
+                kept = picked & (pos < cap)
                 weight = tl.exp(le - top) / tl.where(tok, z, 1.0)
-                row = (j * T + pos).to(tl.int64)  # in the group's rows of the send slot
-                tl.store(mp + row * m_stride, ot.to(tl.float32), mask=picked)
-                tl.store(mp + row * m_stride + 1, weight, mask=picked)
-                tl.store(mp + row * m_stride + 2, (e % per_rank).to(tl.float32), mask=picked)
-                back_row = tl.where(picked, (e * T + pos).to(tl.float32), -1.0)
+                row = (j * cap + pos).to(tl.int64)  # in the group's rows of the send slot
+                tl.store(mp + row * m_stride, ot.to(tl.float32), mask=kept)
+                tl.store(mp + row * m_stride + 1, weight, mask=kept)
+                tl.store(mp + row * m_stride + 2, (e % per_rank).to(tl.float32), mask=kept)
+                back_row = tl.where(kept, (e * cap + pos).to(tl.float32), -1.0)
                 tl.store(rp + ot64 * r_stride + j, back_row, mask=tok)
-                tl.store(wp + ot64 * w_stride + j, tl.where(picked, weight, 0.0), mask=tok)
-                filled = tl.sum(hit, 0)
+                tl.store(wp + ot64 * w_stride + j, tl.where(kept, weight, 0.0), mask=tok)
+                filled = tl.sum(kept.to(tl.int32), 0)
                 if filled > 0:
                     for h0 in range(0, H, _HB):
                         oh = h0 + tl.arange(0, _HB)
-                        both = picked[:, None] & (oh < H)[None, :]
+                        both = kept[:, None] & (oh < H)[None, :]
                         xv = tl.load(xp + ot64[:, None] * x_stride + oh[None, :], mask=both)
                         tl.store(sp + row[:, None] * s_stride + oh[None, :], xv, mask=both)
                 tl.debug_barrier()  # every thread has read the count before it changes
