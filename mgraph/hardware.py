@@ -11,8 +11,8 @@ Who reads what: the scheduler's cost model (mgraph/scheduler/costmodel.py) and t
 (runtime/sim/model.py) both cost an NVLink worker's reads from a peer at ``nvlink_worker_gbps``
 (pull), its writes into a peer at ``nvlink_worker_push_gbps`` (push), both measured with no
 compute on the GPU and scaled by ``nvlink_beside_compute`` while compute runs beside the worker
-(the scheduler: on every rank of a graph with compute tasks; the simulator: while compute tasks
-run on that GPU), and a GEMM epilogue's peer stores at ``epilogue_peer_gbps`` (measured beside
+(the scheduler: on every rank of a graph with compute tasks; the simulator: while that GPU has
+compute tasks not finished, runtime/sim/engine.py), and a GEMM epilogue's peer stores at ``epilogue_peer_gbps`` (measured beside
 its own GEMM, so not scaled again); the static partition and the controller (simulator, reference
 runtime) cap NVLink workers at ``nvlink_max_sms``; the proxy costs ``proxy_command_us`` per
 command in both.
