@@ -16,8 +16,11 @@ weight * y into the tokens (fp32, cast once). ``grouped_gemm``: the two grouped 
 the same routed rows, the GEMM-only bound. ``mgraph``: the op's graph in the megakernel,
 checked against the baseline's output (NaN-poisoned outputs first; relative error and worst
 128x128 tile), timed, and checked again after the timed relaunches. A configuration the
-runtime refuses is reported as a row with its error. Medians of CUDA-event times, max over
-ranks. Router logits are a random permutation of E distinct values per token (exact in bf16),
+runtime refuses is reported as a row with its error. The mgraph row also says the segment
+capacity (rows per source rank and expert, from --capacity-factor: the op's default when not
+given), the buffers' GiB per rank, and how many of all ranks' picks the op's drop policy drops
+for these logits (0 expected: the baseline drops none, so a drop shows as an error). Medians of
+CUDA-event times, max over ranks. Router logits are a random permutation of E distinct values per token (exact in bf16),
 so no two experts tie at the k-th place and both sides pick the same experts.
 
 Writes ``bench_moe.json`` (rows {impl, T, H, E, top_k, F, world, ms, ...}) and ``bench_moe.md``
@@ -183,18 +186,31 @@ class Bench:
         return want
 
     def mgraph(self, local: dict[str, torch.Tensor], want: torch.Tensor) -> None:
+        from mgraph.ops.moe_dispatch_combine import kept_picks, rank_bytes
         from mgraph.runtime.megakernel import TritonRuntime
         from mgraph.runtime.memory import worst_tile_error
 
         a = self.args
         options = {"expert_rows": a.expert_rows, "expert_group": a.expert_group,
                    "combine_rows": a.combine_rows, "combine_cols": a.combine_cols}  # fmt: skip
+        if a.capacity_factor is not None:
+            options["capacity_factor"] = a.capacity_factor
         start = time.time()
         try:
             graph = mg.ops.get_op(OP)(
                 topology=f"1x{self.world}", dtype=torch.bfloat16, T=a.tokens * self.world,
                 H=a.hidden, E=a.experts, top_k=a.top_k, F=a.ffn, **options,
             )  # fmt: skip
+            segment = graph.buffers["send@0"].rows // a.experts
+            _, _, kept = kept_picks(local["router_logits"], a.top_k, a.tokens, segment)
+            dropped = torch.tensor([(~kept).sum().item()], device=kept.device)
+            dist.all_reduce(dropped)
+            sizes = {"T": a.tokens * self.world, "H": a.hidden, "E": a.experts, "top_k": a.top_k,
+                     "F": a.ffn, "itemsize": 2, "expert_rows": a.expert_rows}  # fmt: skip
+            if a.capacity_factor is not None:
+                sizes["capacity_factor"] = a.capacity_factor
+            memory = {"segment_rows": segment, "dropped_picks": int(dropped.item()),
+                      "gib_per_rank": round(rank_bytes(1, self.world, **sizes) / 2**30, 2)}  # fmt: skip
             sched = mg.schedule(graph)
             built = time.time() - start
             rt = TritonRuntime(sched)
@@ -209,7 +225,8 @@ class Bench:
             return
         self.add("mgraph", ms, **options, tasks=len(graph.tasks), rel_err=round(err, 5),
                  worst_tile_err=round(tile, 5), rel_err_after=round(err_again, 5),
-                 launches=rt.epoch, build_s=round(built, 1), **rt.kernel_info())  # fmt: skip
+                 launches=rt.epoch, build_s=round(built, 1), **memory,
+                 **rt.kernel_info())  # fmt: skip
         del rt
         gc.collect()
         torch.cuda.empty_cache()
@@ -245,7 +262,8 @@ def table(rows: list[dict]) -> str:
         vs_base = f"{base / ms:.2f}x" if base and ms == ms else ""
         vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms else ""
         notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "rel_err", "worst_tile_err",
-                                                  "rel_err_after", "error") if k in r)  # fmt: skip
+                                                  "rel_err_after", "segment_rows", "dropped_picks",
+                                                  "gib_per_rank", "error") if k in r)  # fmt: skip
         lines.append(f"| {r['impl']} | {ms:.3f} | {vs_base} | {vs_gemm} | {notes} |")
     return "\n".join(lines) + "\n"
 
@@ -261,6 +279,8 @@ def main() -> None:
     parser.add_argument("--expert-group", type=int, default=8)
     parser.add_argument("--combine-rows", type=int, default=64)
     parser.add_argument("--combine-cols", type=int, default=256)
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="the op's capacity_factor (default: the op's own)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-mgraph", dest="mgraph", action="store_false")

@@ -5,7 +5,11 @@ over the chosen k, and a loop over experts that gathers each expert's tokens. Th
 data-dependent, so torch.export could not trace it; under ExpertParallel mgraph does not trace
 inside the block at all: it becomes the router (a local GEMM on each rank's tokens) and ONE fused
 moe_dispatch_combine op, with tokens and experts sharded over all ranks. Which rows go where is
-decided at run time by the route tile, so the same static graph is exact for any routing.
+decided at run time by the route tile, so the same static graph is exact for any routing that
+fits its segments: here, 8 experts and top-2, the op's default capacity_factor (4 = E / top_k)
+gives each (source rank, expert) segment room for all of the rank's tokens, so no routing drops
+a token (larger E / top_k than the factor would bound the segments and drop overflowing picks;
+ExpertParallel(options={"capacity_factor": ...}) sets it).
 
     python examples/moe_layer.py
 """
