@@ -177,7 +177,11 @@ def moe_block(
             fqn = f"{prefix}{style.experts}.{getattr(style, attr)}"
             name = f"{prefix}{style.experts}.{proj}.{transform}"
             weights[proj] = tr.stacked(name, [fqn], shape, transform=transform)
-    params = {"T": T, "H": H, "E": E, "top_k": top_k, "F": F, **style.options}
+    # A traced model must match eager torch, which drops no token: segments hold every token
+    # (capacity_factor E / top_k) unless the plan asks for a bound (then drops follow the op's
+    # documented policy).
+    params = {"T": T, "H": H, "E": E, "top_k": top_k, "F": F,
+              "capacity_factor": E / top_k, **style.options}
     inputs_map = {
         "x": x,
         "router_logits": logits,
