@@ -7,9 +7,14 @@ acc [rows, D] and ml [rows, 2] = (running max m, running denominator l), the fir
 chain initialising it. It walks the q block in sub-blocks of ``_QB`` rows and the KV block in
 chunks of ``_KB`` keys (flash attention's inner loop): per chunk the scores go through exp2 with
 the scale folded into a log2(e) factor, the running max and sum are rescaled, and acc is
-rescaled and accumulated. A head size up to ``_DB`` (128) keeps q and acc in registers for the
-whole KV block (the fast path: acc is read from and written to the state once per task); a
-larger one walks D in ``_DB``-column chunks and updates acc in the state buffer chunk by chunk.
+rescaled and accumulated. The fast path (a task without a bias tile, head size up to ``_DB``
+(128), a 16-bit dtype, q/k/v regions TMA can address: 16-byte aligned corners and row strides)
+loads q, k and v through TMA descriptors over the task's regions and keeps q and acc in
+registers for the whole KV block (acc is read from and written to the state once per task).
+Every other task (a bias tile, a larger head size, float32 data, unaligned regions) takes the
+pointer path: it walks D in ``_DB``-column chunks and updates acc in the state buffer chunk by
+chunk. On sm_90 the fast path compiles to wgmma with a pipelined TMA loop; the pointer path
+spills registers and is several times slower (tests/test_attention_compile.py).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
@@ -95,14 +100,29 @@ if HAVE_TRITON:
                        mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
 
     @triton.jit
-    def _scores(s, ok, om, nk, k_start, q_start, qk_scale, bias_ptrs, row_ok, has_bias,
-                CAUSAL: tl.constexpr):
-        """Scaled scores in log2 units with the mask applied: -inf where a key is hidden."""
+    def _tma_ok(p, stride, DT: tl.constexpr):
+        """Whether a TMA descriptor can address rows of ``stride`` elements from ``p``: the
+        corner 16-byte aligned and the row stride a multiple of 16 bytes."""
+        per16 = 128 // DT.primitive_bitwidth
+        return (p.to(tl.int64, bitcast=True) % 16 == 0) & (stride % per16 == 0)
+
+    @triton.jit
+    def _scores(s, ok, om, nk, k_start, q_start, qk_scale, regions, bufaddr, bufcols,
+                bias_index, row_ok, has_bias, CAUSAL: tl.constexpr, BIAS: tl.constexpr,
+                DT: tl.constexpr):
+        """Scaled scores in log2 units with the mask applied: -inf where a key is hidden. Only
+        with ``BIAS`` is there a bias tile to read (``has_bias`` says which kind): a runtime
+        branch on s in the loop made the compiler carry s in three register layouts at once and
+        spill (sm_90), so the fast path compiles without it."""
         s = s * qk_scale
-        if has_bias == 1:
+        if not BIAS:
+            pass
+        elif has_bias == 1:
+            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
             b = tl.load(bias_ptrs, mask=row_ok[:, None] & (ok < nk)[None, :], other=0.0)
             s += b.to(tl.float32) * _LOG2E
         elif has_bias == 2:
+            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
             b = tl.load(bias_ptrs, mask=row_ok[:, None] & (ok < nk)[None, :], other=0)
             s = tl.where(b != 0, s, float("-inf"))
         hide = (ok >= nk)[None, :] & (om >= 0)[:, None]  # keys past the block
@@ -111,24 +131,25 @@ if HAVE_TRITON:
         return tl.where(hide, float("-inf"), s)
 
     @triton.jit
-    def _fold(acc, m_i, l_i, q, kp, k_stride, vp, v_stride, j_lo, j_hi, om, row_ok, nk, D,
-              k_start, q_start, qk_scale, regions, bufaddr, bufcols, bias_index, has_bias,
-              CAUSAL: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """Fold keys [j_lo, j_hi) into (acc, m, l) held in registers (head size <= _DB)."""
-        od = tl.arange(0, _DB)
+    def _fold(acc, m_i, l_i, q, kd, vd, j_lo, j_hi, om, row_ok, nk, k_start, q_start,
+              qk_scale, regions, bufaddr, bufcols, bias_index, has_bias, CAUSAL: tl.constexpr,
+              DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Fold keys [j_lo, j_hi) into (acc, m, l) held in registers (head size <= _DB, no bias
+        tile: the causal mask is the only one), k and v loaded by TMA through the descriptors ``kd`` / ``vd`` over the task's KV regions
+        (zeros past the region's rows and the head size), so the loop has no pointer tensors
+        and Triton's pipeliner prefetches the next chunks."""
         for j0 in range(j_lo, j_hi, _KB):
             ok = j0 + tl.arange(0, _KB)
-            k = _operand(_tile(kp, k_stride, ok, od, nk, D), USE_TIMER)
+            k = _operand(kd.load([j0, 0]), USE_TIMER)
             s = tl.dot(q, tl.trans(k))
-            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
-            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, bias_ptrs, row_ok, has_bias,
-                        CAUSAL)
+            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, regions, bufaddr, bufcols,
+                        bias_index, row_ok, has_bias, CAUSAL, False, DT)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - shift[:, None])
             alpha = tl.math.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _operand(_tile(vp, v_stride, ok, od, nk, D), USE_TIMER)
+            v = _operand(vd.load([j0, 0]), USE_TIMER)
             acc = tl.dot(_operand(p.to(DT), USE_TIMER), v, acc * alpha[:, None])
             m_i = m_new
         return acc, m_i, l_i
@@ -151,9 +172,8 @@ if HAVE_TRITON:
                 q = _operand(_tile(qp, q_stride, om, od, nq, D), USE_TIMER)
                 k = _operand(_tile(kp, k_stride, ok, od, nk, D), USE_TIMER)
                 s = tl.dot(q, tl.trans(k), s)
-            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
-            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, bias_ptrs, row_ok, has_bias,
-                        CAUSAL)
+            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, regions, bufaddr, bufcols,
+                        bias_index, row_ok, has_bias, CAUSAL, True, DT)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - shift[:, None])
@@ -202,6 +222,12 @@ if HAVE_TRITON:
         s0 = r0 + 3 + (first != 0).to(tl.int32) * (w0 - r0 - 3)
         sap, sa_stride, _nsa, _dsa = _rows_cols(regions, bufaddr, bufcols, s0, _F32)
         smp, sm_stride, _nsm, _dsm = _rows_cols(regions, bufaddr, bufcols, s0 + 1, _F32)
+        # The fast path: no bias tile, a head size up to _DB in a 16-bit dtype whose q, k, v
+        # regions TMA can address (fp32 tiles would not fit three pipeline stages in shared
+        # memory). Anything else takes the pointer path of _fold_wide, which handles any D.
+        fast = ((has_bias == 0) & (D <= _DB) & (DT.primitive_bitwidth == 16)
+                & _tma_ok(qp, q_stride, DT)
+                & _tma_ok(kp, k_stride, DT) & _tma_ok(vp, v_stride, DT))
         for i0 in range(0, nq, _QB):
             om = i0 + tl.arange(0, _QB)
             row_ok = om < nq
@@ -219,27 +245,31 @@ if HAVE_TRITON:
             j_full = tl.where(causal != 0, tl.maximum(q_start + i0 + 1 - k_start, 0) // _KB * _KB,
                               nk)
             j_full = tl.minimum(j_full, j_end)
-            if D <= _DB:
+            if fast:
+                # built per sub-block (a variable bound in one branch is not visible after it);
+                # a task's first sub-block is its only one at the lowering's default 128 rows
+                qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, _DB])
+                kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [_KB, _DB])
+                vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [_KB, _DB])
                 od = tl.arange(0, _DB)
                 cmask = row_ok[:, None] & (od < D)[None, :]
-                q = _operand(_tile(qp, q_stride, om, od, nq, D), USE_TIMER)
+                q = _operand(qd.load([i0, 0]), USE_TIMER)
                 if first != 0:
                     acc = tl.zeros((_QB, _DB), dtype=tl.float32)
                 else:
                     acc = tl.load(sap + om64[:, None] * sa_stride + od[None, :], mask=cmask,
                                   other=0.0)
-                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kp, k_stride, vp, v_stride, 0, j_full,
-                                      om, row_ok, nk, D, k_start, q_start, qk_scale, regions,
-                                      bufaddr, bufcols, bias_index, has_bias, False, DT,
-                                      USE_TIMER)
-                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kp, k_stride, vp, v_stride, j_full,
-                                      j_end, om, row_ok, nk, D, k_start, q_start, qk_scale,
-                                      regions, bufaddr, bufcols, bias_index, has_bias, True, DT,
-                                      USE_TIMER)
+                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, 0, j_full, om, row_ok, nk,
+                                      k_start, q_start, qk_scale, regions, bufaddr, bufcols,
+                                      bias_index, has_bias, False, DT, USE_TIMER)
+                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, j_full, j_end, om, row_ok, nk,
+                                      k_start, q_start, qk_scale, regions, bufaddr, bufcols,
+                                      bias_index, has_bias, True, DT, USE_TIMER)
                 tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
             else:
-                # acc lives in the state buffer: a first task with nothing to fold (every key
-                # hidden from this sub-block) must still write its zeros
+                # acc lives in the state buffer (pointer loads, any head size and alignment): a
+                # first task with nothing to fold (every key hidden from this sub-block) must
+                # still write its zeros
                 fresh = first != 0
                 if fresh & (j_end == 0):
                     for d0 in range(0, D, _DB):
@@ -325,6 +355,13 @@ def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu"
             for w in t.writes:
                 region_view(mem, w).copy_(src)
     interpret = device == "cpu"
+    if not interpret:
+        import triton
+
+        # the fast path builds its TMA descriptors on the device, in memory from this allocator
+        triton.set_allocator(
+            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
+        )
     for rank in graph.topology.ranks:
         tables = encode_rank(schedule, rank, single_program=True)
         chains: dict[tuple[str, int], list[int]] = {}
