@@ -30,6 +30,7 @@ CASES = {
     "gemm_allreduce-1x2-twoshot": ("gemm_allreduce", "1x2", dict(M=64, N=96, K=128, tile=[32, 32], algorithm="twoshot")),
     "allgather_gemm-1x2-peer": ("allgather_gemm", "1x2", dict(M=64, N=64, K=64, tile=[16, 16], gather="peer")),
     # short edge tiles (sizes that are not multiples of the tile, K not of BK): TMA clips them
+    "gemm-1x1-small-k": ("gemm", "1x1", dict(M=32, N=32, K=32, tile=[16, 16])),
     "gemm-1x1-edge": ("gemm", "1x1", dict(M=40, N=56, K=72, tile=[32, 32])),
     # 4 writes per task: reduce-adds from the dynamic GEMM body, not the prefix
     "gemm_allreduce-1x4-accumulate": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], algorithm="accumulate")),

@@ -182,10 +182,9 @@ def test_triton_backend_rejects_what_it_cannot_run():
     with pytest.raises(mg.ScheduleError, match="16 bytes"):
         TritonRuntime(mg.schedule(odd), interpret=True)
     # K below the K step (64) is no longer refused: TMA zero-fills past A's and B's ends
+    # (megakernel_interp.py runs "gemm-1x1-small-k" against torch)
     small_k = mg.ops.gemm(M=32, N=32, K=32, topology="1x1", tile=[16, 16])
-    a, b = torch.randn(32, 32), torch.randn(32, 32)
-    got = TritonRuntime(mg.schedule(small_k), interpret=True).run({"a": a, "b": b}).outputs["out"]
-    torch.testing.assert_close(got, a @ b, rtol=1e-4, atol=1e-4)
+    TritonRuntime(mg.schedule(small_k), interpret=True)
 
 
 def test_multi_rank_graph_needs_torchrun():
@@ -202,7 +201,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 26, proc.stdout
+    assert len(rows) == 27, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at
