@@ -108,8 +108,9 @@ def static_partition(
     """rank -> role -> workers, before anything is measured: the balance rule on the cost hints.
 
     rdma gets one worker when it has tasks (it only pushes proxy commands); compute and nvlink
-    split the remaining SMs by ``balance_workers`` with C = mean estimated cost per task, and
-    nvlink keeps at most ``hardware.nvlink_max_sms`` (measured: more stop paying off) and at
+    split the remaining SMs by ``balance_workers`` with C = mean estimated cost per task, raised
+    to what NVLink tasks need to finish while the compute that waits for none of them runs
+    (``_gather_deadline``: AG+GEMM's gather), and nvlink keeps at most ``hardware.nvlink_max_sms`` (measured: more stop paying off) and at
     most one worker per NVLink task of the rank (a worker without a task only idles; the rule
     alone gives a rank with no compute tasks, or too few to matter, every SM).
     """
