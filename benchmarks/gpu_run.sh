@@ -6,6 +6,12 @@
 #   bash benchmarks/gpu_run.sh tests            # pytest -m "gpu or multi_gpu" (megakernel)
 #   bash benchmarks/gpu_run.sh bench SHAPES...  # bench_tp.py on the given per-rank shapes
 #   bash benchmarks/gpu_run.sh net              # benchmarks/gpu_check_net.py (the network path)
+#   bash benchmarks/gpu_run.sh programs         # tests/gpu_programs.py (traced Programs, 2 GPUs)
+#   bash benchmarks/gpu_run.sh attention        # bench_attention.py tile, then ring (2 GPUs)
+#   bash benchmarks/gpu_run.sh moe              # bench_moe.py (baseline + mgraph, 2 GPUs)
+#   bash benchmarks/gpu_run.sh calibrate        # calibrate.py: the hardware profile JSON
+#   bash benchmarks/gpu_run.sh proxy            # bench_proxy.py, 1 and 4 copy streams
+# The GPU tests need about 400 s for all 24 (TEST_LIMIT); pytest arguments after "tests" select.
 set -u
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,5 +37,31 @@ bench)
     ;;
 net)
     timeout "${NET_LIMIT:-300}" python3 benchmarks/gpu_check_net.py "$@" 2>&1 | tee "$OUT/net.log" | tail -40
+    ;;
+programs)
+    timeout "${PROGRAMS_LIMIT:-120}" torchrun --nproc_per_node=2 tests/gpu_programs.py 2>&1 \
+        | tee "$OUT/programs.log" | grep -E '^\{|gpu_programs:' | cut -c1-200
+    ;;
+attention)
+    timeout "${TILE_LIMIT:-150}" python3 benchmarks/bench_attention.py tile --out "$OUT" "$@" 2>&1 \
+        | tee "$OUT/attn_tile.log" | grep -E '^tile|error' | cut -c1-300
+    timeout "${RING_LIMIT:-300}" torchrun --nproc_per_node=2 benchmarks/bench_attention.py ring \
+        --out "$OUT" 2>&1 | tee "$OUT/attn_ring.log" | grep -v '^{' | tail -20
+    ;;
+moe)
+    timeout "${MOE_LIMIT:-200}" torchrun --nproc_per_node=2 benchmarks/bench_moe.py --out "$OUT" "$@" \
+        2>&1 | tee "$OUT/moe.log" | grep -v '^{' | tail -12
+    ;;
+calibrate)
+    timeout "${CALIBRATE_LIMIT:-200}" torchrun --nproc_per_node=2 benchmarks/calibrate.py \
+        --out "$OUT/h200.json" 2>&1 | tee "$OUT/calibrate.log" | tail -14
+    ;;
+proxy)
+    timeout "${PROXY_LIMIT:-120}" python3 benchmarks/bench_proxy.py --out "$OUT/bench_proxy" \
+        --streams 1 4 2>&1 | tee "$OUT/proxy.log" | tail -10
+    ;;
+*)
+    echo "unknown step $step: tests, bench, net, programs, attention, moe, calibrate, proxy" >&2
+    exit 2
     ;;
 esac
