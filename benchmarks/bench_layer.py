@@ -1,0 +1,579 @@
+"""One Llama-style decoder layer under tensor + sequence parallelism on 2 GPUs: mgraph's Program
+against torch's own TP (``parallelize_module``, eager, NCCL) and ``torch.compile`` of that, on
+the same weights and inputs, in one run (issue 16, item 4).
+
+Run (about 3-5 minutes on 2 H200 at the default sizes; see "time" below):
+    PYTHONUNBUFFERED=1 torchrun --nproc_per_node=2 benchmarks/bench_layer.py --out $OUT
+CPU smoke check (2 gloo processes, tiny sizes; tests/test_bench_layer.py runs it):
+    torchrun --nproc_per_node=2 benchmarks/bench_layer.py --smoke --out /tmp/bench_layer
+
+The layer (hidden 4096, 32 heads, 8 KV heads, FFN 14336, seq 4096, batch 1, bf16 by default;
+every size is a flag): RMSNorm, q/k/v projections, rotary embeddings (tables from an
+``inv_freq`` buffer at ``arange(S)``), causal SDPA with ``enable_gqa=True``, o projection,
+residual add, RMSNorm, SwiGLU MLP, residual add. The same weights (seed 0) and the same input
+on every rank; each rank passes its sequence chunk ``x.chunk(world, 1)[rank]`` and gets its
+chunk of the output back, as under ``parallelize_module``.
+
+Rows (``bench_layer.json``, and ``bench_layer.md`` as a table, under --out):
+
+- ``eager_tp``: the layer under ``parallelize_module`` as torch's TP tutorial writes the plan:
+  ``SequenceParallel`` norms, ``PrepareModuleInput`` gathering the token shards once per
+  attention/MLP, ``ColwiseParallel`` q/k/v/gate/up, ``RowwiseParallel(output_layouts=Shard(1))``
+  o/down (their reduce-scatter back to token shards).
+- ``torch_compile_tp``: ``torch.compile`` of that parallelized module (``compile_s``: its first
+  call, compile included).
+- ``mgraph``: ``mg.compile(layer, plan, backend="triton")`` with the same sharding written in
+  mgraph's vocabulary (no ``PrepareModuleInput`` and no ``output_layouts``: mgraph infers the
+  gathers and the reduce-scatters from the SequenceParallel norms); timed around ``prog(x)``,
+  which also rebuilds the parameters from the module, copies them into the kernel's buffers,
+  NaN-poisons its intermediates and reads the watchdog record on every call. Its compile time:
+  ``trace_s``, ``lower_s`` (pointwise fusion, lowering, validation, the body check),
+  ``schedule_s``, from the per-stage timer ``mgraph compile --profile`` uses
+  (mgraph.cli.StageTimes), and ``first_call_s`` (runtime build, megakernel JIT and one run:
+  the kernel build) beside ``second_call_s``.
+- ``mgraph_kernel``: the same Program's megakernel relaunched alone (its inputs already loaded;
+  launches after the first replay a CUDA graph), its output read back after the timed launches.
+- ``mgraph_warm``: a second ``mg.compile`` in this process of a freshly built layer (the same
+  weights), its stages and first call: the warm compile.
+
+``ms`` is the median of CUDA-event times per rank, max over ranks, pooled over two rounds that
+time every implementation in turn (the first implementation timed in a run measured slower
+than later ones: bench_tp.py). ``vs_eager_tp`` is eager_tp's ms over the row's ms (above 1:
+faster). ``error`` is the relative error (max over ranks and calls) against the layer in fp32
+(eager torch, unsharded, on the same bf16 weights and input); a row above 2e-2 is a failure. A
+failure of one implementation is a row with its status and message; the others still run.
+
+Time: mg.compile of the default layer took ~40 s of CPU on the project's CPU machine (trace +
+lower + schedule); with the warm compile, two Triton megakernel builds and torch.compile
+(inductor) the run should stay under ~6 minutes on 2 H200. ``--no-warm`` and
+``--no-torch-compile`` drop those steps.
+
+--smoke: tiny sizes on the CPU, gloo; mgraph on backend="reference" (a single-controller
+Program: every rank runs the whole program with the global input and keeps its chunk; no
+megakernel, so no ``mgraph_kernel`` row); eager TP on gloo; torch.compile with the
+``aot_eager`` backend (no C++ compile) unless --compile-backend says otherwise, and a row with
+status "skipped" where torch.compile is unavailable. Times there mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mgraph as mg
+from mgraph.cli import StageTimes
+
+TOL = 2e-2  # bf16: relative error against the fp32 layer (tests/gpu_programs.py's bound)
+SMOKE = dict(hidden=128, heads=8, kv_heads=2, ffn=256, seq=64, batch=1)
+
+
+# -- the layer --------------------------------------------------------------------------------
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, theta: float = 500000.0) -> None:
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        exponents = torch.arange(0, self.head_dim, 2).float() / self.head_dim
+        self.register_buffer("inv_freq", 1.0 / theta**exponents, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape  # under torch's TP: the gathered (Replicate) input, global shape
+        # -1 heads: under torch's TP the projections return this rank's heads only
+        q = self.q_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)
+        freqs = torch.outer(torch.arange(S, device=self.inv_freq.device).float(), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [S, D]: broadcasts over [B, H, S, D]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Llama's decoder layer with nn.RMSNorm: mgraph rejects the fp32 upcast of transformers'
+    LlamaRMSNorm in a bf16 program (a DTypeError), so the norm is torch's own."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(hidden, eps=1e-5)
+        self.self_attn = Attention(hidden, heads, kv_heads)
+        self.post_attention_layernorm = nn.RMSNorm(hidden, eps=1e-5)
+        self.mlp = MLP(hidden, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def build_layer(args: argparse.Namespace, device: torch.device) -> DecoderLayer:
+    """The layer with seed-0 weights (norm weights random too, so the norms are checked)."""
+    torch.manual_seed(0)
+    layer = DecoderLayer(args.hidden, args.heads, args.kv_heads, args.ffn)
+    with torch.no_grad():
+        for lin in layer.modules():
+            if isinstance(lin, nn.Linear):  # unit-variance activations through the layer
+                nn.init.normal_(lin.weight, std=lin.in_features**-0.5)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.uniform_(0.5, 1.5)
+    return layer.to(device, args.dtype).eval()
+
+
+def mgraph_plan() -> dict[str, mg.plans.ParallelStyle]:
+    plan: dict[str, mg.plans.ParallelStyle] = {
+        f"self_attn.{p}_proj": mg.ColwiseParallel() for p in ("q", "k", "v")
+    }
+    plan["self_attn.o_proj"] = mg.RowwiseParallel()
+    plan["mlp.gate_proj"] = mg.ColwiseParallel()
+    plan["mlp.up_proj"] = mg.ColwiseParallel()
+    plan["mlp.down_proj"] = mg.RowwiseParallel()
+    plan["input_layernorm"] = mg.SequenceParallel()
+    plan["post_attention_layernorm"] = mg.SequenceParallel()
+    return plan
+
+
+def torch_plan() -> dict:
+    """torch's TP tutorial plan for a Llama layer, with this layer's module names."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    def gather_once() -> PrepareModuleInput:  # one all-gather per module, not one per linear
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
+    return {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": gather_once(),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": gather_once(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+# -- measuring --------------------------------------------------------------------------------
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def samples(fn: Callable[[], object], warmup: int, reps: int, device: torch.device) -> list[float]:
+    """This rank's times (ms) of ``reps`` calls after ``warmup`` untimed ones: CUDA events on a
+    GPU, the wall clock on the CPU; every call starts after a barrier on idle devices."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def stage_times(times: StageTimes, wall: float) -> dict:
+    """mg.compile's stages as the row reports them (seconds, wall)."""
+    w = times.wall
+    return {
+        "trace_s": w.get("trace", 0.0),
+        "lower_s": sum(
+            w.get(s, 0.0) for s in ("fuse_pointwise", "lower", "validate", "check_triton_bodies")
+        ),
+        "schedule_s": w.get("schedule", 0.0),
+        "compile_s": wall,
+        "stages": {k: round(v, 3) for k, v in w.items()},
+        "compile_cpu_s": round(sum(times.cpu.values()), 3),
+    }
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rows: list[dict] = []
+        self.timed: dict[str, Callable[[], object]] = {}  # impl -> call, timed in rounds
+        self.after: dict[str, Callable[[], float]] = {}  # impl -> error read after timing
+        self.keep: list[object] = []  # programs and modules alive until the end
+
+        torch.manual_seed(1)
+        shape = (args.batch, args.seq, args.hidden)
+        self.x = torch.randn(shape, dtype=args.dtype).to(device)
+        self.x_local = self.x.chunk(self.world, 1)[self.rank].contiguous()
+        exact = copy.deepcopy(build_layer(args, device)).float()
+        with torch.no_grad():
+            self.want = exact(self.x.float()).chunk(self.world, 1)[self.rank].contiguous()
+        del exact
+        gc.collect()
+
+    # -- rows ---------------------------------------------------------------------------------
+    def step(self, impl: str, fn: Callable[[], dict]) -> dict:
+        """Run ``fn`` on every rank (its dict: error, times, ...), merge the ranks' results into
+        one row (numbers: max over ranks; a failure on any rank fails the row)."""
+        try:
+            mine = {"status": "ok", **fn()}
+        except Exception as exc:  # noqa: BLE001 - one broken implementation must not hide others
+            mine = {
+                "status": f"FAIL {type(exc).__name__}: {str(exc)[:400]}",
+                "trace": traceback.format_exc()[-1500:],
+            }
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        row: dict = {"impl": impl, "ms": None, "vs_eager_tp": None, "error": None}
+        bad = [r for r in everyone if r["status"] != "ok"]
+        row["status"] = bad[0]["status"] if bad else "ok"
+        for key in sorted({k for r in everyone for k in r} - {"status"}):
+            values = [r[key] for r in everyone if r.get(key) is not None]
+            if not values:
+                continue
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                row[key] = max(values)
+            else:
+                row[key] = values[0]
+        if row["status"] == "ok" and row["error"] is not None and not row["error"] < TOL:
+            row["status"] = "FAIL (error)"
+        if row["status"] != "ok":
+            for name in (impl, f"{impl}_kernel"):
+                self.timed.pop(name, None)
+                self.after.pop(name, None)
+        self.rows.append(row)
+        if self.rank == 0:
+            print(
+                json.dumps({k: v for k, v in row.items() if k not in ("trace", "stages")}),
+                flush=True,
+            )
+        self.save()
+        return row
+
+    def check(self, call: Callable[[], torch.Tensor], calls: int = 2) -> float:
+        errs = []
+        for _ in range(calls):
+            with torch.no_grad():
+                got = call()
+            sync(self.device)
+            errs.append(rel(got, self.want))
+        return max(errs)
+
+    # -- implementations ----------------------------------------------------------------------
+    def mgraph(self, impl: str) -> dict:
+        """mg.compile of a freshly built layer: its stages, first and second call, error."""
+        args = self.args
+        layer = build_layer(args, self.device)
+        gc.collect()
+        with StageTimes() as times:
+            t0 = time.perf_counter()
+            prog = mg.compile(
+                layer,
+                (self.x,),
+                plan=mgraph_plan(),
+                topology=f"1x{self.world}",
+                backend=args.backend,
+            )
+            wall = time.perf_counter() - t0
+        # reference backend: a single-controller Program (global input in, global output out)
+        spmd = args.backend == "triton"
+
+        def call() -> torch.Tensor:
+            return prog(self.x_local) if spmd else prog(self.x).chunk(self.world, 1)[self.rank]
+
+        out = {**stage_times(times, wall), "tasks": len(prog.graph.tasks), "backend": args.backend}
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            got = call()
+        sync(self.device)
+        out["first_call_s"] = time.perf_counter() - t0
+        errs = [rel(got, self.want)]
+        t0 = time.perf_counter()
+        errs.append(self.check(call, calls=1))
+        out["second_call_s"] = time.perf_counter() - t0
+        out["error"] = max(errs)
+        if impl == "mgraph":
+            self.timed[impl] = call
+            self.keep += [prog, layer]
+            runtime = getattr(prog, "_runtime", None)  # Program has no public accessor for it
+            if runtime is not None:
+                self.timed["mgraph_kernel"] = runtime.launch
+                self.after["mgraph_kernel"] = lambda: rel(kernel_output(prog, self.rank), self.want)
+                out.update(runtime.kernel_info())
+        else:
+            del prog, layer
+            gc.collect()
+        return out
+
+    def eager_tp(self) -> dict:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        # parallelize_module shards the module in place: a module of its own
+        self.tp_layer = parallelize_module(build_layer(self.args, self.device), mesh, torch_plan())
+        call = lambda: self.tp_layer(self.x_local)  # noqa: E731
+        out = {"error": self.check(call)}
+        self.timed["eager_tp"] = call
+        return out
+
+    def torch_compile(self) -> dict:
+        backend = self.args.compile_backend
+        if not hasattr(self, "tp_layer"):
+            raise RuntimeError("eager_tp failed: no parallelized module to compile")
+        compiled = torch.compile(self.tp_layer, backend=backend)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            got = compiled(self.x_local)
+        sync(self.device)
+        out = {"compile_s": time.perf_counter() - t0, "compile_backend": backend}
+        out["error"] = max(rel(got, self.want), self.check(lambda: compiled(self.x_local)))
+        self.timed["torch_compile_tp"] = lambda: compiled(self.x_local)
+        self.keep.append(compiled)
+        return out
+
+    # -- timing -------------------------------------------------------------------------------
+    def time_all(self) -> None:
+        """Two rounds over every implementation that passed, pooled per implementation."""
+        args = self.args
+        pooled: dict[str, list[float]] = {impl: [] for impl in self.timed}
+        for _ in range(args.rounds):
+            for impl, fn in self.timed.items():
+                with torch.no_grad():
+                    pooled[impl] += samples(fn, args.warmup, args.reps, self.device)
+        for row in self.rows:
+            if row["impl"] in pooled:
+                row["ms"] = self.slowest(statistics.median(pooled[row["impl"]]))
+        if "mgraph_kernel" in pooled:
+            parent = next(r for r in self.rows if r["impl"] == "mgraph")
+
+            def kernel_row() -> dict:
+                return {
+                    "error": self.after["mgraph_kernel"](),
+                    "tasks": parent.get("tasks"),
+                    "ms": statistics.median(pooled["mgraph_kernel"]),
+                    "note": "megakernel relaunches alone (inputs loaded once)",
+                }
+
+            self.step("mgraph_kernel", kernel_row)
+        eager = next((r["ms"] for r in self.rows if r["impl"] == "eager_tp" and r["ms"]), None)
+        for row in self.rows:
+            if eager and row["ms"]:
+                row["vs_eager_tp"] = round(eager / row["ms"], 3)
+            if row["ms"] is not None:
+                row["ms"] = round(row["ms"], 4)
+        self.save()
+
+    def slowest(self, ms: float) -> float:
+        t = torch.tensor([ms], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def save(self) -> None:
+        if self.rank != 0:
+            return
+        out = Path(self.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {
+            k: getattr(self.args, k) for k in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch")
+        }
+        rows = [
+            {**meta, "dtype": str(self.args.dtype).removeprefix("torch."), "world": self.world, **r}
+            for r in self.rows
+        ]
+        (out / "bench_layer.json").write_text(json.dumps(rows, indent=1))
+        (out / "bench_layer.md").write_text(table(rows))
+
+
+def kernel_output(prog: mg.Program, rank: int) -> torch.Tensor:
+    """This rank's output buffer of the Program's megakernel as it stands (after the timed
+    launches), viewed as the rank's output chunk."""
+    from mgraph.runtime.megakernel.runtime import assemble_local
+
+    name = prog.opgraph.output_names[0]
+    buf = next(
+        b
+        for b in prog.graph.buffers.values()
+        if b.rank == rank
+        and b.role == "output"
+        and b.binding is not None
+        and b.binding.tensor == name
+    )
+    return assemble_local(prog.graph, rank, name, prog._runtime.views[buf.id])
+
+
+def table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    r0 = rows[0]
+    lines = [
+        f"Llama layer: hidden {r0['hidden']}, {r0['heads']} heads, {r0['kv_heads']} KV heads, "
+        f"FFN {r0['ffn']}, seq {r0['seq']}, batch {r0['batch']}, {r0['dtype']}, "
+        f"TP+SP on {r0['world']} ranks",
+        "",
+        "| impl | ms | vs eager TP | error | status | compile |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if r["ms"] is not None else "-"
+        ratio = f"{r['vs_eager_tp']:.2f}x" if r["vs_eager_tp"] is not None else "-"
+        err = f"{r['error']:.2e}" if r["error"] is not None else "-"
+        comp = ""
+        if "trace_s" in r:
+            comp = (
+                f"trace {r['trace_s']:.1f} s + lower {r['lower_s']:.1f} s + schedule "
+                f"{r['schedule_s']:.1f} s (mg.compile {r['compile_s']:.1f} s); first call "
+                f"{r['first_call_s']:.1f} s, second {r['second_call_s']:.2f} s"
+            )
+        elif "compile_s" in r:
+            comp = f"first call {r['compile_s']:.1f} s ({r.get('compile_backend')})"
+        lines.append(f"| {r['impl']} | {ms} | {ratio} | {err} | {r['status'][:80]} | {comp} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--ffn", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--no-warm", dest="warm", action="store_false", help="skip the second (warm) mg.compile"
+    )
+    p.add_argument("--no-torch-compile", dest="torch_compile", action="store_false")
+    p.add_argument(
+        "--compile-backend", help="torch.compile backend (default inductor; aot_eager with --smoke)"
+    )
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny sizes")
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = p.parse_args(argv)
+    sizes = (
+        SMOKE
+        if args.smoke
+        else dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=4096, batch=1)
+    )
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("hidden", "heads", "kv_heads", "ffn", "seq", "batch", "reps", "rounds"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        p.error("--hidden must divide by --heads, and --heads by --kv-heads")
+    args.compile_backend = args.compile_backend or ("aot_eager" if args.smoke else "inductor")
+    args.backend = "reference" if args.smoke else "triton"
+    args.dtype = getattr(torch, args.dtype)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        torch.set_num_threads(1)  # two processes on a small CPU
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        # Read when CUDA and NCCL start (below), so set here: importing this file changes nothing.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # GPU.md: lazy loading can hang
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # GPU.md: no NVLink multicast there
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    start = time.time()
+    try:
+        bench = Bench(args, device)
+        # mgraph first: its cold compile and kernel build run before torch.compile warms Triton
+        bench.step("mgraph", lambda: bench.mgraph("mgraph"))
+        bench.step("eager_tp", bench.eager_tp)
+        if args.torch_compile:
+            import torch._dynamo as dynamo
+
+            if dynamo.is_dynamo_supported():
+                bench.step("torch_compile_tp", bench.torch_compile)
+            else:  # e.g. a Python that this torch's dynamo does not support
+                bench.rows.append(
+                    {
+                        "impl": "torch_compile_tp",
+                        "ms": None,
+                        "vs_eager_tp": None,
+                        "error": None,
+                        "status": "skipped: torch.compile unavailable",
+                    }
+                )
+        bench.time_all()
+        if args.warm:
+            bench.step("mgraph_warm", lambda: bench.mgraph("mgraph_warm"))
+        bench.save()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    if bench.rank == 0:
+        print(Path(args.out, "bench_layer.md").read_text(), flush=True)
+        print(f"total {time.time() - start:.0f} s", flush=True)
+    failed = [r["impl"] for r in bench.rows if r["status"].startswith("FAIL")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
