@@ -64,13 +64,15 @@ class Settings(BaseModel):
     )
 
     adaptive: bool = Field(
-        False, description="CPU reference runtime: each rank's compute and nvlink threads change "
-        "role at task boundaries as the controller (mgraph.scheduler.controller.decide) says; "
-        "off: each keeps its role. The Triton megakernel has no controller yet and ignores it",
+        False, description="each rank's compute and nvlink workers change role at task "
+        "boundaries as the controller (mgraph.scheduler.controller.decide) says: threads in the "
+        "CPU reference runtime, programs in the Triton megakernel (runtime/megakernel/control.py; "
+        "interpreter-tested, not yet run on a GPU); off: each keeps its role",
     )
     adaptive_window_us: float = Field(
-        200.0, gt=0, allow_inf_nan=False, description="CPU reference runtime, adaptive: least "
-        "time between two of a rank's controller decisions (taken when a task ends)",
+        200.0, gt=0, allow_inf_nan=False, description="adaptive: least time between two of a "
+        "rank's controller decisions (taken when a task ends; the megakernel's clock is "
+        "%globaltimer, the interpreter's decides after every task)",
     )
 
     max_tasks: int = Field(

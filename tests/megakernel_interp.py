@@ -237,6 +237,49 @@ def mixed_dtypes() -> None:
                       "refused": refused}), flush=True)
 
 
+def adaptive_roles() -> None:
+    """The controller in the kernel (control.py), one interpreter program per worker: 6 compute
+    and 6 nvlink copies that wait for nothing, 2 + 2 programs, 3 launches with and without
+    Settings(adaptive=True). The interpreter runs program 0 to its end first, so with the
+    controller it takes the nvlink queue once the compute one is empty: roles change, and the
+    next launch must still run every task exactly once (the heads reset at exit)."""
+    from mgraph.builder import GraphBuilder, piece
+    from mgraph.kinds import Role
+    from mgraph.runtime.megakernel.control import C_DECISIONS
+    from mgraph.settings import Settings
+    from mgraph.topology import Topology
+
+    b = GraphBuilder("adaptive", Topology.parse("1x1"), "float32", {})
+    b.global_input("x", (96, 32))
+    b.global_output("out", (96, 32))
+    x = b.bound_buffer("x", 0, "x", [piece((96, 32))])
+    out = b.bound_buffer("out", 0, "out", [piece((96, 32))], role="output")
+    for i in range(12):
+        rows = (8 * i, 8 * (i + 1))
+        role = Role.COMPUTE if i % 2 else Role.NVLINK
+        b.task(0, role, "copy", [x.region(rows)], [out.region(rows)], name=f"copy {i}")
+    graph = b.finish()
+    graph.validate()
+    sched = mg.schedule(graph, workers={"compute": 2, "nvlink": 2})
+    rows = {}
+    for adaptive in (False, True):
+        rt = TritonRuntime(sched, interpret=True, interpret_roles=True, trace=True,
+                           settings=Settings(adaptive=adaptive))
+        errs, roles_of = [], {}
+        for _launch in range(3):
+            xs = torch.randn(96, 32)
+            got = rt.run({"x": xs}).outputs["out"]
+            errs.append((got - xs).abs().max().item())
+            pids = rt.d["trace"].reshape(-1, 3)[:, 2].tolist()
+            for local, tid in enumerate(rt.tables.local_tasks):
+                roles_of.setdefault(int(pids[local]), set()).add(graph.tasks[tid].role)
+        rows[str(adaptive)] = dict(
+            errors=errs, heads=rt.d["heads"].tolist(), decisions=int(rt.d["ctl"][C_DECISIONS]),
+            both=[p for p, r in roles_of.items() if len(r) == 2])
+    print(json.dumps({"case": "adaptive-roles", "errors": rows["True"]["errors"] + rows["False"]["errors"],
+                      "runs": rows}), flush=True)
+
+
 def custom_kind() -> None:
     """A kind defined here, with declared params and a Triton body, runs in the megakernel:
     the dispatch is generated from the registry (no kernel edit) and each task reads its own
@@ -288,6 +331,9 @@ def main(names: list[str]) -> None:
         if name == "mixed-dtypes":
             mixed_dtypes()
             continue
+        if name == "adaptive-roles":
+            adaptive_roles()
+            continue
         if name == "network-epochs":
             network_epochs()
             continue
@@ -313,4 +359,4 @@ def main(names: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:] or [*CASES, "network-epochs", "network-bad-command", "kernel-watchdog",
-                           "custom-kind", "mixed-dtypes"])
+                           "custom-kind", "mixed-dtypes", "adaptive-roles"])

@@ -225,6 +225,20 @@ def test_megakernel_with_every_kind_compiles_for_sm90(name):
         assert 'ttg.target = "cuda:90"' in text and '"ttg.num-warps" = 8 : i32' in text
 
 
+def test_adaptive_controller_compiles_for_sm90():
+    """Settings(adaptive=True) compiles the controller into the kernel (control.py: counters,
+    the windowed decision, role changes at task boundaries, the reset at exit); AG+GEMM's
+    schedule has compute and nvlink programs to move."""
+    fn, kinds = every_kind_megakernel()
+    args = dispatch_args("allgather_gemm-1x2-bf16", kinds)
+    # (built the interpreter's way, the runtime has one program and nothing to move: the pool
+    # a GPU launch of this schedule passes)
+    args.update(ADAPTIVE=True, pool=132, window_ns=200_000, max_comm=32)
+    module, _seconds = compile_for_sm90(fn, args, "ttgir")
+    text = str(module)
+    assert "tt.atomic_cas" in text and "tt.func public @megakernel" in text
+
+
 def main() -> None:
     """By hand: every config through ptxas (minutes), with seconds per stage."""
     last = "cubin" if "--full" in sys.argv else None

@@ -201,7 +201,7 @@ def test_megakernel_under_the_interpreter_matches_torch():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 27, proc.stdout
+    assert len(rows) == 28, proc.stdout
     for row in rows:
         assert max(row["errors"]) < 1e-5, row
     # Multi-node: one runtime, 4 launches through the native proxy. Every net word ends at
@@ -224,6 +224,13 @@ def test_megakernel_under_the_interpreter_matches_torch():
     assert custom["errors"][0] < 1e-6, custom
     # Per-buffer dtypes: float32 partials in a bfloat16 graph, read and written as float32 by a
     # body that takes bufdt; a copy between dtypes is refused before launch.
+    # The controller in the kernel (Settings(adaptive=True), one program per worker): a program
+    # ran tasks of both roles, every launch ran every task once (fresh data each launch), the
+    # heads were reset at exit; without it the heads keep counting launches.
+    adaptive = next(r for r in rows if r["case"] == "adaptive-roles")["runs"]
+    assert adaptive["True"]["both"] and adaptive["True"]["decisions"] >= 12, adaptive
+    assert adaptive["True"]["heads"][:2] == [0, 0], adaptive
+    assert adaptive["False"]["both"] == [] and adaptive["False"]["heads"][:2] == [24, 24], adaptive
     mixed = next(r for r in rows if r["case"] == "mixed-dtypes")
     assert mixed["dtype"] == "torch.bfloat16" and mixed["mid_dtype"] == "torch.float32", mixed
     assert mixed["mid_error"] < 1e-6 and mixed["out_rel"] <= 2**-7, mixed  # one bf16 ulp

@@ -97,6 +97,7 @@ from mgraph.ops.abi import (
     buffer_base,
 )
 
+from .control import C_TARGET, account, maybe_decide, reset_at_exit
 from .hostfifo import CMD_WORDS, push
 from .sync import bulk_store_fence, fence_proxy_async, now, signal, wait, wait_sum
 
@@ -113,6 +114,7 @@ _WTOTAL, _WSYS = tl.constexpr(W_TOTAL), tl.constexpr(W_SYS)
 _GF, _GSLOT, _GSYS = tl.constexpr(SIGNAL_FIELDS), tl.constexpr(G_SLOT), tl.constexpr(G_SYS)
 _READ0, _WRITE0, _RF = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0), tl.constexpr(REGION_FIELDS)
 _QF, _QOFF, _QLEN = tl.constexpr(QINFO_FIELDS), tl.constexpr(Q_OFF), tl.constexpr(Q_LEN)
+_CTARGET = tl.constexpr(C_TARGET)
 _QWORKERS, _QSTATIC = tl.constexpr(Q_WORKERS), tl.constexpr(Q_STATIC)
 _SF, _SSTART, _SLEN = tl.constexpr(SEG_FIELDS), tl.constexpr(S_START), tl.constexpr(S_LEN)
 _SA, _SB, _SK0, _SK1 = tl.constexpr(S_A), tl.constexpr(S_B), tl.constexpr(S_K0), tl.constexpr(S_K1)
@@ -313,6 +315,28 @@ def _signal_segments(pid, nprog, segpos, nstatic, tasks, signals, evaddr,
 
 
 @triton.jit
+def _ticket(pid, role, heads, qinfo, base, ctl, pool, ADAPTIVE: tl.constexpr):
+    """(index into the role's queue, role) of this program's next task; index -1: none left.
+    With the controller, a program of the compute/nvlink pool takes the role the published
+    target gives its place in the pool, or the other one when that queue has no task left."""
+    movable = False
+    if ADAPTIVE:
+        movable = pid < pool
+    if movable:
+        want = (pid >= pool - tl.load(ctl + _CTARGET, volatile=True)).to(tl.int32)
+        i = tl.atomic_add(heads + want, 1) + tl.load(qinfo + want * _QF + _QSTATIC)
+        role = want
+        if i >= tl.load(qinfo + want * _QF + _QLEN):
+            role = 1 - want
+            i = tl.atomic_add(heads + role, 1) + tl.load(qinfo + role * _QF + _QSTATIC)
+    else:
+        i = tl.atomic_add(heads + role, 1) - base + tl.load(qinfo + role * _QF + _QSTATIC)
+    if i >= tl.load(qinfo + role * _QF + _QLEN):
+        i = -1
+    return i, role
+
+
+@triton.jit
 def megakernel(
     tasks, regions, waits, signals, param_table, bufaddr, bufrows, bufcols, bufdt, evaddr,
     queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch_ptr, rank, limit, err, abort,
@@ -320,6 +344,7 @@ def megakernel(
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
     ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netfirst, netn,
     exitaddr, exitcount, nexit, exitev, exittotal, nexitev,
+    ctl, window_ns, max_comm, pool,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
     NEED_AB: tl.constexpr,
@@ -327,6 +352,7 @@ def megakernel(
     HAS_NET: tl.constexpr,
     HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
     SEG_WAITS: tl.constexpr, SEG_P: tl.constexpr, SEG_K: tl.constexpr, FLATTEN: tl.constexpr,
+    ADAPTIVE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     # Bodies name it ``params``; the argument may not be called that (Triton 3.6's generated
@@ -362,11 +388,17 @@ def megakernel(
                            bufcols, evaddr, epoch, limit, abort, err, rank, trace, SEG_P, SEG_K,
                            DT, BM, BN, BK, SEG_NW, SEG_ADD, SEG_WAITS, FLATTEN, USE_TIMER, TRACE)
             _signal_segments(pid, SEG_P, segpos, nstatic, tasks, signals, evaddr, USE_TIMER)
-    head = heads + role
-    base = (epoch - 1) * (qlen - nstatic + nworkers)
-    i = tl.atomic_add(head, 1) - base + nstatic
+    # Tickets: without the controller a role's programs are fixed, so each launch hands out
+    # (its dynamic tasks + one failing ticket per program) and the base follows the epoch; with
+    # it, programs move between roles, and the last program to finish resets the heads.
+    if ADAPTIVE:
+        base = 0
+    else:
+        base = (epoch - 1) * (qlen - nstatic + nworkers)
+    i, role = _ticket(pid, role, heads, qinfo, base, ctl, pool, ADAPTIVE)
     stop = tl.load(abort, volatile=True)
-    while (i < qlen) & (stop == 0):
+    while (i >= 0) & (stop == 0):
+        qoff = tl.load(qinfo + role * _QF + _QOFF)
         t = tl.load(queues + qoff + i)
         tp = tasks + t * _FIELDS
         t_start = now(USE_TIMER)
@@ -392,6 +424,7 @@ def megakernel(
                 if ok == 1:
                     _record(err, abort, rank, pid, tl.load(tp + _GID), slot, v, target, epoch)
                 ok = 0
+        t_waited = now(USE_TIMER)  # noqa: F841 - read by the controller's accounting
         if ok == 1:
             if nwait > 0:  # data peers stored (generic proxy) may be read through TMA
                 fence_proxy_async(USE_TIMER)
@@ -413,7 +446,13 @@ def megakernel(
                 tl.store(trace + t * 3, t_start)
                 tl.store(trace + t * 3 + 1, now(USE_TIMER))
                 tl.store(trace + t * 3 + 2, pid)
-        i = tl.atomic_add(head, 1) - base + nstatic
+            if ADAPTIVE:
+                if pid < pool:
+                    t_end = now(USE_TIMER)
+                    account(ctl, role, t_end - t_start, t_waited - t_start)
+                    maybe_decide(ctl, heads, qinfo, tl.load(qinfo + _QSTATIC), t_end, pool,
+                                 window_ns, max_comm, _QF, _QLEN)
+        i, role = _ticket(pid, role, heads, qinfo, base, ctl, pool, ADAPTIVE)
         stop = tl.load(abort, volatile=True)
     if pid == 0:  # bytes peers store into this rank's outputs, which no local task waits for
         for x in range(nexitev):
@@ -425,3 +464,5 @@ def megakernel(
                 _record(err, abort, rank, pid, -4, slot, v, target, epoch)
     if HAS_NET:
         _exit_wait(pid, exitaddr, exitcount, nexit, epoch, limit, abort, err, rank, USE_TIMER)
+    if ADAPTIVE:
+        reset_at_exit(ctl, heads, 3)

@@ -167,12 +167,17 @@ class TritonRuntime:
         shared: _SharedMemory | None = None,
         gemm_config: dict | None = None,
         cuda_graph: bool = True,
+        interpret_roles: bool = False,
     ) -> None:
+        """``interpret_roles`` (tests): under the interpreter, run one program per worker as on
+        a GPU instead of one program for every role; the interpreter runs programs one after
+        another, so only graphs whose tasks wait for nothing can run this way."""
         graph = schedule.graph
         self.graph, self.schedule = graph, schedule
         self.settings = settings or Settings.from_env()
         self.interpret = interpret
-        self.trace_enabled = trace and not interpret
+        # (the interpreter has no clock: its traces hold only which program ran each task)
+        self.trace_enabled = trace and (not interpret or interpret_roles)
         # The GEMM loop's compile-time configuration (benchmarks sweep it; the defaults are the
         # persistent TMA GEMM that GPU.md measured at 0.96-1.04x of cuBLAS).
         self.gemm_config = dict(GEMM_CONFIG, **(gemm_config or {}))
@@ -205,9 +210,13 @@ class TritonRuntime:
                 "cuda", torch.cuda.current_device()
             )
         self.layout = layout(graph)
+        self.single_program = interpret and not interpret_roles
         self.tables: RankTables = encode_rank(
-            schedule, self.rank, single_program=interpret, net=self.layout.net
+            schedule, self.rank, single_program=self.single_program, net=self.layout.net
         )
+        # The adaptive controller (control.py) moves compute and nvlink programs between roles;
+        # with one program for every role there is nothing to move.
+        self.adaptive = bool(self.settings.adaptive) and not self.single_program
         self.mine = set(graph.topology.ranks) if self.rank is None else {self.rank}
         self.epoch = 0
         self._scratch_buf: torch.Tensor | None = None
@@ -358,6 +367,7 @@ class TritonRuntime:
         self.d["abort"] = torch.zeros(1, dtype=torch.int32, device=dev)
         self.d["go"] = torch.zeros(1, dtype=torch.int32, device=dev)
         self.d["epoch"] = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.d["ctl"] = self._control_words().to(dev)
         self.d["trace"] = torch.zeros(max(len(t.local_tasks), 1) * 3, dtype=torch.int64, device=dev)
         gemms = [x for x in self.graph.tasks if x.kind == TaskKind.GEMM.value]
         self.bm, self.bn = gemm_block(gemms) if gemms else (16, 16)
@@ -463,11 +473,35 @@ class TritonRuntime:
             HAS_NET=net is not None,
             HAS_SEGS=nseg > 0, SEG_NW=int(t.segs[0][S_NW]) if nseg else 1,
             SEG_ADD=t.prefix_adds, SEG_WAITS=bool(t.segwaits.shape[0]),
-            SEG_P=max(1, int(t.qinfo[ROLE_ALL if self.interpret else 0][Q_WORKERS])),
+            SEG_P=max(1, int(t.qinfo[ROLE_ALL if self.single_program else 0][Q_WORKERS])),
             SEG_K=ksizes.pop() if len(ksizes) == 1 else 0,
             FLATTEN=bool(cfg["flatten"]),
+            ctl=d["ctl"], ADAPTIVE=self.adaptive,
+            # the interpreter has no clock (now() is 0): a window of 0 decides after every task
+            window_ns=0 if self.interpret else int(self.settings.adaptive_window_us * 1000),
+            max_comm=int(self.schedule.hardware.nvlink_max_sms),
+            pool=int(t.qinfo[0][Q_WORKERS] + t.qinfo[1][Q_WORKERS]) if not self.single_program else 0,
             num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
+
+    def _control_words(self) -> torch.Tensor:
+        """The controller's int64 words (control.py): the schedule's nvlink programs as the
+        target each launch starts from, and the cost model's ns per task of each role."""
+        from mgraph.scheduler.costmodel import task_costs
+
+        from .control import C_INITIAL, C_PREVIOUS, C_PRIOR, C_TARGET, CTL_WORDS
+
+        ctl = torch.zeros(CTL_WORDS, dtype=torch.int64)
+        ctl[C_PREVIOUS] = -1
+        nvlink = int(self.tables.qinfo[1][Q_WORKERS]) if not self.single_program else 0
+        ctl[C_TARGET] = ctl[C_INITIAL] = nvlink
+        if self.adaptive:
+            costs = task_costs(self.graph, self.schedule.hardware)
+            for r, role in enumerate(("compute", "nvlink")):
+                mine = [costs[t.id] for t in self.graph.tasks
+                        if t.role == role and t.rank in self.mine]
+                ctl[C_PRIOR + r] = int(1e9 * sum(mine) / len(mine)) if mine else 0
+        return ctl
 
     def _capture(self) -> None:
         """Record (epoch + 1, memsets, kernel) as a CUDA graph; later launches replay it. A

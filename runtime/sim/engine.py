@@ -26,8 +26,9 @@ CPU reference runtime calls with ``Settings(adaptive=True)``), fed in ns: tasks 
 tasks done and their summed run time, time the role's SMs spent blocked on waits in the window,
 SMs per role, and the task model's estimate for the next queued task; comm capped at
 ``hw.nvlink_max_sms`` as in the static partition. An SM changes role when it finishes a task.
-Every decision is kept in ``Engine.windows``. The Triton megakernel has no controller yet (its
-split is fixed per launch), so the adaptive prediction is a what-if of one.
+Every decision is kept in ``Engine.windows``. The Triton megakernel runs the same rule under
+``Settings(adaptive=True)`` (runtime/megakernel/control.py), not yet on a GPU, so the adaptive
+prediction is not yet checked against a measurement.
 
 Ties are broken by a sequence number, so a run is deterministic.
 """
