@@ -36,9 +36,12 @@ BIN = Path(nvidia.__file__).parent / "bin"
 
 @triton.jit
 def _fast_fold_kernel(q, k, v, acc_out, ml_out, n_k, D, q_stride, k_stride, qk_scale,
-                      q_start, k_start, j_full, j_end, regions, bufaddr, bufcols,
-                      DT: tl.constexpr, USE_TIMER: tl.constexpr):
-    """attn_block_tile's fast branch for one 128-row sub-block: descriptors, q, the two folds."""
+                      q_start, k_start, c_full, c_end, bp, b_stride, has_bias,
+                      BIAS: tl.constexpr, STAGES: tl.constexpr, DT: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
+    """attn_block_tile's fast branch for one 128-row sub-block: descriptors, q, the two folds;
+    with BIAS, the branch for a mask tile (its pointer, row stride and key count made visibly
+    16-byte aligned as attn_block_tile does after checking them)."""
     om = tl.arange(0, at._QB)
     row_ok = om < at._QB
     qd = tl.make_tensor_descriptor(q, [at._QB, D], [q_stride, 1], [at._QB, at._DB])
@@ -48,11 +51,17 @@ def _fast_fold_kernel(q, k, v, acc_out, ml_out, n_k, D, q_stride, k_stride, qk_s
     acc = tl.zeros((at._QB, at._DB), dtype=tl.float32)
     m_i = tl.full((at._QB,), float("-inf"), tl.float32)
     l_i = tl.zeros((at._QB,), dtype=tl.float32)
-    acc, m_i, l_i = at._fold(acc, m_i, l_i, qt, kd, vd, 0, j_full, om, row_ok, n_k, k_start,
-                             q_start, qk_scale, regions, bufaddr, bufcols, 0, 0, False, DT,
+    b_bool = has_bias == at._BIAS_BOOL
+    if BIAS:
+        per16 = 128 // DT.primitive_bitwidth
+        bp = at._aligned16(bp, DT)
+        b_stride = b_stride // per16 * per16
+        n_k = n_k // per16 * per16
+    acc, m_i, l_i = at._fold(acc, m_i, l_i, qt, kd, vd, 0, c_full, om, row_ok, n_k, k_start,
+                             q_start, qk_scale, bp, b_stride, b_bool, False, BIAS, STAGES, DT,
                              USE_TIMER)
-    acc, m_i, l_i = at._fold(acc, m_i, l_i, qt, kd, vd, j_full, j_end, om, row_ok, n_k, k_start,
-                             q_start, qk_scale, regions, bufaddr, bufcols, 0, 0, True, DT,
+    acc, m_i, l_i = at._fold(acc, m_i, l_i, qt, kd, vd, c_full, c_end, om, row_ok, n_k, k_start,
+                             q_start, qk_scale, bp, b_stride, b_bool, True, BIAS, STAGES, DT,
                              USE_TIMER)
     od = tl.arange(0, at._DB)
     tl.store(acc_out + om[:, None] * at._DB + od[None, :], acc)
@@ -63,17 +72,19 @@ def _fast_fold_kernel(q, k, v, acc_out, ml_out, n_k, D, q_stride, k_stride, qk_s
 SIGNATURE = {
     "q": "*bf16", "k": "*bf16", "v": "*bf16", "acc_out": "*fp32", "ml_out": "*fp32",
     "n_k": "i32", "D": "i32", "q_stride": "i32", "k_stride": "i32", "qk_scale": "fp32",
-    "q_start": "i32", "k_start": "i32", "j_full": "i32", "j_end": "i32", "regions": "*i32",
-    "bufaddr": "*i64", "bufcols": "*i32", "DT": "constexpr", "USE_TIMER": "constexpr",
+    "q_start": "i32", "k_start": "i32", "c_full": "i32", "c_end": "i32", "bp": "*bf16",
+    "b_stride": "i64", "has_bias": "i32", "BIAS": "constexpr", "STAGES": "constexpr",
+    "DT": "constexpr", "USE_TIMER": "constexpr",
 }
 
 
-def test_fast_path_compiles_to_wgmma_and_tma_without_spills(tmp_path):
+def compile_sm90(fn, signature: dict, constants: dict, tmp_path: Path) -> tuple[object, dict]:
+    """``fn`` compiled for sm_90 (8 warps, 3 stages: run_chains' and the megakernel's), and its
+    cubin's resource usage and SASS instruction counts."""
     start = time.perf_counter()
     compiled = triton.compile(
-        ASTSource(_fast_fold_kernel, SIGNATURE, {"DT": tl.bfloat16, "USE_TIMER": True}),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 8, "num_stages": 3},  # run_chains' and the bench's defaults
+        ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 8, "num_stages": 3},
     )
     seconds = time.perf_counter() - start
     cubin = tmp_path / "fold.cubin"
@@ -83,18 +94,48 @@ def test_fast_path_compiles_to_wgmma_and_tma_without_spills(tmp_path):
     usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)],
                            capture_output=True, text=True, check=True).stdout
 
-    def count(op: str) -> int:
+    def count(op: str) -> int:  # an opcode with any suffix: LDG counts LDG.E.U16 too
         return len(re.findall(rf"\b{re.escape(op)}\b", sass))
 
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    summary = (f"{seconds:.1f} s, {regs} regs, stack {stack} B, HGMMA {count('HGMMA')}, "
-               f"UTMALDG {count('UTMALDG')}, LDG.E.U16 {count('LDG.E.U16')}, "
-               f"LDL {count('LDL')}, STL {count('STL')}, shared {compiled.metadata.shared} B")
+    stats = dict(seconds=round(seconds, 1), regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                 stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
+                 shared=compiled.metadata.shared, ptx_wgmma="wgmma.mma_async" in compiled.asm["ptx"])
+    for op in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL", "LDG.E.U16", "LDGSTS.E.BYPASS.128"):
+        stats[op] = count(op)
+    stats["LDG"] = len(re.findall(r"\bLDG\.", sass))  # LDG.E..., not UTMALDG
+    return compiled, stats
+
+
+def _check_fold(stats: dict) -> None:
+    summary = str(stats)
     print(summary)
-    assert "wgmma.mma_async" in compiled.asm["ptx"], summary
-    assert count("HGMMA") > 0 and count("HMMA") == 0, summary  # tensor cores, Hopper's
-    assert count("UTMALDG") > 0, summary  # k and v by TMA
-    assert count("LDG.E.U16") == 0, summary  # no element-wise bf16 loads
-    assert stack == 0 and count("LDL") == 0 and count("STL") == 0, summary
-    assert compiled.metadata.shared <= 232448, summary  # an H200 block's shared memory
+    assert stats["ptx_wgmma"] and stats["HGMMA"] > 0 and stats["HMMA"] == 0, summary  # Hopper's
+    assert stats["UTMALDG"] > 0, summary  # q, k and v by TMA
+    assert stats["LDG.E.U16"] == 0, summary  # no element-wise bf16 loads
+    assert stats["stack"] == 0 and stats["LDL"] == 0 and stats["STL"] == 0, summary
+    assert stats["shared"] <= 232448, summary  # an H200 block's shared memory
+
+
+def test_fast_path_compiles_to_wgmma_and_tma_without_spills(tmp_path):
+    _compiled, stats = compile_sm90(
+        _fast_fold_kernel, SIGNATURE, {"BIAS": False, "STAGES": None, "DT": tl.bfloat16, "USE_TIMER": True},
+        tmp_path)
+    _check_fold(stats)
+    assert stats["LDG"] == 0 and stats["LDGSTS.E.BYPASS.128"] == 0, stats  # TMA only
+
+
+def test_masked_fast_path_loads_the_mask_tile_in_16_byte_vectors(tmp_path):
+    """A mask tile (additive or boolean, one layout for the scores) beside TMA q/k/v: its loads
+    are 16-byte cp.async copies into shared memory (the pipeliner stages them; LDGSTS.128), read
+    from there in the scores' own register layout, with no 2-byte loads and no spills. Before
+    (the pointer path every masked task took): 255 registers, a 3.2 KB stack, 2.8k LDL, 640
+    16-bit loads."""
+    compiled, stats = compile_sm90(
+        _fast_fold_kernel, SIGNATURE, {"BIAS": True, "STAGES": at._BIAS_STAGES.value, "DT": tl.bfloat16,
+         "USE_TIMER": True},
+        tmp_path)
+    _check_fold(stats)
+    assert stats["LDGSTS.E.BYPASS.128"] > 0, stats
+    # the scores are reduced once for the max and once for the sum in each of the two folds:
+    # a second register layout for them would add reductions
+    assert compiled.asm["ttgir"].count('"tt.reduce"') == 4, stats

@@ -7,14 +7,19 @@ acc [rows, D] and ml [rows, 2] = (running max m, running denominator l), the fir
 chain initialising it. It walks the q block in sub-blocks of ``_QB`` rows and the KV block in
 chunks of ``_KB`` keys (flash attention's inner loop): per chunk the scores go through exp2 with
 the scale folded into a log2(e) factor, the running max and sum are rescaled, and acc is
-rescaled and accumulated. The fast path (a task without a bias tile, head size up to ``_DB``
-(128), a 16-bit dtype, q/k/v regions TMA can address: 16-byte aligned corners and row strides)
-loads q, k and v through TMA descriptors over the task's regions and keeps q and acc in
-registers for the whole KV block (acc is read from and written to the state once per task).
-Every other task (a bias tile, a larger head size, float32 data, unaligned regions) takes the
-pointer path: it walks D in ``_DB``-column chunks and updates acc in the state buffer chunk by
-chunk. On sm_90 the fast path compiles to wgmma with a pipelined TMA loop; the pointer path
-spills registers and is several times slower (tests/test_attention_compile.py).
+rescaled and accumulated. The fast path (head size up to ``_DB`` (128), a 16-bit dtype, q/k/v
+regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v through TMA
+descriptors over the task's regions and keeps q and acc in registers for the whole KV block (acc
+is read from and written to the state once per task). A mask tile rides along when it can be
+read in 16-byte vectors (its corner, row stride and key count in whole 16-byte units; a
+broadcast row has stride 0): its loop is compiled separately from the unmasked one, loads the
+tile by pointers the compiler can prove aligned (cp.async into shared memory, 2 pipeline stages
+instead of 3 to stay in shared memory) and applies either mask kind by a select, keeping the
+scores in one register layout. Every other task (a larger head size, float32 data, unaligned
+regions or mask) takes the pointer path: it walks D in ``_DB``-column chunks and updates acc in
+the state buffer chunk by chunk, the mask tile's pointer built once per task. On sm_90 both
+fast loops compile to wgmma without spills; the pointer path spills registers (a 2 KB stack,
+16-bit scalar loads) and is several times slower (tests/test_attention_compile.py).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
@@ -66,7 +71,6 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import buffer_base, load_region, param_f32, param_i32
-    from .tilewise import tile_ptrs
 
     _READ0, _NREAD = tl.constexpr(F_READ0), tl.constexpr(F_NREAD)
     _WRITE0, _NWRITE = tl.constexpr(F_WRITE0), tl.constexpr(F_NWRITE)
@@ -75,6 +79,11 @@ if HAVE_TRITON:
     _QB, _KB, _DB = tl.constexpr(128), tl.constexpr(128), tl.constexpr(128)
     _LOG2E = tl.constexpr(1.4426950408889634)
     _F32 = tl.constexpr(tl.float32)
+    _BIAS_NONE, _BIAS_BOOL = tl.constexpr(BIAS_NONE), tl.constexpr(BIAS_BOOL)
+    # Pipeline stages of the fold loop that also loads a mask tile: q (32 KB) and 2 stages of
+    # k, v and the mask tile (32 KB each) hold 224 KB of shared memory, what 3 stages of k and
+    # v alone do; 3 stages with the mask (288 KB) exceed an H200 block's 227 KB.
+    _BIAS_STAGES = tl.constexpr(2)
 
     @triton.jit
     def _rows_cols(regions, bufaddr, bufcols, index, DT: tl.constexpr):
@@ -107,43 +116,53 @@ if HAVE_TRITON:
         return (p.to(tl.int64, bitcast=True) % 16 == 0) & (stride % per16 == 0)
 
     @triton.jit
-    def _scores(s, ok, om, nk, k_start, q_start, qk_scale, regions, bufaddr, bufcols,
-                bias_index, row_ok, has_bias, CAUSAL: tl.constexpr, BIAS: tl.constexpr,
-                DT: tl.constexpr):
+    def _bias_tile(regions, bufaddr, bufcols, index, DT: tl.constexpr):
+        """(pointer to mask tile ``index``'s corner, its row stride: 0 for a tile one row wide,
+        which every query row reads). Built once per task, outside the key loop."""
+        s, r0, r1, c0, c1 = load_region(regions, index)
+        cols = tl.load(bufcols + s).to(tl.int64)
+        base = buffer_base(bufaddr, s, DT) + r0.to(tl.int64) * cols + c0
+        return base, cols * (r1 - r0 > 1).to(tl.int64)
+
+    @triton.jit
+    def _scores(s, ok, om, b_rows, nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
+                CAUSAL: tl.constexpr, BIAS: tl.constexpr):
         """Scaled scores in log2 units with the mask applied: -inf where a key is hidden. Only
-        with ``BIAS`` is there a bias tile to read (``has_bias`` says which kind): a runtime
-        branch on s in the loop made the compiler carry s in three register layouts at once and
-        spill (sm_90), so the fast path compiles without it."""
+        with ``BIAS`` is there a mask tile to read (at ``bp``, row stride ``b_stride``, the rows
+        ``b_rows`` of it; masked-off entries add 0); its kind
+        is a select, not a branch (``b_bool``: nonzero = attend, else added): a runtime branch
+        on s in the loop made the compiler carry s in three register layouts at once and spill
+        (sm_90)."""
         s = s * qk_scale
-        if not BIAS:
-            pass
-        elif has_bias == 1:
-            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
-            b = tl.load(bias_ptrs, mask=row_ok[:, None] & (ok < nk)[None, :], other=0.0)
-            s += b.to(tl.float32) * _LOG2E
-        elif has_bias == 2:
-            bias_ptrs = tile_ptrs(regions, bufaddr, bufcols, bias_index, om, ok, DT)
-            b = tl.load(bias_ptrs, mask=row_ok[:, None] & (ok < nk)[None, :], other=0)
-            s = tl.where(b != 0, s, float("-inf"))
+        if BIAS:
+            b = tl.load(bp + om.to(tl.int64)[:, None] * b_stride + ok[None, :],
+                        mask=b_rows[:, None] & (ok < nk)[None, :], other=0.0).to(tl.float32)
+            s += tl.where(b_bool, tl.where(b != 0.0, 0.0, float("-inf")), b * _LOG2E)
         hide = (ok >= nk)[None, :] & (om >= 0)[:, None]  # keys past the block
         if CAUSAL:
             hide = hide | ((k_start + ok)[None, :] > (q_start + om)[:, None])
         return tl.where(hide, float("-inf"), s)
 
     @triton.jit
-    def _fold(acc, m_i, l_i, q, kd, vd, j_lo, j_hi, om, row_ok, nk, k_start, q_start,
-              qk_scale, regions, bufaddr, bufcols, bias_index, has_bias, CAUSAL: tl.constexpr,
-              DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """Fold keys [j_lo, j_hi) into (acc, m, l) held in registers (head size <= _DB, no bias
-        tile: the causal mask is the only one), k and v loaded by TMA through the descriptors ``kd`` / ``vd`` over the task's KV regions
-        (zeros past the region's rows and the head size), so the loop has no pointer tensors
-        and Triton's pipeliner prefetches the next chunks."""
-        for j0 in range(j_lo, j_hi, _KB):
+    def _fold(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, k_start, q_start,
+              qk_scale, bp, b_stride, b_bool, CAUSAL: tl.constexpr, BIAS: tl.constexpr,
+              STAGES: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Fold key chunks [c_lo, c_hi) (_KB keys each) into (acc, m, l) held in registers
+        (head size <= _DB). k and v come by TMA through the descriptors ``kd`` / ``vd`` over the
+        task's KV regions (zeros past the region's rows and the head size), so the loop has no
+        pointer tensors for them and Triton's pipeliner prefetches the next chunks. With
+        ``BIAS`` the mask tile comes by pointer loads (registers, no shared memory) which the
+        caller has made provably 16-byte aligned; the pipeliner stages them in shared memory
+        beside k and v, so ``STAGES`` (None: the kernel's num_stages) bounds what the loop
+        holds there. The loop counts chunks, not keys, so that each chunk's first key is
+        visibly a multiple of _KB to the alignment analysis."""
+        for c in tl.range(c_lo, c_hi, num_stages=STAGES):
+            j0 = c * _KB
             ok = j0 + tl.arange(0, _KB)
             k = _operand(kd.load([j0, 0]), USE_TIMER)
             s = tl.dot(q, tl.trans(k))
-            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, regions, bufaddr, bufcols,
-                        bias_index, row_ok, has_bias, CAUSAL, False, DT)
+            s = _scores(s, ok, om, row_ok, nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
+                        CAUSAL, BIAS)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - shift[:, None])
@@ -156,31 +175,31 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq, kp, k_stride, vp,
-                   v_stride, j_lo, j_hi, om, row_ok, nk, D, k_start, q_start, qk_scale, fresh,
-                   from_state, regions, bufaddr, bufcols, bias_index, has_bias,
-                   CAUSAL: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """Fold keys [j_lo, j_hi) for a head size past _DB: scores over D in chunks, acc
-        rescaled and accumulated in the state buffer chunk by chunk. acc's previous value on
-        the first chunk: zero if ``fresh``, else the state read ``sap`` if ``from_state``, else
-        what an earlier fold stored at ``ap``."""
+                   v_stride, c_lo, c_hi, om, row_ok, nk, D, k_start, q_start, qk_scale, fresh,
+                   from_state, bp, b_stride, b_bool, b_rows, CAUSAL: tl.constexpr,
+                   DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Fold key chunks [c_lo, c_hi) by pointer loads, any head size, dtype and alignment:
+        scores over D in chunks, acc rescaled and accumulated in the state buffer chunk by
+        chunk. acc's previous value on the first chunk: zero if ``fresh``, else the state read
+        ``sap`` if ``from_state``, else what an earlier fold stored at ``ap``."""
         om64 = om.to(tl.int64)
-        for j0 in range(j_lo, j_hi, _KB):
-            ok = j0 + tl.arange(0, _KB)
+        for c in range(c_lo, c_hi):
+            ok = c * _KB + tl.arange(0, _KB)
             s = tl.zeros((_QB, _KB), dtype=tl.float32)
             for d0 in range(0, D, _DB):
                 od = d0 + tl.arange(0, _DB)
                 q = _operand(_tile(qp, q_stride, om, od, nq, D), USE_TIMER)
                 k = _operand(_tile(kp, k_stride, ok, od, nk, D), USE_TIMER)
                 s = tl.dot(q, tl.trans(k), s)
-            s = _scores(s, ok, om, nk, k_start, q_start, qk_scale, regions, bufaddr, bufcols,
-                        bias_index, row_ok, has_bias, CAUSAL, True, DT)
+            s = _scores(s, ok, om, b_rows, nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
+                        CAUSAL, True)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - shift[:, None])
             alpha = tl.math.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = _operand(p.to(DT), USE_TIMER)
-            if (j0 == j_lo) & from_state:
+            if (c == c_lo) & from_state:
                 src, src_stride = sap, sa_stride
             else:
                 src, src_stride = ap, a_stride
@@ -188,7 +207,7 @@ if HAVE_TRITON:
                 od = d0 + tl.arange(0, _DB)
                 cmask = row_ok[:, None] & (od < D)[None, :]
                 v = _operand(_tile(vp, v_stride, ok, od, nk, D), USE_TIMER)
-                if fresh & (j0 == j_lo):
+                if fresh & (c == c_lo):
                     acc = tl.zeros((_QB, _DB), dtype=tl.float32)
                 else:
                     acc = tl.load(src + om64[:, None] * src_stride + od[None, :], mask=cmask,
@@ -197,6 +216,15 @@ if HAVE_TRITON:
                 tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
             m_i = m_new
         return m_i, l_i
+
+    @triton.jit
+    def _aligned16(p, DT: tl.constexpr):
+        """Pointer ``p`` rounded down to 16 bytes, with the hint that says so: ``p`` itself
+        where the caller has checked that it is aligned, and then a fact Triton's alignment
+        analysis can see (it sees no runtime check, and no hint through an int-to-pointer
+        cast: the hint sits on the cast)."""
+        a = p.to(tl.int64, bitcast=True) // 16 * 16
+        return tl.multiple_of(a.to(tl.pointer_type(DT), bitcast=True), 16)
 
     @ATTN_BLOCK.triton
     @triton.jit
@@ -211,23 +239,28 @@ if HAVE_TRITON:
         first = param_i32(params, tp, 3)
         qk_scale = param_f32(params, tp, 4) * _LOG2E  # scores in log2 units: exp2 below
         has_bias = param_i32(params, tp, 5)
-        bias_index = r0 + nread - 1
+        b_bool = has_bias == _BIAS_BOOL
         qp, q_stride, nq, D = _rows_cols(regions, bufaddr, bufcols, r0, DT)
         kp, k_stride, nk, _dk = _rows_cols(regions, bufaddr, bufcols, r0 + 1, DT)
         vp, v_stride, _nv, _dv = _rows_cols(regions, bufaddr, bufcols, r0 + 2, DT)
         ap, a_stride, _na, _da = _rows_cols(regions, bufaddr, bufcols, w0, _F32)
         mp, m_stride, _nm, _dm = _rows_cols(regions, bufaddr, bufcols, w0 + 1, _F32)
+        # the mask tile is the last read (without one, this names another region, never read)
+        bp, b_stride = _bias_tile(regions, bufaddr, bufcols, r0 + nread - 1, DT)
         # the state read: the chain's acc/ml (the same rows as the writes, but read as declared);
         # a first task has no such reads, so it names its writes (never loaded)
         s0 = r0 + 3 + (first != 0).to(tl.int32) * (w0 - r0 - 3)
         sap, sa_stride, _nsa, _dsa = _rows_cols(regions, bufaddr, bufcols, s0, _F32)
         smp, sm_stride, _nsm, _dsm = _rows_cols(regions, bufaddr, bufcols, s0 + 1, _F32)
-        # The fast path: no bias tile, a head size up to _DB in a 16-bit dtype whose q, k, v
-        # regions TMA can address (fp32 tiles would not fit three pipeline stages in shared
-        # memory). Anything else takes the pointer path of _fold_wide, which handles any D.
-        fast = ((has_bias == 0) & (D <= _DB) & (DT.primitive_bitwidth == 16)
-                & _tma_ok(qp, q_stride, DT)
-                & _tma_ok(kp, k_stride, DT) & _tma_ok(vp, v_stride, DT))
+        # The fast path: a head size up to _DB in a 16-bit dtype whose q, k, v regions TMA can
+        # address (fp32 tiles would not fit three pipeline stages in shared memory), and no
+        # mask tile or one read in whole 16-byte vectors (corner, row stride and key count in
+        # 16-byte units). Anything else takes the pointer path of _fold_wide (any D).
+        per16 = 128 // DT.primitive_bitwidth
+        vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
+        fast = ((D <= _DB) & (DT.primitive_bitwidth == 16)
+                & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
+                & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
         for i0 in range(0, nq, _QB):
             om = i0 + tl.arange(0, _QB)
             row_ok = om < nq
@@ -239,12 +272,16 @@ if HAVE_TRITON:
                 m_i = tl.load(smp + om64 * sm_stride, mask=row_ok, other=0.0) * _LOG2E
                 l_i = tl.load(smp + om64 * sm_stride + 1, mask=row_ok, other=0.0)
             # Causal: keys [0, j_full) are at or before every row of this sub-block (no mask),
-            # keys [j_full, j_end) straddle the diagonal, keys past j_end follow every row.
+            # keys [j_full, j_end) straddle the diagonal, keys past j_end follow every row. In
+            # _KB-key chunks: [0, c_full) and [c_full, c_end) (j_full is a multiple of _KB
+            # unless it is j_end, the second range then empty).
             last = tl.minimum(q_start + i0 + _QB, q_start + nq)  # one past the last row's key
             j_end = tl.where(causal != 0, tl.minimum(tl.maximum(last - k_start, 0), nk), nk)
             j_full = tl.where(causal != 0, tl.maximum(q_start + i0 + 1 - k_start, 0) // _KB * _KB,
                               nk)
             j_full = tl.minimum(j_full, j_end)
+            c_full = tl.cdiv(j_full, _KB)
+            c_end = tl.cdiv(j_end, _KB)
             if fast:
                 # built per sub-block (a variable bound in one branch is not visible after it);
                 # a task's first sub-block is its only one at the lowering's default 128 rows
@@ -259,12 +296,25 @@ if HAVE_TRITON:
                 else:
                     acc = tl.load(sap + om64[:, None] * sa_stride + od[None, :], mask=cmask,
                                   other=0.0)
-                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, 0, j_full, om, row_ok, nk,
-                                      k_start, q_start, qk_scale, regions, bufaddr, bufcols,
-                                      bias_index, has_bias, False, DT, USE_TIMER)
-                acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, j_full, j_end, om, row_ok, nk,
-                                      k_start, q_start, qk_scale, regions, bufaddr, bufcols,
-                                      bias_index, has_bias, True, DT, USE_TIMER)
+                if has_bias == _BIAS_NONE:
+                    # the loop compiled without the mask tile's loads (no bias, no branch)
+                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, 0, c_full, om, row_ok, nk,
+                                          k_start, q_start, qk_scale, bp, b_stride, b_bool,
+                                          False, False, None, DT, USE_TIMER)
+                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_full, c_end, om, row_ok,
+                                          nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
+                                          True, False, None, DT, USE_TIMER)
+                else:
+                    # what ``vec_bias`` checked, in a form the compiler sees: 16-byte loads
+                    vbp = _aligned16(bp, DT)
+                    vb_stride = b_stride // per16 * per16
+                    vnk = nk // per16 * per16
+                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, 0, c_full, om, row_ok, vnk,
+                                          k_start, q_start, qk_scale, vbp, vb_stride, b_bool,
+                                          False, True, _BIAS_STAGES, DT, USE_TIMER)
+                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_full, c_end, om, row_ok,
+                                          vnk, k_start, q_start, qk_scale, vbp, vb_stride,
+                                          b_bool, True, True, _BIAS_STAGES, DT, USE_TIMER)
                 tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
             else:
                 # acc lives in the state buffer (pointer loads, any head size and alignment): a
@@ -277,17 +327,20 @@ if HAVE_TRITON:
                         tl.store(ap + om64[:, None] * a_stride + od[None, :],
                                  tl.zeros((_QB, _DB), dtype=tl.float32),
                                  mask=row_ok[:, None] & (od < D)[None, :])
+                # without a mask tile the bias loads are masked off and add 0: one loop for
+                # both (a runtime branch on s in the loop multiplies its register layouts)
+                # (a comparison, not row_ok & a scalar: the interpreter cannot mask with that)
+                b_rows = om < nq * (has_bias != _BIAS_NONE).to(tl.int32)
                 m_i, l_i = _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq,
-                                      kp, k_stride, vp, v_stride, 0, j_full, om, row_ok, nk, D,
-                                      k_start, q_start, qk_scale, fresh, True, regions, bufaddr,
-                                      bufcols, bias_index, has_bias, False, DT, USE_TIMER)
+                                      kp, k_stride, vp, v_stride, 0, c_full, om, row_ok, nk, D,
+                                      k_start, q_start, qk_scale, fresh, True, bp, b_stride,
+                                      b_bool, b_rows, False, DT, USE_TIMER)
                 # the second range reads acc where the first one left it, if it folded any
                 none_yet = j_full == 0
                 m_i, l_i = _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq,
-                                      kp, k_stride, vp, v_stride, j_full, j_end, om, row_ok, nk,
+                                      kp, k_stride, vp, v_stride, c_full, c_end, om, row_ok, nk,
                                       D, k_start, q_start, qk_scale, fresh & none_yet, none_yet,
-                                      regions, bufaddr, bufcols, bias_index, has_bias, True, DT,
-                                      USE_TIMER)
+                                      bp, b_stride, b_bool, b_rows, True, DT, USE_TIMER)
             tl.store(mp + om64 * m_stride, m_i / _LOG2E, mask=row_ok)
             tl.store(mp + om64 * m_stride + 1, l_i, mask=row_ok)
 
