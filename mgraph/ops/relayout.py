@@ -14,13 +14,16 @@ Tasks: one ``relayout`` compute task per ``tile_rows`` rows of the rank's output
 reads the rank's whole input buffer. CPU body: place the held runs in the global index space,
 apply the steps, gather this tile's runs.
 
-GPU body: the lowering runs that same CPU body once per rank on an index tensor, which gives each
-output element's position in the rank's input buffer, and fits every tile's map as
-``base + f(row) + g(col)`` with ``f`` and ``g`` mixed-radix sums of up to :data:`DIGITS` digits
-(``((i // div_k) % radix_k) * stride_k``): head splits and merges, transposes, expands (stride 0)
-and slices all have that form. The fit is checked element by element; a tile whose map does not
-fit gets no GPU params, so the megakernel's encoder refuses the graph (naming the task) before
-anything launches, and the reference backend still runs it.
+GPU body: a gather ``out[i, j] = in_buffer.flat[base + f(i) + g(j)]``, with ``f`` and ``g``
+mixed-radix sums of up to :data:`DIGITS` digits (``((i // div_k) % radix_k) * stride_k``): head
+splits and merges, transposes, expands (stride 0) and slices all have that form. The lowering
+derives each rank's map by index arithmetic on the steps (``_Map``: no tensor of the relayout's
+size is built), then fits each tile's row and column digits. A tile whose map has no such form
+gets no GPU params (so the megakernel's encoder refuses the graph, naming the task, before
+anything launches, and the reference backend still runs it); so does every tile of a chain whose
+views regroup digits that no split of the earlier ones expresses (``x.permute(1, 0).reshape`` to
+a shape that cuts across the permuted dims: torch copies there too). tests/test_relayout_maps.py
+checks the derived maps against a fit of the CPU body run on the positions themselves.
 """
 
 from __future__ import annotations
@@ -31,11 +34,18 @@ from functools import lru_cache
 
 import torch
 
-from ..builder import GraphBuilder, split
+from ..builder import GraphBuilder, shard_range, split
 from ..errors import ShapeError
 from ..graph import Task
 from ..kinds import Role, define_kind
-from ..layout import Layout, check_layout, flat_shape, layout_runs, runs_pieces
+from ..layout import (
+    Layout,
+    check_layout,
+    flat_shape,
+    layout_pieces,
+    layout_runs,
+    runs_pieces,
+)
 from ..topology import Topology
 from .abi import F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
@@ -204,8 +214,9 @@ def _lower(
             "rank": r,
             "world": b.world,
         }
-        where = _gather_map(common, (x.rows, x.cols), (out.rows, out.cols))
-        for t0, t1 in split(out.rows, tile_rows):
+        tiles = split(out.rows, tile_rows)
+        gathers = tile_gathers(shape, steps, src, dst, r, b.world, tiles)
+        for (t0, t1), gather in zip(tiles, gathers, strict=True):
             b.task(
                 r,
                 Role.COMPUTE,
@@ -213,27 +224,14 @@ def _lower(
                 [x.region()],
                 [out.region((t0, t1))],
                 name=f"relayout r{r} [{t0}:{t1}]",
-                params={**common, "rows": [t0, t1], **fit_gather(where[t0:t1])},
+                params={**common, "rows": [t0, t1], **gather},
             )
-
-
-class _Params:  # what _relayout_cpu reads of a task
-    def __init__(self, params: dict) -> None:
-        self.params = params
-
-
-def _gather_map(params: dict, in_size: tuple[int, int], out_size: tuple[int, int]) -> torch.Tensor:
-    """Each element of the rank's output buffer: its flat position in the rank's input buffer
-    (the CPU body run on the positions themselves)."""
-    index = torch.arange(in_size[0] * in_size[1], dtype=torch.int64).reshape(in_size)
-    where = torch.empty(out_size, dtype=torch.int64)
-    _relayout_cpu(_Params({**params, "rows": [0, out_size[0]]}), [index], [where])
-    return where
 
 
 def _fit_axis(v: torch.Tensor) -> list[tuple[int, int]] | None:
     """(radix, stride) digits, innermost first, with v[i] - v[0] = sum of digit_k(i) * stride_k;
-    None when more than DIGITS digits are needed."""
+    None when more than DIGITS digits are needed. Every element is checked: level by level the
+    first ``radix`` blocks of a period are compared, and the radices multiply up to len(v)."""
     n, v = len(v), v - v[0]
     digits, period = [], 1
     while period < n:
@@ -254,30 +252,240 @@ def _fit_axis(v: torch.Tensor) -> list[tuple[int, int]] | None:
     return digits
 
 
-def _digits_value(n: int, digits: list[tuple[int, int]]) -> torch.Tensor:
-    i, out, div = torch.arange(n), torch.zeros(n, dtype=torch.int64), 1
-    for radix, stride in digits:
-        out += (i // div) % radix * stride
-        div *= radix
-    return out
-
-
-def fit_gather(where: torch.Tensor) -> dict[str, int]:
-    """The GPU params of one tile's gather map (see the module docstring); {} when it has no
-    such form."""
-    rows = _fit_axis(where[:, 0])
-    cols = _fit_axis(where[0, :])
+def gather_params(rows: list[tuple[int, int]] | None, cols: list[tuple[int, int]] | None,
+                  base: int) -> dict[str, int]:
+    """The GPU params of a tile (see the module docstring) from its two axes' digits; {} when
+    either axis has no fit."""
     if rows is None or cols is None:
-        return {}
-    base = int(where[0, 0])
-    f, g = _digits_value(where.shape[0], rows), _digits_value(where.shape[1], cols)
-    if not bool((where == base + f[:, None] + g[None, :]).all()):
         return {}
     out = {"base": base}
     for axis, digits in (("r", rows), ("c", cols)):
         digits = digits + [(1, 0)] * (DIGITS - len(digits))
         for k, (radix, stride) in enumerate(digits):
             out[f"{axis}{k}n"], out[f"{axis}{k}s"] = radix, stride
+    return out
+
+
+# -- gather maps by index arithmetic ------------------------------------------------------------
+# A map is ``pos(x) = base + sum of each sub-dim's part of x``: every logical dim of the tensor is
+# a list of sub-dims, outer first, each (size, stride, table): its digit i adds i * stride, or
+# table[i] when no stride describes it (a zigzag chunk index). Views regroup sub-dims, permutes
+# reorder dims, expands add stride-0 sub-dims, slices move base and scale strides. The map starts
+# as the rank's input buffer over global input coordinates and ends over the rank's output
+# buffer, whose rows and cols are then two disjoint sets of sub-dims: where(i, j) = F[i] + G[j]
+# exactly, so each tile's map is fitted on one row and one column, never on the whole tile.
+_Sub = tuple[int, int, "tuple[int, ...] | None"]
+
+
+class _NoMap(Exception):
+    """The steps regroup digits no sub-dim split can express (the tile gets no GPU params)."""
+
+
+def _part(sub: _Sub) -> torch.Tensor:
+    size, stride, table = sub
+    if table is not None:
+        return torch.tensor(table, dtype=torch.int64)
+    return torch.arange(size, dtype=torch.int64) * stride
+
+
+def _values(subs: Sequence[_Sub]) -> torch.Tensor:
+    """The sum of the sub-dims' parts at every index of their mixed radix, in row-major order."""
+    out = torch.zeros(1, dtype=torch.int64)
+    for sub in subs:
+        out = (out[:, None] + _part(sub)[None, :]).reshape(-1)
+    return out
+
+
+class _Map:
+    def __init__(self, base: int, dims: list[list[_Sub]]) -> None:
+        self.base = base
+        self.dims = [self._normal(d) for d in dims]
+
+    def _normal(self, subs: Sequence[_Sub]) -> list[_Sub]:
+        """Unit sub-dims folded into base, tables that step evenly turned into strides,
+        neighbours that continue each other (outer stride = inner size x stride) merged."""
+        out: list[_Sub] = []
+        for size, stride, table in subs:
+            if table is not None:
+                self.base += table[0]
+                table = tuple(t - table[0] for t in table)
+                if size > 1 and all(t == i * table[1] for i, t in enumerate(table)):
+                    stride, table = table[1], None
+            if size == 1:
+                continue
+            if out and table is None and out[-1][2] is None and out[-1][1] == size * stride:
+                out[-1] = (out[-1][0] * size, stride, None)
+            else:
+                out.append((size, stride, table))
+        return out
+
+    @staticmethod
+    def _split(sub: _Sub, outer: int) -> tuple[_Sub, _Sub]:
+        size, stride, table = sub
+        inner = size // outer
+        if table is None:
+            return (outer, stride * inner, None), (inner, stride, None)
+        hi, lo = table[::inner], table[:inner]
+        if any(table[a * inner + b] != hi[a] + lo[b] for a in range(outer) for b in range(inner)):
+            raise _NoMap
+        return (outer, 0, hi), (inner, 0, lo)
+
+    def _regroup(self, subs: list[_Sub], shape: Sequence[int]) -> list[list[_Sub]]:
+        """``subs`` (outer first) cut into consecutive groups of the sizes ``shape``."""
+        queue, groups = list(subs), []
+        for n in shape:
+            group, need = [], n
+            while need > 1:
+                if not queue:
+                    raise _NoMap
+                size = queue[0][0]
+                if need % size == 0:
+                    group.append(queue.pop(0))
+                    need //= size
+                elif size % need == 0:
+                    head, queue[0] = self._split(queue[0], need)
+                    group.append(head)
+                    need = 1
+                else:
+                    raise _NoMap
+            groups.append(group)
+        if queue:
+            raise _NoMap
+        return groups
+
+    @staticmethod
+    def _table(subs: Sequence[_Sub]) -> _Sub:
+        """One sub-dim holding the same parts (a table)."""
+        values = _values(subs)
+        return (len(values), 0, tuple(values.tolist()))
+
+    def view(self, shape: Sequence[int]) -> None:
+        flat = self._normal([sub for d in self.dims for sub in d])
+        self.dims = [self._normal(g) for g in self._regroup(flat, shape)]
+
+    def permute(self, perm: Sequence[int]) -> None:
+        self.dims = [self.dims[p] for p in perm]
+
+    def expand(self, old: Sequence[int], shape: Sequence[int]) -> None:
+        for d, (n, m) in enumerate(zip(old, shape, strict=True)):
+            if m != -1 and m != n:  # a unit dim repeated: its sub-dims are already gone
+                self.dims[d] = [(m, 0, None)]
+
+    def slice(self, dim: int, start: int, end: int, step: int) -> None:
+        self.dims[dim] = self._normal(self._slice(self.dims[dim], start, end, step))
+
+    def _slice(self, subs: list[_Sub], start: int, end: int, step: int) -> list[_Sub]:
+        if not subs:  # a unit dim: [0:1] is all of it
+            return []
+        size, stride, table = subs[0]
+        inner = math.prod(s[0] for s in subs[1:])
+        if len(subs) > 1:
+            if step == 1 and start % inner == 0 and end % inner == 0:
+                return [*self._slice([subs[0]], start // inner, end // inner, 1), *subs[1:]]
+            if start // inner == (end - 1) // inner:  # inside one outer digit
+                self.base += int(_part(subs[0])[start // inner])
+                lo = start // inner * inner
+                return self._slice(subs[1:], start - lo, end - lo, step)
+            subs = [self._table(subs)]
+            size, stride, table = subs[0]
+        if table is not None:
+            return [(len(range(start, end, step)), 0, table[start:end:step])]
+        self.base += start * stride
+        return [(len(range(start, end, step)), stride * step, None)]
+
+    def select(self, dim: int, parts: int, picks: Sequence[int]) -> None:
+        """Dim ``dim`` cut into ``parts`` chunks, of which ``picks`` are kept, in that order."""
+        size = math.prod(s[0] for s in self.dims[dim])
+        outer, inner = self._regroup(self.dims[dim], [parts, size // parts])
+        chunk = _part(self._table(outer))
+        self.dims[dim] = self._normal(
+            [(len(picks), 0, tuple(int(chunk[p]) for p in picks)), *inner]
+        )
+
+
+def _contiguous(shape: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def _input_map(shape: tuple[int, ...], src: Layout, rank: int, world: int) -> _Map:
+    """Global input coordinates -> flat position in rank ``rank``'s input buffer."""
+    if src.kind == "replicate" or world == 1:
+        return _Map(0, [[(n, s, None)] for n, s in zip(shape, _contiguous(shape), strict=True)])
+    if src.kind == "rows":
+        r0 = layout_runs(shape, src, rank, world)[0][0]
+        strides = _contiguous(shape)
+        return _Map(-r0 * shape[-1], [[(n, s, None)] for n, s in zip(shape, strides, strict=True)])
+    pieces, d = layout_pieces(shape, src, rank, world)
+    held = [hi - lo for lo, hi in pieces[0]]
+    held[d] = sum(p[d][1] - p[d][0] for p in pieces)
+    strides = _contiguous(held)
+    base = -sum(p[0] * s for p, s in zip(pieces[0], strides, strict=True))
+    dims = [[(n, s, None)] for n, s in zip(shape, strides, strict=True)]
+    if src.zigzag:  # chunk k of 2W: rank r's chunk r first, then its mirror chunk
+        chunk = shape[d] // (2 * world)
+        table = [0] * (2 * world)
+        table[2 * world - 1 - rank] = chunk * strides[d]
+        base = 0
+        dims[d] = [(2 * world, 0, tuple(table)), (chunk, strides[d], None)]
+    return _Map(base, dims)
+
+
+def _rank_maps(
+    shape: tuple[int, ...], steps: Steps, src: Layout, dst: Layout, rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(F, G) with rank ``rank``'s gather map where[i, j] = F[i] + G[j] (positions in its input
+    buffer of its output buffer's elements), or None when the steps have no sub-dim form."""
+    m = _input_map(shape, src, rank, world)
+    try:
+        for kind, arg in steps:
+            out = steps_shape(shape, [(kind, arg)])
+            if kind == "view":
+                m.view(out)
+            elif kind == "permute":
+                m.permute(arg)
+            elif kind == "expand":
+                m.expand(shape, out)
+            else:
+                m.slice(arg[0] % len(shape), *arg[1:])
+            shape = out
+        if world > 1 and dst.kind == "rows":
+            r0, r1 = layout_runs(shape, dst, rank, world)[0][:2]
+            m.dims = [m._normal([s for d in m.dims[:-1] for s in d]), m.dims[-1]]
+            m.slice(0, r0, r1, 1)
+        elif world > 1 and dst.kind == "shard" and dst.zigzag:
+            m.select(dst.dim, 2 * world, (rank, 2 * world - 1 - rank))
+        elif world > 1 and dst.kind == "shard":
+            lo, hi = shard_range(shape[dst.dim], rank, world)
+            m.slice(dst.dim, lo, hi, 1)
+    except _NoMap:
+        return None
+    rows = _values([s for d in m.dims[:-1] for s in d]) + m.base
+    return rows, _values(m.dims[-1]) if m.dims else torch.zeros(1, dtype=torch.int64)
+
+
+def tile_gathers(
+    shape: Sequence[int], steps: Sequence, src: Layout, dst: Layout, rank: int, world: int,
+    tiles: Sequence[tuple[int, int]],
+) -> list[dict[str, int]]:
+    """The GPU params of each tile (output buffer rows [t0, t1)) of rank ``rank``; {} for a
+    tile whose map has no gather form."""
+    maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
+    if maps is None:
+        return [{} for _ in tiles]
+    rows, cols = maps
+    col_digits = _fit_axis(cols)
+    fits: dict[bytes, list[tuple[int, int]] | None] = {}
+    out = []
+    for t0, t1 in tiles:
+        v = rows[t0:t1] - rows[t0]
+        key = v.numpy().tobytes()
+        if key not in fits:
+            fits[key] = _fit_axis(v)
+        out.append(gather_params(fits[key], col_digits, int(rows[t0] + cols[0])))
     return out
 
 
@@ -340,7 +548,7 @@ if HAVE_TRITON:
     def relayout_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
                       RB_M: tl.constexpr, RB_N: tl.constexpr):
         """A gather: out[i, j] = in_buffer.flat[base + f(i) + g(j)] over the task's output
-        rows (the fit of fit_gather; no arithmetic, so no rounding)."""
+        rows (the fit of tile_gathers; no arithmetic, so no rounding)."""
         s_in, _a, _b, _c, _d = load_region(regions, tl.load(tp + _READ0))
         d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
         src = buffer_base(bufaddr, s_in, DT)

@@ -1,0 +1,272 @@
+"""Relayout gather maps: the lowering derives each tile's GPU map by index arithmetic on the steps
+(mgraph.ops.relayout.tile_gathers); here the brute-force reference runs the CPU body on the
+positions themselves and fits the whole tile, and the two must give the same params, exactly,
+on random chains of views, permutes, expands and slices under every layout pair a rank can
+produce."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+
+import pytest
+import torch
+
+import mgraph as mg
+from mgraph.errors import ShapeError
+from mgraph.layout import REPLICATE, ROWS, Layout, check_layout, flat_shape, layout_runs
+from mgraph.ops.relayout import relayout_feasible, steps_shape
+
+R = importlib.import_module("mgraph.ops.relayout")
+GPU_KEYS = set(R._GPU_PARAMS)
+
+
+class _Task:  # what the CPU body reads of a task
+    def __init__(self, params: dict) -> None:
+        self.params = params
+
+
+def brute_where(params: dict) -> torch.Tensor:
+    """The tile's map: the CPU body run on each input element's own position."""
+    shape, src = tuple(params["in_shape"]), Layout.from_json(params["in_layout"])
+    runs = layout_runs(shape, src, params["rank"], params["world"])
+    in_rows, in_cols = sum(r1 - r0 for r0, r1, _, _ in runs), runs[0][3] - runs[0][2]
+    t0, t1 = params["rows"]
+    out_cols = flat_shape(steps_shape(shape, params["steps"]))[1]
+    dst = Layout.from_json(params["out_layout"])
+    out_runs = layout_runs(
+        steps_shape(shape, params["steps"]), dst, params["rank"], params["world"]
+    )
+    out_cols = out_runs[0][3] - out_runs[0][2]
+    index = torch.arange(in_rows * in_cols, dtype=torch.int64).reshape(in_rows, in_cols)
+    where = torch.full((t1 - t0, out_cols), -1, dtype=torch.int64)
+    R._relayout_cpu(_Task(params), [index], [where])
+    assert int(where.min()) >= 0
+    return where
+
+
+def brute_fit(where: torch.Tensor) -> dict[str, int]:
+    """The fit on the whole tile (the lowering's method before maps were derived)."""
+    rows, cols = R._fit_axis(where[:, 0]), R._fit_axis(where[0, :])
+    if rows is None or cols is None:
+        return {}
+    base = int(where[0, 0])
+
+    def value(n: int, digits: list[tuple[int, int]]) -> torch.Tensor:
+        i, out, div = torch.arange(n), torch.zeros(n, dtype=torch.int64), 1
+        for radix, stride in digits:
+            out += (i // div) % radix * stride
+            div *= radix
+        return out
+
+    f, g = value(where.shape[0], rows), value(where.shape[1], cols)
+    if not bool((where == base + f[:, None] + g[None, :]).all()):
+        return {}
+    return R.gather_params(rows, cols, base)
+
+
+def gpu_params(task) -> dict[str, int]:
+    return {k: v for k, v in task.params.items() if k in GPU_KEYS}
+
+
+def has_form(params: dict) -> bool:
+    """Whether the lowering found a sub-dim form of the rank's whole map (else no tile fits)."""
+    steps = R._steps(params["steps"])
+    src, dst = Layout.from_json(params["in_layout"]), Layout.from_json(params["out_layout"])
+    shape = tuple(params["in_shape"])
+    return R._rank_maps(shape, steps, src, dst, params["rank"], params["world"]) is not None
+
+
+def check_maps(graph: mg.TaskGraph) -> tuple[int, int]:
+    """Every tile's params equal the brute-force fit, except tiles of a chain with no sub-dim
+    form, which get none. Returns (tiles that fit, tiles with no form)."""
+    fitted = formless = 0
+    for t in graph.tasks:
+        where = brute_where(t.params)
+        if not has_form(t.params):
+            assert gpu_params(t) == {}, t.name
+            formless += 1
+            continue
+        want = brute_fit(where)
+        assert gpu_params(t) == want, (
+            t.name,
+            t.params["steps"],
+            t.params["in_layout"],
+            t.params["out_layout"],
+        )
+        fitted += bool(want)
+    return fitted, formless
+
+
+# -- random chains --------------------------------------------------------------------------------
+def random_step(rng: random.Random, shape: tuple[int, ...]) -> tuple[str, list[int]] | None:
+    nd = len(shape)
+    kind = rng.choice(["split", "merge", "permute", "expand", "slice", "reshape"])
+    if kind == "split":
+        d = rng.randrange(nd)
+        div = [a for a in range(2, shape[d]) if shape[d] % a == 0]
+        if not div or nd >= 5:
+            return None
+        a = rng.choice(div)
+        return "view", [*shape[:d], a, shape[d] // a, *shape[d + 1 :]]
+    if kind == "merge":
+        if nd < 2:
+            return None
+        d = rng.randrange(nd - 1)
+        return "view", [*shape[:d], shape[d] * shape[d + 1], *shape[d + 2 :]]
+    if kind == "permute":
+        perm = list(range(nd))
+        rng.shuffle(perm)
+        return "permute", perm
+    if kind == "expand":
+        units = [d for d, n in enumerate(shape) if n == 1]
+        if not units:
+            return None
+        out = list(shape)
+        out[rng.choice(units)] = rng.choice([2, 3])
+        return "expand", out
+    if kind == "slice":
+        d = rng.randrange(nd)
+        if shape[d] < 2:
+            return None
+        start = rng.randrange(shape[d] - 1)
+        end = rng.randrange(start + 1, shape[d] + 1)
+        return "slice", [d, start, end, rng.choice([1, 1, 2, 3])]
+    # any reshape to the same size (may regroup digits no sub-dim split expresses)
+    n = math.prod(shape)
+    div = [a for a in range(2, n) if n % a == 0]
+    if not div:
+        return None
+    a = rng.choice(div)
+    return "view", [a, n // a]
+
+
+def random_chain(rng: random.Random) -> tuple[list[int], list]:
+    shape = [rng.choice([1, 2, 4, 6, 8]) for _ in range(rng.randint(2, 4))]
+    shape[-1] = rng.choice([2, 4, 6, 8])
+    if rng.random() < 0.3:  # a unit dim to expand later (repeat_kv)
+        shape.insert(rng.randrange(len(shape)), 1)
+    steps, cur = [], tuple(shape)
+    for _ in range(rng.randint(1, 4)):
+        step = random_step(rng, cur)
+        if step is None:
+            continue
+        steps.append(step)
+        cur = steps_shape(cur, [step])
+    return shape, steps
+
+
+def layouts(shape: tuple[int, ...], world: int) -> list[Layout]:
+    out = [REPLICATE, ROWS]
+    for d in range(len(shape)):
+        out.append(Layout("shard", d))
+        if d < len(shape) - 1:  # a buffer's pieces share the last dim (zigzag is a sequence dim)
+            out.append(Layout("shard", d, True))
+    ok = []
+    for lay in out:
+        try:
+            check_layout(shape, lay, world, "test", "")
+        except ShapeError:
+            continue
+        ok.append(lay)
+    return ok
+
+
+@pytest.mark.parametrize("topology", ["1x1", "1x2", "2x2", "1x3", "2x4"])
+def test_analytic_maps_equal_the_brute_force_fit_on_random_chains(topology):
+    world = mg.Topology.parse(topology).world_size
+    rng = random.Random(world)
+    cases = fitted = formless = tiles = 0
+    while cases < 100:
+        shape, steps = random_chain(rng)
+        if not steps:
+            continue
+        out_shape = steps_shape(shape, steps)
+        if world > 1 and len(flat_shape(out_shape)) and rng.random() < 0.5:
+            pairs = [
+                (s, d) for s in layouts(tuple(shape), world) for d in layouts(out_shape, world)
+            ]
+            pairs = [p for p in pairs if relayout_feasible(shape, steps, *p, world)]
+        else:
+            pairs = []
+        src, dst = rng.choice(pairs) if pairs else (REPLICATE, REPLICATE)
+        rows, cols = flat_shape(shape)
+        g = mg.ops.relayout(
+            rows=rows,
+            cols=cols,
+            in_shape=shape,
+            steps=steps,
+            in_layout=src.to_json(),
+            out_layout=dst.to_json(),
+            tile_rows=rng.choice([1, 2, 3, 4, 8, 16]),
+            topology=topology,
+        )
+        fit, none = check_maps(g)
+        fitted, formless, tiles, cases = (
+            fitted + fit,
+            formless + none,
+            tiles + len(g.tasks),
+            cases + 1,
+        )
+    # the comparison is mostly of real maps; chains with no form are the exotic reshapes
+    assert fitted > tiles // 2 and formless < tiles // 20, (fitted, formless, tiles)
+
+
+TRACER_CHAINS = {  # (in_shape, steps, in_layout, out_layout) as the tracer emits them
+    "split-heads-cols": (
+        [1, 32, 64],
+        [["view", [1, 32, 8, 8]], ["permute", [0, 2, 1, 3]]],
+        Layout("shard", 2),
+        ROWS,
+    ),
+    "merge-heads": (
+        [1, 8, 32, 8],
+        [["permute", [0, 2, 1, 3]], ["view", [1, 32, 64]]],
+        ROWS,
+        Layout("shard", 2),
+    ),
+    "rope-expand": ([1, 1, 32, 8], [["expand", [1, 8, 32, 8]]], REPLICATE, ROWS),
+    "rotate-half": ([1, 8, 32, 8], [["slice", [3, 4, 8, 1]]], ROWS, ROWS),
+    "repeat-kv": (
+        [2, 4, 16, 8],
+        [["view", [2, 4, 1, 16, 8]], ["expand", [2, 4, 2, 16, 8]], ["view", [2, 8, 16, 8]]],
+        Layout("shard", 1),
+        Layout("shard", 1),
+    ),
+    "zigzag-seq": (
+        [1, 16, 4, 4],
+        [["permute", [0, 2, 1, 3]]],
+        Layout("shard", 1, True),
+        Layout("shard", 2, True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRACER_CHAINS))
+def test_tracer_chains_fit_every_tile(name):
+    shape, steps, src, dst = TRACER_CHAINS[name]
+    rows, cols = flat_shape(shape)
+    g = mg.ops.relayout(
+        rows=rows,
+        cols=cols,
+        in_shape=shape,
+        steps=steps,
+        in_layout=src.to_json(),
+        out_layout=dst.to_json(),
+        tile_rows=8,
+        topology="2x2",
+    )
+    assert check_maps(g) == (len(g.tasks), 0)
+
+
+def test_a_reshape_across_permuted_dims_has_no_form_and_runs_on_the_reference():
+    """[2, 2, 6] permuted to [6, 2, 2] and viewed as [4, 6]: the rows of the result cut across
+    the permuted digits (torch copies), so no tile gets GPU params; the CPU body still runs it."""
+    shape, steps = [2, 2, 6], [["permute", [2, 0, 1]], ["view", [4, 6]]]
+    g = mg.ops.relayout(rows=4, cols=6, in_shape=shape, steps=steps, tile_rows=2, topology="1x1")
+    assert [gpu_params(t) for t in g.tasks] == [{}, {}]
+    assert check_maps(g) == (0, 2)
+    x = torch.randn(4, 6)
+    out = mg.run(mg.schedule(g), {"x": x}).outputs["out"]
+    assert torch.equal(out, x.view(shape).permute(2, 0, 1).reshape(4, 6))
