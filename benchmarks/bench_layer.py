@@ -2,7 +2,7 @@
 against torch's own TP (``parallelize_module``, eager, NCCL) and ``torch.compile`` of that, on
 the same weights and inputs, in one run (issue 16, item 4).
 
-Run (about 3-5 minutes on 2 H200 at the default sizes; see "time" below):
+Run (expected under ~6 minutes on 2 H200 at the default sizes; see "Time" below):
     PYTHONUNBUFFERED=1 torchrun --nproc_per_node=2 benchmarks/bench_layer.py --out $OUT
 CPU smoke check (2 gloo processes, tiny sizes; tests/test_bench_layer.py runs it):
     torchrun --nproc_per_node=2 benchmarks/bench_layer.py --smoke --out /tmp/bench_layer
@@ -43,24 +43,30 @@ faster). ``error`` is the relative error (max over ranks and calls) against the 
 (eager torch, unsharded, on the same bf16 weights and input); a row above 2e-2 is a failure. A
 failure of one implementation is a row with its status and message; the others still run.
 
-Time: mg.compile of the default layer took ~40 s of CPU on the project's CPU machine (trace +
-lower + schedule); with the warm compile, two Triton megakernel builds and torch.compile
-(inductor) the run should stay under ~6 minutes on 2 H200. ``--no-warm`` and
-``--no-torch-compile`` drop those steps.
+Time: mg.compile of the default layer (1x2, 39744 tasks, trace + lower + schedule) took 12.8 s
+cold (6.4 s CPU) and 3.8 s warm on the project's 2-core CPU machine (2026-11-30); with the warm
+compile, two megakernel builds and torch.compile (inductor), the run is expected to stay under
+~6 minutes on 2 H200 (not yet run there). ``--no-warm`` and ``--no-torch-compile`` drop those
+steps. MGRAPH_WATCHDOG_S defaults to 60 here (mgraph's default is 5 s): a rank whose first call
+builds the megakernel later than its peer's waits at the kernel's entry barrier meanwhile.
 
 --smoke: tiny sizes on the CPU, gloo; mgraph on backend="reference" (a single-controller
 Program: every rank runs the whole program with the global input and keeps its chunk; no
 megakernel, so no ``mgraph_kernel`` row); eager TP on gloo; torch.compile with the
 ``aot_eager`` backend (no C++ compile) unless --compile-backend says otherwise, and a row with
-status "skipped" where torch.compile is unavailable. Times there mean nothing.
+status "skipped" where torch.compile is unavailable. Times there mean nothing. ``--smoke
+--interpret`` (TRITON_INTERPRET=1 set, fp32: the interpreter's bf16 ``tl.dot`` is wrong, NOTES.md)
+runs mgraph on backend="triton" in Triton's interpreter instead; on one rank
+(``--nproc_per_node=1``) that includes the ``mgraph_kernel`` row (about a minute: ~10 s per
+interpreted launch).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -250,13 +256,13 @@ class Bench:
         self.rows: list[dict] = []
         self.timed: dict[str, Callable[[], object]] = {}  # impl -> call, timed in rounds
         self.after: dict[str, Callable[[], float]] = {}  # impl -> error read after timing
-        self.keep: list[object] = []  # programs and modules alive until the end
+        self.program: mg.Program | None = None  # the timed (cold) Program
 
         torch.manual_seed(1)
         shape = (args.batch, args.seq, args.hidden)
         self.x = torch.randn(shape, dtype=args.dtype).to(device)
         self.x_local = self.x.chunk(self.world, 1)[self.rank].contiguous()
-        exact = copy.deepcopy(build_layer(args, device)).float()
+        exact = build_layer(args, device).float()
         with torch.no_grad():
             self.want = exact(self.x.float()).chunk(self.world, 1)[self.rank].contiguous()
         del exact
@@ -276,14 +282,15 @@ class Bench:
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         row: dict = {"impl": impl, "ms": None, "vs_eager_tp": None, "error": None}
-        bad = [r for r in everyone if r["status"] != "ok"]
-        row["status"] = bad[0]["status"] if bad else "ok"
+        bad = [(rank, r) for rank, r in enumerate(everyone) if r["status"] != "ok"]
+        row["status"] = f"{bad[0][1]['status']} (rank {bad[0][0]})" if bad else "ok"
         for key in sorted({k for r in everyone for k in r} - {"status"}):
             values = [r[key] for r in everyone if r.get(key) is not None]
             if not values:
                 continue
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-                row[key] = max(values)
+                # NaN anywhere (a poisoned output read back) must survive the max
+                row[key] = math.nan if any(math.isnan(v) for v in values) else max(values)
             else:
                 row[key] = values[0]
         if row["status"] == "ok" and row["error"] is not None and not row["error"] < TOL:
@@ -324,10 +331,12 @@ class Bench:
                 plan=mgraph_plan(),
                 topology=f"1x{self.world}",
                 backend=args.backend,
+                backend_options={"interpret": True} if args.interpret else None,
             )
             wall = time.perf_counter() - t0
-        # reference backend: a single-controller Program (global input in, global output out)
-        spmd = args.backend == "triton"
+        # The reference backend and the interpreter on several ranks run every rank in this
+        # process: global input in, global output out.
+        spmd = args.backend == "triton" and (self.world == 1 or not args.interpret)
 
         def call() -> torch.Tensor:
             return prog(self.x_local) if spmd else prog(self.x).chunk(self.world, 1)[self.rank]
@@ -345,11 +354,13 @@ class Bench:
         out["error"] = max(errs)
         if impl == "mgraph":
             self.timed[impl] = call
-            self.keep += [prog, layer]
+            self.program, self.layer = prog, layer  # alive until the end
             runtime = getattr(prog, "_runtime", None)  # Program has no public accessor for it
             if runtime is not None:
                 self.timed["mgraph_kernel"] = runtime.launch
-                self.after["mgraph_kernel"] = lambda: rel(kernel_output(prog, self.rank), self.want)
+                self.after["mgraph_kernel"] = lambda: rel(
+                    kernel_output(prog, self.rank).reshape(self.want.shape), self.want
+                )
                 out.update(runtime.kernel_info())
         else:
             del prog, layer
@@ -380,7 +391,6 @@ class Bench:
         out = {"compile_s": time.perf_counter() - t0, "compile_backend": backend}
         out["error"] = max(rel(got, self.want), self.check(lambda: compiled(self.x_local)))
         self.timed["torch_compile_tp"] = lambda: compiled(self.x_local)
-        self.keep.append(compiled)
         return out
 
     # -- timing -------------------------------------------------------------------------------
@@ -388,17 +398,35 @@ class Bench:
         """Two rounds over every implementation that passed, pooled per implementation."""
         args = self.args
         pooled: dict[str, list[float]] = {impl: [] for impl in self.timed}
+        failed: dict[str, str] = {}
         for _ in range(args.rounds):
             for impl, fn in self.timed.items():
-                with torch.no_grad():
-                    pooled[impl] += samples(fn, args.warmup, args.reps, self.device)
+                if impl in failed:
+                    continue
+                try:
+                    with torch.no_grad():
+                        pooled[impl] += samples(fn, args.warmup, args.reps, self.device)
+                    mine = None
+                except Exception as exc:  # noqa: BLE001 - e.g. a watchdog record read by prog()
+                    mine = f"FAIL while timing: {type(exc).__name__}: {str(exc)[:300]}"
+                # Only a failure every rank meets at the same call keeps the ranks in step; it
+                # ends this implementation's timing on all of them.
+                everyone: list = [None] * self.world
+                dist.all_gather_object(everyone, mine)
+                if any(everyone):
+                    failed[impl] = next(m for m in everyone if m)
         for row in self.rows:
-            if row["impl"] in pooled:
+            if row["impl"] in failed:
+                row["status"] = failed[row["impl"]]
+            elif row["impl"] in pooled:
                 row["ms"] = self.slowest(statistics.median(pooled[row["impl"]]))
         if "mgraph_kernel" in pooled:
             parent = next(r for r in self.rows if r["impl"] == "mgraph")
 
             def kernel_row() -> dict:
+                if "mgraph_kernel" in failed:
+                    raise RuntimeError(failed["mgraph_kernel"])
+                self.program._runtime.check()  # the kernel's watchdog record, if any
                 return {
                     "error": self.after["mgraph_kernel"](),
                     "tasks": parent.get("tasks"),
@@ -502,6 +530,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile-backend", help="torch.compile backend (default inductor; aot_eager with --smoke)"
     )
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny sizes")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="with --smoke: mgraph on backend='triton' in Triton's interpreter (TRITON_INTERPRET=1 "
+        "set; on several ranks every process runs all ranks with the global input)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args(argv)
     sizes = (
@@ -520,7 +554,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.hidden % args.heads or args.heads % args.kv_heads:
         p.error("--hidden must divide by --heads, and --heads by --kv-heads")
     args.compile_backend = args.compile_backend or ("aot_eager" if args.smoke else "inductor")
-    args.backend = "reference" if args.smoke else "triton"
+    if args.interpret and not args.smoke:
+        p.error("--interpret runs on the CPU: add --smoke")
+    args.backend = "reference" if args.smoke and not args.interpret else "triton"
     args.dtype = getattr(torch, args.dtype)
     return args
 
@@ -536,6 +572,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # GPU.md: lazy loading can hang
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # GPU.md: no NVLink multicast there
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        # The first call JIT-builds the megakernel on each rank: one rank may start it seconds
+        # before its peer and wait at the entry barrier longer than the 5 s default bound.
+        os.environ.setdefault("MGRAPH_WATCHDOG_S", "60")
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)

@@ -84,7 +84,11 @@ def test_defaults_are_the_issue_layer():
     args = bench.parse_args([])
     sizes = (args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.batch)
     assert sizes == (4096, 32, 8, 14336, 4096, 1)
-    assert (args.dtype, args.backend, args.compile_backend) == (torch.bfloat16, "triton", "inductor")
+    assert (args.dtype, args.backend, args.compile_backend) == (
+        torch.bfloat16,
+        "triton",
+        "inductor",
+    )
     smoke = bench.parse_args(["--smoke"])
     assert (smoke.backend, smoke.compile_backend, smoke.seq) == ("reference", "aot_eager", 64)
 
@@ -116,9 +120,22 @@ def test_failures_become_rows(one_rank_bench, tmp_path):
     b.timed["wrong"] = lambda: None
     row = b.step("wrong", lambda: {"error": bench.rel(wrong, b.want)})
     assert row["status"] == "FAIL (error)" and "wrong" not in b.timed
+    row = b.step("poisoned", lambda: {"error": float("nan")})  # a NaN output read back
+    assert row["status"] == "FAIL (error)"
     row = b.step("eager_tp", b.eager_tp)  # world 1: the plan still applies, no communication
     assert row["status"] == "ok" and row["error"] < 1e-2
+    calls = []
+
+    def dies_on_the_second_call():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("watchdog")
+
+    b.step("flaky", lambda: {"error": 1e-3})
+    b.timed["flaky"] = dies_on_the_second_call
     b.time_all()
     rows = json.loads((tmp_path / "bench_layer.json").read_text())
-    assert [r["impl"] for r in rows] == ["broken", "wrong", "eager_tp"]
-    assert rows[2]["ms"] > 0 and rows[0]["ms"] is None
+    assert [r["impl"] for r in rows] == ["broken", "wrong", "poisoned", "eager_tp", "flaky"]
+    assert rows[4]["status"] == "FAIL while timing: RuntimeError: watchdog" and not rows[4]["ms"]
+    assert len(calls) == 2  # not called again after the failure (a second round follows)
+    assert rows[3]["ms"] > 0 and rows[3]["vs_eager_tp"] == 1.0 and rows[0]["ms"] is None
