@@ -476,16 +476,20 @@ def tile_gathers(
     maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
     if maps is None:
         return [{} for _ in tiles]
-    rows, cols = maps
+    rows, cols = maps[0].numpy(), maps[1]
     col_digits = _fit_axis(cols)
-    fits: dict[bytes, list[tuple[int, int]] | None] = {}
+    col0 = int(cols[0])
+    # Tiles of one rank mostly repeat one row pattern: fit each distinct pattern once.
+    fits: dict[bytes, dict[str, int]] = {}
     out = []
     for t0, t1 in tiles:
-        v = rows[t0:t1] - rows[t0]
-        key = v.numpy().tobytes()
-        if key not in fits:
-            fits[key] = _fit_axis(v)
-        out.append(gather_params(fits[key], col_digits, int(rows[t0] + cols[0])))
+        first = int(rows[t0])
+        key = (rows[t0:t1] - first).tobytes()
+        digits = fits.get(key)
+        if digits is None:
+            v = torch.from_numpy(rows[t0:t1] - first)
+            digits = fits[key] = gather_params(_fit_axis(v), col_digits, 0)
+        out.append({**digits, "base": first + col0} if digits else {})
     return out
 
 
