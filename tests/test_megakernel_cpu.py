@@ -327,3 +327,29 @@ def test_worst_tile_error_finds_one_bad_tile():
     assert worst_tile_error(got, want) > 1e-2  # the tile check at the same tolerance does not
     got[0, 0] = float("nan")
     assert worst_tile_error(got, want) == float("inf")
+
+
+def test_one_input_in_two_buffers_of_a_rank():
+    """A rank may hold an input twice (a chunk and the whole): a single-process run fills each
+    buffer with its own part; SPMD callers, who pass one tensor per name, get a named error."""
+    from mgraph.builder import GraphBuilder, piece
+    from mgraph.kinds import Role
+    from mgraph.runtime.megakernel import local_shards
+
+    b = GraphBuilder("twice", mg.Topology.parse("1x1"), "float32", {})
+    b.global_input("x", (64, 16))
+    b.global_output("out", (96, 16))
+    part = b.bound_buffer("x_rows", 0, "x", [piece((64, 16), d0=(0, 32))])
+    whole = b.bound_buffer("x_all", 0, "x", [piece((64, 16))])
+    out = b.bound_buffer("out", 0, "out", [piece((96, 16))], role="output")
+    b.task(0, Role.COMPUTE, "copy", [part.region()], [out.region((0, 32))], name="part")
+    b.task(0, Role.COMPUTE, "copy", [whole.region()], [out.region((32, 96))], name="whole")
+    g = b.finish()
+    g.validate()
+    rt = TritonRuntime(mg.schedule(g), interpret=True)
+    x = torch.randn(64, 16)
+    rt.load_inputs({"x": x})
+    assert torch.equal(rt.views[part.id].reshape(32, 16), x[:32])
+    assert torch.equal(rt.views[whole.id].reshape(64, 16), x)
+    with pytest.raises(mg.InputError, match="two buffers"):
+        local_shards(g, 0, {"x": x})

@@ -128,14 +128,30 @@ def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[s
     return views
 
 
+def buffer_shard(buf, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The part of a GLOBAL input that input buffer ``buf`` holds."""
+    b = buf.binding
+    parts = [inputs[b.tensor][tuple(slice(lo, hi) for lo, hi in p)] for p in b.pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=b.cat_dim)
+
+
 def local_shards(graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor]) -> dict:
-    """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs."""
-    out = {}
+    """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs. A
+    rank with two buffers of one input (a chunk and the whole, say) cannot be fed one tensor
+    per name: a named error (single-process runs fill each buffer from the global input)."""
+    out, seen = {}, {}
     for buf in graph.buffers.values():
         if buf.rank == rank and buf.role == "input" and buf.binding is not None:
-            b = buf.binding
-            parts = [inputs[b.tensor][tuple(slice(lo, hi) for lo, hi in p)] for p in b.pieces]
-            out[b.tensor] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=b.cat_dim)
+            name = buf.binding.tensor
+            if name in seen and seen[name] != buf.binding.pieces:
+                raise InputError(
+                    f"{graph.op}: rank {rank} holds input {name!r} in two buffers with different "
+                    "parts; one local tensor per name cannot feed both",
+                    hint="run it from one process with global inputs (mg.run, a Program), "
+                    "which fills each buffer from the global tensor",
+                )
+            seen[name] = buf.binding.pieces
+            out[name] = buffer_shard(buf, inputs)
     return out
 
 
@@ -379,8 +395,7 @@ class TritonRuntime:
             check_inputs(graph, inputs)
             for buf in graph.buffers.values():
                 if buf.role == "input":
-                    local = local_shards(graph, buf.rank, inputs)[buf.binding.tensor]
-                    self.views[buf.id].copy_(local.reshape(buf.rows, buf.cols))
+                    self.views[buf.id].copy_(buffer_shard(buf, inputs).reshape(buf.rows, buf.cols))
             return
         for buf in graph.buffers.values():
             if buf.rank != self.rank or buf.role != "input":
