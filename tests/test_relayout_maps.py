@@ -270,3 +270,29 @@ def test_a_reshape_across_permuted_dims_has_no_form_and_runs_on_the_reference():
     x = torch.randn(4, 6)
     out = mg.run(mg.schedule(g), {"x": x}).outputs["out"]
     assert torch.equal(out, x.view(shape).permute(2, 0, 1).reshape(4, 6))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_feasibility_by_index_arithmetic_equals_the_element_check(world):
+    """Which rank first lacks an element its part needs: the derived maps' ranges against the
+    holder of every element, for every layout pair of random chains."""
+    rng = random.Random(10 + world)
+    feasible = infeasible = 0
+    for _ in range(40):
+        shape, steps = random_chain(rng)
+        if not steps:
+            continue
+        steps = R._steps(steps)
+        out_shape = steps_shape(shape, steps)
+        for src in layouts(tuple(shape), world):
+            for dst in layouts(out_shape, world):
+                want = R._feasible_by_holding(tuple(shape), steps, src, dst, world)
+                assert R._feasible(tuple(shape), steps, src, dst, world) == want, (
+                    shape,
+                    steps,
+                    src,
+                    dst,
+                )
+                feasible += want is None
+                infeasible += want is not None
+    assert feasible > 50 and infeasible > 50, (feasible, infeasible)

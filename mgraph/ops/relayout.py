@@ -121,9 +121,10 @@ def apply_steps(t: torch.Tensor, steps: Sequence) -> torch.Tensor:
     return t
 
 
-@lru_cache(maxsize=256)
-def _feasible(shape: tuple, steps: Steps, src: Layout, dst: Layout, world: int) -> int | None:
-    """The first rank that lacks an element its output part needs, or None."""
+def _feasible_by_holding(
+    shape: tuple, steps: Steps, src: Layout, dst: Layout, world: int
+) -> int | None:
+    """_feasible element by element, on full-size index tensors (chains with no sub-dim form)."""
     if src.kind == "replicate" or world == 1:
         return None
     out_shape = steps_shape(shape, steps)
@@ -434,6 +435,41 @@ def _input_map(shape: tuple[int, ...], src: Layout, rank: int, world: int) -> _M
     return _Map(base, dims)
 
 
+def _run_steps(m: _Map, shape: tuple[int, ...], steps: Steps) -> tuple[int, ...]:
+    """``m`` carried through the steps; the result's shape."""
+    for kind, arg in steps:
+        out = steps_shape(shape, [(kind, arg)])
+        if kind == "view":
+            m.view(out)
+        elif kind == "permute":
+            m.permute(arg)
+        elif kind == "expand":
+            m.expand(shape, out)
+        else:
+            m.slice(arg[0] % len(shape), *arg[1:])
+        shape = out
+    return shape
+
+
+def _restrict(m: _Map, shape: tuple[int, ...], dst: Layout, rank: int, world: int) -> None:
+    """``m`` over global output coordinates cut to rank ``rank``'s output buffer."""
+    if world > 1 and dst.kind == "rows":
+        r0, r1 = layout_runs(shape, dst, rank, world)[0][:2]
+        m.dims = [m._normal([s for d in m.dims[:-1] for s in d]), m.dims[-1]]
+        m.slice(0, r0, r1, 1)
+    elif world > 1 and dst.kind == "shard" and dst.zigzag:
+        m.select(dst.dim, 2 * world, (rank, 2 * world - 1 - rank))
+    elif world > 1 and dst.kind == "shard":
+        lo, hi = shard_range(shape[dst.dim], rank, world)
+        m.slice(dst.dim, lo, hi, 1)
+
+
+def _axes(m: _Map) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F, G): m at output buffer (i, j) is F[i] + G[j]."""
+    rows = _values([s for d in m.dims[:-1] for s in d]) + m.base
+    return rows, _values(m.dims[-1]) if m.dims else torch.zeros(1, dtype=torch.int64)
+
+
 def _rank_maps(
     shape: tuple[int, ...], steps: Steps, src: Layout, dst: Layout, rank: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -441,30 +477,52 @@ def _rank_maps(
     buffer of its output buffer's elements), or None when the steps have no sub-dim form."""
     m = _input_map(shape, src, rank, world)
     try:
-        for kind, arg in steps:
-            out = steps_shape(shape, [(kind, arg)])
-            if kind == "view":
-                m.view(out)
-            elif kind == "permute":
-                m.permute(arg)
-            elif kind == "expand":
-                m.expand(shape, out)
-            else:
-                m.slice(arg[0] % len(shape), *arg[1:])
-            shape = out
-        if world > 1 and dst.kind == "rows":
-            r0, r1 = layout_runs(shape, dst, rank, world)[0][:2]
-            m.dims = [m._normal([s for d in m.dims[:-1] for s in d]), m.dims[-1]]
-            m.slice(0, r0, r1, 1)
-        elif world > 1 and dst.kind == "shard" and dst.zigzag:
-            m.select(dst.dim, 2 * world, (rank, 2 * world - 1 - rank))
-        elif world > 1 and dst.kind == "shard":
-            lo, hi = shard_range(shape[dst.dim], rank, world)
-            m.slice(dst.dim, lo, hi, 1)
+        _restrict(m, _run_steps(m, shape, steps), dst, rank, world)
     except _NoMap:
         return None
-    rows = _values([s for d in m.dims[:-1] for s in d]) + m.base
-    return rows, _values(m.dims[-1]) if m.dims else torch.zeros(1, dtype=torch.int64)
+    return _axes(m)
+
+
+@lru_cache(maxsize=256)
+def _feasible(shape: tuple, steps: Steps, src: Layout, dst: Layout, world: int) -> int | None:
+    """The first rank that lacks an element its output part needs, or None.
+
+    By index arithmetic: the map of each output element to the input coordinate that decides
+    its holder (the flat row, the sharded dim's index, or its zigzag chunk), checked against the
+    rank's range: where[i, j] = F[i] + G[j] takes every sum, so its extremes (or, for chunks,
+    its few distinct values) decide. Chains with no sub-dim form are checked element by element.
+    """
+    if src.kind == "replicate" or world == 1:
+        return None
+    zero = [[(n, 0, None)] for n in shape]
+    if src.kind == "rows":
+        zero = [[(n, s, None)] for n, s in zip(shape, _contiguous(shape[:-1]), strict=False)]
+        zero.append([(shape[-1], 0, None)])
+    elif src.zigzag:
+        zero[src.dim] = [(2 * world, 1, None), (shape[src.dim] // (2 * world), 0, None)]
+    else:
+        zero[src.dim] = [(shape[src.dim], 1, None)]
+    try:
+        coords = _Map(0, zero)
+        out_shape = _run_steps(coords, shape, steps)
+        for r in range(world):
+            m = _Map(coords.base, coords.dims)
+            _restrict(m, out_shape, dst, r, world)
+            rows, cols = _axes(m)
+            if src.kind == "shard" and src.zigzag:
+                sums = rows.unique()[:, None] + cols.unique()[None, :]
+                if not bool(((sums == r) | (sums == 2 * world - 1 - r)).all()):
+                    return r
+                continue
+            if src.kind == "rows":
+                lo, hi = layout_runs(shape, src, r, world)[0][:2]
+            else:
+                lo, hi = shard_range(shape[src.dim], r, world)
+            if int(rows.min() + cols.min()) < lo or int(rows.max() + cols.max()) >= hi:
+                return r
+        return None
+    except _NoMap:
+        return _feasible_by_holding(shape, steps, src, dst, world)
 
 
 def tile_gathers(
