@@ -4,7 +4,9 @@ moe_dispatch_combine graphs, compared with the sequential CPU runtime on the sam
 inputs (random, never zeros): each body's outputs (only the rows the counts say are filled:
 the rest is never written) and the op's output against its torch reference. Routings: random,
 experts left empty, experts filled to capacity, and (capacity_factor 1) experts sent more
-tokens than their segments hold, which drop the later ones. Prints one JSON line per case."""
+tokens than their segments hold, which drop the later ones. Every case also reports the op's
+``dropped`` output (the picks the route bodies dropped, per source rank and expert) beside the
+CPU runtime's and the torch reference's (from kept_picks). Prints one JSON line per case."""
 
 from __future__ import annotations
 
@@ -58,13 +60,15 @@ def emit(case: str, **row: object) -> None:
     print(json.dumps({"case": case, **row}), flush=True)
 
 
-def one_rank(routing: str, seed: int, drop: bool = False) -> None:
+def one_rank(routing: str, seed: int, drop: bool = False, T_loc: int = 32,
+             **options: object) -> None:  # fmt: skip
     """1x1: every body's output region against the CPU runtime's, filled rows only."""
-    g = build("1x1", **(DROP if drop else {}))
+    g = build("1x1", T_loc=T_loc, **{**(DROP if drop else {}), **options})
     inputs = inputs_for(g, routing, seed)
     want = execute_sequential(g, inputs)
     rt = TritonRuntime(mg.schedule(g), interpret=True)
-    out = rt.run(inputs).outputs["out"]  # poisoned with NaN first: unwritten rows would show
+    outputs = rt.run(inputs).outputs  # poisoned with NaN first: unwritten rows would show
+    out = outputs["out"]
     got = {b: v.clone() for b, v in rt.views.items()}
     segment = g.buffers["send@0"].rows // g.params["E"]  # the capacity of a segment
     counts = want["counts@0"]
@@ -79,11 +83,16 @@ def one_rank(routing: str, seed: int, drop: bool = False) -> None:
         "expert-back": rel(got["back@0"][rows], want["back@0"][rows]),
         "combine-out": rel(out, want["out@0"]),
     }
-    reference = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
-    errors["op-reference"] = rel(out, reference)
+    reference = mg.ops.get_op(OP).run_reference(inputs, g.params)
+    errors["op-reference"] = rel(out, reference["out"])
+    dropped = {
+        "dropped": outputs["dropped"].flatten().tolist(),
+        "dropped_cpu": want["dropped@0"].flatten().tolist(),
+        "dropped_reference": reference["dropped"].flatten().tolist(),
+    }
     for body, err in errors.items():
         emit(f"1x1-{routing}{'-drop' if drop else ''}-{seed}-{body}", error=err, segment=segment,
-             counts=counts.flatten().tolist(), nan=bool(out.isnan().any()))  # fmt: skip
+             counts=counts.flatten().tolist(), nan=bool(out.isnan().any()), **dropped)  # fmt: skip
 
 
 def two_ranks(routing: str, seed: int, launches: int = 1, drop: bool = False) -> None:
@@ -92,14 +101,16 @@ def two_ranks(routing: str, seed: int, launches: int = 1, drop: bool = False) ->
     options = {**DROP, "expert_rows": 8} if drop else {}  # drop: segments of 8 of 16 rows
     g = build("1x2", T_loc=16, E_loc=3, group=1, **options)
     inputs = inputs_for(g, routing, seed)
-    want = mg.run(mg.schedule(g), inputs).outputs["out"]
-    reference = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
-    out = run_in_process(mg.schedule(g), inputs, launches=launches)["out"]
+    want = mg.run(mg.schedule(g), inputs).outputs
+    reference = mg.ops.get_op(OP).run_reference(inputs, g.params)
+    got = run_in_process(mg.schedule(g), inputs, launches=launches)
+    out = got["out"]
     kinds = sorted({t.kind for t in g.tasks})
-    for what, err in (("runtime", rel(out, want)), ("reference", rel(out, reference))):
-        emit(f"1x2-{routing}{'-drop' if drop else ''}-{seed}-x{launches}-{what}", error=err,
-             kinds=kinds, segment=g.buffers["send@0"].rows // g.params["E"],
-             nan=bool(out.isnan().any()))  # fmt: skip
+    for what, other in (("runtime", want), ("reference", reference)):
+        emit(f"1x2-{routing}{'-drop' if drop else ''}-{seed}-x{launches}-{what}",
+             error=rel(out, other["out"]), kinds=kinds,
+             segment=g.buffers["send@0"].rows // g.params["E"], nan=bool(out.isnan().any()),
+             dropped=got["dropped"].tolist(), dropped_other=other["dropped"].tolist())  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -109,6 +120,10 @@ if __name__ == "__main__":
         for routing, seed in (("random", 0), ("empty", 1), ("full", 2)):
             one_rank(routing, seed)
         one_rank("full", 6, drop=True)
+        # 64 tokens (two of the route body's token blocks, its drop counts carried from the
+        # first to the second) and segments of 16 rows for a mean load of 21: a random
+        # routing that overflows some segments by a few picks
+        one_rank("random", 8, drop=True, T_loc=64, capacity_factor=0.5)
     if "two" in which:
         two_ranks("random", 3, launches=2)
         two_ranks("empty", 4)

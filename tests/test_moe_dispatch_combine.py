@@ -116,12 +116,18 @@ def test_skewed_router_drops_by_the_policy():
                 drop[t, e] = seen[e] > 8
     assert drop[:, 5].sum() == 8 * 8
     want = dense_moe(**inputs, top_k=2, drop=drop)
-    got = run_sequential(g, inputs)["out"]
+    got_all = run_sequential(g, inputs)
+    got = got_all["out"]
     assert rel_err(got.double(), want) < 1e-4
     assert rel_err(op.run_reference(inputs, g.params)["out"].double(), want) < 1e-4
     assert rel_err(dense_moe(**inputs, top_k=2), want) > 1e-2  # the drops do change the output
     _, _, kept = kept_picks(inputs["router_logits"], 2, T_loc, 8)
     assert (~kept).sum() == drop.sum()
+    # ... and the op says so: per (source rank, expert) the picks it dropped, exact
+    per_source = drop.view(8, T_loc, 16).sum(1).float()
+    assert torch.equal(got_all["dropped"], per_source)
+    assert torch.equal(op.run_reference(inputs, g.params)["dropped"], per_source)
+    assert got_all["dropped"].sum() == 8 * 8 and got_all["dropped"][:, 5].tolist() == [8.0] * 8
 
 
 @pytest.mark.parametrize("capacity", [12, 5])
@@ -137,9 +143,10 @@ def test_route_tile_packs_segments(capacity):
     meta = torch.full((E * capacity, 3), float("nan"))
     counts = torch.full((E // E_loc, E_loc), float("nan"))
     pick_rows, pick_weights = torch.full((2, T_loc, E), float("nan"))
+    dropped = torch.full((1, E), float("nan"))
     params = {"top_k": k, "experts_per_rank": E_loc, "expert0": 0, "capacity": capacity}
     task = Task(0, "route", 0, "compute", "moe_route", [], [], params=params)
-    writes = [send, meta, counts, pick_rows, pick_weights]
+    writes = [send, meta, counts, pick_rows, pick_weights, dropped]
     kind_spec("moe_route").run_cpu(task, [x, logits], writes)
     weights, experts = torch.softmax(logits.topk(k).values, -1), logits.topk(k).indices
     seen = torch.zeros(T_loc, dtype=torch.long)
@@ -164,12 +171,16 @@ def test_route_tile_packs_segments(capacity):
         assert seg[n:].isnan().all() and seg_meta[n:].isnan().all()
         seen[tokens] += 1
     assert counts.view(-1)[4] == capacity  # exactly full
+    hits = torch.zeros(T_loc, E).scatter_(1, experts, 1.0).sum(0)  # picks per expert
+    # every pick is either packed (counted) or reported dropped
+    assert (dropped.view(-1) + counts.view(-1)).tolist() == hits.tolist()
     if capacity == T_loc:
         assert (seen == k).all() and counts.sum() == T_loc * k
+        assert (dropped == 0).all()
     else:  # every token picked expert 4; only the first `capacity` kept it
         assert (seen[:capacity] == k).all() and (seen[capacity:] < k).any()
-        hits = torch.zeros(T_loc, E).scatter_(1, experts, 1.0)
-        assert counts.view(-1).tolist() == hits.sum(0).clamp(max=capacity).tolist()
+        assert counts.view(-1).tolist() == hits.clamp(max=capacity).tolist()
+        assert dropped[0, 4] == T_loc - capacity
 
 
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
@@ -265,6 +276,8 @@ def test_kinds_have_bodies_and_costs():
 def test_bf16():
     g = build("2x1", dtype=torch.bfloat16, T_loc=16)
     assert g.buffers["send@0"].dtype == "bfloat16" and g.buffers["send_meta@0"].dtype == "float32"
+    # the drop counts stay float32 (exact below 2**24) whatever the graph's dtype
+    assert g.outputs["dropped"].dtype == "float32" and g.outputs["dropped"].shape == (2, 4)
     check_graph(g, tol=2e-2)
 
 
@@ -330,3 +343,44 @@ def test_issue_shape_fits_in_gpu_memory():
 def test_capacity_factor_must_be_positive(factor):
     with pytest.raises(mg.OptionError, match="capacity_factor"):
         build("1x2", capacity_factor=factor)
+
+
+def test_traced_block_returns_only_the_module_output():
+    """Inside a traced Program the op node has one output (the module's): the route tiles still
+    count their drops, into a scratch buffer per rank, and the Program returns the module's
+    output alone. Segments bounded on purpose (capacity_factor 1: 4 rows of 16 tokens per rank)
+    and a router that sends every token to expert 2, so the traced graph does drop, as its
+    standalone twin reports."""
+    torch.manual_seed(0)
+    T, H, E, k, F_ = 32, 16, 8, 2, 32
+
+    class Expert(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(H, F_, bias=False)
+            self.up_proj = torch.nn.Linear(H, F_, bias=False)
+            self.down_proj = torch.nn.Linear(F_, H, bias=False)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.top_k = k
+            self.experts = torch.nn.ModuleList(Expert() for _ in range(E))
+
+        def forward(self, x, logits):  # traced as a leaf under ExpertParallel
+            raise AssertionError("not called: the plan lowers the block as a unit")
+
+    x, logits = torch.randn(T, H), torch.randn(T, E)
+    logits[:, 2] += 50.0
+    options = {"capacity_factor": 1.0, "expert_rows": 4}
+    plan = {"": mg.ExpertParallel(options=options)}
+    prog = mg.compile(Block(), (x, logits), plan=plan, topology="1x2")
+    assert list(prog.graph.outputs) == prog.opgraph.output_names == ["out"]
+    scratch = [b for b in prog.graph.buffers.values() if b.name.endswith("/dropped")]
+    assert len(scratch) == 2 and all(b.role == "scratch" and b.dtype == "float32" for b in scratch)
+    got = prog(x, logits)
+    assert isinstance(got, torch.Tensor) and got.shape == (T, H)
+    alone = mg.ops.moe_dispatch_combine(T=T, H=H, E=E, top_k=k, F=F_, topology="1x2", **options)
+    inputs = mg.ops.get_op(OP).random_inputs(alone, seed=0)
+    inputs["router_logits"] = logits
+    assert mg.run(mg.schedule(alone), inputs).outputs["dropped"][:, 2].tolist() == [12.0, 12.0]

@@ -39,6 +39,15 @@ def routed(kind: str, topology: str, E: int, seed: int) -> tuple[mg.TaskGraph, d
     return g, inputs
 
 
+def dropped_by_count(graph: mg.TaskGraph, logits: torch.Tensor) -> torch.Tensor:
+    """[W, E]: the picks of each (source rank, expert) past the segment capacity, counted from
+    torch's topk alone (the drop policy keeps the first C; how many it drops needs no order)."""
+    W, E, k = graph.topology.world_size, graph.params["E"], graph.params["top_k"]
+    C = graph.buffers["send@0"].rows // E
+    picks = torch.zeros(logits.shape[0], E).scatter_(1, logits.float().topk(k).indices, 1.0)
+    return (picks.view(W, -1, E).sum(1) - C).clamp(min=0)
+
+
 @pytest.mark.parametrize("topology", ["1x4", "2x2", "2x4"])
 @pytest.mark.parametrize("kind", ["random", "empty", "full"])
 def test_exact_on_both_runtimes(topology, kind):
@@ -46,10 +55,19 @@ def test_exact_on_both_runtimes(topology, kind):
     for seed in (0, 1):
         g, inputs = routed(kind, topology, E, seed)
         g.validate()
-        want = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
-        assert rel_err(run_sequential(g, inputs)["out"], want) < 1e-4
-        got = mg.run(mg.schedule(g), inputs).outputs["out"]  # threads, NaN-free output
-        assert not got.isnan().any() and rel_err(got, want) < 1e-4
+        want = mg.ops.get_op(OP).run_reference(inputs, g.params)
+        lost = dropped_by_count(g, inputs["router_logits"])
+        assert torch.equal(want["dropped"], lost)
+        seq = run_sequential(g, inputs)
+        assert rel_err(seq["out"], want["out"]) < 1e-4 and torch.equal(seq["dropped"], lost)
+        got = mg.run(mg.schedule(g), inputs).outputs  # threads, NaN-free output
+        assert not got["out"].isnan().any() and rel_err(got["out"], want["out"]) < 1e-4
+        assert torch.equal(got["dropped"], lost)
+        if kind == "full" and topology == "2x4":  # segments of 8 rows: experts 0 and 3 of
+            # every source rank get all its 16 tokens and drop 8 picks each, nothing else drops
+            assert lost[:, [0, 3]].eq(8).all() and lost.sum() == 8 * 2 * 8
+        else:
+            assert lost.sum() == 0
 
 
 def test_capacity_cannot_overflow():
@@ -133,6 +151,9 @@ def test_relaunch_with_another_routing():
     rt = ReferenceRuntime(mg.schedule(build("2x4")))
     for kind, seed in (("full", 0), ("empty", 1), ("random", 2)):
         g, inputs = routed(kind, "2x4", 16, seed)
-        want = mg.ops.get_op(OP).run_reference(inputs, g.params)["out"]
-        got = rt.run(inputs).outputs["out"]
-        assert not got.isnan().any() and rel_err(got, want) < 1e-4, kind
+        want = mg.ops.get_op(OP).run_reference(inputs, g.params)
+        got = rt.run(inputs).outputs
+        assert not got["out"].isnan().any() and rel_err(got["out"], want["out"]) < 1e-4, kind
+        # counts rewritten every launch: the full routing's drops do not stay
+        assert torch.equal(got["dropped"], dropped_by_count(g, inputs["router_logits"])), kind
+        assert torch.equal(got["dropped"], want["dropped"]), kind

@@ -3,7 +3,9 @@
 Tokens ``x [T, H]`` and ``router_logits [T, E]`` are sharded along T (rank r holds T_loc = T/W
 rows); expert weights are sharded along E (rank r owns E_loc = E/W experts). ``out [T, H]`` is
 sharded like ``x``. Per token: weights, experts = softmax over its top_k logits; out = sum of
-weight * SwiGLU_expert(x).
+weight * SwiGLU_expert(x). A second output, ``dropped [W, E]`` (float32, row r on rank r), counts
+the picks of rank r's tokens for expert e that the drop policy dropped (see "Capacity"): its sum
+is the number of dropped picks, 0 when ``out`` equals a dense MoE's.
 
 Lowering (a static graph; the CONTENTS of its buffers are data-dependent, see moe_tiles.py).
 Experts go in groups of ``expert_group`` consecutive experts of one rank: the unit of routing
@@ -13,7 +15,7 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
    fp32 metadata rows, the group's entries of ``counts[s]`` [W, E_loc] (the filled rows of each
    segment; row d: destination d's experts) and its columns of the picks map (``pick_rows`` /
    ``pick_weights`` [T_loc, E]: where each token's outputs will land in ``back[s]``, and their
-   weights). Segments of destination d's experts are contiguous: one block per (s, d) pair.
+   weights) and of s's row of ``dropped`` (picks past a segment's capacity). Segments of destination d's experts are contiguous: one block per (s, d) pair.
 2. dispatch: d's row of the counts, then each group's rows and metadata, go to ``recv[d]`` (slot
    of s). Inside a node: NVLink ``moe_move`` tasks that copy only the filled rows of each
    segment. Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network
@@ -50,12 +52,17 @@ four times its share of a rank's tokens drops). A ``capacity_factor`` >= E / top
 T_loc: nothing is ever dropped. Drop policy, identical on every backend and in the reference:
 per (source rank, expert), the first C picks in ascending token order are kept; a dropped pick
 contributes nothing to its token's output and the token's other weights are not renormalised
-(Switch/GShard token dropping). ``kept_picks`` says which picks a routing drops, from the logits
-alone (benchmarks report it). With B = E_loc * C rows per (source, destination) block and R
-relay slots per rank ((nodes - 1) * (gpus_per_node - 1)), the buffers of one rank hold
-(2W + 2(W - 1) + 2R) * B rows of H (send, back, recv, ret, relay, relay_ret), W * B rows of F
-(hidden), (2W - 1 + R) * B rows of META_COLS fp32, the picks map (2 * T_loc * E fp32), the
-counts and the rank's shards of the inputs, weights and output (``rank_bytes``).
+(Switch/GShard token dropping). The op's drops are not silent: the route tiles count the picks
+they drop in ``dropped`` and the reference returns the same counts (from ``kept_picks``, which
+says which picks a routing drops, from the logits alone). Inside a traced Program the op's node
+has one output, the module's, so there ``dropped`` is a scratch buffer per rank, written and not
+returned: ExpertParallel keeps every token by default (capacity_factor E / top_k), but a plan
+that bounds it with ``options`` does not see its drops. With B = E_loc * C rows per (source,
+destination) block and R relay slots per rank ((nodes - 1) * (gpus_per_node - 1)), the buffers
+of one rank hold (2W + 2(W - 1) + 2R) * B rows of H (send, back, recv, ret, relay, relay_ret),
+W * B rows of F (hidden), (2W - 1 + R) * B rows of META_COLS fp32, the picks map (2 * T_loc * E
+fp32), the rank's row of ``dropped`` (E fp32), the counts and the rank's shards of the inputs,
+weights and output (``rank_bytes``).
 
 The graph's params record ``world_size``: the reference needs it (the drop policy is per source
 rank).
@@ -89,7 +96,7 @@ moe_dispatch_combine = OpDef(
     "moe_dispatch_combine",
     dims=("T", "H", "E", "top_k", "F"),
     inputs=("x", "router_logits", "w_gate", "w_up", "w_down"),
-    outputs=("out",),
+    outputs=("out", "dropped"),
 )
 
 OP = "moe_dispatch_combine"
@@ -127,6 +134,7 @@ def _shapes(
         "w_up": (E, H, F),
         "w_down": (E, F, H),
         "out": (T, H),
+        "dropped": (world, E),
     }
 
 
@@ -177,7 +185,7 @@ def rank_bytes(
     rows_h = (2 * W + 2 * (W - 1) + 2 * R) * B  # send, back, recv, ret, relay, relay_ret
     meta = (2 * W - 1 + R) * B * META_COLS * 4
     counts = (2 * W - 1 + R) * E_loc * 4
-    picks = 2 * T_loc * E * 4
+    picks = (2 * T_loc + 1) * E * 4  # the picks map and the rank's row of dropped
     shards = (2 * T_loc * H + T_loc * E + 3 * E_loc * H * F) * itemsize  # x, out, logits, weights
     return (rows_h * H + W * B * F) * itemsize + meta + counts + picks + shards
 
@@ -205,13 +213,15 @@ def _reference(
     T_loc = T // world_size
     capacity = segment_capacity(T_loc, E, top_k, capacity_factor, min(expert_rows, T_loc))
     weights, experts, kept = kept_picks(router_logits, top_k, T_loc, capacity)
+    lost = torch.zeros(T, E, dtype=torch.float32, device=x.device)
+    lost.scatter_(1, experts, (~kept).float())  # a token picks an expert at most once
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(w_gate.shape[0]):
         token, slot = ((experts == e) & kept).nonzero(as_tuple=True)
         if token.numel():
             y = swiglu(x[token], w_gate[e], w_up[e], w_down[e])
             out.index_add_(0, token, y * weights[token, slot, None])
-    return {"out": out.to(x.dtype)}
+    return {"out": out.to(x.dtype), "dropped": lost.view(world_size, T_loc, E).sum(1)}
 
 
 @moe_dispatch_combine.make_inputs
@@ -253,6 +263,15 @@ def _lower(
         )
     b.params["world_size"] = b.world  # the reference's drop policy is per source rank
     _Lowering(b, T, H, E, top_k, F, tiles, capacity_factor).run()
+
+
+def _binds(b: GraphBuilder, output: str) -> bool:
+    """Whether this lowering has a place for ``output``. An op inside a traced Program is
+    lowered through lower._OpScope, which binds only the outputs its node has, and the tracer
+    gives a node one, the module's result: there ``dropped`` stays a scratch buffer (still
+    written, read by nobody)."""
+    node = getattr(b, "node", None)  # lower._OpScope's traced node; a plain builder has none
+    return node is None or output in node.outputs
 
 
 class _Lowering:
@@ -318,6 +337,8 @@ class _Lowering:
         for name, shape in (("w_gate", (E, H, F)), ("w_up", (E, H, F)), ("w_down", (E, F, H))):
             b.global_input(name, shape)
         b.global_output("out", (T, H))
+        if _binds(b, "dropped"):
+            b.global_output("dropped", (W, E), dtype="float32")
         by_token = {r: shard_range(T, r, W) for r in topo.ranks}
         by_expert = {r: shard_range(E, r, W) for r in topo.ranks}
 
@@ -331,6 +352,13 @@ class _Lowering:
         self.w_up = [bind("w_up", r, by_expert[r]) for r in topo.ranks]
         self.w_down = [bind("w_down", r, by_expert[r]) for r in topo.ranks]
         self.out = [bind("out", r, by_token[r], role="output") for r in topo.ranks]
+        # Rank r's row of dropped: the picks its route tiles dropped, per expert.
+        self.dropped = [
+            bind("dropped", r, (r, r + 1), role="output")
+            if "dropped" in b.outputs
+            else b.buffer("dropped", r, 1, E, dtype="float32")
+            for r in topo.ranks
+        ]
 
         def data(name: str, slots: int) -> list[Buffer]:
             return [b.buffer(name, r, slots * self.block, H) for r in topo.ranks]
@@ -423,6 +451,7 @@ class _Lowering:
                     self.counts[s].region((d, d + 1), cols=cols),
                     self.pick_rows[s].region(cols=picks),
                     self.pick_weights[s].region(cols=picks),
+                    self.dropped[s].region(cols=picks),
                 ]
                 task = self.b.task(
                     s,

@@ -11,8 +11,9 @@ lowering derives it from its ``capacity_factor`` option, at most T_loc); the tok
 ``e`` fill its first rows in ascending token order. Drop policy: when more than ``C`` of the
 source's tokens pick ``e``, the first ``C`` of them (ascending token index) keep that pick and the
 others lose it: their row is not sent, their picks map entry says "not picked", so their output
-sums their other picks only (weights are not renormalised). A token picks an expert at most once,
-so ``C = T_loc`` never drops. Metadata columns (``META_COLS``): token index (local to the source
+sums their other picks only (weights are not renormalised). The route tile writes how many picks
+of each expert it dropped to its ``dropped`` region (fp32, one entry per expert of its group), so
+a drop is never silent. A token picks an expert at most once, so ``C = T_loc`` never drops. Metadata columns (``META_COLS``): token index (local to the source
 rank), routing weight, local expert index. ``back`` (the expert outputs, home again) has the send
 layout.
 
@@ -126,24 +127,28 @@ def combine_flops(rows: float, cols: int) -> float:
 
 
 # -- moe_route: reads [x (T_loc, H), logits (T_loc, E)], writes [send (G*C, H), meta, counts
-# (1, G), pick_rows (T_loc, G), pick_weights (T_loc, G)] for the group of G experts at expert0,
-# C = params["capacity"] rows per segment --------------------------------------------------------
+# (1, G), pick_rows (T_loc, G), pick_weights (T_loc, G), dropped (1, G)] for the group of G
+# experts at expert0, C = params["capacity"] rows per segment ------------------------------------
 @ROUTE.cpu
 def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     x, logits = reads
-    send, meta, counts, pick_rows, pick_weights = writes
+    send, meta, counts, pick_rows, pick_weights, dropped = writes
     per_rank, first = task.params["experts_per_rank"], task.params["expert0"]
     capacity = task.params["capacity"]
     weights, experts = route_topk(logits, task.params["top_k"])
     flat = counts.view(-1)
     flat.zero_()
+    lost = dropped.view(-1)
+    lost.zero_()
     pick_rows.fill_(-1.0)
     pick_weights.zero_()
     for j in range(flat.numel()):
         e = first + j
         # nonzero() lists tokens in ascending order, as the Triton body packs them; the first
-        # `capacity` keep the pick (the drop policy of the module docstring).
+        # `capacity` keep the pick (the drop policy of the module docstring), the rest are
+        # counted as dropped.
         token, slot = (experts == e).nonzero(as_tuple=True)
+        lost[j] = max(token.numel() - capacity, 0)
         token, slot = token[:capacity], slot[:capacity]
         n = token.numel()
         if n == 0:
@@ -271,7 +276,8 @@ if HAVE_TRITON:
         index) and the softmax denominator over its k picks; then, per expert of the group, a
         token is picked when its logit ranks at or above that threshold, its row in the segment
         is the running count plus its exclusive prefix among the block's picked tokens; a row at
-        or past the segment's capacity is dropped (the module docstring's policy)."""
+        or past the segment's capacity is dropped (the module docstring's policy) and counted in
+        the expert's entry of the dropped region."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         top_k = param_i32(params, tp, 0)
@@ -285,8 +291,10 @@ if HAVE_TRITON:
         cp, _c_stride, _nc, G = _corner(regions, bufaddr, bufcols, w0 + 2, _F32)
         rp, r_stride, _nr, _gr = _corner(regions, bufaddr, bufcols, w0 + 3, _F32)
         wp, w_stride, _nw, _gw = _corner(regions, bufaddr, bufcols, w0 + 4, _F32)
+        dp, _d_stride, _nd, _gd = _corner(regions, bufaddr, bufcols, w0 + 5, _F32)
         for j in range(G):
             tl.store(cp + j, 0.0)  # the running counts of the group's segments
+            tl.store(dp + j, 0.0)  # and of the picks they dropped
         tl.debug_barrier()
         for t0 in range(0, T, _TB):
             ot = t0 + tl.arange(0, _TB)
@@ -324,6 +332,7 @@ if HAVE_TRITON:
                 picked = tok & ((le > pv) | ((le == pv) & (e <= pi)))
                 hit = picked.to(tl.int32)
                 n = tl.load(cp + j).to(tl.int32)
+                lost = tl.load(dp + j)
                 pos = n + tl.cumsum(hit, 0) - hit
                 # the drop policy: picks past the segment's capacity are not sent nor mapped
                 kept = picked & (pos < cap)
@@ -342,8 +351,9 @@ if HAVE_TRITON:
                         both = kept[:, None] & (oh < H)[None, :]
                         xv = tl.load(xp + ot64[:, None] * x_stride + oh[None, :], mask=both)
                         tl.store(sp + row[:, None] * s_stride + oh[None, :], xv, mask=both)
-                tl.debug_barrier()  # every thread has read the count before it changes
+                tl.debug_barrier()  # every thread has read the counts before they change
                 tl.store(cp + j, (n + filled).to(tl.float32))
+                tl.store(dp + j, lost + (tl.sum(hit, 0) - filled).to(tl.float32))
                 tl.debug_barrier()
 
     @triton.jit
