@@ -19,7 +19,10 @@ checked against the baseline's output (NaN-poisoned outputs first; relative erro
 runtime refuses is reported as a row with its error. The mgraph row also says the segment
 capacity (rows per source rank and expert, from --capacity-factor: the op's default when not
 given), the buffers' GiB per rank, and how many of all ranks' picks the op's drop policy drops
-for these logits (0 expected: the baseline drops none, so a drop shows as an error). Medians of
+for these logits (``dropped_picks``, from the logits by ``kept_picks``; 0 expected: the baseline
+drops none, so a drop shows as an error) beside the count the kernel itself reported in the op's
+``dropped`` output (``dropped_kernel``, after the first and the last launch); ``dropped_agree``
+says whether the two agree per rank and expert, exactly (the row has an error when not). Medians of
 CUDA-event times, max over ranks. Router logits are a random permutation of E distinct values per token (exact in bf16),
 so no two experts tie at the k-th place and both sides pick the same experts.
 
@@ -159,6 +162,23 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def drops_by_expert(logits: torch.Tensor, top_k: int, segment: int) -> torch.Tensor:
+    """[E] float32: this rank's picks per expert that the op's drop policy drops (kept_picks on
+    the rank's logits: its tokens are one source rank), what the op's ``dropped`` row holds."""
+    from mgraph.ops.moe_dispatch_combine import kept_picks
+
+    _, experts, kept = kept_picks(logits, top_k, logits.shape[0], segment)
+    lost = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return lost.scatter_(1, experts, (~kept).float()).sum(0)
+
+
+def summed(value: torch.Tensor, op=dist.ReduceOp.SUM) -> float:
+    """``value`` (one element) reduced over the ranks."""
+    value = value.reshape(1).float().to("cuda")  # NCCL reduces CUDA tensors only
+    dist.all_reduce(value, op=op)
+    return value.item()
+
+
 class Bench:
     def __init__(self, args) -> None:
         self.args, self.rank, self.world = args, dist.get_rank(), dist.get_world_size()
@@ -186,7 +206,7 @@ class Bench:
         return want
 
     def mgraph(self, local: dict[str, torch.Tensor], want: torch.Tensor) -> None:
-        from mgraph.ops.moe_dispatch_combine import kept_picks, rank_bytes
+        from mgraph.ops.moe_dispatch_combine import rank_bytes
         from mgraph.runtime.megakernel import TritonRuntime
         from mgraph.runtime.memory import worst_tile_error
 
@@ -202,31 +222,37 @@ class Bench:
                 H=a.hidden, E=a.experts, top_k=a.top_k, F=a.ffn, **options,
             )  # fmt: skip
             segment = graph.buffers["send@0"].rows // a.experts
-            _, _, kept = kept_picks(local["router_logits"], a.top_k, a.tokens, segment)
-            dropped = torch.tensor([(~kept).sum().item()], device=kept.device)
-            dist.all_reduce(dropped)
+            lost = drops_by_expert(local["router_logits"], a.top_k, segment)
             sizes = {"T": a.tokens * self.world, "H": a.hidden, "E": a.experts, "top_k": a.top_k,
                      "F": a.ffn, "itemsize": 2, "expert_rows": a.expert_rows}  # fmt: skip
             if a.capacity_factor is not None:
                 sizes["capacity_factor"] = a.capacity_factor
-            memory = {"segment_rows": segment, "dropped_picks": int(dropped.item()),
+            memory = {"segment_rows": segment, "dropped_picks": int(summed(lost.sum())),
                       "gib_per_rank": round(rank_bytes(1, self.world, **sizes) / 2**30, 2)}  # fmt: skip
             sched = mg.schedule(graph)
             built = time.time() - start
             rt = TritonRuntime(sched)
-            got = rt.run(local).outputs["out"]  # outputs NaN-poisoned before the launch
+            first = rt.run(local).outputs  # outputs NaN-poisoned before the launch
+            got = first["out"]
+            # the kernel's own count (this rank's row of dropped), read before the relaunches
+            counted = first["dropped"].reshape(-1).clone()
             err, tile = rel(got, want), worst_tile_error(got, want)
             ms = slowest_median(samples(rt.launch, a.warmup, a.reps))
             rt.check()
-            again = rt.run(local).outputs["out"]  # after warmup + reps relaunches
-            err_again = rel(again, want)
+            last = rt.run(local).outputs  # after warmup + reps relaunches
+            err_again = rel(last["out"], want)
+            agree = torch.equal(counted, lost) and torch.equal(last["dropped"].reshape(-1), lost)
+            drops = {"dropped_kernel": int(summed(counted.sum())),
+                     "dropped_kernel_after": int(summed(last["dropped"].sum())),
+                     "dropped_agree": summed(torch.tensor(float(agree)), dist.ReduceOp.MIN) == 1}  # fmt: skip
         except Exception as exc:  # a graph the runtime refuses (or fails on) is reported
             self.add("mgraph", float("nan"), **options, error=repr(exc)[:400])
             return
         self.add("mgraph", ms, **options, tasks=len(graph.tasks), rel_err=round(err, 5),
                  worst_tile_err=round(tile, 5), rel_err_after=round(err_again, 5),
-                 launches=rt.epoch, build_s=round(built, 1), **memory,
-                 **rt.kernel_info())  # fmt: skip
+                 launches=rt.epoch, build_s=round(built, 1), **memory, **drops,
+                 **rt.kernel_info(), **({} if drops["dropped_agree"] else
+                 {"error": "the kernel's dropped counts differ from kept_picks"}))  # fmt: skip
         del rt
         gc.collect()
         torch.cuda.empty_cache()
@@ -250,6 +276,17 @@ def smoke() -> None:
     err = rel(got, want[tokens])
     print(json.dumps({"smoke": "torch_a2a", "rank": rank, "grouped": GROUPED, "rel_err": err}))
     assert err < 1e-5, err
+    # The drop count the mgraph row compares with the kernel's, against the op's reference, on
+    # a router that sends every token to expert 1 (segments of 8 of 16 rows: 8 dropped).
+    skewed = mg.ops.get_op(OP)(topology=f"1x{world}", T=T_loc * world, H=32, E=E_loc * world,
+                               top_k=k, F=48, expert_rows=4, capacity_factor=1.0)  # fmt: skip
+    inputs["router_logits"][:, 1] += 50.0
+    segment = skewed.buffers["send@0"].rows // (E_loc * world)
+    lost = drops_by_expert(inputs["router_logits"][tokens], k, segment)
+    want_lost = mg.ops.get_op(OP).run_reference(inputs, skewed.params)["dropped"][rank]
+    print(json.dumps({"smoke": "dropped", "rank": rank, "segment": segment,
+                      "dropped": lost.tolist()}))  # fmt: skip
+    assert torch.equal(lost, want_lost) and lost[1] == T_loc - segment > 0, (lost, want_lost)
     dist.destroy_process_group()
 
 
@@ -263,7 +300,8 @@ def table(rows: list[dict]) -> str:
         vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms else ""
         notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "rel_err", "worst_tile_err",
                                                   "rel_err_after", "segment_rows", "dropped_picks",
-                                                  "gib_per_rank", "error") if k in r)  # fmt: skip
+                                                  "dropped_kernel", "dropped_agree", "gib_per_rank",
+                                                  "error") if k in r)  # fmt: skip
         lines.append(f"| {r['impl']} | {ms:.3f} | {vs_base} | {vs_gemm} | {notes} |")
     return "\n".join(lines) + "\n"
 

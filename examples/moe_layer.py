@@ -6,10 +6,16 @@ data-dependent, so torch.export could not trace it; under ExpertParallel mgraph 
 inside the block at all: it becomes the router (a local GEMM on each rank's tokens) and ONE fused
 moe_dispatch_combine op, with tokens and experts sharded over all ranks. Which rows go where is
 decided at run time by the route tile, so the same static graph is exact for any routing that
-fits its segments: here, 8 experts and top-2, the op's default capacity_factor (4 = E / top_k)
-gives each (source rank, expert) segment room for all of the rank's tokens, so no routing drops
-a token (larger E / top_k than the factor would bound the segments and drop overflowing picks;
-ExpertParallel(options={"capacity_factor": ...}) sets it).
+fits its segments: ExpertParallel sets the op's capacity_factor to E / top_k, which gives each
+(source rank, expert) segment room for all of the rank's tokens, so no routing drops a token, as
+in eager torch (ExpertParallel(options={"capacity_factor": ...}) would bound the segments; the
+Program returns only the layer's output, not how many picks that dropped).
+
+The op alone reports its drops: ``mg.run(graph, inputs).outputs["dropped"]`` ([ranks, experts],
+float32) counts the picks of each rank's tokens that each expert's segment had no room for. The
+end of main() runs the layer's MoE that way with segments of an expert's mean load (4 rows:
+capacity_factor 1), which a random router overflows, and checks the counts against the eager
+routing.
 
     python examples/moe_layer.py
 """
@@ -21,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mgraph as mg
+from mgraph.ops.moe_dispatch_combine import segment_capacity
 
 
 class Expert(nn.Module):
@@ -69,6 +76,20 @@ class MoELayer(nn.Module):
 PLAN = {"moe": mg.ExpertParallel()}
 
 
+def moe_alone(model: MoELayer, x: torch.Tensor, topology: str, **options) -> dict:
+    """The layer's MoE as one moe_dispatch_combine graph run with mg.run (its inputs: the
+    normalised tokens, the router's logits, the experts' weights stacked as [E, in, out])."""
+    moe = model.moe
+    h = model.norm(x).reshape(-1, x.shape[-1])
+    inputs = {"x": h, "router_logits": moe.router(h)}
+    for name, proj in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        inputs[name] = torch.stack([getattr(e, proj).weight.t() for e in moe.experts])
+    E, F_ = inputs["w_gate"].shape[0], inputs["w_gate"].shape[2]
+    graph = mg.ops.moe_dispatch_combine(T=h.shape[0], H=h.shape[1], E=E, top_k=moe.top_k, F=F_,
+                                        topology=topology, **options)  # fmt: skip
+    return mg.run(mg.schedule(graph), inputs).outputs
+
+
 def main(topology: str = "2x2", backend: str = "reference") -> float:
     torch.manual_seed(0)
     model = MoELayer().eval()
@@ -82,6 +103,21 @@ def main(topology: str = "2x2", backend: str = "reference") -> float:
     print(prog.opgraph.to_text())
     print(f"relative error vs eager torch: {err:.2e}")
     assert err < 1e-4, err
+
+    # The op alone, segments of an expert's mean load: the picks past them are dropped, and the
+    # op says how many per (rank, expert): the eager routing's picks past the segment's rows.
+    with torch.no_grad():
+        outputs = moe_alone(model, x, topology, capacity_factor=1.0, expert_rows=4)
+        h = model.norm(x).reshape(-1, x.shape[-1])
+        chosen = model.moe.router(h).topk(model.moe.top_k, dim=-1).indices
+    ranks, E, k = mg.Topology.parse(topology).world_size, len(model.moe.experts), model.moe.top_k
+    T_loc = h.shape[0] // ranks
+    rows = segment_capacity(T_loc, E, k, capacity_factor=1.0, tile_rows=4)  # T_loc * k / E
+    picks = torch.zeros(h.shape[0], E).scatter_(1, chosen, 1.0).view(ranks, T_loc, E).sum(1)
+    dropped = outputs["dropped"]
+    assert torch.equal(dropped, (picks - rows).clamp(min=0)) and dropped.sum() > 0, dropped
+    print(f"op alone, segments of {rows} rows: {int(dropped.sum())} of {h.shape[0] * k} picks "
+          f"dropped (per rank and expert: {dropped.int().tolist()})")  # fmt: skip
     return err
 
 
