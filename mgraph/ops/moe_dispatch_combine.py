@@ -15,7 +15,8 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
    fp32 metadata rows, the group's entries of ``counts[s]`` [W, E_loc] (the filled rows of each
    segment; row d: destination d's experts) and its columns of the picks map (``pick_rows`` /
    ``pick_weights`` [T_loc, E]: where each token's outputs will land in ``back[s]``, and their
-   weights) and of s's row of ``dropped`` (picks past a segment's capacity). Segments of destination d's experts are contiguous: one block per (s, d) pair.
+   weights) and of s's row of ``dropped`` (picks past a segment's capacity). Segments of
+   destination d's experts are contiguous: one block per (s, d) pair.
 2. dispatch: d's row of the counts, then each group's rows and metadata, go to ``recv[d]`` (slot
    of s). Inside a node: NVLink ``moe_move`` tasks that copy only the filled rows of each
    segment. Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network
