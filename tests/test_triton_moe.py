@@ -3,8 +3,8 @@ megakernel under TRITON_INTERPRET=1 (a subprocess: the flag must be set before t
 imported; tests/megakernel_moe_interp.py) on float32 moe_dispatch_combine graphs, against the
 sequential CPU runtime on the same graph and inputs, body by body, and against the op's torch
 reference; the op's ``dropped`` output (written by the route body) equals the CPU runtime's and
-the reference's exactly. The interpreter runs float32 only here: the megakernel takes one dtype per graph
-today, and the MoE graph keeps its routing buffers in float32."""
+the reference's exactly. The interpreter runs float32 only here: the megakernel takes one dtype
+per graph today, and the MoE graph keeps its routing buffers in float32."""
 
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ source's tokens pick ``e``, the first ``C`` of them (ascending token index) keep
 others lose it: their row is not sent, their picks map entry says "not picked", so their output
 sums their other picks only (weights are not renormalised). The route tile writes how many picks
 of each expert it dropped to its ``dropped`` region (fp32, one entry per expert of its group), so
-a drop is never silent. A token picks an expert at most once, so ``C = T_loc`` never drops. Metadata columns (``META_COLS``): token index (local to the source
-rank), routing weight, local expert index. ``back`` (the expert outputs, home again) has the send
+a drop is never silent. A token picks an expert at most once, so ``C = T_loc`` never drops.
+Metadata columns (``META_COLS``): token index (local to the source rank), routing weight, local
+expert index. ``back`` (the expert outputs, home again) has the send
 layout.
 
 A route tile covers a group of consecutive experts (``expert0`` and the width of its counts
