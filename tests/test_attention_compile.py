@@ -35,57 +35,58 @@ BIN = Path(nvidia.__file__).parent / "bin"
 
 
 @triton.jit
-def _fast_fold_kernel(q, k, v, acc_out, ml_out, n_k, D, q_stride, k_stride, qk_scale,
-                      q_start, k_start, c_full, c_end, bp, b_stride, has_bias,
-                      BIAS: tl.constexpr, STAGES: tl.constexpr, DT: tl.constexpr,
-                      USE_TIMER: tl.constexpr):
-    """attn_block_tile's fast branch for one 128-row sub-block: descriptors, q, the two folds;
-    with BIAS, the branch for a mask tile (its pointer, row stride and key count made visibly
-    16-byte aligned as attn_block_tile does after checking them)."""
+def _fast_rows_kernel(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
+                      sa_stride, first, mp, j_full, j_end, k_start, q_start, qk_scale, bp,
+                      b_stride, HAS_BIAS: tl.constexpr, HALVES: tl.constexpr, KB: tl.constexpr,
+                      STAGES: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+    """attn_block_tile's fast branch for one 128-row sub-block (_fast_rows: descriptors, q and
+    acc in registers, the unmasked and the causal key ranges), with a mask tile or without
+    (HAS_BIAS, a constant here so that each binary holds one of the two pairs of loops)."""
     om = tl.arange(0, at._QB)
-    row_ok = om < at._QB
-    qd = tl.make_tensor_descriptor(q, [at._QB, D], [q_stride, 1], [at._QB, at._DB])
-    kd = tl.make_tensor_descriptor(k, [n_k, D], [k_stride, 1], [at._KB, at._DB])
-    vd = tl.make_tensor_descriptor(v, [n_k, D], [k_stride, 1], [at._KB, at._DB])
-    qt = at._operand(qd.load([0, 0]), USE_TIMER)
-    acc = tl.zeros((at._QB, at._DB), dtype=tl.float32)
+    row_ok = om < nq
     m_i = tl.full((at._QB,), float("-inf"), tl.float32)
     l_i = tl.zeros((at._QB,), dtype=tl.float32)
-    b_bool = has_bias == at._BIAS_BOOL
-    if BIAS:
-        per16 = 128 // DT.primitive_bitwidth
-        bp = at._aligned16(bp, DT)
-        b_stride = b_stride // per16 * per16
-        n_k = n_k // per16 * per16
-    acc, m_i, l_i = at._fold(acc, m_i, l_i, qt, kd, vd, 0, c_full, om, row_ok, n_k, k_start,
-                             q_start, qk_scale, bp, b_stride, b_bool, False, BIAS, STAGES, DT,
-                             USE_TIMER)
-    acc, m_i, l_i = at._fold(acc, m_i, l_i, qt, kd, vd, c_full, c_end, om, row_ok, n_k, k_start,
-                             q_start, qk_scale, bp, b_stride, b_bool, True, BIAS, STAGES, DT,
-                             USE_TIMER)
-    od = tl.arange(0, at._DB)
-    tl.store(acc_out + om[:, None] * at._DB + od[None, :], acc)
-    tl.store(ml_out + om * 2, m_i)
-    tl.store(ml_out + om * 2 + 1, l_i)
+    m_i, l_i = at._fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
+                             sap, sa_stride, first, 0, om, row_ok, m_i, l_i, j_full, j_end,
+                             k_start, q_start, qk_scale, HAS_BIAS, bp, b_stride, False, HALVES,
+                             KB, STAGES, at._BIAS_STAGES, DT, USE_TIMER)
+    tl.store(mp + om * 2, m_i)
+    tl.store(mp + om * 2 + 1, l_i)
 
 
 SIGNATURE = {
-    "q": "*bf16", "k": "*bf16", "v": "*bf16", "acc_out": "*fp32", "ml_out": "*fp32",
-    "n_k": "i32", "D": "i32", "q_stride": "i32", "k_stride": "i32", "qk_scale": "fp32",
-    "q_start": "i32", "k_start": "i32", "c_full": "i32", "c_end": "i32", "bp": "*bf16",
-    "b_stride": "i64", "has_bias": "i32", "BIAS": "constexpr", "STAGES": "constexpr",
-    "DT": "constexpr", "USE_TIMER": "constexpr",
+    "qp": "*bf16", "q_stride": "i64", "nq": "i32", "kp": "*bf16", "k_stride": "i64",
+    "vp": "*bf16", "v_stride": "i64", "nk": "i32", "D": "i32", "ap": "*fp32", "a_stride": "i64",
+    "sap": "*fp32", "sa_stride": "i64", "first": "i32", "mp": "*fp32", "j_full": "i32",
+    "j_end": "i32", "k_start": "i32", "q_start": "i32", "qk_scale": "fp32", "bp": "*bf16",
+    "b_stride": "i64", "HAS_BIAS": "constexpr", "HALVES": "constexpr", "KB": "constexpr",
+    "STAGES": "constexpr", "DT": "constexpr", "USE_TIMER": "constexpr",
 }
+# (HALVES, KB, STAGES) as attn_block_tile passes them: head size <= 128, and in (128, 256]
+WIDTHS = {"d128": (1, at._KB.value, None), "d256": (2, at._KB_WIDE.value, at._WIDE_STAGES.value)}
+
+
+def loop_spans(sass: str) -> tuple[list[tuple[int, str]], list[tuple[int, int]]]:
+    """The SASS instructions (address, text) and the address spans of its loops: from the
+    target of each conditional backward branch to the branch. (A wait's spin branches to
+    itself; the unconditional jump back from an out-of-line wait is no loop.)"""
+    ins = [(int(m.group(1), 16), m.group(2))
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    loops = []
+    for addr, text in ins:
+        back = re.match(r"@!?U?P\w+\s+BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if back and addr - int(back.group(1), 16) > 0x20:
+            loops.append((int(back.group(1), 16), addr))
+    return ins, loops
 
 
 def compile_sm90(fn, signature: dict, constants: dict, tmp_path: Path) -> tuple[object, dict]:
     """``fn`` compiled for sm_90 (8 warps, 3 stages: run_chains' and the megakernel's), and its
-    cubin's resource usage and SASS instruction counts."""
+    cubin's resource usage and SASS instruction counts, in all and inside loops."""
     start = time.perf_counter()
-    compiled = triton.compile(
-        ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": 8, "num_stages": 3},
-    )
+    compiled = triton.compile(ASTSource(fn, signature, constants),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 3})
     seconds = time.perf_counter() - start
     cubin = tmp_path / "fold.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
@@ -93,49 +94,51 @@ def compile_sm90(fn, signature: dict, constants: dict, tmp_path: Path) -> tuple[
                           text=True, check=True).stdout
     usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", str(cubin)],
                            capture_output=True, text=True, check=True).stdout
+    ins, loops = loop_spans(sass)
+    in_loop = [text for addr, text in ins if any(lo <= addr <= hi for lo, hi in loops)]
 
-    def count(op: str) -> int:  # an opcode with any suffix: LDG counts LDG.E.U16 too
-        return len(re.findall(rf"\b{re.escape(op)}\b", sass))
+    def count(op: str, texts: list[str]) -> int:  # an opcode and any suffix: LDG.E.U16 is LDG
+        return sum(bool(re.search(rf"(^|\s){re.escape(op)}(\.|\s|$)", t)) for t in texts)
 
-    stats = dict(seconds=round(seconds, 1), regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+    texts = [text for _addr, text in ins]
+    stats = dict(seconds=round(seconds, 1), loops=len(loops),
+                 regs=int(re.search(r"REG:(\d+)", usage).group(1)),
                  stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                 shared=compiled.metadata.shared, ptx_wgmma="wgmma.mma_async" in compiled.asm["ptx"])
-    for op in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL", "LDG.E.U16", "LDGSTS.E.BYPASS.128"):
-        stats[op] = count(op)
-    stats["LDG"] = len(re.findall(r"\bLDG\.", sass))  # LDG.E..., not UTMALDG
+                 shared=compiled.metadata.shared,
+                 ptx_wgmma="wgmma.mma_async" in compiled.asm["ptx"])
+    for op in ("HGMMA", "HMMA", "UTMALDG", "LDG.E.U16", "LDL", "STL"):
+        stats[op] = count(op, texts)
+    for op in ("LDG", "LDGSTS.E.BYPASS.128", "LDL", "STL"):
+        stats[f"loop {op}"] = count(op, in_loop)
     return compiled, stats
 
 
-def _check_fold(stats: dict) -> None:
+@pytest.mark.parametrize("width", list(WIDTHS))
+@pytest.mark.parametrize("bias", [False, True], ids=["unmasked", "masked"])
+def test_fast_path_compiles_to_wgmma_and_tma_without_spills(width, bias, tmp_path):
+    """Each of the fast path's four pairs of loops (head size <= 128 or two 128-column halves
+    up to 256; with a mask tile or without): wgmma, q/k/v by TMA, no 16-bit scalar loads, no
+    spill in a loop, inside an H200 block's shared memory (the 128-column loop without a mask
+    sets the megakernel's attention share: 230,400 B). With a mask tile, its loads are 16-byte
+    cp.async copies (LDGSTS.128) read from shared memory in the scores' register layout: the
+    scores are reduced twice per loop (max and sum), never in a second layout. Before, every
+    masked task and every head size past 128 took the pointer path: 255 registers, a 3.2 KB
+    stack, 2.5k LDL/STL in its loops and 640 16-bit loads (sm_90 AOT of _fold_wide)."""
+    halves, kb, stages = WIDTHS[width]
+    compiled, stats = compile_sm90(
+        _fast_rows_kernel, SIGNATURE,
+        {"HAS_BIAS": int(bias), "HALVES": halves, "KB": kb, "STAGES": stages,
+         "DT": tl.bfloat16, "USE_TIMER": True}, tmp_path)
     summary = str(stats)
     print(summary)
+    assert stats["loops"] == 2, summary  # the unmasked and the causal key range
     assert stats["ptx_wgmma"] and stats["HGMMA"] > 0 and stats["HMMA"] == 0, summary  # Hopper's
     assert stats["UTMALDG"] > 0, summary  # q, k and v by TMA
-    assert stats["LDG.E.U16"] == 0, summary  # no element-wise bf16 loads
-    assert stats["stack"] == 0 and stats["LDL"] == 0 and stats["STL"] == 0, summary
-    assert stats["shared"] <= 232448, summary  # an H200 block's shared memory
-
-
-def test_fast_path_compiles_to_wgmma_and_tma_without_spills(tmp_path):
-    _compiled, stats = compile_sm90(
-        _fast_fold_kernel, SIGNATURE, {"BIAS": False, "STAGES": None, "DT": tl.bfloat16, "USE_TIMER": True},
-        tmp_path)
-    _check_fold(stats)
-    assert stats["LDG"] == 0 and stats["LDGSTS.E.BYPASS.128"] == 0, stats  # TMA only
-
-
-def test_masked_fast_path_loads_the_mask_tile_in_16_byte_vectors(tmp_path):
-    """A mask tile (additive or boolean, one layout for the scores) beside TMA q/k/v: its loads
-    are 16-byte cp.async copies into shared memory (the pipeliner stages them; LDGSTS.128), read
-    from there in the scores' own register layout, with no 2-byte loads and no spills. Before
-    (the pointer path every masked task took): 255 registers, a 3.2 KB stack, 2.8k LDL, 640
-    16-bit loads."""
-    compiled, stats = compile_sm90(
-        _fast_fold_kernel, SIGNATURE, {"BIAS": True, "STAGES": at._BIAS_STAGES.value, "DT": tl.bfloat16,
-         "USE_TIMER": True},
-        tmp_path)
-    _check_fold(stats)
-    assert stats["LDGSTS.E.BYPASS.128"] > 0, stats
-    # the scores are reduced once for the max and once for the sum in each of the two folds:
-    # a second register layout for them would add reductions
-    assert compiled.asm["ttgir"].count('"tt.reduce"') == 4, stats
+    assert stats["LDG.E.U16"] == 0, summary  # no element-wise bf16 loads anywhere
+    assert stats["loop LDL"] == 0 and stats["loop STL"] == 0, summary
+    assert compiled.asm["ttgir"].count('"tt.reduce"') == 4, summary
+    assert stats["shared"] <= 232448, summary
+    if bias:
+        assert stats["loop LDG"] == 0 and stats["loop LDGSTS.E.BYPASS.128"] > 0, summary
+    else:
+        assert stats["loop LDG"] == 0 and stats["loop LDGSTS.E.BYPASS.128"] == 0, summary

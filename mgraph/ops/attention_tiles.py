@@ -84,6 +84,12 @@ if HAVE_TRITON:
     # k, v and the mask tile (32 KB each) hold 224 KB of shared memory, what 3 stages of k and
     # v alone do; 3 stages with the mask (288 KB) exceed an H200 block's 227 KB.
     _BIAS_STAGES = tl.constexpr(2)
+    # A head size in (_DB, 2 _DB] is folded in two _DB-column halves (acc: 128 registers a
+    # thread at 8 warps) over chunks of 64 keys, 2 stages: q (64 KB) and k, v (32 KB each per
+    # stage) hold 192 KB of shared memory (208 KB with the mask tile); 128-key chunks would
+    # need 320 KB at 2 stages.
+    _KB_WIDE = tl.constexpr(64)
+    _WIDE_STAGES = tl.constexpr(2)
 
     @triton.jit
     def _rows_cols(regions, bufaddr, bufcols, index, DT: tl.constexpr):
@@ -144,23 +150,26 @@ if HAVE_TRITON:
         return tl.where(hide, float("-inf"), s)
 
     @triton.jit
-    def _fold(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, k_start, q_start,
-              qk_scale, bp, b_stride, b_bool, CAUSAL: tl.constexpr, BIAS: tl.constexpr,
-              STAGES: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """Fold key chunks [c_lo, c_hi) (_KB keys each) into (acc, m, l) held in registers
-        (head size <= _DB). k and v come by TMA through the descriptors ``kd`` / ``vd`` over the
-        task's KV regions (zeros past the region's rows and the head size), so the loop has no
-        pointer tensors for them and Triton's pipeliner prefetches the next chunks. With
-        ``BIAS`` the mask tile comes by pointer loads (registers, no shared memory) which the
-        caller has made provably 16-byte aligned; the pipeliner stages them in shared memory
-        beside k and v, so ``STAGES`` (None: the kernel's num_stages) bounds what the loop
-        holds there. The loop counts chunks, not keys, so that each chunk's first key is
-        visibly a multiple of _KB to the alignment analysis."""
+    def _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, c_lo, c_hi, om, row_ok, nk, k_start,
+              q_start, qk_scale, bp, b_stride, b_bool, CAUSAL: tl.constexpr, BIAS: tl.constexpr,
+              HALVES: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr, DT: tl.constexpr,
+              USE_TIMER: tl.constexpr):
+        """Fold key chunks [c_lo, c_hi) (KB keys each) into (acc, m, l) held in registers: the
+        head's columns [0, _DB) in q0 / acc0 and, with HALVES 2, [_DB, 2 _DB) in q1 / acc1
+        (with HALVES 1 those two are not touched). k and v come by TMA through the descriptors
+        ``kd`` / ``vd`` over the task's KV regions (blocks of KB x _DB; zeros past the region's
+        rows and the head size), so the loop has no pointer tensors for them and Triton's
+        pipeliner prefetches the next chunks. With ``BIAS`` the mask tile comes by pointer
+        loads which the caller has made provably 16-byte aligned; the pipeliner stages them in
+        shared memory beside k and v, so ``STAGES`` (None: the kernel's num_stages) bounds what
+        the loop holds there. The loop counts chunks, not keys, so that each chunk's first key
+        is visibly a multiple of KB to the alignment analysis."""
         for c in tl.range(c_lo, c_hi, num_stages=STAGES):
-            j0 = c * _KB
-            ok = j0 + tl.arange(0, _KB)
-            k = _operand(kd.load([j0, 0]), USE_TIMER)
-            s = tl.dot(q, tl.trans(k))
+            j0 = c * KB
+            ok = j0 + tl.arange(0, KB)
+            s = tl.dot(q0, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
+            if HALVES == 2:
+                s = tl.dot(q1, tl.trans(_operand(kd.load([j0, _DB]), USE_TIMER)), s)
             s = _scores(s, ok, om, row_ok, nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
                         CAUSAL, BIAS)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -168,10 +177,79 @@ if HAVE_TRITON:
             p = tl.math.exp2(s - shift[:, None])
             alpha = tl.math.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _operand(vd.load([j0, 0]), USE_TIMER)
-            acc = tl.dot(_operand(p.to(DT), USE_TIMER), v, acc * alpha[:, None])
+            pv = _operand(p.to(DT), USE_TIMER)
+            acc0 = tl.dot(pv, _operand(vd.load([j0, 0]), USE_TIMER), acc0 * alpha[:, None])
+            if HALVES == 2:
+                acc1 = tl.dot(pv, _operand(vd.load([j0, _DB]), USE_TIMER),
+                              acc1 * alpha[:, None])
             m_i = m_new
-        return acc, m_i, l_i
+        return acc0, acc1, m_i, l_i
+
+    @triton.jit
+    def _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
+                   sa_stride, first, i0, om, row_ok, m_i, l_i, j_full, j_end, k_start, q_start,
+                   qk_scale, has_bias, bp, b_stride, b_bool, HALVES: tl.constexpr,
+                   KB: tl.constexpr, STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr,
+                   DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """The fast path for the q sub-block at row i0: q and acc (HALVES x _DB columns) in
+        registers, keys [0, j_full) unmasked and [j_full, j_end) under the causal mask, each
+        range by a loop without the mask tile or, when the task has one, a loop with it.
+        Returns (m, l); acc goes to the state's write."""
+        # built per sub-block (a variable bound in one branch is not visible after it); a
+        # task's first sub-block is its only one at the lowering's default 128 rows
+        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, _DB])
+        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, _DB])
+        vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [KB, _DB])
+        om64 = om.to(tl.int64)
+        od = tl.arange(0, _DB)
+        cmask0 = row_ok[:, None] & (od < D)[None, :]
+        cmask1 = row_ok[:, None] & (od + _DB < D)[None, :]
+        q0 = _operand(qd.load([i0, 0]), USE_TIMER)
+        q1 = q0
+        if HALVES == 2:
+            q1 = _operand(qd.load([i0, _DB]), USE_TIMER)
+        if first != 0:
+            acc0 = tl.zeros((_QB, _DB), dtype=tl.float32)
+            acc1 = acc0
+        else:
+            acc0 = tl.load(sap + om64[:, None] * sa_stride + od[None, :], mask=cmask0, other=0.0)
+            acc1 = acc0
+            if HALVES == 2:
+                acc1 = tl.load(sap + om64[:, None] * sa_stride + _DB + od[None, :], mask=cmask1,
+                               other=0.0)
+        # chunks [0, c_full) and [c_full, c_end): j_full is a multiple of _KB (so of KB) unless
+        # it is j_end, the second range then empty
+        c_full = tl.cdiv(j_full, KB)
+        c_end = tl.cdiv(j_end, KB)
+        if has_bias == _BIAS_NONE:
+            # the loops compiled without the mask tile's loads (no bias, no branch)
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, 0, c_full, om,
+                                         row_ok, nk, k_start, q_start, qk_scale, bp, b_stride,
+                                         b_bool, False, False, HALVES, KB, STAGES, DT,
+                                         USE_TIMER)
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, c_full, c_end,
+                                         om, row_ok, nk, k_start, q_start, qk_scale, bp,
+                                         b_stride, b_bool, True, False, HALVES, KB, STAGES, DT,
+                                         USE_TIMER)
+        else:
+            # what the caller checked (corner, row stride and key count in whole 16-byte
+            # units), in a form the compiler sees: 16-byte loads
+            per16 = 128 // DT.primitive_bitwidth
+            vbp = _aligned16(bp, DT)
+            vb_stride = b_stride // per16 * per16
+            vnk = nk // per16 * per16
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, 0, c_full, om,
+                                         row_ok, vnk, k_start, q_start, qk_scale, vbp,
+                                         vb_stride, b_bool, False, True, HALVES, KB,
+                                         BIAS_STAGES, DT, USE_TIMER)
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, c_full, c_end,
+                                         om, row_ok, vnk, k_start, q_start, qk_scale, vbp,
+                                         vb_stride, b_bool, True, True, HALVES, KB, BIAS_STAGES,
+                                         DT, USE_TIMER)
+        tl.store(ap + om64[:, None] * a_stride + od[None, :], acc0, mask=cmask0)
+        if HALVES == 2:
+            tl.store(ap + om64[:, None] * a_stride + _DB + od[None, :], acc1, mask=cmask1)
+        return m_i, l_i
 
     @triton.jit
     def _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq, kp, k_stride, vp,
@@ -252,13 +330,13 @@ if HAVE_TRITON:
         s0 = r0 + 3 + (first != 0).to(tl.int32) * (w0 - r0 - 3)
         sap, sa_stride, _nsa, _dsa = _rows_cols(regions, bufaddr, bufcols, s0, _F32)
         smp, sm_stride, _nsm, _dsm = _rows_cols(regions, bufaddr, bufcols, s0 + 1, _F32)
-        # The fast path: a head size up to _DB in a 16-bit dtype whose q, k, v regions TMA can
-        # address (fp32 tiles would not fit three pipeline stages in shared memory), and no
+        # The fast path: a head size up to 2 _DB in a 16-bit dtype whose q, k, v regions TMA
+        # can address (fp32 tiles would not fit the pipeline stages in shared memory), and no
         # mask tile or one read in whole 16-byte vectors (corner, row stride and key count in
         # 16-byte units). Anything else takes the pointer path of _fold_wide (any D).
         per16 = 128 // DT.primitive_bitwidth
         vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
-        fast = ((D <= _DB) & (DT.primitive_bitwidth == 16)
+        fast = ((D <= 2 * _DB) & (DT.primitive_bitwidth == 16)
                 & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
                 & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
         for i0 in range(0, nq, _QB):
@@ -282,40 +360,18 @@ if HAVE_TRITON:
             j_full = tl.minimum(j_full, j_end)
             c_full = tl.cdiv(j_full, _KB)
             c_end = tl.cdiv(j_end, _KB)
-            if fast:
-                # built per sub-block (a variable bound in one branch is not visible after it);
-                # a task's first sub-block is its only one at the lowering's default 128 rows
-                qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, _DB])
-                kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [_KB, _DB])
-                vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [_KB, _DB])
-                od = tl.arange(0, _DB)
-                cmask = row_ok[:, None] & (od < D)[None, :]
-                q = _operand(qd.load([i0, 0]), USE_TIMER)
-                if first != 0:
-                    acc = tl.zeros((_QB, _DB), dtype=tl.float32)
-                else:
-                    acc = tl.load(sap + om64[:, None] * sa_stride + od[None, :], mask=cmask,
-                                  other=0.0)
-                if has_bias == _BIAS_NONE:
-                    # the loop compiled without the mask tile's loads (no bias, no branch)
-                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, 0, c_full, om, row_ok, nk,
-                                          k_start, q_start, qk_scale, bp, b_stride, b_bool,
-                                          False, False, None, DT, USE_TIMER)
-                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_full, c_end, om, row_ok,
-                                          nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
-                                          True, False, None, DT, USE_TIMER)
-                else:
-                    # what ``vec_bias`` checked, in a form the compiler sees: 16-byte loads
-                    vbp = _aligned16(bp, DT)
-                    vb_stride = b_stride // per16 * per16
-                    vnk = nk // per16 * per16
-                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, 0, c_full, om, row_ok, vnk,
-                                          k_start, q_start, qk_scale, vbp, vb_stride, b_bool,
-                                          False, True, _BIAS_STAGES, DT, USE_TIMER)
-                    acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_full, c_end, om, row_ok,
-                                          vnk, k_start, q_start, qk_scale, vbp, vb_stride,
-                                          b_bool, True, True, _BIAS_STAGES, DT, USE_TIMER)
-                tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
+            if fast & (D <= _DB):
+                m_i, l_i = _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
+                                      a_stride, sap, sa_stride, first, i0, om, row_ok, m_i, l_i,
+                                      j_full, j_end, k_start, q_start, qk_scale, has_bias, bp,
+                                      b_stride, b_bool, 1, _KB, None, _BIAS_STAGES, DT,
+                                      USE_TIMER)
+            elif fast:
+                m_i, l_i = _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
+                                      a_stride, sap, sa_stride, first, i0, om, row_ok, m_i, l_i,
+                                      j_full, j_end, k_start, q_start, qk_scale, has_bias, bp,
+                                      b_stride, b_bool, 2, _KB_WIDE, _WIDE_STAGES, _WIDE_STAGES,
+                                      DT, USE_TIMER)
             else:
                 # acc lives in the state buffer (pointer loads, any head size and alignment): a
                 # first task with nothing to fold (every key hidden from this sub-block) must
