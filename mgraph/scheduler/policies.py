@@ -3,7 +3,8 @@
     policy(graph, facts) -> order
 
 ``facts`` (PolicyInput) holds what every policy needs and nobody should compute twice: the cost
-of each task on one worker, one topological order of the graph, and each task's successors.
+of each task on one worker, one topological order of the graph, and each task's successors
+(built on first read; the builtin policies walk the events instead).
 ``order`` is ONE global order of all task ids that the counters allow; the scheduler cuts it into
 the per-rank, per-role queues, so every queue is a subsequence of one topological order and a
 single worker per role can never deadlock (DESIGN: Roles, queues). ``check_queues`` verifies it
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ..errors import RegistrationError, UnknownNameError
@@ -48,11 +50,39 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PolicyInput:
-    """What a policy may read besides the graph."""
+    """What a policy may read besides the graph.
+
+    ``succ`` (each task's successors) is built on first read: a traced layer's join events
+    have many signalers and many waiters (15M edges for 148k waits at 2x8), so the builtin
+    policies walk the events instead (``full``, ``partial``) and never build it.
+    """
 
     costs: list[float]  # seconds on one worker of the task's role (costmodel.task_costs)
     order: list[int]  # one topological order (mgraph.validate.topo_order)
-    succ: list[list[int]]  # tasks that wait on an event the task signals, later in ``order``
+    graph: TaskGraph = field(repr=False)
+    pos: list[int] = field(repr=False)  # pos[tid]: the task's index in ``order``
+    # event -> the tasks waiting for all of its signals (every signaler runs before them)
+    full: list[list[int]] = field(repr=False)
+    # event -> the tasks waiting for fewer than all (only signalers earlier in ``order`` count)
+    partial: dict[int, list[int]] = field(repr=False)
+
+    @cached_property
+    def succ(self) -> list[list[int]]:
+        """Tasks that wait on an event the task signals, later in ``order``, by id."""
+        pos, signalers = self.pos, self.graph.signalers()
+        succ: list[list[int]] = [[] for _ in self.graph.tasks]
+        for t in self.graph.tasks:
+            tid, tpos = t.id, pos[t.id]
+            for e, _ in t.waits:
+                for s in signalers[e]:
+                    # A wait for fewer than all signals can be met before some signaler runs:
+                    # only the signalers earlier in the order are predecessors (keeps the
+                    # edges acyclic).
+                    if pos[s] < tpos:
+                        lst = succ[s]
+                        if not lst or lst[-1] != tid:
+                            lst.append(tid)
+        return succ
 
 
 Policy = Callable[[TaskGraph, PolicyInput], list[int]]
@@ -89,19 +119,19 @@ def policy_input(graph: TaskGraph, costs: list[float]) -> PolicyInput:
     pos = [0] * len(graph.tasks)
     for i, tid in enumerate(order):
         pos[tid] = i
-    signalers = graph.signalers()
-    succ: list[list[int]] = [[] for _ in graph.tasks]
+    total = [0] * len(graph.events)
     for t in graph.tasks:
-        tid, tpos = t.id, pos[t.id]
-        for e, _ in t.waits:
-            for s in signalers[e]:
-                # A wait for fewer than all signals can be met before some signaler runs: only
-                # the signalers earlier in the order are predecessors (keeps the edges acyclic).
-                if pos[s] < tpos:
-                    lst = succ[s]
-                    if not lst or lst[-1] != tid:
-                        lst.append(tid)
-    return PolicyInput(costs=costs, order=order, succ=succ)
+        for e in t.signals:
+            total[e] += 1
+    full: list[list[int]] = [[] for _ in graph.events]
+    partial: dict[int, list[int]] = {}
+    for t in graph.tasks:
+        for e, c in t.waits:
+            if c >= total[e]:
+                full[e].append(t.id)
+            else:
+                partial.setdefault(e, []).append(t.id)
+    return PolicyInput(costs=costs, order=order, graph=graph, pos=pos, full=full, partial=partial)
 
 
 def list_order(graph: TaskGraph, priority: Sequence[Any]) -> list[int]:
@@ -109,44 +139,61 @@ def list_order(graph: TaskGraph, priority: Sequence[Any]) -> list[int]:
     ``(priority[id], id)`` first. Any priority gives a valid topological order."""
     tasks = graph.tasks
     n = len(tasks)
-    # Rank the keys once so the heap holds plain ints (40k+ tasks per schedule).
+    # Rank the keys once so the heap holds plain ints (40k+ tasks per schedule); the sort is
+    # stable, so equal priorities keep id order.
+    by_rank = sorted(range(n), key=priority.__getitem__)
     rank_of = [0] * n
-    for i, tid in enumerate(sorted(range(n), key=lambda t: (priority[t], t))):
+    for i, tid in enumerate(by_rank):
         rank_of[tid] = i
-    waiters: dict[int, list[tuple[int, int]]] = {}
+    # event -> count -> waiters: a signal visits only the waiters its new count releases (a
+    # join event of a traced layer has ~100 signalers and as many waiters)
+    waiters: dict[int, dict[int, list[int]]] = {}
     missing = [0] * n
     for t in tasks:
         missing[t.id] = len(t.waits)
         for e, c in t.waits:
-            waiters.setdefault(e, []).append((t.id, c))
+            waiters.setdefault(e, {}).setdefault(c, []).append(t.id)
     count = [0] * len(graph.events)
     heap = [rank_of[t.id] for t in tasks if not t.waits]
     heapq.heapify(heap)
-    by_rank = sorted(range(n), key=rank_of.__getitem__)
     order: list[int] = []
     while heap:
         tid = by_rank[heapq.heappop(heap)]
         order.append(tid)
         for e in tasks[tid].signals:
             count[e] += 1
-            for w, c in waiters.get(e, ()):
-                if count[e] == c:
-                    missing[w] -= 1
-                    if missing[w] == 0:
-                        heapq.heappush(heap, rank_of[w])
+            by_count = waiters.get(e)
+            if by_count is None:
+                continue
+            for w in by_count.get(count[e], ()):
+                missing[w] -= 1
+                if missing[w] == 0:
+                    heapq.heappush(heap, rank_of[w])
     assert len(order) == n, "policy_input's topo_order already proved every task can run"
     return order
 
 
+# The passes below walk the events, not the successor lists: every task waiting for all of an
+# event's signals runs after each of its signalers, so one fold of the event's full waiters
+# serves all its signalers; a partial waiter counts only for the signalers earlier in ``order``
+# (the edges ``succ`` holds, the same maxima and minima).
 def critical_path_lengths(facts: PolicyInput) -> list[float]:
     """Cost of the longest path from each task to the end of the graph, the task included."""
-    costs, succ = facts.costs, facts.succ
+    costs, pos, full, partial = facts.costs, facts.pos, facts.full, facts.partial
+    tasks = facts.graph.tasks
     length = list(costs)
+    after: dict[int, float] = {}  # event -> the longest path from its full waiters
     for tid in reversed(facts.order):
         best = 0.0
-        for s in succ[tid]:
-            if length[s] > best:
-                best = length[s]
+        for e in tasks[tid].signals:
+            v = after.get(e)
+            if v is None:
+                v = after[e] = max([length[w] for w in full[e]], default=0.0)
+            if v > best:
+                best = v
+            for w in partial.get(e, ()):
+                if pos[tid] < pos[w] and length[w] > best:
+                    best = length[w]
         length[tid] = costs[tid] + best
     return length
 
@@ -163,21 +210,40 @@ def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     on it: the lower, the sooner the network waits for it.
     """
     rdma = Role.RDMA.value
-    tasks, succ = graph.tasks, facts.succ
+    tasks, pos, full, partial = graph.tasks, facts.pos, facts.full, facts.partial
+    signalers = graph.signalers() if partial else {}
+    partial_waits = {(e, w) for e, waiters in partial.items() for w in waiters}
     level = [0] * len(tasks)
+    reached = [0] * len(graph.events)  # the highest level among an event's signalers so far
     for tid in facts.order:
-        if tasks[tid].role == rdma:
-            level[tid] += 1
-        lv = level[tid]
-        for s in succ[tid]:
-            if level[s] < lv:
-                level[s] = lv
+        t = tasks[tid]
+        lv = 0
+        for e, _ in t.waits:
+            if (e, tid) in partial_waits:
+                for s in signalers[e]:
+                    if pos[s] < pos[tid] and level[s] > lv:
+                        lv = level[s]
+            elif reached[e] > lv:  # a full wait: every signaler already ran
+                lv = reached[e]
+        if t.role == rdma:
+            lv += 1
+        level[tid] = lv
+        for e in t.signals:
+            if reached[e] < lv:
+                reached[e] = lv
     need = [_NEVER] * len(tasks)
+    first: dict[int, int] = {}  # event -> the earliest wave among its full waiters
     for tid in reversed(facts.order):
         best = level[tid] if tasks[tid].role == rdma else _NEVER
-        for s in succ[tid]:
-            if need[s] < best:
-                best = need[s]
+        for e in tasks[tid].signals:
+            v = first.get(e)
+            if v is None:
+                v = first[e] = min([need[w] for w in full[e]], default=_NEVER)
+            if v < best:
+                best = v
+            for w in partial.get(e, ()):
+                if pos[tid] < pos[w] and need[w] < best:
+                    best = need[w]
         need[tid] = best
     return need
 
