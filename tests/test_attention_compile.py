@@ -4,13 +4,14 @@ The interpreter tests (test_triton_attention.py) check what the bodies compute; 
 see how they compile. On H200 the tile ran at 17-33 TF/s (benchmarks/results/v8) while a plain
 Triton flash tile ran at 512: compiled for sm_90, its k/v loads were 16-bit scalar pointer loads
 and a runtime bias branch on the scores made the compiler carry them in three register layouts
-(255 registers, a 5.4 KB spill stack). This test compiles the fast path's own fold loop
-(attention_tiles._fold: TMA descriptors over k and v, q in registers, the unmasked and the
-causal chunk ranges, as attn_block_tile calls it) through Triton's NVIDIA backend down to the
-cubin and checks the SASS: the dots are wgmma (HGMMA), k and v come by TMA (UTMALDG), no
-16-bit scalar global loads, and the loop keeps its registers (no local-memory spill). The
-whole chains kernel (with the pointer path for bias tiles, D > 128 and fp32) takes about a
-minute to compile on two cores and is not compiled here.
+(255 registers, a 5.4 KB spill stack). This test compiles the fast path's own sub-block body
+(attention_tiles._fast_rows: TMA descriptors over q, k and v, q and acc in registers, the
+unmasked and the causal key ranges, as attn_block_tile calls it) for both head-size widths, with
+a mask tile and without, through Triton's NVIDIA backend down to the cubin and checks the SASS:
+the dots are wgmma (HGMMA), q/k/v come by TMA (UTMALDG), the mask tile by 16-byte cp.async, no
+16-bit scalar global loads, and no local-memory spill inside a loop. The whole chains kernel
+(with the pointer path for float32, head sizes past 256 and unaligned tiles, which still
+spills) takes about a minute to compile on two cores and is not compiled here.
 """
 
 from __future__ import annotations

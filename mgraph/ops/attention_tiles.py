@@ -7,19 +7,21 @@ acc [rows, D] and ml [rows, 2] = (running max m, running denominator l), the fir
 chain initialising it. It walks the q block in sub-blocks of ``_QB`` rows and the KV block in
 chunks of ``_KB`` keys (flash attention's inner loop): per chunk the scores go through exp2 with
 the scale folded into a log2(e) factor, the running max and sum are rescaled, and acc is
-rescaled and accumulated. The fast path (head size up to ``_DB`` (128), a 16-bit dtype, q/k/v
+rescaled and accumulated. The fast path (head size up to 2 ``_DB`` (256), a 16-bit dtype, q/k/v
 regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v through TMA
 descriptors over the task's regions and keeps q and acc in registers for the whole KV block (acc
-is read from and written to the state once per task). A mask tile rides along when it can be
-read in 16-byte vectors (its corner, row stride and key count in whole 16-byte units; a
-broadcast row has stride 0): its loop is compiled separately from the unmasked one, loads the
-tile by pointers the compiler can prove aligned (cp.async into shared memory, 2 pipeline stages
-instead of 3 to stay in shared memory) and applies either mask kind by a select, keeping the
-scores in one register layout. Every other task (a larger head size, float32 data, unaligned
-regions or mask) takes the pointer path: it walks D in ``_DB``-column chunks and updates acc in
-the state buffer chunk by chunk, the mask tile's pointer built once per task. On sm_90 both
-fast loops compile to wgmma without spills; the pointer path spills registers (a 2 KB stack,
-16-bit scalar loads) and is several times slower (tests/test_attention_compile.py).
+is read from and written to the state once per task); a head size past ``_DB`` is held in two
+``_DB``-column halves and folded over ``_KB_WIDE``-key chunks, so that q and two pipeline stages
+of k and v fit in shared memory. A mask tile rides along when it can be read in 16-byte vectors
+(its corner, row stride and key count in whole 16-byte units; a broadcast row has stride 0): its
+loops are compiled apart from the unmasked ones, load the tile by pointers the compiler can
+prove aligned (cp.async into shared memory, 2 pipeline stages instead of 3 to stay in shared
+memory) and apply either mask kind by a select, keeping the scores in one register layout.
+Every other task (a head size past 256, float32 data, unaligned regions or mask tile) takes the
+pointer path: it walks D in ``_DB``-column chunks and updates acc in the state buffer chunk by
+chunk, the mask tile's pointer built once per task. Compiled alone for sm_90, the fast loops
+are wgmma with no spill inside them (tests/test_attention_compile.py); the pointer path spills
+registers in its loops (255 registers, 16-bit scalar loads) and is several times slower.
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
