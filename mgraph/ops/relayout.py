@@ -534,19 +534,28 @@ def tile_gathers(
     maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
     if maps is None:
         return [{} for _ in tiles]
-    rows, cols = maps[0].numpy(), maps[1]
+    rows, cols = maps
     col_digits = _fit_axis(cols)
     col0 = int(cols[0])
-    # Tiles of one rank mostly repeat one row pattern: fit each distinct pattern once.
-    fits: dict[bytes, dict[str, int]] = {}
+    # A rank's tiles mostly repeat one row pattern: fit each distinct pattern once.
+    firsts = rows.index_select(0, torch.tensor([t0 for t0, _ in tiles])).tolist()
+    fits: dict[tuple[int, int], dict[str, int]] = {}  # (t1 - t0, pattern) -> params but base
+    pattern: list[int] = [0] * len(tiles)
+    for size in {t1 - t0 for t0, t1 in tiles}:
+        which = [i for i, (t0, t1) in enumerate(tiles) if t1 - t0 == size]
+        starts = torch.tensor([tiles[i][0] for i in which], dtype=torch.int64)
+        index = (starts[:, None] + torch.arange(size)[None, :]).reshape(-1)
+        # index_select: indexing by a tensor took 7 ms for 8k elements on torch 2.13's CPU
+        block = rows.index_select(0, index).view(len(which), size)
+        block = block - block[:, :1]
+        unique, inverse = torch.unique(block, dim=0, return_inverse=True)
+        for k, v in enumerate(unique):
+            fits[size, k] = gather_params(_fit_axis(v), col_digits, 0)
+        for i, k in zip(which, inverse.tolist(), strict=True):
+            pattern[i] = k
     out = []
-    for t0, t1 in tiles:
-        first = int(rows[t0])
-        key = (rows[t0:t1] - first).tobytes()
-        digits = fits.get(key)
-        if digits is None:
-            v = torch.from_numpy(rows[t0:t1] - first)
-            digits = fits[key] = gather_params(_fit_axis(v), col_digits, 0)
+    for (t0, t1), first, k in zip(tiles, firsts, pattern, strict=True):
+        digits = fits[t1 - t0, k]
         out.append({**digits, "base": first + col0} if digits else {})
     return out
 
