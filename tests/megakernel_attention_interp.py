@@ -187,6 +187,15 @@ def chain_cases() -> None:
     shown[9] = False
     x["mask"] = shown.to(bf16)
     compare("chains-bf16-hidden-row", g, x, _sdpa(x, mask=shown), chains=True)
+    # S = 100 keys: the mask's rows are not whole 16-byte pieces, so the tile takes the pointer
+    # path (the TMA path needs a key count that is a multiple of 8)
+    g = mg.ops.attention(topology="1x1", B=1, H=2, S=100, D=32, block=50,
+                         mask_shape=[1, 1, 100, 100], mask_kind="boolean", dtype=bf16)
+    x = _inputs(g, seed=26, dtype=bf16)
+    shown = torch.rand(100, 100, generator=torch.Generator().manual_seed(27)) < 0.6
+    shown[:, 0] = True
+    x["mask"] = shown.to(bf16).reshape(g.inputs["mask"].shape)
+    compare("chains-bf16-mask-pointer-path", g, x, _sdpa(x, mask=shown), chains=True)
     # left padding with a causal mask (transformers' SDPA mask for a left-padded batch): the pad
     # queries of sequence 1 see no key at all; head size 160, the D-chunked path
     B, S, D, pad = 2, 128, 160, 5
