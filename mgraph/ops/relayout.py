@@ -548,6 +548,9 @@ def tile_gathers(
         # index_select: indexing by a tensor took 7 ms for 8k elements on torch 2.13's CPU
         block = rows.index_select(0, index).view(len(which), size)
         block = block - block[:, :1]
+        if bool((block == block[0]).all()):  # the usual case, and 20x cheaper than unique
+            fits[size, 0] = gather_params(_fit_axis(block[0]), col_digits, 0)
+            continue
         unique, inverse = torch.unique(block, dim=0, return_inverse=True)
         for k, v in enumerate(unique):
             fits[size, k] = gather_params(_fit_axis(v), col_digits, 0)
