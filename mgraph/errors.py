@@ -34,6 +34,7 @@ __all__ = [
     "BackendUnavailableError",
     "OutputPathError",
     "OutputError",
+    "MoECapacityWarning",
 ]
 
 
@@ -157,3 +158,8 @@ class OutputPathError(MgraphError, ValueError):
 class OutputError(MgraphError, RuntimeError):
     """A run's outputs cannot be assembled: replicas disagree, or the graph leaves part of an
     output unwritten (a lowering bug, named with the region)."""
+
+
+class MoECapacityWarning(UserWarning):
+    """A traced MoE block runs with a capacity bound (``capacity_factor`` < E / top_k): picks
+    beyond an expert's segment are dropped, so the Program may differ from eager torch."""

@@ -154,3 +154,21 @@ def test_stacked_moe_that_is_not_mixtral_is_a_named_error():
     with pytest.raises(mg.PlanError, match="no bias-free router 'router'"):
         mg.compile(Layer(StackedMoeBlock()), (x,), plan={"mlp": mg.ExpertParallel(top_k=2)},
                    topology="1x2")
+
+
+def test_a_capacity_bound_in_the_plan_is_announced():
+    """A plan that bounds the segments (capacity_factor < E / top_k) may drop picks, which a
+    Program does not report: compiling it warns, by name; the default bound never drops, so it
+    compiles silently."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = Layer(StackedMoeBlock()).eval()
+    x = torch.randn(2, 8, 32)
+    bounded = mg.ExpertParallel(router="gate", top_k=2, options={"capacity_factor": 1.0})
+    with pytest.warns(mg.errors.MoECapacityWarning, match="capacity_factor=1"):
+        mg.compile(model, (x,), plan={"mlp": bounded}, topology="1x2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mg.errors.MoECapacityWarning)
+        mg.compile(model, (x,), plan={"mlp": mg.ExpertParallel(router="gate", top_k=2)},
+                   topology="1x2")

@@ -12,11 +12,12 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch.nn as nn
 
-from ..errors import PlanError, ShapeError, UnsupportedOpError
+from ..errors import MoECapacityWarning, PlanError, ShapeError, UnsupportedOpError
 from ..layout import REPLICATE, ROWS, flat_shape
 from ..ops.custom import CUSTOM
 from ..plans import ExpertParallel
@@ -182,6 +183,16 @@ def moe_block(
     # documented policy).
     params = {"T": T, "H": H, "E": E, "top_k": top_k, "F": F,
               "capacity_factor": E / top_k, **style.options}
+    if params["capacity_factor"] < E / top_k:
+        # the op counts its drops in a `dropped` output, but a Program returns the module's
+        # outputs only: say it here, once, rather than answer differently from eager in silence
+        warnings.warn(
+            f"{prefix or n.name}: ExpertParallel capacity_factor={params['capacity_factor']:g} < "
+            f"E/top_k = {E / top_k:g}: picks beyond an expert's segment are dropped (the op's "
+            "documented policy), so this Program can differ from eager torch; the Program does "
+            "not return the drop counts (run moe_dispatch_combine with mg.run to see them)",
+            MoECapacityWarning, stacklevel=2,
+        )
     inputs_map = {
         "x": x,
         "router_logits": logits,
