@@ -321,3 +321,69 @@ def test_race_check_agrees_with_brute_force_on_random_graphs():
         assert got == want, (case, g.to_text())
         verdicts.add(got)
     assert verdicts == {True, False}
+
+
+# -- compile speed: what the speedups must not change ----------------------------------------
+def _compile_fingerprint(prog) -> list[str]:
+    """Short hashes of every task's fields, the events and every rank's schedule (workers,
+    queues, proxy batches): any change to what lowering builds or scheduling decides shows."""
+    import hashlib
+
+    g, s = prog.graph, prog.schedule
+    tasks = [(t.name, t.rank, t.role, t.kind, [tuple(r) for r in t.reads],
+              [tuple(w) for w in t.writes], t.waits, t.signals, t.flops, t.bytes,
+              sorted((k, repr(v)) for k, v in t.params.items())) for t in g.tasks]
+    events = [(e.rank, e.name) for e in g.events]
+    ranks = [(r.rank, sorted(r.workers.items()), sorted(r.queues.items()), r.batches)
+             for r in s.ranks]
+    return [hashlib.sha256(repr(x).encode()).hexdigest()[:16] for x in (tasks, events, ranks)]
+
+
+@pytest.mark.parametrize(("topology", "sizes", "shape", "want"), [
+    ("1x2", dict(hidden=64, ffn=128), (1, 32, 64),
+     ["214f0168651021af", "a72378125a458288", "9eda7dd90c533f71"]),
+    ("2x2", dict(hidden=128, heads=4, kv_heads=2, ffn=256), (1, 64, 128),
+     ["a4a38efe851e2976", "ef69a0beead9b68c", "8ce85a0f4f8ca71d"]),
+    ("2x4", dict(hidden=256, heads=8, kv_heads=2, ffn=384), (1, 128, 256),
+     ["c67b76d618fd31a2", "1e5c9d2d771fc65a", "121fa184e84da899"]),
+])
+def test_compile_speedups_keep_graph_and_schedule(topology, sizes, shape, want):
+    """Pinned to the output of the code before the compile-speed work of issue 16 item 5 (the
+    builder, lowering, validate and scheduler changes are meant to be pure speedups). If a change
+    to an op's lowering or a policy alters these ON PURPOSE, recompute the hashes with it."""
+    import runpy
+    from pathlib import Path
+
+    import torch
+
+    ns = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "llama_block.py"),
+                        run_name="mgraph_pin")
+    torch.manual_seed(0)
+    module = ns["DecoderBlock"](**sizes).eval()
+    prog = mg.compile(module, (torch.randn(shape),), plan=ns["block_plan"](), topology=topology)
+    assert _compile_fingerprint(prog) == want
+
+
+def test_validate_and_schedule_leave_the_collector_as_they_found_it():
+    # Both pause the garbage collector while they run (full collections over a large graph
+    # dominated their time); a caller's setting must survive, also when they raise.
+    import gc
+
+    good = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x2", tile=[32, 32])
+    b = builder()
+    buf, src = b.buffer("x", 0, 4, 4), b.buffer("y", 0, 4, 4)
+    b.task(0, Role.COMPUTE, "copy", [src.region((0, 2))], [buf.region((0, 2))], name="w1")
+    b.task(0, Role.COMPUTE, "copy", [src.region((2, 4))], [buf.region((0, 2))], name="w2")
+    racy = b.finish()
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            gc.enable() if enabled else gc.disable()
+            good.validate()
+            mg.schedule(good)
+            assert gc.isenabled() == enabled
+            with pytest.raises(mg.RaceError):
+                racy.validate()
+            assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()

@@ -11,6 +11,7 @@ Then every check of checks.py runs, so a returned Schedule cannot deadlock a run
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 
 from ..errors import ScheduleError, UnknownNameError
@@ -62,6 +63,23 @@ def schedule(
     out gets none; it must give each role with tasks at least one and use at most
     ``hardware.sms`` in total.
     """
+    # Like lower and validate: scheduling allocates ~10^6 small containers next to a graph of
+    # ~10^6 live objects, and the full collections they trigger walk the whole graph each time.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _schedule(graph, hardware, policy, workers)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _schedule(
+    graph: TaskGraph,
+    hardware: HardwareProfile,
+    policy: str,
+    workers: Mapping[str | Role, int] | None,
+) -> Schedule:
     choose = get_policy(policy)  # an unknown name fails before any work
     override = None if workers is None else _check_override(graph, hardware, workers)
     costs = task_costs(graph, hardware)
