@@ -137,30 +137,50 @@ def _remote_of(graph: TaskGraph, task: Task) -> tuple[int, int]:
 
 
 def _cost(t: Task, hw: HardwareProfile, remote_read: int, remote_write: int, beside: bool) -> float:
-    fill = t.params.get("expected_fill", 1.0) if t.params else 1.0
-    if t.role == _COMPUTE:
-        rate = MATH_RATE.get(t.kind)
-        if rate is not None:
-            base = t.flops / (getattr(hw, rate) * 1e12 / hw.sms)
-        else:
-            base = max(t.flops / compute_rate_per_sm(hw), t.bytes * fill / hbm_rate_per_sm(hw))
-        return base + remote_write / epilogue_rate_per_sm(hw)
-    if t.role == _NVLINK:
-        if remote_read or remote_write:
-            return nvlink_seconds(hw, remote_read * fill, remote_write * fill, beside)
-        return t.bytes * fill / hbm_rate_per_sm(hw)
-    # An rdma worker only pushes a command; the transfer itself is the NIC's and the proxy's.
-    # For the critical path it is what delays the consumer: proxy + wire + latency. Task.bytes
-    # counts both ends of the copy, the wire carries one.
-    wire = t.bytes / 2 / (hw.rdma_gbps * 1e9)
-    return (hw.proxy_command_us + hw.rdma_latency_us) * 1e-6 + wire
+    return _Rates(hw).cost(t, remote_read, remote_write, beside)
+
+
+class _Rates:
+    """The per-SM rates of one HardwareProfile, computed once: ``task_costs`` costs ~10^5 tasks
+    and the rate functions (pydantic attribute reads and divisions) were most of its time. Each
+    rate is the same expression as its function's, so every cost is the same float."""
+
+    __slots__ = ("hw", "math", "compute", "hbm", "epilogue", "rdma_fixed", "rdma_wire")
+
+    def __init__(self, hw: HardwareProfile) -> None:
+        self.hw = hw
+        self.math = {kind: getattr(hw, rate) * 1e12 / hw.sms for kind, rate in MATH_RATE.items()}
+        self.compute = compute_rate_per_sm(hw)
+        self.hbm = hbm_rate_per_sm(hw)
+        self.epilogue = epilogue_rate_per_sm(hw)
+        self.rdma_fixed = (hw.proxy_command_us + hw.rdma_latency_us) * 1e-6
+        self.rdma_wire = hw.rdma_gbps * 1e9
+
+    def cost(self, t: Task, remote_read: int, remote_write: int, beside: bool) -> float:
+        fill = t.params.get("expected_fill", 1.0) if t.params else 1.0
+        if t.role == _COMPUTE:
+            rate = self.math.get(t.kind)
+            if rate is not None:
+                base = t.flops / rate
+            else:
+                base = max(t.flops / self.compute, t.bytes * fill / self.hbm)
+            return base + remote_write / self.epilogue
+        if t.role == _NVLINK:
+            if remote_read or remote_write:
+                return nvlink_seconds(self.hw, remote_read * fill, remote_write * fill, beside)
+            return t.bytes * fill / self.hbm
+        # An rdma worker only pushes a command; the transfer itself is the NIC's and the
+        # proxy's. For the critical path it is what delays the consumer: proxy + wire + latency.
+        # Task.bytes counts both ends of the copy, the wire carries one.
+        return self.rdma_fixed + t.bytes / 2 / self.rdma_wire
 
 
 def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
     """``task_cost`` of every task, indexed by task id."""
     reads, writes = remote_bytes(graph)
     beside = compute_ranks(graph)
-    return [_cost(t, hw, reads[t.id], writes[t.id], t.rank in beside) for t in graph.tasks]
+    cost = _Rates(hw).cost
+    return [cost(t, reads[t.id], writes[t.id], t.rank in beside) for t in graph.tasks]
 
 
 def role_work(graph: TaskGraph, costs: list[float]) -> dict[int, dict[str, tuple[int, float]]]:
