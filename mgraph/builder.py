@@ -245,7 +245,9 @@ class GraphBuilder:
             )
         bufs = self.buffers
         nbytes = 0
-        for r in (*reads, *writes):  # regions are (buffer, row0, row1, col0, col1)
+        for r in reads:  # regions are (buffer, row0, row1, col0, col1)
+            nbytes += (r[2] - r[1]) * (r[4] - r[3]) * ITEMSIZE[bufs[r[0]].dtype]
+        for r in writes:
             nbytes += (r[2] - r[1]) * (r[4] - r[3]) * ITEMSIZE[bufs[r[0]].dtype]
         tid = len(self.tasks)
         if tid >= self.budget.max_tasks:
@@ -263,8 +265,8 @@ class GraphBuilder:
             kind,
             list(reads),
             list(writes),
-            [(e, c) for e, c in waits if c > 0],
-            list(signals),
+            [(e, c) for e, c in waits if c > 0] if waits else [],
+            list(signals) if signals else [],
             float(flops),
             nbytes,
             params,
