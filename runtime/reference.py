@@ -386,8 +386,11 @@ class _Pool:
             self.run_ns[code] += run_ns
 
     def _integrate(self, code: int, now: int) -> None:
-        self.waited[code] += self.waiting[code] * (now - self.waited_at[code])
-        self.waited_at[code] = now
+        # Threads read the clock before taking the lock, so a ``now`` may be older than the
+        # last one integrated: never integrate backwards (the wait time stays non-negative).
+        if now > self.waited_at[code]:
+            self.waited[code] += self.waiting[code] * (now - self.waited_at[code])
+            self.waited_at[code] = now
 
     def _decide(self, now: int) -> None:
         if all(h >= len(q) for h, q in zip(self.head, self.queues, strict=True)):

@@ -522,3 +522,19 @@ def test_mirror_runs_as_a_triton_program(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [w.replay().comm for w in wins]
+
+
+def test_reference_pool_never_integrates_wait_time_backwards():
+    """Threads read the clock before taking the pool's lock, so wait updates can arrive out of
+    time order; the wait handed to the rule must stay non-negative (a negative one is a
+    ScheduleError from decide, which a loaded CI machine once hit)."""
+    from mgraph.runtime.reference import _Pool
+
+    log: list = []
+    pool = _Pool(0, [list(range(8)), list(range(8, 16))], [2, 2], window=100, max_comm=4, log=log)
+    pool.wait_count(1, 1_000, +1)  # two nvlink threads start waiting
+    pool.wait_count(1, 1_500, +1)
+    pool.take(0, 2_000)  # a decision at t=2000
+    pool.wait_count(1, 1_600, -1)  # a thread whose clock read (t=1600) lost the race to the lock
+    pool.take(0, 2_200)  # the next decision: its wait must not be negative (decide would raise)
+    assert len(log) == 2 and all(w.comm.wait >= 0 and w.compute.wait >= 0 for w in log), log
