@@ -407,77 +407,29 @@ import torch
 import triton
 import triton.language as tl
 
+from mgraph.runtime.megakernel.control import decide  # the megakernel's copy of the rule
+
 
 @triton.jit
-def controller(inp, out, n, LEFT_CAP: tl.constexpr, COST_CAP: tl.constexpr,
-               TIME_CAP: tl.constexpr, BLOCK: tl.constexpr):
+def controller(inp, out, n, BLOCK: tl.constexpr):
     lane = tl.arange(0, BLOCK)
     m = lane < n
     row = inp + lane * 15
-    c_left = tl.load(row + 0, mask=m, other=0)
-    c_done = tl.load(row + 1, mask=m, other=0)
-    c_run = tl.load(row + 2, mask=m, other=0)
-    c_wait = tl.load(row + 3, mask=m, other=0)
-    c_workers = tl.load(row + 4, mask=m, other=0)
-    c_prior = tl.load(row + 5, mask=m, other=0)
-    s_left = tl.load(row + 6, mask=m, other=0)
-    s_done = tl.load(row + 7, mask=m, other=0)
-    s_run = tl.load(row + 8, mask=m, other=0)
-    s_wait = tl.load(row + 9, mask=m, other=0)
-    s_workers = tl.load(row + 10, mask=m, other=0)
-    s_prior = tl.load(row + 11, mask=m, other=0)
-    window = tl.load(row + 12, mask=m, other=0)
-    previous = tl.load(row + 13, mask=m, other=0)
-    max_comm = tl.load(row + 14, mask=m, other=1)
-    pool = c_workers + s_workers
-    lp = tl.minimum(c_left, LEFT_CAP)
-    ls = tl.minimum(s_left, LEFT_CAP)
-    has_prev = previous >= 0
-    cp_meas = tl.minimum(tl.maximum(c_run // tl.maximum(c_done, 1), 1), COST_CAP)
-    cs_meas = tl.minimum(tl.maximum(s_run // tl.maximum(s_done, 1), 1), COST_CAP)
-    cp = tl.where(c_done > 0, cp_meas, tl.minimum(c_prior, COST_CAP))
-    cs = tl.where(s_done > 0, cs_meas, tl.minimum(s_prior, COST_CAP))
-    cp0 = tl.where(cp == 0, cs, cp)
-    cs0 = tl.where(cs == 0, cp, cs)
-    cp1 = tl.where(cp0 == 0, 1, cp0)
-    cs1 = tl.where(cs0 == 0, 1, cs0)
-    wp = lp * cp1
-    ws = ls * cs1
-    den = tl.maximum(2 * (wp + ws), 1)
-    target = (2 * pool * ws + wp + ws) // den
-    lo = tl.maximum(pool - lp, 1)
-    hi = tl.minimum(tl.minimum(pool - 1, ls), max_comm)
-    held_few = tl.where(has_prev, previous, target)
-    few = tl.minimum(tl.maximum(held_few, hi), lo)
-    t0 = tl.minimum(tl.maximum(target, lo), hi)
-    cur = tl.minimum(tl.maximum(tl.where(has_prev, previous, s_workers), lo), hi)
-    stalled_s = (window > 0) & (s_workers > 0) & (tl.minimum(s_wait, TIME_CAP) * 2 >= s_workers * window)
-    stalled_c = (window > 0) & (c_workers > 0) & (tl.minimum(c_wait, TIME_CAP) * 2 >= c_workers * window)
-    t1 = tl.where(stalled_s, tl.minimum(t0, cur), t0)
-    t2 = tl.where(stalled_c, tl.maximum(t1, cur), t1)
-    gap = t2 - cur
-    mag = tl.where(gap < 0, -gap, gap)
-    step = tl.maximum(mag // 2, 1)
-    moved = tl.where(gap > 0, cur + step, tl.where(gap < 0, cur - step, cur))
-    damped = tl.where(has_prev, moved, t2)
-    comm = tl.where(lo > hi, few, damped)
-    comm = tl.where(lp == 0, pool, comm)
-    comm = tl.where(ls == 0, 0, comm)
-    comm = tl.where((lp == 0) & (ls == 0), tl.where(has_prev, previous, s_workers), comm)
+    comm = decide(*[tl.load(row + f, mask=m, other=1 if f == 14 else 0) for f in range(15)])
     tl.store(out + lane, comm, mask=m)
 
 
 rows = json.loads(sys.stdin.read())
 inp = torch.tensor(rows, dtype=torch.int64)
 out = torch.full((len(rows),), -7, dtype=torch.int64)
-caps = json.loads(sys.argv[1])
-controller[(1,)](inp, out, len(rows), caps[0], caps[1], caps[2], BLOCK=triton.next_power_of_2(len(rows)))
+controller[(1,)](inp, out, len(rows), BLOCK=triton.next_power_of_2(len(rows)))
 print(json.dumps(out.tolist()))
 """
 
 
 def test_mirror_runs_as_a_triton_program(tmp_path):
-    """Damping and stall fractions are 1/2 here, as DAMP_* and STALL_* say."""
+    """The megakernel's copy of the rule (control.decide), one window per lane, matches the
+    rule. Damping and stall fractions are 1/2 here, as DAMP_* and STALL_* say."""
     import os
     import subprocess
 
@@ -512,7 +464,7 @@ def test_mirror_runs_as_a_triton_program(tmp_path):
     script = tmp_path / "controller_interp.py"
     script.write_text(TRITON_MIRROR)
     proc = subprocess.run(
-        [sys.executable, str(script), json.dumps([LEFT_CAP, COST_CAP, TIME_CAP])],
+        [sys.executable, str(script)],
         input=json.dumps(rows),
         env=dict(os.environ, TRITON_INTERPRET="1"),
         capture_output=True,
