@@ -303,6 +303,11 @@ def encode_rank(
     )
 
 
+def gemm_block(gemms) -> tuple[int, int]:
+    """The GEMM block (BM, BN): the largest tile; the others are the short edge tiles."""
+    return (max(t.writes[0].shape[0] for t in gemms), max(t.writes[0].shape[1] for t in gemms))
+
+
 def tma_exact(graph: TaskGraph, t, block: tuple[int, int], bk: int = 64) -> bool:
     """Whether whole-block TMA loads and stores compute exactly ``t``'s tile: TMA zero-fills
     loads and clips stores only at a buffer's END, so a short tile must end every buffer it
@@ -347,8 +352,7 @@ class _Prefix:
             for e in t.signals:
                 self.signallers.setdefault(e, []).append(t)
         gemms = [t for t in graph.tasks if t.kind == "gemm"]
-        self.block = (max(t.writes[0].shape[0] for t in gemms),
-                      max(t.writes[0].shape[1] for t in gemms)) if gemms else (0, 0)
+        self.block = gemm_block(gemms) if gemms else (0, 0)
         self.nw: int | None = None  # writes per task: the kernel's SEG_NW
         self.add: bool | None = None  # writes reduce-add (the kernel's SEG_ADD)
 

@@ -32,7 +32,16 @@ from mgraph.settings import Settings
 from ..memory import check_inputs, gather_outputs
 from ..trace import TaskRecord, Trace
 from .dispatch import PUSH_KIND, body_params, has_body, megakernel_for
-from .encode import PUSH_ID, ROLE_ALL, RankTables, encode_rank, kind_id, layout, tma_exact
+from .encode import (
+    PUSH_ID,
+    ROLE_ALL,
+    RankTables,
+    encode_rank,
+    gemm_block,
+    kind_id,
+    layout,
+    tma_exact,
+)
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
@@ -94,11 +103,6 @@ def _check_dtypes(graph: TaskGraph) -> None:
                     f"Triton body reads every buffer as {graph.dtype}",
                     hint="give the body a `bufdt` parameter and cast float32 slots accordingly",
                 )
-
-
-def gemm_block(gemms) -> tuple[int, int]:
-    """The GEMM block (BM, BN): the largest tile; the others are the short edge tiles."""
-    return (max(t.writes[0].shape[0] for t in gemms), max(t.writes[0].shape[1] for t in gemms))
 
 
 def _check_gemm_tiles(graph: TaskGraph, gemms) -> None:
