@@ -175,7 +175,10 @@ def _node(node: int, port: int, proxy: str, fault: str, results) -> None:
         if node == 1 and rt.epoch == 2 and task.kind == "gemm":
             if fault == "disconnect":  # its network goes away; the process lives on
                 for conn in rt.network.transport.conns.values():
-                    conn.sock.shutdown(socket.SHUT_RDWR)
+                    try:
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:  # the peer already severed it (ENOTCONN): the same fault
+                        pass
             elif fault == "crash":
                 import os
 
