@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import mgraph as mg  # noqa: E402  (installed: mgraph.runtime comes from the package-dir map)
+from mgraph.settings import Settings  # noqa: E402
 from mgraph.runtime.megakernel import TritonRuntime, local_shards  # noqa: E402
 from mgraph.runtime.memory import worst_tile_error as worst_tile  # noqa: E402
 
@@ -99,6 +100,9 @@ class Bench:
         best = None
         default = None  # (runtime, first window's samples): re-timed after the sweep
         for label, options, nvlink, gemm_config in [("default", {}, None, None), *sweep]:
+            options = dict(options)
+            # "adaptive" is a runtime setting (the in-kernel controller), not an op option
+            settings = Settings(adaptive=True) if options.pop("adaptive", False) else None
             graph = op(topology=f"1x{self.world}", dtype=torch.bfloat16, **graph_kw, **options)
             inputs = op.random_inputs(graph, seed=1)
             local = {k: v.cuda() for k, v in local_shards(graph, self.rank, inputs).items()}
@@ -106,7 +110,7 @@ class Bench:
             workers = None if nvlink is None else {"compute": sms - nvlink, "nvlink": nvlink}
             try:
                 sched = mg.schedule(graph, workers=workers)
-                rt = TritonRuntime(sched, gemm_config=gemm_config)
+                rt = TritonRuntime(sched, gemm_config=gemm_config, settings=settings)
                 got = rt.run(local).outputs["out"]
                 err, tile_err = rel(got, want), worst_tile(got, want)
                 times = samples(rt.launch, self.args.warmup, self.args.reps)
@@ -193,8 +197,12 @@ class Bench:
                      for a in ("accumulate", "push")]
         if op_name == "allgather_gemm":
             grid += [("gather=peer", {"gather": "peer"}, None, None)]
-            grid += [(f"gather=copy nvlink={n}", {"gather": "copy"}, n, None)
-                     for n in self.args.comm_workers]
+            # NVLink workers x chunk (issue 12's grid: chunks of 1, 4 and 16 tile rows' worth)
+            grid += [(f"gather=copy chunk={c // 1024}KiB nvlink={n}",
+                      {"gather": "copy", "chunk_bytes": c}, n, None)
+                     for c in self.args.chunks for n in self.args.comm_workers]
+        # the in-kernel controller (issue 18), starting from the default split
+        grid += [("adaptive", {"adaptive": True}, None, None)]
         return grid
 
     def gemm_alone(self, shape):
@@ -339,6 +347,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
     parser.add_argument("--ops", nargs="*", default=["gemm_alone", "allreduce", "reduce_scatter", "all_gather"])
     parser.add_argument("--comm-workers", type=int, nargs="*", default=[4, 8, 16, 24, 32])
+    parser.add_argument("--chunks", type=int, nargs="*", default=[256 * 1024, 1024**2, 4 * 1024**2],
+                        help="AG+GEMM gather chunk sizes (bytes) swept with the NVLink workers")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--no-gemm-sweep", dest="gemm_sweep", action="store_false",
                         help="skip the GEMM loop configurations (flatten, stages) in the sweep")
