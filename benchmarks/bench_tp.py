@@ -28,9 +28,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import mgraph as mg  # noqa: E402  (installed: mgraph.runtime comes from the package-dir map)
-from mgraph.settings import Settings  # noqa: E402
 from mgraph.runtime.megakernel import TritonRuntime, local_shards  # noqa: E402
 from mgraph.runtime.memory import worst_tile_error as worst_tile  # noqa: E402
+from mgraph.settings import Settings  # noqa: E402
 
 SHAPES = [(4096, 8192, 4096), (8192, 8192, 4096), (8192, 8192, 14336), (2048, 8192, 8192),
           (1024, 8192, 8192)]
