@@ -1,7 +1,7 @@
 """Attention on H200s: mgraph's attn_block / attn_finalize tile against SDPA, and the ring over
 2 GPUs against SDPA + NCCL P2P rings, on the same inputs in the same run (bf16, B4 H16 D128).
 
-    python3 benchmarks/bench_attention.py tile [--out DIR]                  # one GPU
+    python3 benchmarks/bench_attention.py tile [mega] [--out DIR]           # one GPU
     torchrun --nproc_per_node=2 benchmarks/bench_attention.py ring [--out DIR]
 
 tile: the Triton bodies alone (no megakernel queues or waits: attention_tiles.chains_kernel,
@@ -10,6 +10,15 @@ shapes (q rows x keys per attn_block task) 128x128 (the lowering's default), 128
 128xS (one task per q block: the plain flash tile) and 4096x4096, against
 ``F.scaled_dot_product_attention`` with the cuDNN and the flash (FA2) backends, S = 8192..32768,
 causal and not. TF/s count the unmasked work (causal: half).
+
+mega: the same attention through the megakernel on one GPU (TritonRuntime on the 1x1
+ring_attention graph: the kernel the ring runs, with its queues, waits and copy branch),
+S = 8192 and 16384 by default (``--mega-seqs``), causal and not, against cuDNN SDPA.
+
+tile and mega also record what the GPU's own Triton compiled: registers, spilled bytes and
+ptxas's C75xx lines ("wgmma.mma_async instructions are serialized ...": every wgmma of the
+kernel then waits for the previous one, whatever the loop), from ``ptxas -v`` on the kernel's
+PTX with the ptxas Triton uses.
 
 ring: S = 32768 and 65536 in total over 2 GPUs by default (``--ring-seqs 32768 65536 98304``
 adds the longest: v8's run with it did not finish in 140 s while the tile ran at ~30 TF/s, 2.7 s
@@ -92,6 +101,39 @@ def flops(S_q: int, S_k: int, causal: bool) -> float:
     return 4.0 * B * H * S_q * S_k * D * (0.5 if causal else 1.0)
 
 
+def kernel_info(compiled) -> dict:
+    """Registers and spills of a compiled Triton kernel, and ptxas's verdict on its wgmma
+    pipeline (the C75xx lines of ``ptxas -v``: serialised wgmma), by the ptxas Triton uses."""
+    import re
+    import subprocess
+    import tempfile
+
+    info = dict(regs=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                shared=compiled.metadata.shared)
+    try:
+        from triton.backends.nvidia import compiler as nv
+
+        if hasattr(nv, "get_ptxas"):  # triton >= 3.4
+            ptxas = nv.get_ptxas().path
+        else:
+            ptxas = nv._path_to_binary("ptxas")[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "k.ptx"
+            ptx.write_text(compiled.asm["ptx"])
+            proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx) + ".o"],
+                                  capture_output=True, text=True, timeout=300)
+        text = proc.stdout + proc.stderr
+        info["ptxas_serialized"] = sorted({m.group(0)[:200] for m in re.finditer(
+            r"\(C75\d\d\)[^\n]*", text)})
+        used = re.search(r"Used (\d+) registers", text)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+        info["ptxas"] = ((used.group(0) if used else "") + "; " +
+                         (spill.group(0) if spill else ""))
+    except Exception as exc:  # the numbers above stand without it
+        info["ptxas_error"] = repr(exc)[:200]
+    return info
+
+
 # -- tile -------------------------------------------------------------------------------------
 def chain_tables(S: int, qb: int, kvb: int, causal: bool, device: str) -> dict:
     """The tables the attention lowering's tasks encode to, for one rank holding B x H heads of
@@ -154,7 +196,7 @@ def bench_tile(args) -> list[dict]:
     from mgraph.ops.attention_tiles import chains_kernel
     from mgraph.runtime.megakernel.encode import kind_id
 
-    rows = []
+    rows, infos = [], []
     torch.manual_seed(0)
     for S in args.tile_seqs:
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -185,7 +227,7 @@ def bench_tile(args) -> list[dict]:
                 tb = chain_tables(S, qb, kvb, causal, "cuda")
 
                 def launch(tb=tb, addr=addr, cols=cols):
-                    chains_kernel[(tb["chains"],)](
+                    return chains_kernel[(tb["chains"],)](
                         tb["tasks"], tb["order"], tb["starts"], tb["params"], tb["regions"],
                         addr, cols, BLOCK_ID=kind_id(TaskKind.ATTN_BLOCK.value),
                         DT=tl_bf16(), USE_TIMER=True, num_warps=args.warps,
@@ -195,8 +237,13 @@ def bench_tile(args) -> list[dict]:
                 acc.fill_(float("nan"))
                 ml.fill_(float("nan"))
                 try:
-                    launch()
+                    compiled = launch()
                     torch.cuda.synchronize()
+                    if not infos:
+                        infos.append(kernel_info(compiled))
+                        rows.append(dict(part="tile", S=S, causal=causal, impl="mgraph_tile",
+                                         kernel="chains_kernel", **infos[0]))
+                        print(json.dumps(rows[-1]), flush=True)
                     got = out.view(B, H, S, D)
                     err, terr = rel(got, ref["cudnn"]), tile_err(got, ref["cudnn"])
                     ms = statistics.median(event_times(launch, args.warmup, args.reps))
@@ -221,6 +268,59 @@ def tl_bf16():
     import triton.language as tl
 
     return tl.bfloat16
+
+
+# -- mega -------------------------------------------------------------------------------------
+def bench_mega(args) -> list[dict]:
+    """The attention graph through the megakernel on one GPU (topology 1x1: no copies, no
+    peers), against cuDNN SDPA on the same inputs."""
+    import mgraph as mg
+    from mgraph.runtime.megakernel import TritonRuntime
+
+    rows = []
+    for S in args.mega_seqs:
+        for causal in (False, True):
+            graph = mg.ops.ring_attention(
+                topology="1x1", B=B, H=H, S=S, D=D, causal=causal, block=args.mega_block,
+                kv_block=args.mega_kv_block, dtype=torch.bfloat16)
+            gen = torch.Generator().manual_seed(S + causal)
+            inputs = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16).cuda()
+                      for n, s in graph.inputs.items()}
+            q, k, v = (inputs[n].reshape(B, H, S, D) for n in "qkv")
+            fl = flops(S, S, causal)
+            with sdpa_kernel(BACKENDS["cudnn"]):
+                want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                cudnn_ms = statistics.median(event_times(
+                    lambda q=q, k=k, v=v, c=causal: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=c),
+                    args.warmup, args.reps))
+            base = dict(part="mega", S=S, causal=causal)
+            rows.append(dict(base, impl="sdpa_cudnn", ms=round(cudnn_ms, 4),
+                             tflops=round(fl / cudnn_ms / 1e9, 1)))
+            print(json.dumps(rows[-1]), flush=True)
+            try:
+                rt = TritonRuntime(mg.schedule(graph))
+                got = rt.run(inputs).outputs["out"].reshape(B, H, S, D)
+                err, terr = rel(got, want), tile_err(got, want)
+                if S == args.mega_seqs[0] and not causal:
+                    rows.append(dict(base, impl="mgraph_mega", kernel="megakernel",
+                                     programs=int(rt.tables.programs), **kernel_info(rt.compiled)))
+                    print(json.dumps(rows[-1]), flush=True)
+                ms = statistics.median(event_times(rt.launch, args.warmup, args.reps))
+                rt.check()
+                rows.append(dict(base, impl="mgraph_mega",
+                                 task=f"{args.mega_block}x{args.mega_kv_block}",
+                                 tasks=len(graph.tasks), ms=round(ms, 4),
+                                 tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
+                                 rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
+                del rt
+            except Exception as exc:  # not runnable: the row says why
+                rows.append(dict(base, impl="mgraph_mega",
+                                 error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            print(json.dumps(rows[-1]), flush=True)
+            del inputs, q, k, v, want
+            torch.cuda.empty_cache()
+    return rows
 
 
 # -- ring -------------------------------------------------------------------------------------
@@ -379,11 +479,17 @@ def table(rows: list[dict]) -> str:
     lines = []
     for (part, S, causal), rs in groups.items():
         cudnn = next((r["ms"] for r in rs if r["impl"] in ("sdpa_cudnn", "cudnn+nccl")), None)
+        rs = sorted(rs, key=lambda r: "kernel" not in r)
         cells = []
         for r in rs:
             name = r["impl"] + (f"[{r['task']}]" if "task" in r else "")
             if "error" in r:
                 cells.append(f"{name}: ERROR")
+                continue
+            if "kernel" in r:  # the compiled kernel's registers, spills, ptxas's verdict
+                serial = "wgmma SERIALIZED" if r.get("ptxas_serialized") else "wgmma pipelined"
+                cells.append(f"{r['kernel']}: {r['regs']} regs, {r['spills']} B spilled, "
+                             f"{serial if 'ptxas_serialized' in r else 'ptxas ?'}")
                 continue
             ratio = f" {cudnn / r['ms']:.2f}x" if cudnn else ""
             cells.append(f"{name} {r['ms']:.2f}ms {r['tflops']:.0f}TF/s{ratio}")
@@ -395,13 +501,17 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=("tile", "ring"))
+    parser.add_argument("part", nargs="+", choices=("tile", "mega", "ring"),
+                        help="ring runs alone, under torchrun")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/mgraph_out"))
     parser.add_argument("--tile-seqs", type=int, nargs="+", default=[8192, 16384, 32768])
     # two lengths, 1 warmup + 3 reps each: the default ring run stays within about 3 minutes
     parser.add_argument("--ring-seqs", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--block", type=int, default=2048, help="ring: q rows per task")
     parser.add_argument("--kv-block", type=int, default=8192, help="ring: keys per task")
+    parser.add_argument("--mega-seqs", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--mega-block", type=int, default=128, help="mega: q rows per task")
+    parser.add_argument("--mega-kv-block", type=int, default=1024, help="mega: keys per task")
     parser.add_argument("--warps", type=int, default=8, help="tile: the megakernel's num_warps")
     parser.add_argument("--stages", type=int, default=3, help="tile: the megakernel's stages")
     parser.add_argument("--warmup", type=int, default=2, help="ring: at most 1")
@@ -409,20 +519,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs CUDA GPUs")
-    if args.part == "tile":
+    if "ring" in args.part and len(args.part) > 1:
+        sys.exit("ring runs alone (under torchrun)")
+    rows = []
+    if "tile" in args.part:
         import triton
 
         triton.set_allocator(
             lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        rows = bench_tile(args)
-    else:
+        rows += bench_tile(args)
+    if "mega" in args.part:
+        rows += bench_mega(args)
+    if args.part == ["ring"]:
         # a ring step at S=98304 takes 0.1-0.3 s: keep the run within its few minutes
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
         rows = bench_ring(args)
     if rows:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"bench_attention_{args.part}.json"
+        path = out / f"bench_attention_{'_'.join(args.part)}.json"
         path.write_text(json.dumps(rows, indent=1) + "\n")
         print(table(rows))
         print(f"rows: {path}")

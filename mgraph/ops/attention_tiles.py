@@ -79,6 +79,8 @@ if HAVE_TRITON:
     # q rows, keys, head columns per step: the 128 x 128 x 128 tile the probe measured fastest
     # (tl.dot needs each >= 16). Shorter blocks and head sizes are handled by masks.
     _QB, _KB, _DB = tl.constexpr(128), tl.constexpr(128), tl.constexpr(128)
+    # rows, keys and head columns per step of the pointer path and of attn_finalize
+    _PB = tl.constexpr(64)
     _LOG2E = tl.constexpr(1.4426950408889634)
     _F32 = tl.constexpr(tl.float32)
     _BIAS_NONE, _BIAS_BOOL = tl.constexpr(BIAS_NONE), tl.constexpr(BIAS_BOOL)
@@ -95,9 +97,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rows_cols(regions, bufaddr, bufcols, index, DT: tl.constexpr):
-        """(typed base pointer of region ``index``'s corner, row stride, rows, cols)."""
+        """(typed base pointer of region ``index``'s corner, row stride, rows, cols). The row
+        stride is int32 (offsets inside a region fit; the corner's is 64-bit): 64-bit strides
+        doubled the registers the attention loops' surroundings hold (sm_90)."""
         s, r0, r1, c0, c1 = load_region(regions, index)
-        cols = tl.load(bufcols + s).to(tl.int64)
+        cols = tl.load(bufcols + s)
         base = buffer_base(bufaddr, s, DT) + r0.to(tl.int64) * cols + c0
         return base, cols, r1 - r0, c1 - c0
 
@@ -113,7 +117,7 @@ if HAVE_TRITON:
     @triton.jit
     def _tile(p, stride, rows, cols, n_rows, n_cols):
         """Load p[rows][:, cols] (row stride ``stride``), zeros outside [n_rows, n_cols)."""
-        return tl.load(p + rows.to(tl.int64)[:, None] * stride + cols[None, :],
+        return tl.load(p + rows[:, None] * stride + cols[None, :],
                        mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
 
     @triton.jit
@@ -128,32 +132,33 @@ if HAVE_TRITON:
         """(pointer to mask tile ``index``'s corner, its row stride: 0 for a tile one row wide,
         which every query row reads). Built once per task, outside the key loop."""
         s, r0, r1, c0, c1 = load_region(regions, index)
-        cols = tl.load(bufcols + s).to(tl.int64)
+        cols = tl.load(bufcols + s)
         base = buffer_base(bufaddr, s, DT) + r0.to(tl.int64) * cols + c0
-        return base, cols * (r1 - r0 > 1).to(tl.int64)
+        return base, cols * (r1 - r0 > 1).to(tl.int32)
 
     @triton.jit
-    def _scores(s, ok, om, b_rows, nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
-                CAUSAL: tl.constexpr, BIAS: tl.constexpr):
-        """Scaled scores in log2 units with the mask applied: -inf where a key is hidden. Only
+    def _scores(s, ok, om, b_rows, nk, lim, qk_scale, bp, b_stride, b_bool,
+                MASKED: tl.constexpr, BIAS: tl.constexpr):
+        """Scaled scores in log2 units with the mask applied: -inf where a key is hidden. With
+        ``MASKED``, keys past the block (``ok >= nk``) and keys after the query (``ok - om >
+        lim``: lim = q_start - k_start under a causal mask, 2^30 without one) are hidden. Only
         with ``BIAS`` is there a mask tile to read (at ``bp``, row stride ``b_stride``, the rows
-        ``b_rows`` of it; masked-off entries add 0); its kind
-        is a select, not a branch (``b_bool``: nonzero = attend, else added): a runtime branch
-        on s in the loop made the compiler carry s in three register layouts at once and spill
-        (sm_90)."""
+        ``b_rows`` of it; masked-off entries add 0); its kind is a select, not a branch
+        (``b_bool``: nonzero = attend, else added): a runtime branch on s in the loop made the
+        compiler carry s in three register layouts at once and spill (sm_90)."""
         s = s * qk_scale
         if BIAS:
-            b = tl.load(bp + om.to(tl.int64)[:, None] * b_stride + ok[None, :],
+            b = tl.load(bp + om[:, None] * b_stride + ok[None, :],
                         mask=b_rows[:, None] & (ok < nk)[None, :], other=0.0).to(tl.float32)
             s += tl.where(b_bool, tl.where(b != 0.0, 0.0, float("-inf")), b * _LOG2E)
-        hide = (ok >= nk)[None, :] & (om >= 0)[:, None]  # keys past the block
-        if CAUSAL:
-            hide = hide | ((k_start + ok)[None, :] > (q_start + om)[:, None])
-        return tl.where(hide, float("-inf"), s)
+        if MASKED:
+            hide = (ok >= nk)[None, :] | ((ok[None, :] - om[:, None]) > lim)
+            s = tl.where(hide, float("-inf"), s)
+        return s
 
     @triton.jit
-    def _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, c_lo, c_hi, om, row_ok, nk, k_start,
-              q_start, qk_scale, bp, b_stride, b_bool, CAUSAL: tl.constexpr, BIAS: tl.constexpr,
+    def _fold(acc0, acc1, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, lim, qk_scale,
+              bp, b_stride, b_bool, MASKED: tl.constexpr, BIAS: tl.constexpr,
               HALVES: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr, DT: tl.constexpr,
               USE_TIMER: tl.constexpr):
         """Fold key chunks [c_lo, c_hi) (KB keys each) into (acc, m, l) held in registers: the
@@ -161,22 +166,28 @@ if HAVE_TRITON:
         (with HALVES 1 those two are not touched). k and v come by TMA through the descriptors
         ``kd`` / ``vd`` over the task's KV regions (blocks of KB x _DB; zeros past the region's
         rows and the head size), so the loop has no pointer tensors for them and Triton's
-        pipeliner prefetches the next chunks. With ``BIAS`` the mask tile comes by pointer
-        loads which the caller has made provably 16-byte aligned; the pipeliner stages them in
-        shared memory beside k and v, so ``STAGES`` (None: the kernel's num_stages) bounds what
-        the loop holds there. The loop counts chunks, not keys, so that each chunk's first key
-        is visibly a multiple of KB to the alignment analysis."""
+        pipeliner prefetches the next chunks. Without ``MASKED`` or ``BIAS`` (whole chunks
+        below the diagonal: most of the work) the loop is the plain flash loop of
+        ../shared/probes/attn_tile.py, scale folded into one FMA per score and no key or row
+        index held: the index tensors a mask compares cost registers that the wgmma pipeline
+        needs (sm_90: the megakernel's loops spilled them). With ``BIAS`` the mask tile comes
+        by pointer loads which the caller has made provably 16-byte aligned; the pipeliner
+        stages them in shared memory beside k and v, so ``STAGES`` (None: the kernel's
+        num_stages) bounds what the loop holds there. The loop counts chunks, not keys, so that
+        each chunk's first key is visibly a multiple of KB to the alignment analysis."""
         for c in tl.range(c_lo, c_hi, num_stages=STAGES):
             j0 = c * KB
-            ok = j0 + tl.arange(0, KB)
-            s = tl.dot(q0, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
-            if HALVES == 2:
-                s = tl.dot(q1, tl.trans(_operand(kd.load([j0, _DB]), USE_TIMER)), s)
-            s = _scores(s, ok, om, row_ok, nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
-                        CAUSAL, BIAS)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - shift[:, None])
+            s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
+            if MASKED or BIAS:
+                s = _scores(s, j0 + tl.arange(0, KB), om, row_ok, nk, lim, qk_scale, bp,
+                            b_stride, b_bool, MASKED, BIAS)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - shift[:, None])
+            else:  # every score finite: m_new is
+                shift = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                p = tl.math.exp2(s * qk_scale - shift[:, None])
             alpha = tl.math.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = _operand(p.to(DT), USE_TIMER)
@@ -184,55 +195,82 @@ if HAVE_TRITON:
             if HALVES == 2:
                 acc1 = tl.dot(pv, _operand(vd.load([j0, _DB]), USE_TIMER),
                               acc1 * alpha[:, None])
-            m_i = m_new
+            m_i = shift
         return acc0, acc1, m_i, l_i
 
     @triton.jit
+    def _key_chunks(i0, nq, nk, q_start, k_start, causal, ROWS: tl.constexpr,
+                    KB: tl.constexpr):
+        """For the ROWS query rows from i0, in KB-key chunks: (c_plain, c_end, lim). Chunks
+        [0, c_plain) are whole and at or before every row's diagonal: nothing to mask. Chunks
+        [c_plain, c_end) need the mask: the block's partial last chunk, and under a causal mask
+        the chunks the diagonal crosses. Chunks from c_end follow every row: not computed.
+        lim: a key j is hidden from row i when j - i > lim (no key is, without causal)."""
+        last = tl.minimum(q_start + i0 + ROWS, q_start + nq)  # one past the last row's key
+        j_end = tl.where(causal != 0, tl.minimum(tl.maximum(last - k_start, 0), nk), nk)
+        j_plain = tl.where(causal != 0, tl.maximum(q_start + i0 + 1 - k_start, 0), nk)
+        c_end = tl.cdiv(j_end, KB)
+        c_plain = tl.minimum(tl.minimum(j_plain, nk) // KB, c_end)
+        lim = tl.where(causal != 0, q_start - k_start, 1 << 30)
+        return c_plain, c_end, lim
+
+    @triton.jit
+    def _load_ml(first, smp, sm_stride, om, row_ok):
+        """(m in log2 units, l) of rows ``om`` from the state read, or a chain's start."""
+        if first != 0:
+            m_i = tl.full(om.shape, float("-inf"), tl.float32)
+            l_i = tl.zeros(om.shape, dtype=tl.float32)
+        else:
+            m_i = tl.load(smp + om * sm_stride, mask=row_ok, other=0.0) * _LOG2E
+            l_i = tl.load(smp + om * sm_stride + 1, mask=row_ok, other=0.0)
+        return m_i, l_i
+
+    @triton.jit
+    def _store_ml(mp, m_stride, om, row_ok, m_i, l_i):
+        """Store (m, l), m in the CPU body's natural-log units."""
+        tl.store(mp + om * m_stride, m_i / _LOG2E, mask=row_ok)
+        tl.store(mp + om * m_stride + 1, l_i, mask=row_ok)
+
+    @triton.jit
     def _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
-                   sa_stride, first, i0, om, row_ok, m_i, l_i, j_full, j_end, k_start, q_start,
+                   sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start, causal,
                    qk_scale, has_bias, bp, b_stride, b_bool, HALVES: tl.constexpr,
                    KB: tl.constexpr, STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr,
                    DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """The fast path for the q sub-block at row i0: q and acc (HALVES x _DB columns) in
-        registers, keys [0, j_full) unmasked and [j_full, j_end) under the causal mask, each
-        range by a loop without the mask tile or, when the task has one, a loop with it.
-        Returns (m, l); acc goes to the state's write."""
+        """The fast path for the _QB-row sub-block at row i0: q and acc (HALVES x _DB columns)
+        in registers, the plain chunks, then the masked ones, each range by a loop without the
+        mask tile or, when the task has one, a loop with it. Reads and writes the state's
+        rows. Nothing but scalars and row vectors is live across the loops (the state's
+        pointer tensors and masks are built where they are used)."""
         # built per sub-block (a variable bound in one branch is not visible after it); a
         # task's first sub-block is its only one at the lowering's default 128 rows
-        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, _DB])
-        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, _DB])
+        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, HALVES * _DB])
+        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, HALVES * _DB])
         vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [KB, _DB])
-        om64 = om.to(tl.int64)
+        om = i0 + tl.arange(0, _QB)
+        row_ok = om < nq
+        m_i, l_i = _load_ml(first, smp, sm_stride, om, row_ok)
+        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, KB)
         od = tl.arange(0, _DB)
-        cmask0 = row_ok[:, None] & (od < D)[None, :]
-        cmask1 = row_ok[:, None] & (od + _DB < D)[None, :]
-        q0 = _operand(qd.load([i0, 0]), USE_TIMER)
-        q1 = q0
-        if HALVES == 2:
-            q1 = _operand(qd.load([i0, _DB]), USE_TIMER)
+        q = _operand(qd.load([i0, 0]), USE_TIMER)
         if first != 0:
             acc0 = tl.zeros((_QB, _DB), dtype=tl.float32)
             acc1 = acc0
         else:
-            acc0 = tl.load(sap + om64[:, None] * sa_stride + od[None, :], mask=cmask0, other=0.0)
+            sa = sap + om[:, None] * sa_stride + od[None, :]
+            acc0 = tl.load(sa, mask=row_ok[:, None] & (od < D)[None, :], other=0.0)
             acc1 = acc0
             if HALVES == 2:
-                acc1 = tl.load(sap + om64[:, None] * sa_stride + _DB + od[None, :], mask=cmask1,
+                acc1 = tl.load(sa + _DB, mask=row_ok[:, None] & (od + _DB < D)[None, :],
                                other=0.0)
-        # chunks [0, c_full) and [c_full, c_end): j_full is a multiple of _KB (so of KB) unless
-        # it is j_end, the second range then empty
-        c_full = tl.cdiv(j_full, KB)
-        c_end = tl.cdiv(j_end, KB)
         if has_bias == _BIAS_NONE:
             # the loops compiled without the mask tile's loads (no bias, no branch)
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, 0, c_full, om,
-                                         row_ok, nk, k_start, q_start, qk_scale, bp, b_stride,
-                                         b_bool, False, False, HALVES, KB, STAGES, DT,
-                                         USE_TIMER)
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, c_full, c_end,
-                                         om, row_ok, nk, k_start, q_start, qk_scale, bp,
-                                         b_stride, b_bool, True, False, HALVES, KB, STAGES, DT,
-                                         USE_TIMER)
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, 0, c_plain, om,
+                                         row_ok, nk, lim, qk_scale, bp, b_stride, b_bool, False,
+                                         False, HALVES, KB, STAGES, DT, USE_TIMER)
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, c_plain, c_end,
+                                         om, row_ok, nk, lim, qk_scale, bp, b_stride, b_bool,
+                                         True, False, HALVES, KB, STAGES, DT, USE_TIMER)
         else:
             # what the caller checked (corner, row stride and key count in whole 16-byte
             # units), in a form the compiler sees: 16-byte loads
@@ -240,62 +278,77 @@ if HAVE_TRITON:
             vbp = _aligned16(bp, DT)
             vb_stride = b_stride // per16 * per16
             vnk = nk // per16 * per16
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, 0, c_full, om,
-                                         row_ok, vnk, k_start, q_start, qk_scale, vbp,
-                                         vb_stride, b_bool, False, True, HALVES, KB,
-                                         BIAS_STAGES, DT, USE_TIMER)
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q0, q1, kd, vd, c_full, c_end,
-                                         om, row_ok, vnk, k_start, q_start, qk_scale, vbp,
-                                         vb_stride, b_bool, True, True, HALVES, KB, BIAS_STAGES,
-                                         DT, USE_TIMER)
-        tl.store(ap + om64[:, None] * a_stride + od[None, :], acc0, mask=cmask0)
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, 0, c_plain, om,
+                                         row_ok, vnk, lim, qk_scale, vbp, vb_stride, b_bool,
+                                         False, True, HALVES, KB, BIAS_STAGES, DT, USE_TIMER)
+            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, c_plain, c_end,
+                                         om, row_ok, vnk, lim, qk_scale, vbp, vb_stride, b_bool,
+                                         True, True, HALVES, KB, BIAS_STAGES, DT, USE_TIMER)
+        a = ap + om[:, None] * a_stride + od[None, :]
+        tl.store(a, acc0, mask=row_ok[:, None] & (od < D)[None, :])
         if HALVES == 2:
-            tl.store(ap + om64[:, None] * a_stride + _DB + od[None, :], acc1, mask=cmask1)
-        return m_i, l_i
+            tl.store(a + _DB, acc1, mask=row_ok[:, None] & (od + _DB < D)[None, :])
+        _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
 
     @triton.jit
-    def _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq, kp, k_stride, vp,
-                   v_stride, c_lo, c_hi, om, row_ok, nk, D, k_start, q_start, qk_scale, fresh,
-                   from_state, bp, b_stride, b_bool, b_rows, CAUSAL: tl.constexpr,
-                   DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """Fold key chunks [c_lo, c_hi) by pointer loads, any head size, dtype and alignment:
-        scores over D in chunks, acc rescaled and accumulated in the state buffer chunk by
-        chunk. acc's previous value on the first chunk: zero if ``fresh``, else the state read
-        ``sap`` if ``from_state``, else what an earlier fold stored at ``ap``."""
-        om64 = om.to(tl.int64)
-        for c in range(c_lo, c_hi):
-            ok = c * _KB + tl.arange(0, _KB)
-            s = tl.zeros((_QB, _KB), dtype=tl.float32)
-            for d0 in range(0, D, _DB):
-                od = d0 + tl.arange(0, _DB)
+    def _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
+                      sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
+                      causal, qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
+        """The pointer path for the _PB-row sub-block at row i0 (any head size, dtype and
+        alignment): chunks of _PB keys, scores over D in _PB-column chunks, acc rescaled and
+        accumulated in the state's write chunk by chunk. _PB x _PB tiles (64: 16 elements a
+        thread at 8 warps) keep its pointer tensors small: at 128 x 128 it needed more than
+        255 registers, and ptxas then serialised every wgmma of the kernel (C7512), the fast
+        path's included."""
+        om = i0 + tl.arange(0, _PB)
+        row_ok = om < nq
+        m_i, l_i = _load_ml(first, smp, sm_stride, om, row_ok)
+        _c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _PB, _PB)
+        # without a mask tile the bias loads are masked off and add 0: one loop for both
+        # (a comparison, not row_ok & a scalar: the interpreter cannot mask with that)
+        b_rows = om < nq * (has_bias != _BIAS_NONE).to(tl.int32)
+        fresh = first != 0
+        if fresh & (c_end == 0):  # a first task with nothing to fold must still write zeros
+            for d0 in range(0, D, _PB):
+                od = d0 + tl.arange(0, _PB)
+                tl.store(ap + om[:, None] * a_stride + od[None, :],
+                         tl.zeros((_PB, _PB), dtype=tl.float32),
+                         mask=row_ok[:, None] & (od < D)[None, :])
+        for c in range(0, c_end):
+            ok = c * _PB + tl.arange(0, _PB)
+            s = tl.zeros((_PB, _PB), dtype=tl.float32)
+            for d0 in range(0, D, _PB):
+                od = d0 + tl.arange(0, _PB)
                 q = _operand(_tile(qp, q_stride, om, od, nq, D), USE_TIMER)
                 k = _operand(_tile(kp, k_stride, ok, od, nk, D), USE_TIMER)
                 s = tl.dot(q, tl.trans(k), s)
-            s = _scores(s, ok, om, b_rows, nk, k_start, q_start, qk_scale, bp, b_stride, b_bool,
-                        CAUSAL, True)
+            s = _scores(s, ok, om, b_rows, nk, lim, qk_scale, bp, b_stride, b_bool, True, True)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - shift[:, None])
             alpha = tl.math.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             pv = _operand(p.to(DT), USE_TIMER)
-            if (c == c_lo) & from_state:
+            # acc's previous value: zero for a chain's first chunk, the state read for a later
+            # task's first chunk, else what the previous chunk stored
+            if c == 0:
                 src, src_stride = sap, sa_stride
             else:
                 src, src_stride = ap, a_stride
-            for d0 in range(0, D, _DB):
-                od = d0 + tl.arange(0, _DB)
+            for d0 in range(0, D, _PB):
+                od = d0 + tl.arange(0, _PB)
                 cmask = row_ok[:, None] & (od < D)[None, :]
                 v = _operand(_tile(vp, v_stride, ok, od, nk, D), USE_TIMER)
-                if fresh & (c == c_lo):
-                    acc = tl.zeros((_QB, _DB), dtype=tl.float32)
+                if fresh & (c == 0):
+                    acc = tl.zeros((_PB, _PB), dtype=tl.float32)
                 else:
-                    acc = tl.load(src + om64[:, None] * src_stride + od[None, :], mask=cmask,
+                    acc = tl.load(src + om[:, None] * src_stride + od[None, :], mask=cmask,
                                   other=0.0)
                 acc = tl.dot(pv, v, acc * alpha[:, None])
-                tl.store(ap + om64[:, None] * a_stride + od[None, :], acc, mask=cmask)
+                tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
             m_i = m_new
-        return m_i, l_i
+        _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
 
     @triton.jit
     def _aligned16(p, DT: tl.constexpr):
@@ -335,89 +388,50 @@ if HAVE_TRITON:
         # The fast path: a head size up to 2 _DB in a 16-bit dtype whose q, k, v regions TMA
         # can address (fp32 tiles would not fit the pipeline stages in shared memory), and no
         # mask tile or one read in whole 16-byte vectors (corner, row stride and key count in
-        # 16-byte units). Anything else takes the pointer path of _fold_wide (any D).
+        # 16-byte units). Anything else takes the pointer path (any D). Each path walks the
+        # q block in its own sub-blocks and keeps its own state in its own loop.
         per16 = 128 // DT.primitive_bitwidth
         vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
         fast = ((D <= 2 * _DB) & (DT.primitive_bitwidth == 16)
                 & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
                 & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
-        for i0 in range(0, nq, _QB):
-            om = i0 + tl.arange(0, _QB)
-            row_ok = om < nq
-            om64 = om.to(tl.int64)
-            if first != 0:
-                m_i = tl.full((_QB,), float("-inf"), tl.float32)  # log2 units
-                l_i = tl.zeros((_QB,), dtype=tl.float32)
-            else:
-                m_i = tl.load(smp + om64 * sm_stride, mask=row_ok, other=0.0) * _LOG2E
-                l_i = tl.load(smp + om64 * sm_stride + 1, mask=row_ok, other=0.0)
-            # Causal: keys [0, j_full) are at or before every row of this sub-block (no mask),
-            # keys [j_full, j_end) straddle the diagonal, keys past j_end follow every row. In
-            # _KB-key chunks: [0, c_full) and [c_full, c_end) (j_full is a multiple of _KB
-            # unless it is j_end, the second range then empty).
-            last = tl.minimum(q_start + i0 + _QB, q_start + nq)  # one past the last row's key
-            j_end = tl.where(causal != 0, tl.minimum(tl.maximum(last - k_start, 0), nk), nk)
-            j_full = tl.where(causal != 0, tl.maximum(q_start + i0 + 1 - k_start, 0) // _KB * _KB,
-                              nk)
-            j_full = tl.minimum(j_full, j_end)
-            c_full = tl.cdiv(j_full, _KB)
-            c_end = tl.cdiv(j_end, _KB)
-            if fast & (D <= _DB):
-                m_i, l_i = _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
-                                      a_stride, sap, sa_stride, first, i0, om, row_ok, m_i, l_i,
-                                      j_full, j_end, k_start, q_start, qk_scale, has_bias, bp,
-                                      b_stride, b_bool, 1, _KB, None, _BIAS_STAGES, DT,
-                                      USE_TIMER)
-            elif fast:
-                m_i, l_i = _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
-                                      a_stride, sap, sa_stride, first, i0, om, row_ok, m_i, l_i,
-                                      j_full, j_end, k_start, q_start, qk_scale, has_bias, bp,
-                                      b_stride, b_bool, 2, _KB_WIDE, _WIDE_STAGES, _WIDE_STAGES,
-                                      DT, USE_TIMER)
-            else:
-                # acc lives in the state buffer (pointer loads, any head size and alignment): a
-                # first task with nothing to fold (every key hidden from this sub-block) must
-                # still write its zeros
-                fresh = first != 0
-                if fresh & (j_end == 0):
-                    for d0 in range(0, D, _DB):
-                        od = d0 + tl.arange(0, _DB)
-                        tl.store(ap + om64[:, None] * a_stride + od[None, :],
-                                 tl.zeros((_QB, _DB), dtype=tl.float32),
-                                 mask=row_ok[:, None] & (od < D)[None, :])
-                # without a mask tile the bias loads are masked off and add 0: one loop for
-                # both (a runtime branch on s in the loop multiplies its register layouts)
-                # (a comparison, not row_ok & a scalar: the interpreter cannot mask with that)
-                b_rows = om < nq * (has_bias != _BIAS_NONE).to(tl.int32)
-                m_i, l_i = _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq,
-                                      kp, k_stride, vp, v_stride, 0, c_full, om, row_ok, nk, D,
-                                      k_start, q_start, qk_scale, fresh, True, bp, b_stride,
-                                      b_bool, b_rows, False, DT, USE_TIMER)
-                # the second range reads acc where the first one left it, if it folded any
-                none_yet = j_full == 0
-                m_i, l_i = _fold_wide(ap, a_stride, sap, sa_stride, m_i, l_i, qp, q_stride, nq,
-                                      kp, k_stride, vp, v_stride, c_full, c_end, om, row_ok, nk,
-                                      D, k_start, q_start, qk_scale, fresh & none_yet, none_yet,
-                                      bp, b_stride, b_bool, b_rows, True, DT, USE_TIMER)
-            tl.store(mp + om64 * m_stride, m_i / _LOG2E, mask=row_ok)
-            tl.store(mp + om64 * m_stride + 1, l_i, mask=row_ok)
+        if fast & (D <= _DB):
+            for i0 in range(0, nq, _QB):
+                _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
+                           sap, sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start,
+                           k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, 1, _KB,
+                           None, _BIAS_STAGES, DT, USE_TIMER)
+        elif fast:
+            for i0 in range(0, nq, _QB):
+                _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
+                           sap, sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start,
+                           k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, 2,
+                           _KB_WIDE, _WIDE_STAGES, _WIDE_STAGES, DT, USE_TIMER)
+        else:
+            for i0 in range(0, nq, _PB):
+                _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
+                              sap, sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start,
+                              k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, DT,
+                              USE_TIMER)
 
     @ATTN_FINALIZE.triton
     @triton.jit
     def attn_finalize_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr):
         """out = acc / l, cast once to the output's dtype; 0 in a row whose every key was hidden
-        (l = 0: left padding), as SDPA returns it, where acc / l would be 0 / 0."""
+        (l = 0: left padding), as SDPA returns it, where acc / l would be 0 / 0. In _PB x _PB
+        tiles: its pointer tensors then take 16 elements a thread (at 128 x 128 they pushed the
+        kernel past 255 registers)."""
         r0 = tl.load(tp + _READ0)
         ap, a_stride, n, D = _rows_cols(regions, bufaddr, bufcols, r0, _F32)
         mp, m_stride, _nm, _dm = _rows_cols(regions, bufaddr, bufcols, r0 + 1, _F32)
         op, o_stride, _no, _do = _rows_cols(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DT)
-        for i0 in range(0, n, _QB):
-            om = (i0 + tl.arange(0, _QB)).to(tl.int64)
+        for i0 in range(0, n, _PB):
+            om = i0 + tl.arange(0, _PB)
             l_i = tl.load(mp + om * m_stride + 1, mask=om < n, other=1.0)
             hidden = (l_i == 0.0)[:, None]
             l_i = tl.where(l_i == 0.0, 1.0, l_i)  # never computes 0 / 0
-            for d0 in range(0, D, _DB):
-                od = d0 + tl.arange(0, _DB)
+            for d0 in range(0, D, _PB):
+                od = d0 + tl.arange(0, _PB)
                 mask = (om < n)[:, None] & (od < D)[None, :]
                 acc = tl.load(ap + om[:, None] * a_stride + od[None, :], mask=mask, other=0.0)
                 out = tl.where(hidden, 0.0, acc / l_i[:, None])
