@@ -135,33 +135,6 @@ def test_nvlink_worker_slows_while_its_gpu_has_compute_left(mover):
     assert res2.predicted_s * 1e6 == pytest.approx(TILE_BYTES / 1e3, rel=1e-9)
 
 
-def test_nvlink_worker_slows_by_the_compute_sms_holding_tasks():
-    """Compute SMs whose queue is exhausted left the task loop and load nothing: rank 1's two
-    compute SMs hold one task (the reduce, spinning on the copy), so its puller moves at
-    1 - (1 - 0.5) x 1/2 = 0.75 of its alone rate, not at the beside rate of 0.5 (which holds while
-    both SMs hold tasks: the test above)."""
-    hw = HW.model_copy(update={"nvlink_beside_compute": 0.5})
-    graph = chain("1x2", Role.NVLINK, 1)
-    sched = mg.schedule(graph, hw, workers={"compute": 2, "nvlink": 1, "rdma": 1})
-    res = simulate(sched, hardware=hw, baselines=False, tolerance=0.0)
-    copy = TILE_BYTES / 1e3 / 0.75
-    assert res.predicted_s * 1e6 == pytest.approx(GEMM_US + copy + 10.0 + 32.768, rel=1e-9)
-    # Re-rated in flight: a second compute task on rank 1 that ends while the copy moves frees
-    # its SM, and the copy speeds up from 0.5 to 0.75 of its alone rate for the rest.
-    b = GraphBuilder("hand", mg.Topology.parse("1x2"), "float32", {})
-    y0, y1, z1 = b.buffer("y", 0, 64, 64), b.buffer("y", 1, 64, 64), b.buffer("z", 1, 64, 64)
-    w1 = b.buffer("w", 1, 64, 32)
-    c = b.task(1, Role.NVLINK, "copy", [y0.region()], [y1.region()], name="copy")
-    b.task(1, Role.COMPUTE, "reduce", [y1.region()], [z1.region()], waits=b.after(1, [c]))
-    b.task(1, Role.COMPUTE, "reduce", [w1.region()], [w1.region()])  # 16 KiB: 16.384 us
-    g2 = b.finish().validate()
-    res2 = simulate(mg.schedule(g2, hw, workers={"compute": 2, "nvlink": 1, "rdma": 0}),
-                    hardware=hw, baselines=False, tolerance=0.0)  # fmt: skip
-    # 16.384 us at 0.5 GB/s moves half of the 16 KiB; the other half at 0.75 GB/s
-    (rec,) = [r for r in res2.trace.records if r.name == "copy"]
-    assert rec.end * 1e6 == pytest.approx(16.384 + 8.192 / 0.75, rel=1e-9)
-
-
 def test_slowed_flows_keep_the_bytes_they_moved():
     """FlowNet.set_demands re-rates a flow in flight: what it moved at the old rate stays moved."""
     from mgraph.runtime.sim.flows import Flow, FlowNet

@@ -11,21 +11,14 @@ flow through the source NIC's out port and the destination NIC's in port. Data i
 destination ``rdma_latency_us`` after its last byte left; the completion is back at the source
 one latency later.
 
-An NVLink worker's flow is driven below the measured alone rate (``task_model``'s demand)
-by the compute SMs of its GPU that hold a task (in its math, or claimed and spinning on its
-waits): at ``1 - (1 - nvlink_beside_compute) x held / compute SMs`` of it, so at
-``nvlink_beside_compute`` while every compute SM holds a task (always, while the compute queue
-has tasks left) and at the alone rate once none does; compute SMs whose queue is exhausted have
-left the kernel's task loop and load nothing. The GPU's NVLink flows in flight are re-rated when
-that factor moves by more than the flows' ``tolerance`` (and at once when it returns to 1).
-Not "only while a compute task is in its math": bench_tp v7's AG+GEMM trace at 8 NVLink workers
-had the compute SMs busy 51% of the time (all holding tasks, the rest of the time waiting for
-gathered rows) and the workers still moved 0.48x of their alone push rate, as at 16-24 workers
-with compute busy 80-92%. No measurement separates a spinning SM from one in its math, so both
-count; the tail matters at 2x8, where after the GEMM a few node- and rail-sum tasks wait for the
-network while the NVLink workers broadcast (before, every worker stayed at the beside rate until
-the GPU's last compute task ended). Epilogue peer stores are not scaled:
-``epilogue_peer_gbps`` was measured beside the GEMM that issues them.
+An NVLink worker's flow is driven at ``nvlink_beside_compute`` of the measured alone rate
+(``task_model``'s demand) while its GPU has compute tasks not yet finished (in their math, or
+claimed and spinning on their waits, or queued), and at the alone rate once they all have; the
+GPU's NVLink flows in flight are re-rated once, when its last compute task ends. Not "only while
+a compute task is in its math": bench_tp v7's AG+GEMM trace at 8 NVLink workers had the compute
+SMs busy 51% of the time (the rest waiting for gathered rows) and the workers still moved 0.48x
+of their alone push rate, as at 16-24 workers with compute busy 80-92%. Epilogue peer stores
+are not scaled: ``epilogue_peer_gbps`` was measured beside the GEMM that issues them.
 
 With ``adaptive=True`` each rank's compute and nvlink workers are re-split every ``period``
 seconds by the controller's rule, ``mgraph.scheduler.controller.decide`` (the same function the
@@ -152,10 +145,7 @@ class Engine:
         self.draining: set[int] = set()  # compute tasks whose epilogue stores are in flight
         self.push_free = [0.0] * graph.topology.world_size  # when each GPU's push port frees
         self.beside = hw.nvlink_beside_compute
-        self.tolerance = tolerance
         self.nvl_flows: list[dict[int, Flow]] = [{} for _ in range(world)]  # in flight, per GPU
-        self.computing = [0] * world  # compute SMs holding a task (math or spinning on waits)
-        self.factor = [1.0] * world  # the fraction of their alone rate NVLink flows get now
         self.last = 0.0
 
     # -- event plumbing -----------------------------------------------------------------------
@@ -214,9 +204,6 @@ class Engine:
         heads[code] = h + 1
         tid = queue[h]
         self.owner[tid] = sm
-        if code == COMPUTE:
-            self.computing[rank] += 1
-            self.rerate_nvlink(rank, now)
         if self.missing[tid] == 0:
             self.begin(tid, now)
         elif self.adaptive and code != RDMA:
@@ -234,30 +221,20 @@ class Engine:
             self.at(now + m.duration[tid], _TASK_END, tid)
         else:
             rank = self.graph.tasks[tid].rank
-            flow = Flow(tid, m.remote[tid], m.demand[tid] * self.factor[rank], m.ports[tid])
+            flow = Flow(tid, m.remote[tid], m.demand[tid] * self.slowdown(rank), m.ports[tid])
             self.nvl_flows[rank][tid] = flow
             self.reflow(self.net.start(flow, now))
 
     # -- compute beside NVLink workers ----------------------------------------------------------
     def slowdown(self, rank: int) -> float:
-        """Fraction of its alone rate an NVLink worker of ``rank`` would drive now: less by
-        ``1 - nvlink_beside_compute`` times the share of compute SMs holding a task."""
-        sms = self.assigned[rank][COMPUTE]
-        if not sms or self.beside == 1.0:
-            return 1.0
-        held = min(self.computing[rank], sms)
-        return 1.0 - (1.0 - self.beside) * held / sms
+        """Fraction of its alone rate an NVLink worker of ``rank`` drives now."""
+        return self.beside if self.unfinished[rank][COMPUTE] else 1.0
 
     def rerate_nvlink(self, rank: int, now: float) -> None:
-        """Re-rate the GPU's NVLink flows when the compute beside them changed enough."""
-        f, old = self.slowdown(rank), self.factor[rank]
-        if f == old or (f != 1.0 and abs(f - old) <= self.tolerance * old):
-            return
-        self.factor[rank] = f
         flows = self.nvl_flows[rank]
-        if not flows:
+        if not flows or self.beside == 1.0:
             return
-        demand = self.m.demand
+        f, demand = self.slowdown(rank), self.m.demand
         moved = list(flows.values())
         self.reflow(self.net.set_demands(moved, [demand[x.id] * f for x in moved], now))
 
@@ -285,9 +262,7 @@ class Engine:
         graph, for the same throughput."""
         rank, code = self.graph.tasks[tid].rank, self.m.role[tid]
         self.draining.add(tid)
-        self.computing[rank] -= 1  # the SM lets go of the task; its stores drain alone
         self.claim(rank, code, self.owner[tid], now)
-        self.rerate_nvlink(rank, now)  # the queue may be exhausted: the SM left the loop
         start = max(now, self.push_free[rank])
         end = start + self.m.remote[tid] / self.m.epilogue_demand
         self.push_free[rank] = end
@@ -304,9 +279,8 @@ class Engine:
                 self.signal(e, now)
         rank, code = self.graph.tasks[tid].rank, self.m.role[tid]
         self.unfinished[rank][code] -= 1
-        if code == COMPUTE and tid not in self.draining:  # its SM lets go of it now
-            self.computing[rank] -= 1
-            self.rerate_nvlink(rank, now)
+        if code == COMPUTE and not self.unfinished[rank][COMPUTE]:
+            self.rerate_nvlink(rank, now)  # the GPU's last compute task: workers run alone
         if code != RDMA:
             self.done_time[rank][code] += now - self.start_at[tid]
             self.done_count[rank][code] += 1
