@@ -113,10 +113,10 @@ def kernel_info(compiled) -> dict:
     try:
         from triton.backends.nvidia import compiler as nv
 
-        if hasattr(nv, "get_ptxas"):  # triton >= 3.4
+        try:  # triton 3.9 picks the ptxas by arch; earlier ones take no argument
+            ptxas = nv.get_ptxas(90).path
+        except TypeError:
             ptxas = nv.get_ptxas().path
-        else:
-            ptxas = nv._path_to_binary("ptxas")[0]
         with tempfile.TemporaryDirectory() as tmp:
             ptx = Path(tmp) / "k.ptx"
             ptx.write_text(compiled.asm["ptx"])
