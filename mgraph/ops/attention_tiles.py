@@ -4,24 +4,33 @@ launcher of them (:func:`run_chains`).
 The CPU bodies in ring_attention.py are the meaning; both ring_attention and attention lower to
 these two kinds. ``attn_block`` folds one KV block into the fp32 state of one q block:
 acc [rows, D] and ml [rows, 2] = (running max m, running denominator l), the first block of a
-chain initialising it. It walks the q block in sub-blocks of ``_QB`` rows and the KV block in
-chunks of ``_KB`` keys (flash attention's inner loop): per chunk the scores go through exp2 with
-the scale folded into a log2(e) factor, the running max and sum are rescaled, and acc is
-rescaled and accumulated. The fast path (head size up to 2 ``_DB`` (256), a 16-bit dtype, q/k/v
-regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v through TMA
-descriptors over the task's regions and keeps q and acc in registers for the whole KV block (acc
-is read from and written to the state once per task); a head size past ``_DB`` is held in two
-``_DB``-column halves and folded over ``_KB_WIDE``-key chunks, so that q and two pipeline stages
-of k and v fit in shared memory. A mask tile rides along when it can be read in 16-byte vectors
-(its corner, row stride and key count in whole 16-byte units; a broadcast row has stride 0): its
-loops are compiled apart from the unmasked ones, load the tile by pointers the compiler can
-prove aligned (cp.async into shared memory, 2 pipeline stages instead of 3 to stay in shared
-memory) and apply either mask kind by a select, keeping the scores in one register layout.
-Every other task (a head size past 256, float32 data, unaligned regions or mask tile) takes the
-pointer path: it walks D in ``_DB``-column chunks and updates acc in the state buffer chunk by
-chunk, the mask tile's pointer built once per task. Compiled alone for sm_90, the fast loops
-are wgmma with no spill inside them (tests/test_attention_compile.py); the pointer path spills
-registers in its loops (255 registers, 16-bit scalar loads) and is several times slower.
+chain initialising it. The fast path walks the q block in sub-blocks of ``_QB`` rows and the
+KV block in chunks of ``_KB`` keys (flash attention's inner loop): per chunk the scores go
+through exp2 with the scale folded into a log2(e) factor, the running max and sum are rescaled,
+and acc is rescaled and accumulated. Whole chunks at or before every row's diagonal run a plain
+loop with no mask; one masked loop covers the chunks the causal diagonal crosses and the
+block's partial last chunk. The fast path (head size up to 2 ``_DB`` (256), a 16-bit dtype,
+q/k/v regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v
+through TMA descriptors over the task's regions and keeps q and acc in registers for the whole
+KV block (acc is read from and written to the state once per task); a head size past ``_DB``
+is held as one 256-column q and k (one dot) and two ``_DB``-column acc halves, folded over
+``_KB_WIDE``-key chunks, so that q and two pipeline stages of k and v fit in shared memory. A
+mask tile rides along when it can be read in 16-byte vectors (its corner, row stride and key
+count in whole 16-byte units; a broadcast row has stride 0): its loops are compiled apart from
+the unmasked ones, load the tile by pointers the compiler can prove aligned (cp.async into
+shared memory, 2 pipeline stages instead of 3 to stay in shared memory) and apply either mask
+kind by a select, keeping the scores in one register layout. Every other task (a head size
+past 256, float32 data, unaligned regions or mask tile) takes the pointer path: ``_PB``-row
+sub-blocks, ``_PB``-key chunks, D in ``_PB``-column chunks, acc updated in the state buffer
+chunk by chunk; it is several times slower (16-bit scalar loads).
+
+Every path sits in one function (the megakernel's, or chains_kernel's), which ptxas gives one
+budget of 255 registers at 8 warps: what one path holds costs the others. So the pointer path
+and attn_finalize work in small tiles, strides are int32 and the plain loop holds no index
+tensors. Compiled for sm_90 (tests/test_attention_compile.py), the fast loops are wgmma fed by
+TMA, spill-free alone; inside chains_kernel the plain 128-column loop has no spill and the
+others reload at most a few registers an iteration. ptxas 13.4 still serialises the wgmma of
+the whole kernel (C7515), though not of the fast body compiled alone (benchmarks/NOTES.md).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
