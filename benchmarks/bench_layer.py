@@ -443,6 +443,19 @@ class Bench:
                 row["ms"] = round(row["ms"], 4)
         self.save()
 
+    def kinds(self) -> None:
+        """Where the megakernel's time goes, per task kind (one traced launch, this rank)."""
+        sys.path.insert(0, str(Path(__file__).parent))
+        from kind_breakdown import kind_breakdown
+
+        rows = kind_breakdown(self.program._runtime)
+        if self.rank == 0:
+            out = Path(self.args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_layer_kinds.json").write_text(json.dumps(rows, indent=1))
+            for r in rows:
+                print("kinds", json.dumps(r), flush=True)
+
     def slowest(self, ms: float) -> float:
         t = torch.tensor([ms], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -527,6 +540,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-torch-compile", dest="torch_compile", action="store_false")
     p.add_argument(
+        "--kinds",
+        action="store_true",
+        help="after timing, one traced launch of mgraph's kernel: time per task kind "
+        "(bench_layer_kinds.json; benchmarks/kind_breakdown.py)",
+    )
+    p.add_argument(
         "--compile-backend", help="torch.compile backend (default inductor; aot_eager with --smoke)"
     )
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny sizes")
@@ -601,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
         bench.time_all()
+        if args.kinds and bench.program is not None and bench.program._runtime is not None:
+            bench.kinds()
         if args.warm:
             bench.step("mgraph_warm", lambda: bench.mgraph("mgraph_warm"))
         bench.save()

@@ -37,6 +37,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -253,6 +254,12 @@ class Bench:
                  launches=rt.epoch, build_s=round(built, 1), **memory, **drops,
                  **rt.kernel_info(), **({} if drops["dropped_agree"] else
                  {"error": "the kernel's dropped counts differ from kept_picks"}))  # fmt: skip
+        if a.kinds:  # where the kernel's time goes, per task kind (one traced launch)
+            sys.path.insert(0, str(Path(__file__).parent))
+            from kind_breakdown import kind_breakdown
+
+            for row in kind_breakdown(rt):
+                self.add("mgraph_kind", row["busy_ms"], **row)
         del rt
         gc.collect()
         torch.cuda.empty_cache()
@@ -296,12 +303,15 @@ def table(rows: list[dict]) -> str:
     lines = ["| impl | ms | baseline / impl | impl / GEMM-only | notes |", "|---|---|---|---|---|"]
     for r in rows:
         ms = r["ms"]
-        vs_base = f"{base / ms:.2f}x" if base and ms == ms else ""
-        vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms else ""
+        whole = r["impl"] != "mgraph_kind"  # a kind's row is busy time, not an op's time
+        vs_base = f"{base / ms:.2f}x" if base and ms == ms and whole else ""
+        vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms and whole else ""
         notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "rel_err", "worst_tile_err",
                                                   "rel_err_after", "segment_rows", "dropped_picks",
                                                   "dropped_kernel", "dropped_agree", "gib_per_rank",
-                                                  "error") if k in r)  # fmt: skip
+                                                  "kind", "tasks", "programs", "mean_us",
+                                                  "tflops_per_program", "error")
+                          if k in r)  # fmt: skip
         lines.append(f"| {r['impl']} | {ms:.3f} | {vs_base} | {vs_gemm} | {notes} |")
     return "\n".join(lines) + "\n"
 
@@ -322,6 +332,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--no-mgraph", dest="mgraph", action="store_false")
+    parser.add_argument(
+        "--kinds",
+        action="store_true",
+        help="one traced launch: time per task kind (benchmarks/kind_breakdown.py)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU check of the baseline (gloo)")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()

@@ -1,0 +1,73 @@
+"""Where a megakernel launch spends its time, per task kind: one traced launch (in-kernel
+%globaltimer stamps per task) of a runtime's schedule on the inputs that runtime holds.
+
+    from kind_breakdown import kind_breakdown
+    rows = kind_breakdown(runtime)   # a TritonRuntime that has run once (its inputs loaded)
+
+Each row: kind, role, tasks, busy_ms (the tasks' summed durations), mean_us per task,
+tflops (the kind's Task.flops over its busy time, per program: what one SM's worker reached,
+times the programs that ran the kind), and the traced launch's makespan. A separate runtime
+is traced so the timed one keeps its CUDA graph; it costs one more kernel build only when the
+trace flag changes the compiled kernel (it does: TRACE is a constexpr).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def kind_breakdown(runtime) -> list[dict]:
+    from mgraph.runtime.megakernel import TritonRuntime
+
+    traced = TritonRuntime(
+        runtime.schedule,
+        rank=runtime.rank,
+        settings=runtime.settings,
+        trace=True,
+        gemm_config=runtime.gemm_config,
+        interpret=runtime.interpret,
+        interpret_roles=runtime.interpret and not runtime.single_program,
+    )
+    for buf_id, view in runtime.views.items():
+        if runtime.graph.buffers[buf_id].role == "input":
+            traced.views[buf_id].copy_(view)
+    try:
+        traced.launch()
+        if not runtime.interpret:
+            import torch
+
+            torch.cuda.synchronize()
+        traced.check()
+        trace = traced.trace()
+    finally:
+        traced.close()
+    tasks = runtime.graph.tasks
+    busy: dict[tuple[str, str], float] = defaultdict(float)
+    count: dict[tuple[str, str], int] = defaultdict(int)
+    flops: dict[tuple[str, str], float] = defaultdict(float)
+    programs: dict[tuple[str, str], set] = defaultdict(set)
+    for r in trace.records:
+        key = (r.kind, r.role)
+        busy[key] += r.end - r.start
+        count[key] += 1
+        flops[key] += float(tasks[r.task].flops or 0.0)
+        programs[key].add(r.worker)
+    span = trace.makespan
+    rows = []
+    for key in sorted(busy, key=lambda k: -busy[k]):
+        kind, role = key
+        b = busy[key]
+        rows.append(
+            {
+                "kind": kind,
+                "role": role,
+                "tasks": count[key],
+                "programs": len(programs[key]),
+                "busy_ms": round(b * 1e3, 3),
+                "mean_us": round(b / count[key] * 1e6, 2),
+                # per program-second: multiply by the programs running it at once for the kernel rate
+                "tflops_per_program": round(flops[key] / b / 1e12, 3) if b and flops[key] else None,
+                "makespan_ms": round(span * 1e3, 3),
+            }
+        )
+    return rows
