@@ -448,7 +448,10 @@ class Bench:
         sys.path.insert(0, str(Path(__file__).parent))
         from kind_breakdown import kind_breakdown
 
-        rows = kind_breakdown(self.program._runtime)
+        try:
+            rows = kind_breakdown(self.program._runtime)
+        except Exception as exc:  # noqa: BLE001 - the timed rows are saved already
+            rows = [{"error": repr(exc)[:400]}]
         if self.rank == 0:
             out = Path(self.args.out)
             out.mkdir(parents=True, exist_ok=True)
