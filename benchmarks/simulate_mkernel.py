@@ -12,12 +12,14 @@ predicted one is reported (as a tuned kernel would choose). Also written: the ca
 the model against GPU.md, and the summary of benchmarks/results/predictions.json (every
 committed GPU measurement against its prediction, written by benchmarks/predict.py).
 
-Run: python benchmarks/simulate_mkernel.py [--quick] [--out benchmarks]   (a few minutes)
+Run: python benchmarks/simulate_mkernel.py [--quick] [--ops OP ...] [--out benchmarks]
+(about 10 minutes for every op; --ops writes a report of those ops only)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -47,6 +49,10 @@ PROFILE = mg.H200.model_copy(
 # GPU.md's push probe (probes/nvlink_bw.py): 4 programs pushing 64x256 bf16 tiles reach 77 GB/s,
 # 19 GB/s each; the megakernel's NVLink tasks were measured at nvlink_worker_gbps.
 PROBE_PUSH_GBPS = 19.0
+# The proxy with 4 copy streams (Settings.proxy_streams=4), measured: bench_proxy on 2x H200
+# (benchmarks/results/v8/bench_proxy.log, --streams 4): 359,715 256 KiB WRITEs/s uncapped from 8
+# producers, 2.8 us per command (1 stream: 25,876/s, 38.6 us; the profile's 17 us is v6.2's).
+PROXY_4_STREAMS_US = 2.8
 SWEEP = (4, 8, 12, 16, 24, 32)
 KIB, MIB = 1024, 1024 * 1024
 GEMM_AR_PUBLISHED = {2048: 1.50, 4096: 1.72, 8192: 1.38, 16384: 1.22, 32768: 1.36}
@@ -120,7 +126,8 @@ def run_case(case: Case, quick: bool) -> dict[str, Any]:
     row["adaptive_ms"] = simulate(sched, adaptive=True, baselines=False).predicted_s * 1e3
     rdma_tasks = sum(1 for t in graph.tasks if t.role == "rdma")
     row["commands_per_rdma_task"] = res.stats["commands"] / rdma_tasks if rdma_tasks else 0.0
-    row["first_nvlink_target"] = first_targets(sched)
+    row["first_push_target"] = first_targets(sched, "compute")
+    row["first_nvlink_target"] = first_targets(sched, "nvlink")
     if not quick:
         points = sweep_comm_sms(sched, SWEEP)
         top = min(points, key=lambda p: (p.predicted_s, p.comm_sms))
@@ -141,29 +148,43 @@ def run_case(case: Case, quick: bool) -> dict[str, Any]:
     return row
 
 
-def first_targets(sched, window: int = 8) -> list[int | None]:
-    """For each rank of node 0, the GPU that at least half of the bytes of its first ``window``
-    nvlink tasks go to (None: no such GPU; a task writing to k peers counts 1/k for each)."""
+def first_targets(sched, role: str = "nvlink") -> list[int | None]:
+    """For each rank of node 0, the GPU that at least half of the first wave of its ``role``
+    tasks writing into node peers go to (None: no such GPU; a task writing into k peers counts
+    1/k for each). The first wave: as many of those tasks as the role has workers (compute: the
+    epilogue pushes of the first tiles; nvlink: the first copies)."""
     graph, out = sched.graph, []
-    for rank in graph.topology.node_ranks(0):
+    node = graph.topology.node_ranks(0)
+    for rank in node:
         share: dict[int, float] = {}
-        queue = sched.ranks[rank].queues["nvlink"][:window]
-        for tid in queue:
-            dsts = {graph.buffers[w.buffer].rank for w in graph.tasks[tid].writes} - {rank}
+        wave = max(1, sched.ranks[rank].workers.get(role, 0))
+        seen = 0
+        for tid in sched.ranks[rank].queues[role]:
+            dsts = {graph.buffers[w.buffer].rank for w in graph.tasks[tid].writes}
+            dsts = (dsts - {rank}) & set(node)
+            if not dsts:
+                continue
             for d in dsts:
                 share[d] = share.get(d, 0.0) + 1 / len(dsts)
+            seen += 1
+            if seen == wave:
+                break
         top = max(share, key=share.get, default=None)
-        out.append(top if top is not None and share[top] >= len(queue) / 2 else None)
+        out.append(top if top is not None and share[top] >= seen / 2 else None)
     return out
 
 
 def incast(row: dict[str, Any]) -> tuple[int, int] | None:
-    """(target, senders) when 3+ GPUs of a node start by writing into the same GPU."""
-    targets = [t for t in row.get("first_nvlink_target", []) if t is not None]
-    if not targets:
-        return None
-    top = max(set(targets), key=targets.count)
-    return (top, targets.count(top)) if targets.count(top) >= 3 else None
+    """(target, senders) when 3+ GPUs of a node start by writing into the same GPU (from their
+    compute epilogues or their NVLink tasks)."""
+    for key in ("first_push_target", "first_nvlink_target"):
+        targets = [t for t in row.get(key, []) if t is not None]
+        if not targets:
+            continue
+        top = max(set(targets), key=targets.count)
+        if targets.count(top) >= 3:
+            return top, targets.count(top)
+    return None
 
 
 def what_if(case: Case, sched, graph, res) -> dict[str, Any]:
@@ -195,19 +216,55 @@ def what_if(case: Case, sched, graph, res) -> dict[str, Any]:
             "bytes": {"capacity": dict(before.bytes_by_link), "routed": dict(res.bytes_by_link),
                       "routed_rdma_too": dict(after.bytes_by_link)},
         }  # fmt: skip
-    proxy = PROFILE.model_copy(update={"proxy_command_us": 1.0})
-    push = PROFILE.model_copy(update={"nvlink_worker_gbps": PROBE_PUSH_GBPS})
-    both = push.model_copy(update={"proxy_command_us": 1.0})
-    out = {
+    proxy = PROFILE.model_copy(update={"proxy_command_us": PROXY_4_STREAMS_US})
+    if case.op == "gemm_allreduce":
+        split = mg.schedule(split_broadcasts(graph), PROFILE)
+
+        def ms(s, hw) -> float:
+            return simulate(s, hardware=hw, baselines=False).predicted_s * 1e3
+
+        return {
+            "what": f"the proxy on 4 copy streams ({PROXY_4_STREAMS_US:g} us per command, "
+            f"measured; the profile: {PROFILE.proxy_command_us:g}) and the node broadcast as "
+            "one NVLink task per (chunk, peer) instead of one per chunk into all 7 peers (a "
+            "lowering change, not built)",
+            "predicted_ms": ms(split, proxy),
+            "proxy_4_streams_ms": ms(sched, proxy),
+            "split_broadcast_ms": ms(split, PROFILE),
+        }
+    push = PROFILE.model_copy(
+        update={"nvlink_worker_gbps": PROBE_PUSH_GBPS, "nvlink_worker_push_gbps": PROBE_PUSH_GBPS}
+    )
+    both = push.model_copy(update={"proxy_command_us": PROXY_4_STREAMS_US})
+    return {
         "what": f"NVLink workers at the push probe's {PROBE_PUSH_GBPS:g} GB/s (measured "
-        f"{PROFILE.nvlink_worker_gbps:g}) and the proxy at 1 us per command (measured "
-        f"{PROFILE.proxy_command_us:g})",
+        f"{PROFILE.nvlink_worker_gbps:g} pulling, {PROFILE.nvlink_worker_push_gbps:g} pushing) "
+        f"and the proxy on 4 copy streams ({PROXY_4_STREAMS_US:g} us per command, measured; the "
+        f"profile: {PROFILE.proxy_command_us:g})",
         "predicted_ms": simulate(sched, hardware=both, baselines=False).predicted_s * 1e3,
     }
-    if case.op == "gemm_allreduce":
-        out["proxy_1us_ms"] = simulate(sched, hardware=proxy, baselines=False).predicted_s * 1e3
-        out["push_probe_ms"] = simulate(sched, hardware=push, baselines=False).predicted_s * 1e3
-    return out
+
+
+def split_broadcasts(graph: mg.TaskGraph) -> mg.TaskGraph:
+    """The graph with each NVLink task that writes into several peers and signals nothing (the
+    GEMM+AR node broadcast: one chunk into 7 peers) split into one task per peer, each with the
+    original's waits: a what-if of a lowering that does not exist (gemm_allreduce's
+    node_broadcast emits one task per chunk). One task per chunk is bound by ONE worker's push
+    rate for 7x the chunk's bytes; split, up to 7 workers share it, and the critical-path
+    policy's push rotation staggers the peers."""
+    tasks: list = []
+    for t in graph.tasks:
+        if t.role == "nvlink" and len(t.writes) > 1 and not t.signals:
+            reads = sum(graph.region_bytes(r) for r in t.reads)
+            for w in t.writes:
+                peer = graph.buffers[w.buffer].rank
+                tasks.append(dataclasses.replace(
+                    t, id=len(tasks), name=f"{t.name} ->r{peer}", writes=[w],
+                    waits=list(t.waits), signals=[], bytes=reads + graph.region_bytes(w),
+                    params=dict(t.params)))  # fmt: skip
+        else:
+            tasks.append(dataclasses.replace(t, id=len(tasks)))
+    return dataclasses.replace(graph, tasks=tasks).validate()
 
 
 # -- calibration against GPU.md -----------------------------------------------------------------
@@ -278,8 +335,9 @@ def gpu_comparison(results: Path) -> dict[str, Any]:
 
 # -- the report ---------------------------------------------------------------------------------
 CALIBRATION_NOTES = [
-    "Notes: the GEMM is list-scheduled 128x256 tiles on 132 SMs at 725 TF/s (16 waves), 2% above "
-    "the measured range. NCCL all-reduce is 8.4 + 2 x 3.4 us (NCCL's tuning model) plus 128 MiB "
+    f"Notes: the GEMM is list-scheduled 128x256 tiles on 132 SMs at {PROFILE.tile_gemm_tflops:.0f} "
+    "TF/s (16 waves; calibrate.py's megakernel GEMM alone, faster than the cuBLAS range GPU.md "
+    "measured: the first row's error). NCCL all-reduce is 8.4 + 2 x 3.4 us (NCCL's tuning model) plus 128 MiB "
     "at the measured 259 GB/s bus bandwidth; the 64 MB point shows that this single bandwidth "
     "misses NCCL's extra fixed cost (about 40 us) by 9%. The overlap rows are NOT torch's fused "
     "ops: our kernel-level overlap picks the best of 1-16 chunks, while torch decomposes into "
@@ -304,12 +362,16 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
             "kernel is its NVLink SM work: the node reduce-scatter and broadcast send 7/4 D per "
             f"GPU through at most {PROFILE.nvlink_push_gbps:g} GB/s of SM stores (GPU.md), "
             f"{floor:.1f} ms at 32768. The host proxy costs {PROFILE.proxy_command_us:g} us per "
-            "command (measured: bench_proxy v6.2) and the megakernel's network plan needs "
-            f"{cmds:.2f} commands per RDMA write (one WRITE whose arrival flag serves every "
-            "destination event; a SIGNAL only per extra source event). The node broadcast after "
-            "the rail all-reduce runs on NVLink worker tasks that each push a chunk into 7 peers "
-            f"at the measured {PROFILE.nvlink_worker_gbps:g} GB/s per worker; the what-ifs "
-            "separate the two costs."
+            "command in the profile (bench_proxy v6.2, one copy stream) and the megakernel's "
+            f"network plan needs {cmds:.2f} commands per RDMA write (netplan: one WRITE whose "
+            "arrival flag serves every destination event, a SIGNAL only per extra source event; "
+            "the issue's 2.5 predates it). The node broadcast after the rail all-reduce is one "
+            "NVLink task per chunk that pushes the chunk into all 7 peers, so ONE worker moves "
+            f"7 chunks at the measured {PROFILE.nvlink_worker_push_gbps:g} GB/s per worker: the "
+            "last chunk's broadcast alone takes 7 x chunk / that rate after the last RDMA "
+            "arrival, and the static partition gives NVLink at most one worker per task. The "
+            "what-if column splits it per (chunk, peer) and runs the proxy on 4 copy streams; "
+            "each row below gives the two apart."
         )
     elif op == "ring_attention":
         out.append(
@@ -340,19 +402,25 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
     else:
         gain = [r["label"] for r in rows if r["what_if"]["predicted_ms"] < 0.9 * r["predicted_ms"]]
         out.append("No published numbers." + (
-            f" At {', '.join(gain)} the host proxy's 5 us per command costs more than 10% (see "
+            f" At {', '.join(gain)} the proxy and NVLink worker rates cost more than 10% (see "
             "the what-if column)." if gain else ""))  # fmt: skip
-        out[-1] = out[-1].replace("host proxy's 5 us per command", "proxy and NVLink worker rates")
     hit = [r["label"] for r in rows if incast(r)]
     if hit:
         target, senders = incast(next(r for r in rows if incast(r)))
         out.append(
-            f"Incast ({', '.join(hit)}): most of the first 8 NVLink tasks of {senders} of the 8 "
+            f"Incast ({', '.join(hit)}): most of the first wave of pushes of {senders} of the 8 "
             f"GPUs of a node write into GPU {target}: those pushes share one GPU's ingress "
-            "(450 GB/s) instead of each having its own, "
-            "which 2-GPU measurements cannot show. Rotating each rank's destination order "
-            "(rank r starts with r+1) would remove it."
+            "(450 GB/s) instead of each having its own, which 2-GPU measurements cannot show."
         )
+    else:
+        pushes = [r["label"] for r in rows if any(t is not None for t in r["first_push_target"])]
+        if pushes:
+            first = next(r for r in rows if r["label"] == pushes[0])["first_push_target"]
+            out.append(
+                "No incast: the first wave of epilogue pushes of GPU r of node 0 goes to GPU "
+                f"{', '.join(map(str, first))} for r = 0..7 (at {', '.join(pushes)}): the "
+                "critical-path policy's push rotation staggers the peers by rank."
+            )
     if worse:
         out.append(
             f"The adaptive controller is slower than the static split at {', '.join(worse)}: "
@@ -391,14 +459,23 @@ def explain_row(r: dict[str, Any]) -> list[str]:
         text += (" The nvlink SMs are busy almost throughout: the fused time sits near the "
                  "NVLink floor above, while the baseline's NCCL ring spreads the same bytes "
                  "over 8 NICs and NVLink at the measured bus bandwidth.")  # fmt: skip
-    elif r["op"] == "gemm_allreduce":
-        text += (f" Proxy at 1 us alone: {_ms(wi['proxy_1us_ms'])} "
-                 f"({base / wi['proxy_1us_ms']:.2f}x); NVLink workers at the push probe's rate "
-                 f"alone: {_ms(wi['push_probe_ms'])} ({base / wi['push_probe_ms']:.2f}x). "
-                 "Each chunk crosses epilogue push -> node sum -> RDMA -> rail sum -> RDMA -> "
-                 "NVLink broadcast to 7 peers; the larger of the two what-if gains names the "
-                 "stage that sets the time.")  # fmt: skip
-    elif r["op"] == "ring_attention" and r["diff"] < 0:
+    if r["op"] == "gemm_allreduce":
+        text += (f" Proxy on 4 streams alone: {_ms(wi['proxy_4_streams_ms'])} "
+                 f"({base / wi['proxy_4_streams_ms']:.2f}x); the broadcast split per peer "
+                 f"alone: {_ms(wi['split_broadcast_ms'])} "
+                 f"({base / wi['split_broadcast_ms']:.2f}x). Each chunk crosses epilogue push "
+                 "-> node sum -> RDMA -> rail sum -> RDMA -> NVLink broadcast to 7 peers.")  # fmt: skip
+        best = min(wi["proxy_4_streams_ms"], wi["split_broadcast_ms"], wi["predicted_ms"])
+        if best >= r["predicted_ms"] * 0.97:
+            text += (" Neither change helps here: the GEMM with its epilogue pushes (the node "
+                     "reduce-scatter through the push port) and the NVLink workers beside it set "
+                     "the time; what mKernel gains over this needs faster SM pushes (the floor "
+                     "above), not a cheaper proxy.")  # fmt: skip
+        else:
+            text += (" The larger of the two gains names the stage that sets the time; what is "
+                     "left after both is the NVLink SM work (floor above), the NVLink worker "
+                     "cap and the fixed costs.")  # fmt: skip
+    if r["op"] == "ring_attention" and r["diff"] < 0:
         text += (" mKernel's gain grows with S, i.e. with the share of attention math: its "
                  "attention tiles are faster than FA2 (GPU.md's cuDNN reaches 617 TF/s), while "
                  "the model gives fused tiles the FA2 rate; the chained online-softmax tiles "
@@ -476,7 +553,8 @@ def markdown(rows, calib, gpu, elapsed: float, command: str) -> str:
     else:
         s = gpu["summary"]
         lines += [
-            f"Every row of the committed bench_tp_v7 and bench_emulated runs, simulated with the "
+            "Every row of the committed bench_tp (v7 and v8) and bench_emulated runs, simulated "
+            "with the "
             f"same calibrated profile ({gpu['profile']}): {s['within_goal']} of {s['modelled']} "
             f"modelled rows within {gpu['goal']:.0%} (mean |error| {s['mean_abs_error']:.0%}; "
             f"{s['rows'] - s['modelled']} rows are configurations the model does not represent, "
@@ -521,6 +599,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one config per op, no sweeps")
     parser.add_argument("--out", default=str(Path(__file__).parent), help="folder for the .md")
+    parser.add_argument("--ops", nargs="+", choices=sorted(TITLES), help="only these ops")
     args = parser.parse_args()
     out = Path(args.out)
     results = out / "results"
@@ -529,6 +608,8 @@ def main() -> int:
     start = time.perf_counter()
     rows = []
     for case in cases(args.quick):
+        if args.ops and case.op not in args.ops:
+            continue
         row = run_case(case, args.quick)
         rows.append(row)
         print(f"{case.op:22s} {case.label:22s} fused {row['predicted_ms']:9.3f} ms  "
@@ -537,7 +618,9 @@ def main() -> int:
     calib = calibration()
     gpu = gpu_comparison(Path(__file__).parent / "results")  # GPU runs live in the repo
     elapsed = time.perf_counter() - start
-    command = "python benchmarks/simulate_mkernel.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/simulate_mkernel.py" + (" --quick" if args.quick else "") + (
+        f" --ops {' '.join(args.ops)}" if args.ops else ""
+    )
     (results / "simulated_mkernel.json").write_text(json.dumps(
         {"command": command, "profile": PROFILE.model_dump(), "topology": TOPOLOGY,
          "rows": rows, "calibration": calib, "gpu_comparison": gpu}, indent=1))  # fmt: skip
