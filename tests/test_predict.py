@@ -75,7 +75,9 @@ def test_committed_predictions_are_this_models(predict):
                 got, _ = p.emulated(m, 1024 if name.endswith("_1m.json") else 256)
             else:
                 got, _ = p.bench_tp(m)
-            assert got == pytest.approx(r["predicted_ms"], rel=1e-6), r
+            assert got == pytest.approx(r["predicted_ms"], rel=1e-6), (
+                f"{r}: the model or a lowering changed; rerun python benchmarks/predict.py"
+            )
             checked += 1
     assert checked >= 8
 
