@@ -64,7 +64,7 @@ def _shapes(
     N: int,
     K: int,
     tile: list[int] = (128, 256),
-    chunk_bytes: int = 256 * 1024,
+    chunk_bytes: int = 1024 * 1024,
     **_: object,
 ) -> dict[str, tuple]:
     world = topology.world_size
@@ -92,7 +92,7 @@ def _lower(
     K: int,
     tile: list[int] = (128, 256),
     hierarchical: bool = True,
-    chunk_bytes: int = 256 * 1024,
+    chunk_bytes: int = 1024 * 1024,
     gather: str = "copy",
 ) -> None:
     topo, world = b.topo, b.world
