@@ -113,6 +113,11 @@ class GraphBuilder:
         self.events: list[Event] = []
         self.tasks: list[Task] = []
         self._joins: dict[tuple[int, tuple[int, ...]], int] = {}
+        # buffer id -> bytes per element, kept by ``buffer`` for ``task``'s byte counts
+        self._itemsize: dict[str, int] = {}
+        # prepended to every task name given to ``task`` (an op's node name when lowering a
+        # traced program; see lower.py's _OpScope)
+        self.label_prefix = ""
 
     # -- declarations -------------------------------------------------------------------------
     def global_input(self, name: str, shape: Sequence[int], dtype: str | None = None) -> None:
@@ -145,6 +150,7 @@ class GraphBuilder:
                 "Settings(max_bytes=...)",
             )
         self.buffers[buf.id] = buf
+        self._itemsize[buf.id] = ITEMSIZE[buf.dtype]
         return buf
 
     def bound_buffer(
@@ -231,25 +237,28 @@ class GraphBuilder:
         params: dict[str, Any] | None = None,
         flops: float | None = None,
     ) -> Task:
-        spec = KINDS[kind]
+        # Hot: once per task (~140k for a traced 2x8 layer), so the byte count reads each
+        # buffer's item size from a table kept by ``buffer`` instead of two lookups per region.
+        flops_fn = KINDS[kind].flops_fn
         params = params or {}
         if flops is None:
             flops = (
-                spec.flops_fn(
+                flops_fn(
                     [(r[2] - r[1], r[4] - r[3]) for r in reads],
                     [(w[2] - w[1], w[4] - w[3]) for w in writes],
                     params,
                 )
-                if spec.flops_fn is not None
+                if flops_fn is not None
                 else 0.0
             )
-        bufs = self.buffers
+        item = self._itemsize
         nbytes = 0
         for r in reads:  # regions are (buffer, row0, row1, col0, col1)
-            nbytes += (r[2] - r[1]) * (r[4] - r[3]) * ITEMSIZE[bufs[r[0]].dtype]
+            nbytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
         for r in writes:
-            nbytes += (r[2] - r[1]) * (r[4] - r[3]) * ITEMSIZE[bufs[r[0]].dtype]
-        tid = len(self.tasks)
+            nbytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
+        tasks = self.tasks
+        tid = len(tasks)
         if tid >= self.budget.max_tasks:
             raise SizeLimitError(
                 f"{self.op}: the graph would have more than {self.budget.max_tasks} tasks (stopped "
@@ -257,9 +266,13 @@ class GraphBuilder:
                 hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or raise "
                 "the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
             )
+        if name is None:
+            name = f"{kind}#{tid}"
+        elif self.label_prefix:
+            name = self.label_prefix + name
         task = Task(
             tid,
-            name if name is not None else f"{kind}#{tid}",
+            name,
             rank,
             role.value if role.__class__ is Role else role,
             kind,
@@ -271,7 +284,7 @@ class GraphBuilder:
             nbytes,
             params,
         )
-        self.tasks.append(task)
+        tasks.append(task)
         return task
 
     def finish(self) -> TaskGraph:

@@ -23,6 +23,8 @@ import json
 from bisect import bisect_left, bisect_right
 from typing import Any
 
+import torch
+
 from .builder import GraphBuilder
 from .errors import MgraphError
 from .graph import Binding, Buffer, Region, Task, TaskGraph, TensorSpec
@@ -40,12 +42,20 @@ def lower(opgraph: OpGraph) -> TaskGraph:
     ctx = _Lowering(opgraph)
     was_enabled = gc.isenabled()
     gc.disable()  # see OpDef.__call__: a graph is many small long-lived objects
+    # Lowerings run thousands of torch ops on tensors of a few hundred elements (relayout's
+    # tile maps): a second intra-op thread only spins on them, which at 2x8 cost ~1 s of CPU
+    # and held the other core of a 2-core machine. The caller's setting is restored.
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
     try:
         for node in opgraph.nodes:
             ctx.lower_node(node)
         ctx.bind_outputs()
         return ctx.b.finish()
     finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
         if was_enabled:
             gc.enable()
 
@@ -248,6 +258,9 @@ class _OpScope(GraphBuilder):
         self.events = base.events
         self.tasks = base.tasks
         self._joins = base._joins
+        self._itemsize = base._itemsize
+        # task names read "<node>: <name>" (GraphBuilder.task prepends it; no wrapper per task)
+        self.label_prefix = f"{node.name}: "
         self.budget = base.budget  # one size guard for the whole program's graph
         self.ctx = ctx
         self.node = node
@@ -301,7 +314,3 @@ class _OpScope(GraphBuilder):
         buf = self.buffer(name, rank, rows, runs[0][3] - runs[0][2], dtype=spec.dtype)
         self.ctx.reshard.add(value.name, rank, Holding(buf, runs))
         return buf
-
-    def task(self, rank, role, kind, reads, writes, *, name=None, **kw) -> Task:
-        label = f"{self.node.name}: {name}" if name is not None else None
-        return GraphBuilder.task(self, rank, role, kind, reads, writes, name=label, **kw)
