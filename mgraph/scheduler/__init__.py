@@ -6,7 +6,8 @@ Four steps, each its own module:
    role into the queues;
 3. SM partition (balance.py): workers per role from the work-balance rule (or an override);
 4. proxy batches (batches.py): each rank's rdma queue in groups the proxy submits at once.
-Then every check of checks.py runs, so a returned Schedule cannot deadlock a runtime.
+Then every check of checks.py runs, so a returned Schedule cannot deadlock a runtime (the
+queue check as one pass over the order they were cut from, when that order proves them safe).
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ from ..hardware import H200, HardwareProfile
 from ..kinds import ROLES, Role
 from .balance import DAMPING, balance_workers, static_partition
 from .batches import proxy_batches
-from .checks import check_batches, check_queues, check_schedule, check_workers
+from .checks import (
+    check_batches,
+    check_cut_schedule,
+    check_queues,
+    check_schedule,
+    check_workers,
+)
 from .costmodel import role_work, task_cost, task_costs
 from .model import RankSchedule, Schedule
 from .policies import POLICIES, Policy, PolicyInput, get_policy, policy_input, register_policy
@@ -43,6 +50,7 @@ __all__ = [
     "check_workers",
     "check_batches",
     "check_schedule",
+    "check_cut_schedule",
     "task_cost",
     "task_costs",
     "role_work",
@@ -101,7 +109,7 @@ def _schedule(
         for r in range(world)
     ]
     result = Schedule(graph=graph, hardware=hardware, policy=policy, ranks=ranks)
-    check_schedule(result)
+    check_cut_schedule(result, order)  # the queues are cut from ``order``
     return result
 
 
