@@ -4,9 +4,11 @@
     from kind_breakdown import kind_breakdown
     rows = kind_breakdown(runtime)   # a TritonRuntime that has run once (its inputs loaded)
 
-Each row: kind, role, tasks, busy_ms (the tasks' summed durations), mean_us per task,
-tflops (the kind's Task.flops over its busy time, per program: what one SM's worker reached,
-times the programs that ran the kind), and the traced launch's makespan. A separate runtime
+Each row: kind, role, tasks, busy_ms (the tasks' summed durations, from ticket to signal),
+work_ms and wait_ms (busy time split at the moment the task's waits were met: the body's
+time, and the time spent waiting for its inputs), means per task, tflops_per_program (the
+kind's Task.flops over its body time: what one SM's worker reached; times the programs that
+ran the kind at once for the kernel's rate), and the traced launch's makespan. A separate runtime
 is traced so the timed one keeps its CUDA graph; it costs one more kernel build only when the
 trace flag changes the compiled kernel (it does: TRACE is a constexpr).
 """
@@ -43,12 +45,14 @@ def kind_breakdown(runtime) -> list[dict]:
         traced.close()
     tasks = runtime.graph.tasks
     busy: dict[tuple[str, str], float] = defaultdict(float)
+    work: dict[tuple[str, str], float] = defaultdict(float)
     count: dict[tuple[str, str], int] = defaultdict(int)
     flops: dict[tuple[str, str], float] = defaultdict(float)
     programs: dict[tuple[str, str], set] = defaultdict(set)
     for r in trace.records:
         key = (r.kind, r.role)
         busy[key] += r.end - r.start
+        work[key] += r.end - (r.start if r.ready is None else r.ready)
         count[key] += 1
         flops[key] += float(tasks[r.task].flops or 0.0)
         programs[key].add(r.worker)
@@ -64,9 +68,16 @@ def kind_breakdown(runtime) -> list[dict]:
                 "tasks": count[key],
                 "programs": len(programs[key]),
                 "busy_ms": round(b * 1e3, 3),
+                # the bodies alone: busy time less the waits for the task's inputs
+                "work_ms": round(work[key] * 1e3, 3),
+                "wait_ms": round((b - work[key]) * 1e3, 3),
                 "mean_us": round(b / count[key] * 1e6, 2),
-                # per program-second: multiply by the programs running it at once for the kernel rate
-                "tflops_per_program": round(flops[key] / b / 1e12, 3) if b and flops[key] else None,
+                "mean_work_us": round(work[key] / count[key] * 1e6, 2),
+                # per program-second of body time: times the programs running it at once for
+                # the kernel's rate
+                "tflops_per_program": round(flops[key] / work[key] / 1e12, 3)
+                if work[key] and flops[key]
+                else None,
                 "makespan_ms": round(span * 1e3, 3),
             }
         )

@@ -19,6 +19,9 @@ class TaskRecord:
     worker: int
     start: float  # seconds from the run's start
     end: float
+    # when the task's waits were met (its work began); None where the runtime does not record
+    # it (the megakernel does: end - ready is the body's time, ready - start its waiting)
+    ready: float | None = None
 
 
 @dataclass

@@ -270,7 +270,7 @@ def adaptive_roles() -> None:
             xs = torch.randn(96, 32)
             got = rt.run({"x": xs}).outputs["out"]
             errs.append((got - xs).abs().max().item())
-            pids = rt.d["trace"].reshape(-1, 3)[:, 2].tolist()
+            pids = rt.d["trace"].reshape(-1, 4)[:, 3].tolist()  # start, ready, end, program
             for local, tid in enumerate(rt.tables.local_tasks):
                 roles_of.setdefault(int(pids[local]), set()).add(graph.tasks[tid].role)
         rows[str(adaptive)] = dict(

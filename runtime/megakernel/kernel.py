@@ -288,10 +288,11 @@ def _gemm_segments(pid, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows,
                 if SEG_NW > 1:
                     cd1.store([tl.load(pos + _PW1M), tl.load(pos + _PW1N)], c)
             if TRACE:
-                t = tl.load(pos + _PTASK)
-                tl.store(trace + t * 3, t_start)
-                tl.store(trace + t * 3 + 1, now(USE_TIMER))
-                tl.store(trace + t * 3 + 2, pid)
+                t = tl.load(pos + _PTASK)  # (its waits were hoisted: ready at its start)
+                tl.store(trace + t * 4, t_start)
+                tl.store(trace + t * 4 + 1, t_start)
+                tl.store(trace + t * 4 + 2, now(USE_TIMER))
+                tl.store(trace + t * 4 + 3, pid)
 
 
 @triton.jit
@@ -424,7 +425,7 @@ def megakernel(
                 if ok == 1:
                     _record(err, abort, rank, pid, tl.load(tp + _GID), slot, v, target, epoch)
                 ok = 0
-        t_waited = now(USE_TIMER)  # noqa: F841 - read by the controller's accounting
+        t_waited = now(USE_TIMER)  # noqa: F841 - read by the controller and the trace
         if ok == 1:
             if nwait > 0:  # data peers stored (generic proxy) may be read through TMA
                 fence_proxy_async(USE_TIMER)
@@ -443,9 +444,10 @@ def megakernel(
                 else:
                     signal(flag, False)
             if TRACE:
-                tl.store(trace + t * 3, t_start)
-                tl.store(trace + t * 3 + 1, now(USE_TIMER))
-                tl.store(trace + t * 3 + 2, pid)
+                tl.store(trace + t * 4, t_start)
+                tl.store(trace + t * 4 + 1, t_waited)  # its waits met: work starts
+                tl.store(trace + t * 4 + 2, now(USE_TIMER))
+                tl.store(trace + t * 4 + 3, pid)
             if ADAPTIVE:
                 if pid < pool:
                     t_end = now(USE_TIMER)

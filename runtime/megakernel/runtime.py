@@ -388,7 +388,8 @@ class TritonRuntime:
         self.d["go"] = torch.zeros(1, dtype=torch.int32, device=dev)
         self.d["epoch"] = torch.zeros(1, dtype=torch.int32, device=dev)
         self.d["ctl"] = self._control_words().to(dev)
-        self.d["trace"] = torch.zeros(max(len(t.local_tasks), 1) * 3, dtype=torch.int64, device=dev)
+        # per task: start, waits met, end (%globaltimer ns), program
+        self.d["trace"] = torch.zeros(max(len(t.local_tasks), 1) * 4, dtype=torch.int64, device=dev)
         gemms = [x for x in self.graph.tasks if x.kind == TaskKind.GEMM.value]
         self.bm, self.bn = gemm_block(gemms) if gemms else (16, 16)
 
@@ -650,15 +651,16 @@ class TritonRuntime:
         """Per-task records of the last launch (when built with trace=True)."""
         if not self.trace_enabled:
             return Trace(backend="triton")
-        raw = self.d["trace"].view(-1, 3).cpu()
+        raw = self.d["trace"].view(-1, 4).cpu()
         t0 = int(raw[:, 0][raw[:, 0] > 0].min()) if (raw[:, 0] > 0).any() else 0
         roles = self.tables.roles.tolist()
         records = []
         for local, tid in enumerate(self.tables.local_tasks):
-            s, e, pid = raw[local].tolist()
+            s, ready, e, pid = raw[local].tolist()
             t = self.graph.tasks[tid]
             records.append(TaskRecord(tid, t.name, t.kind, self.rank, t.role, int(pid) -
-                                      roles.index(roles[pid]), (s - t0) / 1e9, (e - t0) / 1e9))
+                                      roles.index(roles[pid]), (s - t0) / 1e9, (e - t0) / 1e9,
+                                      (ready - t0) / 1e9))
         return Trace(records, backend="triton")
 
 
