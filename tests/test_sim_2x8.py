@@ -76,3 +76,67 @@ def test_split_broadcast_what_if_moves_the_same_bytes():
     a = simulate(mg.schedule(g), baselines=False, fill=lambda t: 1.0)
     b = simulate(mg.schedule(split), baselines=False, fill=lambda t: 1.0)
     assert a.bytes_by_link == b.bytes_by_link
+
+
+# -- the network_first policy ---------------------------------------------------------------------
+def ref_slots(g: mg.TaskGraph, facts) -> list[int]:
+    """network_slots over explicit successor lists (PolicyInput.succ)."""
+    from mgraph.scheduler.policies import network_waves
+
+    never = 1 << 30
+    waves = network_waves(g, facts)
+    own = {}
+    for rank in g.topology.ranks:
+        sends = sorted((waves[t.id], t.id) for t in g.tasks if t.rank == rank and t.role == "rdma")
+        own.update({tid: slot for slot, (_, tid) in enumerate(sends)})
+    need = [never] * len(g.tasks)
+    for tid in reversed(facts.order):
+        need[tid] = min([own.get(tid, never)] + [need[s] for s in facts.succ[tid]])
+    return need
+
+
+@pytest.mark.parametrize("op", ["gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"])
+@pytest.mark.parametrize("topology", ["1x2", "2x2", "2x4"])
+def test_network_slots_match_their_definition(op, topology):
+    from test_scheduler import SMALL, build
+
+    from mgraph.scheduler import policy_input, task_costs
+    from mgraph.scheduler.policies import network_slots
+
+    g = build(op, topology) if op in SMALL else graph(op, **AR)
+    facts = policy_input(g, task_costs(g, mg.H200))
+    assert network_slots(g, facts) == ref_slots(g, facts)
+
+
+@pytest.mark.parametrize("op", ["gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"])
+def test_network_first_is_critical_path_on_one_node(op):
+    """No RDMA task, no slot: the single-node schedules stay critical_path's (pinned in
+    test_schedule_pin.py)."""
+    g = mg.ops.get_op(op)(topology="1x2", dtype=torch.bfloat16, M=512, N=1024, K=512,
+                          tile=[64, 128])  # fmt: skip
+    a, b = mg.schedule(g, policy="critical_path"), mg.schedule(g, policy="network_first")
+    assert [r.queues for r in a.ranks] == [r.queues for r in b.ranks]
+
+
+def test_network_first_starts_node_sums_and_sends_during_the_gemm():
+    """critical_path queues the GEMM tiles in blocks by path length (the tiles that push into a
+    peer first: longer by their own push), half of them before the first node sum; network_first
+    puts chunk c's node sum right after chunk c's tiles, and keeps each rank's RDMA queue
+    wave-major (every rail send before any rail gather)."""
+    g = graph("gemm_allreduce", **AR)
+
+    def first_sum(policy: str) -> int:
+        q = mg.schedule(g, policy=policy).ranks[0].queues["compute"]
+        names = [g.tasks[t].name for t in q]
+        return next(i for i, n in enumerate(names) if n.startswith("node-reduce"))
+
+    crit, first = first_sum("critical_path"), first_sum("network_first")
+    assert crit == 64 and first == 16
+    sched = mg.schedule(g, policy="network_first")
+    for rs in sched.ranks:
+        kinds = [g.tasks[t].name.split()[0] for t in rs.queues["rdma"]]
+        sends = kinds.count("rail-send")
+        assert sends and kinds[:sends] == ["rail-send"] * sends, kinds
+    crit = simulate(mg.schedule(g, policy="critical_path"), baselines=False).predicted_s
+    first = simulate(sched, baselines=False).predicted_s
+    assert first <= crit

@@ -16,6 +16,13 @@ priority into an order by simulating the counters and always taking the best rea
 ``push_rotation``: rank r pushes first to its node's GPU r+1, then r+2, ..., so the GPUs of a node
 do not all start by writing into the same peer (an NVLink incast: 7 senders sharing one GPU's
 ingress while the other links idle), whatever order the lowering emitted the tiles in.
+
+``network_first`` orders first by ``network_slots``: the earliest RDMA transfer (in each rank's
+wave-major send order) that needs a task, then as ``critical_path``. Longest-path alone puts every
+GEMM tile before the node sums and rail sends waiting on them (a tile's path is longer by its own
+cost), so on several nodes the network starts only when the GEMM ends (simulated 2x8 GEMM+AR
+32768x2048x32768: the first node sum at 9.0 of 9.2 ms of GEMM). With no RDMA tasks (one node)
+its order is ``critical_path``'s. Not the default yet: benchmarks/NOTES.md, "2x8 schedules".
 """
 
 from __future__ import annotations
@@ -41,9 +48,11 @@ __all__ = [
     "list_order",
     "critical_path_lengths",
     "network_waves",
+    "network_slots",
     "push_rotation",
     "topological",
     "critical_path",
+    "network_first",
     "remote_first",
 ]
 
@@ -248,6 +257,45 @@ def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     return need
 
 
+def network_slots(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """For each task, the earliest slot among the RDMA tasks that depend on it (itself
+    included; ``_NEVER`` if none), where a rank's RDMA tasks take slots in (network wave, id)
+    order: every first-wave send of the rank, then the second wave (a reduce-scatter's
+    all-gather), and so on.
+
+    Ordering by it, chunk c's tiles, node sums and send come before chunk c+1's, so each send
+    leaves while later tiles compute. Wave-major, so the one RDMA worker's queue never holds a
+    send behind a second-wave task that waits a network round trip (slots in id order
+    interleave them: simulated 2x8 GEMM+AR 4096x256x4096 0.81 ms against 0.58 wave-major).
+    """
+    rdma = Role.RDMA.value
+    tasks, pos, full, partial = graph.tasks, facts.pos, facts.full, facts.partial
+    waves = network_waves(graph, facts)
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    for t in tasks:
+        if t.role == rdma:
+            by_rank.setdefault(t.rank, []).append((waves[t.id], t.id))
+    own: dict[int, int] = {}
+    for sends in by_rank.values():
+        for slot, (_, tid) in enumerate(sorted(sends)):
+            own[tid] = slot
+    need = [_NEVER] * len(tasks)
+    first: dict[int, int] = {}  # event -> the earliest slot among its full waiters
+    for tid in reversed(facts.order):
+        best = own.get(tid, _NEVER)
+        for e in tasks[tid].signals:
+            v = first.get(e)
+            if v is None:
+                v = first[e] = min([need[w] for w in full[e]], default=_NEVER)
+            if v < best:
+                best = v
+            for w in partial.get(e, ()):
+                if pos[tid] < pos[w] and need[w] < best:
+                    best = need[w]
+        need[tid] = best
+    return need
+
+
 def push_rotation(graph: TaskGraph) -> list[int]:
     """For each task that writes into exactly one node peer (an epilogue store or an NVLink
     push), how far that peer is from the task's GPU, starting at the next one: (peer - gpu - 1)
@@ -289,6 +337,16 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
     return list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
+
+
+@register_policy("network_first")
+def network_first(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """``critical_path`` after ``network_slots``: the tasks the earliest RDMA transfers need come
+    first (module docstring). The same order as ``critical_path`` on one node."""
+    length = critical_path_lengths(facts)
+    turn = push_rotation(graph)
+    slot = network_slots(graph, facts)
+    return list_order(graph, [(s, -x, r) for s, x, r in zip(slot, length, turn, strict=True)])
 
 
 @register_policy("remote_first")
