@@ -26,6 +26,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed._symmetric_memory  # noqa: E402, F401  (registers torch.ops.symm_mem: --ops all_gather alone needs it)
 
 import mgraph as mg  # noqa: E402  (installed: mgraph.runtime comes from the package-dir map)
 from mgraph.runtime.megakernel import TritonRuntime, local_shards  # noqa: E402
