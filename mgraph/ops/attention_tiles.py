@@ -9,28 +9,32 @@ KV block in chunks of ``_KB`` keys (flash attention's inner loop): per chunk the
 through exp2 with the scale folded into a log2(e) factor, the running max and sum are rescaled,
 and acc is rescaled and accumulated. Whole chunks at or before every row's diagonal run a plain
 loop with no mask; one masked loop covers the chunks the causal diagonal crosses and the
-block's partial last chunk. The fast path (head size up to 2 ``_DB`` (256), a 16-bit dtype,
+block's partial last chunk. The fast path (head size up to ``_DB`` (128), a 16-bit dtype,
 q/k/v regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v
 through TMA descriptors over the task's regions and keeps q and acc in registers for the whole
-KV block (acc is read from and written to the state once per task); a head size past ``_DB``
-is held as one 256-column q and k (one dot) and two ``_DB``-column acc halves, folded over
-``_KB_WIDE``-key chunks, so that q and two pipeline stages of k and v fit in shared memory. A
-mask tile rides along when it can be read in 16-byte vectors (its corner, row stride and key
-count in whole 16-byte units; a broadcast row has stride 0): its loops are compiled apart from
-the unmasked ones, load the tile by pointers the compiler can prove aligned (cp.async into
-shared memory, 2 pipeline stages instead of 3 to stay in shared memory) and apply either mask
-kind by a select, keeping the scores in one register layout. Every other task (a head size
-past 256, float32 data, unaligned regions or mask tile) takes the pointer path: ``_PB``-row
-sub-blocks, ``_PB``-key chunks, D in ``_PB``-column chunks, acc updated in the state buffer
-chunk by chunk; it is several times slower (16-bit scalar loads).
+KV block; acc starts at 0 and the state's acc is added after the loops, scaled by their
+rescales. A mask tile rides along when it can be read in 16-byte vectors (its corner, row
+stride and key count in whole 16-byte units; a broadcast row has stride 0): its loops are
+compiled apart from the unmasked ones, load the tile by pointers the compiler can prove aligned
+(cp.async into shared memory, 2 pipeline stages instead of 3 to stay in shared memory) and
+apply either mask kind by a select, keeping the scores in one register layout. Every other
+task (a head size past 128, float32 data, unaligned regions or mask tile) takes the pointer
+path: ``_PB``-row sub-blocks, ``_PB``-key chunks, D in ``_PB``-column chunks, acc updated in
+the state buffer chunk by chunk; it is many times slower (pointer loads, mma.sync on 32-row
+tiles).
 
-Every path sits in one function (the megakernel's, or chains_kernel's), which ptxas gives one
-budget of 255 registers at 8 warps: what one path holds costs the others. So the pointer path
-and attn_finalize work in small tiles, strides are int32 and the plain loop holds no index
-tensors. Compiled for sm_90 (tests/test_attention_compile.py), the fast loops are wgmma fed by
-TMA, spill-free alone; inside chains_kernel the plain 128-column loop has no spill and the
-others reload at most a few registers an iteration. ptxas 13.4 still serialises the wgmma of
-the whole kernel (C7515), though not of the fast body compiled alone (benchmarks/NOTES.md).
+Every path sits in one function (the megakernel's, or chains_kernel's), and ptxas gives a
+function one budget of 255 registers at 8 warps: where any point of it runs out, ptxas
+serialises every wgmma of the function (each waits for the previous one), the fast loops'
+included. So the fast loops hold no index tensors (plain loop) or few (masked), strides are
+int32, acc never enters a loop from a runtime branch (that alone serialised them: C7515),
+attn_finalize works in small tiles, and the pointer path is a function of its own
+(``noinline``, scalar arguments) on mma.sync, which ptxas allocates apart: a noinline callee
+using wgmma would serialise the caller's (C7510). Head sizes in (128, 256] had a TMA path of
+their own (two 128-column acc halves); with it in the function ptxas ran out of registers
+(C7512) whatever else was done, so they take the pointer path. Compiled for sm_90
+(tests/test_attention_compile.py), chains_kernel's fast loops are wgmma fed by TMA, pipelined,
+and spill-free or nearly (benchmarks/NOTES.md has the numbers).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
@@ -88,8 +92,9 @@ if HAVE_TRITON:
     # q rows, keys, head columns per step: the 128 x 128 x 128 tile the probe measured fastest
     # (tl.dot needs each >= 16). Shorter blocks and head sizes are handled by masks.
     _QB, _KB, _DB = tl.constexpr(128), tl.constexpr(128), tl.constexpr(128)
-    # rows, keys and head columns per step of the pointer path and of attn_finalize
-    _PB = tl.constexpr(64)
+    # rows, keys and head columns per step of the pointer path (32 rows: mma.sync, not wgmma,
+    # which needs 64) and of attn_finalize
+    _PB, _FB = tl.constexpr(32), tl.constexpr(64)
     _LOG2E = tl.constexpr(1.4426950408889634)
     _F32 = tl.constexpr(tl.float32)
     _BIAS_NONE, _BIAS_BOOL = tl.constexpr(BIAS_NONE), tl.constexpr(BIAS_BOOL)
@@ -97,12 +102,6 @@ if HAVE_TRITON:
     # k, v and the mask tile (32 KB each) hold 224 KB of shared memory, what 3 stages of k and
     # v alone do; 3 stages with the mask (288 KB) exceed an H200 block's 227 KB.
     _BIAS_STAGES = tl.constexpr(2)
-    # A head size in (_DB, 2 _DB] is folded in two _DB-column halves (acc: 128 registers a
-    # thread at 8 warps) over chunks of 64 keys, 2 stages: q (64 KB) and k, v (32 KB each per
-    # stage) hold 192 KB of shared memory (208 KB with the mask tile); 128-key chunks would
-    # need 320 KB at 2 stages.
-    _KB_WIDE = tl.constexpr(64)
-    _WIDE_STAGES = tl.constexpr(2)
 
     @triton.jit
     def _rows_cols(regions, bufaddr, bufcols, index, DT: tl.constexpr):
@@ -166,24 +165,21 @@ if HAVE_TRITON:
         return s
 
     @triton.jit
-    def _fold(acc0, acc1, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, lim, qk_scale,
-              bp, b_stride, b_bool, MASKED: tl.constexpr, BIAS: tl.constexpr,
-              HALVES: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr, DT: tl.constexpr,
-              USE_TIMER: tl.constexpr):
-        """Fold key chunks [c_lo, c_hi) (KB keys each) into (acc, m, l) held in registers: the
-        head's columns [0, _DB) in q0 / acc0 and, with HALVES 2, [_DB, 2 _DB) in q1 / acc1
-        (with HALVES 1 those two are not touched). k and v come by TMA through the descriptors
-        ``kd`` / ``vd`` over the task's KV regions (blocks of KB x _DB; zeros past the region's
-        rows and the head size), so the loop has no pointer tensors for them and Triton's
-        pipeliner prefetches the next chunks. Without ``MASKED`` or ``BIAS`` (whole chunks
-        below the diagonal: most of the work) the loop is the plain flash loop of
-        ../shared/probes/attn_tile.py, scale folded into one FMA per score and no key or row
-        index held: the index tensors a mask compares cost registers that the wgmma pipeline
-        needs (sm_90: the megakernel's loops spilled them). With ``BIAS`` the mask tile comes
-        by pointer loads which the caller has made provably 16-byte aligned; the pipeliner
-        stages them in shared memory beside k and v, so ``STAGES`` (None: the kernel's
-        num_stages) bounds what the loop holds there. The loop counts chunks, not keys, so that
-        each chunk's first key is visibly a multiple of KB to the alignment analysis."""
+    def _fold(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, lim, qk_scale, bp,
+              b_stride, b_bool, MASKED: tl.constexpr, BIAS: tl.constexpr, KB: tl.constexpr,
+              STAGES: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """Fold key chunks [c_lo, c_hi) (KB keys each) into (acc, m, l) held in registers:  the
+        head's columns in q and acc (up to _DB). k and v come by TMA through the descriptors ``kd`` / ``vd`` over the task's KV
+        regions (zeros past the region's rows and the head size), so the loop has no pointer
+        tensors for them and Triton's pipeliner prefetches the next chunks. Without ``MASKED``
+        or ``BIAS`` (whole chunks below the diagonal: most of the work) the loop is the plain
+        flash loop of ../shared/probes/attn_tile.py, scale folded into one FMA per score and no
+        key or row index held: the index tensors a mask compares cost registers that the wgmma
+        pipeline needs. With ``BIAS`` the mask tile comes by pointer loads which the caller has
+        made provably 16-byte aligned; the pipeliner stages them in shared memory beside k and
+        v, so ``STAGES`` (None: the kernel's num_stages) bounds what the loop holds there. The
+        loop counts chunks, not keys, so that each chunk's first key is visibly a multiple of
+        KB to the alignment analysis."""
         for c in tl.range(c_lo, c_hi, num_stages=STAGES):
             j0 = c * KB
             s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
@@ -194,18 +190,16 @@ if HAVE_TRITON:
                 # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
                 shift = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.math.exp2(s - shift[:, None])
-            else:  # every score finite: m_new is
-                shift = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            else:  # every score is finite, so is the new max
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                shift = m_new
                 p = tl.math.exp2(s * qk_scale - shift[:, None])
             alpha = tl.math.exp2(m_i - shift)
             l_i = l_i * alpha + tl.sum(p, 1)
-            pv = _operand(p.to(DT), USE_TIMER)
-            acc0 = tl.dot(pv, _operand(vd.load([j0, 0]), USE_TIMER), acc0 * alpha[:, None])
-            if HALVES == 2:
-                acc1 = tl.dot(pv, _operand(vd.load([j0, _DB]), USE_TIMER),
-                              acc1 * alpha[:, None])
-            m_i = shift
-        return acc0, acc1, m_i, l_i
+            acc = tl.dot(_operand(p.to(DT), USE_TIMER),
+                         _operand(vd.load([j0, 0]), USE_TIMER), acc * alpha[:, None])
+            m_i = m_new
+        return acc, m_i, l_i
 
     @triton.jit
     def _key_chunks(i0, nq, nk, q_start, k_start, causal, ROWS: tl.constexpr,
@@ -243,43 +237,33 @@ if HAVE_TRITON:
     @triton.jit
     def _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                    sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start, causal,
-                   qk_scale, has_bias, bp, b_stride, b_bool, HALVES: tl.constexpr,
-                   KB: tl.constexpr, STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr,
-                   DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """The fast path for the _QB-row sub-block at row i0: q and acc (HALVES x _DB columns)
-        in registers, the plain chunks, then the masked ones, each range by a loop without the
-        mask tile or, when the task has one, a loop with it. Reads and writes the state's
-        rows. Nothing but scalars and row vectors is live across the loops (the state's
-        pointer tensors and masks are built where they are used)."""
-        # built per sub-block (a variable bound in one branch is not visible after it); a
-        # task's first sub-block is its only one at the lowering's default 128 rows
-        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, HALVES * _DB])
-        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, HALVES * _DB])
-        vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [KB, _DB])
+                   qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                   USE_TIMER: tl.constexpr):
+        """The fast path for the _QB-row sub-block at row i0 (head size up to _DB): q and acc in
+        registers, the plain chunks, then the masked ones, each range by a loop without the
+        mask tile or, when the task has one, a loop with it. Reads and writes the state's rows.
+        Nothing but scalars and row vectors is live across the loops."""
+        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, _DB])
+        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [_KB, _DB])
+        vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [_KB, _DB])
         om = i0 + tl.arange(0, _QB)
         row_ok = om < nq
-        m_i, l_i = _load_ml(first, smp, sm_stride, om, row_ok)
-        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, KB)
-        od = tl.arange(0, _DB)
+        m_old, l_old = _load_ml(first, smp, sm_stride, om, row_ok)
+        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, _KB)
         q = _operand(qd.load([i0, 0]), USE_TIMER)
-        if first != 0:
-            acc0 = tl.zeros((_QB, _DB), dtype=tl.float32)
-            acc1 = acc0
-        else:
-            sa = sap + om[:, None] * sa_stride + od[None, :]
-            acc0 = tl.load(sa, mask=row_ok[:, None] & (od < D)[None, :], other=0.0)
-            acc1 = acc0
-            if HALVES == 2:
-                acc1 = tl.load(sa + _DB, mask=row_ok[:, None] & (od + _DB < D)[None, :],
-                               other=0.0)
+        # The loops start from acc = 0 and the state's acc is folded in after them, scaled by
+        # the product of their rescales (exp2(m_old - m)): an acc that entered the loop from a
+        # runtime branch (zeros, or the state's) made ptxas serialise every wgmma of the
+        # kernel (C7515, sm_90).
+        acc = tl.zeros((_QB, _DB), dtype=tl.float32)
         if has_bias == _BIAS_NONE:
             # the loops compiled without the mask tile's loads (no bias, no branch)
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, 0, c_plain, om,
-                                         row_ok, nk, lim, qk_scale, bp, b_stride, b_bool, False,
-                                         False, HALVES, KB, STAGES, DT, USE_TIMER)
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, c_plain, c_end,
-                                         om, row_ok, nk, lim, qk_scale, bp, b_stride, b_bool,
-                                         True, False, HALVES, KB, STAGES, DT, USE_TIMER)
+            acc, m_i, l_i = _fold(acc, m_old, l_old, q, kd, vd, 0, c_plain, om, row_ok, nk, lim,
+                                  qk_scale, bp, b_stride, b_bool, False, False, _KB, None, DT,
+                                  USE_TIMER)
+            acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_plain, c_end, om, row_ok, nk, lim,
+                                  qk_scale, bp, b_stride, b_bool, True, False, _KB, None, DT,
+                                  USE_TIMER)
         else:
             # what the caller checked (corner, row stride and key count in whole 16-byte
             # units), in a form the compiler sees: 16-byte loads
@@ -287,29 +271,32 @@ if HAVE_TRITON:
             vbp = _aligned16(bp, DT)
             vb_stride = b_stride // per16 * per16
             vnk = nk // per16 * per16
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, 0, c_plain, om,
-                                         row_ok, vnk, lim, qk_scale, vbp, vb_stride, b_bool,
-                                         False, True, HALVES, KB, BIAS_STAGES, DT, USE_TIMER)
-            acc0, acc1, m_i, l_i = _fold(acc0, acc1, m_i, l_i, q, kd, vd, c_plain, c_end,
-                                         om, row_ok, vnk, lim, qk_scale, vbp, vb_stride, b_bool,
-                                         True, True, HALVES, KB, BIAS_STAGES, DT, USE_TIMER)
-        a = ap + om[:, None] * a_stride + od[None, :]
-        tl.store(a, acc0, mask=row_ok[:, None] & (od < D)[None, :])
-        if HALVES == 2:
-            tl.store(a + _DB, acc1, mask=row_ok[:, None] & (od + _DB < D)[None, :])
+            acc, m_i, l_i = _fold(acc, m_old, l_old, q, kd, vd, 0, c_plain, om, row_ok, vnk,
+                                  lim, qk_scale, vbp, vb_stride, b_bool, False, True, _KB,
+                                  _BIAS_STAGES, DT, USE_TIMER)
+            acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_plain, c_end, om, row_ok, vnk, lim,
+                                  qk_scale, vbp, vb_stride, b_bool, True, True, _KB,
+                                  _BIAS_STAGES, DT, USE_TIMER)
+        od = tl.arange(0, _DB)
+        cmask = row_ok[:, None] & (od < D)[None, :]
+        if first == 0:
+            # (m_old = -inf: nothing folded before, the state's acc is 0)
+            keep = tl.where(m_old == float("-inf"), 0.0, tl.math.exp2(m_old - m_i))
+            acc += keep[:, None] * tl.load(sap + om[:, None] * sa_stride + od[None, :],
+                                           mask=cmask, other=0.0)
+        tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
         _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
 
-    @triton.jit
+    @triton.jit(noinline=True)
     def _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                       sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
                       causal, qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
                       USE_TIMER: tl.constexpr):
         """The pointer path for the _PB-row sub-block at row i0 (any head size, dtype and
         alignment): chunks of _PB keys, scores over D in _PB-column chunks, acc rescaled and
-        accumulated in the state's write chunk by chunk. _PB x _PB tiles (64: 16 elements a
-        thread at 8 warps) keep its pointer tensors small: at 128 x 128 it needed more than
-        255 registers, and ptxas then serialised every wgmma of the kernel (C7512), the fast
-        path's included."""
+        accumulated in the state's write chunk by chunk. A noinline function (scalar
+        arguments only) whose 32-row dots are mma.sync, not wgmma: ptxas allocates its
+        registers apart from the fast loops', which it would otherwise serialise."""
         om = i0 + tl.arange(0, _PB)
         row_ok = om < nq
         m_i, l_i = _load_ml(first, smp, sm_stride, om, row_ok)
@@ -394,28 +381,22 @@ if HAVE_TRITON:
         s0 = r0 + 3 + (first != 0).to(tl.int32) * (w0 - r0 - 3)
         sap, sa_stride, _nsa, _dsa = _rows_cols(regions, bufaddr, bufcols, s0, _F32)
         smp, sm_stride, _nsm, _dsm = _rows_cols(regions, bufaddr, bufcols, s0 + 1, _F32)
-        # The fast path: a head size up to 2 _DB in a 16-bit dtype whose q, k, v regions TMA
-        # can address (fp32 tiles would not fit the pipeline stages in shared memory), and no
-        # mask tile or one read in whole 16-byte vectors (corner, row stride and key count in
-        # 16-byte units). Anything else takes the pointer path (any D). Each path walks the
-        # q block in its own sub-blocks and keeps its own state in its own loop.
+        # The fast path: a head size up to _DB in a 16-bit dtype whose q, k, v regions TMA can
+        # address (fp32 tiles would not fit the pipeline stages in shared memory), and no mask
+        # tile or one read in whole 16-byte vectors (corner, row stride and key count in
+        # 16-byte units). Anything else takes the pointer path (any D), a call: its registers
+        # are not the fast loops' (see _pointer_rows).
         per16 = 128 // DT.primitive_bitwidth
         vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
-        fast = ((D <= 2 * _DB) & (DT.primitive_bitwidth == 16)
+        fast = ((D <= _DB) & (DT.primitive_bitwidth == 16)
                 & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
                 & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
-        if fast & (D <= _DB):
+        if fast:
             for i0 in range(0, nq, _QB):
                 _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
                            sap, sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start,
-                           k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, 1, _KB,
-                           None, _BIAS_STAGES, DT, USE_TIMER)
-        elif fast:
-            for i0 in range(0, nq, _QB):
-                _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
-                           sap, sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start,
-                           k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, 2,
-                           _KB_WIDE, _WIDE_STAGES, _WIDE_STAGES, DT, USE_TIMER)
+                           k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, DT,
+                           USE_TIMER)
         else:
             for i0 in range(0, nq, _PB):
                 _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
@@ -427,20 +408,20 @@ if HAVE_TRITON:
     @triton.jit
     def attn_finalize_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr):
         """out = acc / l, cast once to the output's dtype; 0 in a row whose every key was hidden
-        (l = 0: left padding), as SDPA returns it, where acc / l would be 0 / 0. In _PB x _PB
+        (l = 0: left padding), as SDPA returns it, where acc / l would be 0 / 0. In _FB x _FB
         tiles: its pointer tensors then take 16 elements a thread (at 128 x 128 they pushed the
         kernel past 255 registers)."""
         r0 = tl.load(tp + _READ0)
         ap, a_stride, n, D = _rows_cols(regions, bufaddr, bufcols, r0, _F32)
         mp, m_stride, _nm, _dm = _rows_cols(regions, bufaddr, bufcols, r0 + 1, _F32)
         op, o_stride, _no, _do = _rows_cols(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DT)
-        for i0 in range(0, n, _PB):
-            om = i0 + tl.arange(0, _PB)
+        for i0 in range(0, n, _FB):
+            om = i0 + tl.arange(0, _FB)
             l_i = tl.load(mp + om * m_stride + 1, mask=om < n, other=1.0)
             hidden = (l_i == 0.0)[:, None]
             l_i = tl.where(l_i == 0.0, 1.0, l_i)  # never computes 0 / 0
-            for d0 in range(0, D, _PB):
-                od = d0 + tl.arange(0, _PB)
+            for d0 in range(0, D, _FB):
+                od = d0 + tl.arange(0, _FB)
                 mask = (om < n)[:, None] & (od < D)[None, :]
                 acc = tl.load(ap + om[:, None] * a_stride + od[None, :], mask=mask, other=0.0)
                 out = tl.where(hidden, 0.0, acc / l_i[:, None])
