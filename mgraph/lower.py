@@ -138,13 +138,14 @@ class _Lowering:
         """Each task that reads an earlier op's buffer waits for the writers of what it reads."""
         writers = self.reshard.writers
         index = self._writer_index
+        after = self.b.after
         # Many tasks read the same regions (every column tile of a GEMM row reads one A tile):
         # the producers of a region, and the waits of a rank on a set of regions, are found once.
         # Nothing is noted as written until the op's tasks all have their waits.
         of_region: dict[Region, list[Task]] = {}
         waits_of: dict[tuple, list[tuple[int, int]]] = {}
         for t in tasks:
-            key: list = [t.rank]
+            key = None  # [rank, the regions t reads that have writers]
             for r in t.reads:
                 found = of_region.get(r)
                 if found is None:
@@ -157,16 +158,21 @@ class _Lowering:
                         found = idx.overlapping(r)
                     of_region[r] = found
                 if found:
-                    key.append(r)
-            if len(key) == 1:
+                    if key is None:
+                        key = [t.rank, r]
+                    else:
+                        key.append(r)
+            if key is None:
                 continue
-            waits = waits_of.get(tuple(key))
+            key = tuple(key)
+            waits = waits_of.get(key)
             if waits is None:
+                # the producers of all its regions, each once, in the order first met
                 producers: dict[int, Task] = {}
                 for r in key[1:]:
                     for p in of_region[r]:
                         producers[p.id] = p
-                waits = waits_of[tuple(key)] = self.b.after(t.rank, list(producers.values()))
+                waits = waits_of[key] = after(t.rank, list(producers.values()))
             t.waits.extend(waits)
 
     # -- outputs ------------------------------------------------------------------------------
