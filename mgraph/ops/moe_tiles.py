@@ -248,11 +248,14 @@ if HAVE_TRITON:
     _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
     _F32 = tl.constexpr(tl.float32)
     _BIG = tl.constexpr(2**30)  # past any expert index
-    _TB, _EB, _HB = tl.constexpr(32), tl.constexpr(128), tl.constexpr(256)  # route: tokens,
-    # experts per scan step, columns per row copy
-    _EM, _EK, _EF, _EN = tl.constexpr(64), tl.constexpr(64), tl.constexpr(64), tl.constexpr(128)
+    # route: tokens per block, experts of the group per step, logits per scan step, rows and
+    # columns per row copy
+    _TB, _GB, _EB = tl.constexpr(64), tl.constexpr(16), tl.constexpr(128)
+    _RB, _HB = tl.constexpr(32), tl.constexpr(256)
     # expert: rows, K step, hidden columns per gate/up block, output columns per down block
-    _CT, _CN = tl.constexpr(32), tl.constexpr(128)  # combine: tokens, columns
+    _EM, _EK, _EF, _EN = tl.constexpr(64), tl.constexpr(64), tl.constexpr(64), tl.constexpr(128)
+    _PM = tl.constexpr(32)  # expert, pointer path: rows (and columns) per block
+    _CT, _CN = tl.constexpr(32), tl.constexpr(256)  # combine: tokens, columns
 
     @triton.jit
     def _corner(regions, bufaddr, bufcols, index, DTYPE: tl.constexpr):
@@ -260,6 +263,30 @@ if HAVE_TRITON:
         s, r0, r1, c0, c1 = load_region(regions, index)
         cols = tl.load(bufcols + s).to(tl.int64)
         return buffer_base(bufaddr, s, DTYPE) + r0.to(tl.int64) * cols + c0, cols, r1 - r0, c1 - c0
+
+    @triton.jit
+    def _fits16(p, stride, cols, DTYPE: tl.constexpr):
+        """Whether rows of ``cols`` elements at ``p`` (row stride ``stride``) split into whole
+        16-byte units: the corner 16-byte aligned, the stride and the row a multiple of 16
+        bytes. Then the loads can be 16-byte vectors and TMA can address the rows."""
+        per16 = 128 // DTYPE.primitive_bitwidth
+        return (
+            (p.to(tl.int64, bitcast=True) % 16 == 0) & (stride % per16 == 0) & (cols % per16 == 0)
+        )
+
+    @triton.jit
+    def _vec16(p, DTYPE: tl.constexpr):
+        """``p``, which the caller checked is 16-byte aligned, in a form Triton's alignment
+        analysis sees (it sees no runtime check, and no hint through an int-to-pointer cast: the
+        hint sits on the cast)."""
+        a = p.to(tl.int64, bitcast=True) // 16 * 16
+        return tl.multiple_of(a.to(tl.pointer_type(DTYPE), bitcast=True), 16)
+
+    @triton.jit
+    def _whole16(n, DTYPE: tl.constexpr):
+        """``n``, which the caller checked is a whole number of 16-byte units, visibly so."""
+        per16 = 128 // DTYPE.primitive_bitwidth
+        return n // per16 * per16
 
     @triton.jit
     def _dot(a, b, acc, GPU: tl.constexpr):
@@ -270,15 +297,135 @@ if HAVE_TRITON:
         else:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
+    @triton.jit
+    def _thresholds(lp, l_stride, E, ot64, tok, top_k):
+        """Per token of the block: its k-th pick (value, index) in the ranking order, its
+        largest logit (the softmax's shift; 0 past the last token: no inf - inf) and the softmax
+        denominator over its k picks. top_k passes over the logits, each finding the best
+        logit ranked below the previous pass's pick."""
+        pv = tl.full(ot64.shape, float("inf"), tl.float32)  # the previous pick: value, index
+        pi = tl.full(ot64.shape, -1, tl.int32)
+        top = tl.zeros(ot64.shape, dtype=tl.float32)
+        z = tl.zeros(ot64.shape, dtype=tl.float32)
+        for p in range(top_k):
+            bv = tl.full(ot64.shape, float("-inf"), tl.float32)
+            bi = tl.full(ot64.shape, _BIG, tl.int32)
+            for c in range(0, tl.cdiv(E, _EB)):  # counts chunks: c * _EB is visibly aligned
+                oe = c * _EB + tl.arange(0, _EB)
+                ok = tok[:, None] & (oe < E)[None, :]
+                lg = tl.load(
+                    lp + ot64[:, None] * l_stride + oe[None, :], mask=ok, other=float("-inf")
+                ).to(tl.float32)
+                below = (lg < pv[:, None]) | ((lg == pv[:, None]) & (oe[None, :] > pi[:, None]))
+                cand = ok & below
+                lv = tl.where(cand, lg, float("-inf"))
+                cv = tl.max(lv, 1)
+                ci = tl.min(tl.where(cand & (lv == cv[:, None]), oe[None, :], _BIG), 1)
+                take = (cv > bv) | ((cv == bv) & (ci < bi))
+                bv = tl.where(take, cv, bv)
+                bi = tl.where(take, ci, bi)
+            top = tl.where(p == 0, tl.where(tok, bv, 0.0), top)
+            z += tl.exp(bv - top)
+            pv = bv
+            pi = bi
+        return pv, pi, top, z
+
+    @triton.jit
+    def _route_picks(
+        lp,
+        l_stride,
+        T,
+        E,
+        top_k,
+        per_rank,
+        first,
+        cap,
+        G,
+        mp,
+        m_stride,
+        rp,
+        r_stride,
+        wp,
+        w_stride,
+        cp,
+        dp,
+    ):
+        """Pass 1 of the route body: per step of _GB experts of the group, per block of _TB
+        tokens, which tokens pick which expert (a [tokens, experts] tile), their rows (running
+        counts in registers plus a cumsum down the block), the metadata rows, the picks map's
+        entries; then the step's counts and drops. No barrier, no scalar loop per expert."""
+        for g0 in range(0, G, _GB):
+            og = g0 + tl.arange(0, _GB)
+            gok = og < G
+            e = first + og
+            n = tl.zeros((_GB,), dtype=tl.int32)  # running counts of the step's segments
+            lost = tl.zeros((_GB,), dtype=tl.int32)  # and the picks they dropped
+            for t0 in range(0, T, _TB):
+                ot = t0 + tl.arange(0, _TB)
+                tok = ot < T
+                ot64 = ot.to(tl.int64)
+                pv, pi, top, z = _thresholds(lp, l_stride, E, ot64, tok, top_k)
+                both = tok[:, None] & gok[None, :]
+                le = tl.load(
+                    lp + ot64[:, None] * l_stride + e[None, :], mask=both, other=float("-inf")
+                ).to(tl.float32)
+                picked = both & ((le > pv[:, None]) | ((le == pv[:, None]) & (e <= pi[:, None])))
+                hit = picked.to(tl.int32)
+                pos = n[None, :] + tl.cumsum(hit, 0) - hit
+                # the drop policy: picks past the segment's capacity are not sent nor mapped
+                kept = picked & (pos < cap)
+                weight = tl.exp(le - top[:, None]) / tl.where(tok, z, 1.0)[:, None]
+                row = (og[None, :] * cap + pos).to(tl.int64)  # in the group's rows
+                tl.store(
+                    mp + row * m_stride, (ot[:, None] + 0 * og[None, :]).to(tl.float32), mask=kept
+                )
+                tl.store(mp + row * m_stride + 1, weight, mask=kept)
+                tl.store(
+                    mp + row * m_stride + 2,
+                    (e % per_rank + 0 * ot[:, None]).to(tl.float32),
+                    mask=kept,
+                )
+                back_row = tl.where(kept, (e[None, :] * cap + pos).to(tl.float32), -1.0)
+                tl.store(rp + ot64[:, None] * r_stride + og[None, :], back_row, mask=both)
+                tl.store(
+                    wp + ot64[:, None] * w_stride + og[None, :],
+                    tl.where(kept, weight, 0.0),
+                    mask=both,
+                )
+                filled = tl.sum(kept.to(tl.int32), 0)
+                n += filled
+                lost += tl.sum(hit, 0) - filled
+            tl.store(cp + og, n.to(tl.float32), mask=gok)
+            tl.store(dp + og, lost.to(tl.float32), mask=gok)
+
+    @triton.jit
+    def _route_copy(xp, x_stride, H, sp, s_stride, mp, m_stride, cp, G, cap):
+        """Pass 2 of the route body: each segment's filled rows, _RB at a time, gathered from
+        x by the token index of their metadata row (only filled rows are touched)."""
+        for j in range(G):
+            n = tl.load(cp + j).to(tl.int32)
+            for i0 in range(0, n, _RB):
+                oi = i0 + tl.arange(0, _RB)
+                rok = oi < n
+                row = (j * cap + oi).to(tl.int64)
+                token = tl.load(mp + row * m_stride, mask=rok, other=0.0).to(tl.int64)
+                for c in range(0, tl.cdiv(H, _HB)):
+                    oh = c * _HB + tl.arange(0, _HB)
+                    mask = rok[:, None] & (oh < H)[None, :]
+                    v = tl.load(xp + token[:, None] * x_stride + oh[None, :], mask=mask)
+                    tl.store(sp + row[:, None] * s_stride + oh[None, :], v, mask=mask)
+
     @ROUTE.triton
     @triton.jit
     def route_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
-        """Per block of tokens: top_k passes over the logits find each token's k-th pick (value,
-        index) and the softmax denominator over its k picks; then, per expert of the group, a
-        token is picked when its logit ranks at or above that threshold, its row in the segment
-        is the running count plus its exclusive prefix among the block's picked tokens; a row at
-        or past the segment's capacity is dropped (the module docstring's policy) and counted in
-        the expert's entry of the dropped region."""
+        """Pass 1 (_route_picks): per block of tokens, top_k passes over the logits find each
+        token's k-th pick (value, index) and the softmax denominator over its k picks; a token
+        picks expert e of the group when its logit ranks at or above that threshold; its row in
+        e's segment is the running count plus its exclusive prefix among the block's picks; a
+        row at or past the segment's capacity is dropped (the module docstring's policy) and
+        counted in e's entry of the dropped region. Pass 2 (_route_copy), after a barrier: the
+        filled rows' x rows into the send rows. Each pass runs with 16-byte vector loads when
+        its rows allow (_fits16), else element-wise."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         top_k = param_i32(params, tp, 0)
@@ -293,69 +440,62 @@ if HAVE_TRITON:
         rp, r_stride, _nr, _gr = _corner(regions, bufaddr, bufcols, w0 + 3, _F32)
         wp, w_stride, _nw, _gw = _corner(regions, bufaddr, bufcols, w0 + 4, _F32)
         dp, _d_stride, _nd, _gd = _corner(regions, bufaddr, bufcols, w0 + 5, _F32)
-        for j in range(G):
-            tl.store(cp + j, 0.0)  # the running counts of the group's segments
-            tl.store(dp + j, 0.0)  # and of the picks they dropped
-        tl.debug_barrier()
-        for t0 in range(0, T, _TB):
-            ot = t0 + tl.arange(0, _TB)
-            tok = ot < T
-            ot64 = ot.to(tl.int64)
-            pv = tl.full((_TB,), float("inf"), tl.float32)  # the previous pick: value, index
-            pi = tl.full((_TB,), -1, tl.int32)
-            top = tl.zeros((_TB,), dtype=tl.float32)
-            z = tl.zeros((_TB,), dtype=tl.float32)
-            for p in range(top_k):
-                bv = tl.full((_TB,), float("-inf"), tl.float32)
-                bi = tl.full((_TB,), _BIG, tl.int32)
-                for c0 in range(0, E, _EB):
-                    oe = c0 + tl.arange(0, _EB)
-                    ok = tok[:, None] & (oe < E)[None, :]
-                    lg = tl.load(
-                        lp + ot64[:, None] * l_stride + oe[None, :], mask=ok, other=float("-inf")
-                    ).to(tl.float32)
-                    below = (lg < pv[:, None]) | ((lg == pv[:, None]) & (oe[None, :] > pi[:, None]))
-                    cand = ok & below
-                    lv = tl.where(cand, lg, float("-inf"))
-                    cv = tl.max(lv, 1)
-                    ci = tl.min(tl.where(cand & (lv == cv[:, None]), oe[None, :], _BIG), 1)
-                    take = (cv > bv) | ((cv == bv) & (ci < bi))
-                    bv = tl.where(take, cv, bv)
-                    bi = tl.where(take, ci, bi)
-                # the largest logit: the softmax's shift (0 past the last token: no inf - inf)
-                top = tl.where(p == 0, tl.where(tok, bv, 0.0), top)
-                z += tl.exp(bv - top)
-                pv = bv
-                pi = bi
-            for j in range(G):
-                e = first + j
-                le = tl.load(lp + ot64 * l_stride + e, mask=tok, other=float("-inf")).to(tl.float32)
-                picked = tok & ((le > pv) | ((le == pv) & (e <= pi)))
-                hit = picked.to(tl.int32)
-                n = tl.load(cp + j).to(tl.int32)
-                lost = tl.load(dp + j)
-                pos = n + tl.cumsum(hit, 0) - hit
-                # the drop policy: picks past the segment's capacity are not sent nor mapped
-                kept = picked & (pos < cap)
-                weight = tl.exp(le - top) / tl.where(tok, z, 1.0)
-                row = (j * cap + pos).to(tl.int64)  # in the group's rows of the send slot
-                tl.store(mp + row * m_stride, ot.to(tl.float32), mask=kept)
-                tl.store(mp + row * m_stride + 1, weight, mask=kept)
-                tl.store(mp + row * m_stride + 2, (e % per_rank).to(tl.float32), mask=kept)
-                back_row = tl.where(kept, (e * cap + pos).to(tl.float32), -1.0)
-                tl.store(rp + ot64 * r_stride + j, back_row, mask=tok)
-                tl.store(wp + ot64 * w_stride + j, tl.where(kept, weight, 0.0), mask=tok)
-                filled = tl.sum(kept.to(tl.int32), 0)
-                if filled > 0:
-                    for h0 in range(0, H, _HB):
-                        oh = h0 + tl.arange(0, _HB)
-                        both = kept[:, None] & (oh < H)[None, :]
-                        xv = tl.load(xp + ot64[:, None] * x_stride + oh[None, :], mask=both)
-                        tl.store(sp + row[:, None] * s_stride + oh[None, :], xv, mask=both)
-                tl.debug_barrier()  # every thread has read the counts before they change
-                tl.store(cp + j, (n + filled).to(tl.float32))
-                tl.store(dp + j, lost + (tl.sum(hit, 0) - filled).to(tl.float32))
-                tl.debug_barrier()
+        if _fits16(lp, l_stride, E, DT):
+            _route_picks(
+                _vec16(lp, DT),
+                _whole16(l_stride, DT),
+                T,
+                _whole16(E, DT),
+                top_k,
+                per_rank,
+                first,
+                cap,
+                G,
+                mp,
+                m_stride,
+                rp,
+                r_stride,
+                wp,
+                w_stride,
+                cp,
+                dp,
+            )
+        else:
+            _route_picks(
+                lp,
+                l_stride,
+                T,
+                E,
+                top_k,
+                per_rank,
+                first,
+                cap,
+                G,
+                mp,
+                m_stride,
+                rp,
+                r_stride,
+                wp,
+                w_stride,
+                cp,
+                dp,
+            )
+        tl.debug_barrier()  # pass 2 reads the counts and metadata rows other threads stored
+        if _fits16(xp, x_stride, H, DT) & _fits16(sp, s_stride, H, DT):
+            _route_copy(
+                _vec16(xp, DT),
+                _whole16(x_stride, DT),
+                _whole16(H, DT),
+                _vec16(sp, DT),
+                _whole16(s_stride, DT),
+                mp,
+                m_stride,
+                cp,
+                G,
+                cap,
+            )
+        else:
+            _route_copy(xp, x_stride, H, sp, s_stride, mp, m_stride, cp, G, cap)
 
     @triton.jit
     def _move_rows(
@@ -486,30 +626,26 @@ if HAVE_TRITON:
                         mask=rok[:, None] & cok[None, :],
                     )
 
-    @COMBINE.triton
     @triton.jit
-    def combine_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
-        """out[t] = sum of weight * back[row] over token t's k picks in ascending expert order
-        (a gather through the picks map: each pass finds every token's next picked expert)."""
-        r0 = tl.load(tp + _READ0)
-        top_k = param_i32(params, tp, 0)
-        bp, b_stride, _nb, C = _corner(regions, bufaddr, bufcols, r0, DT)
-        rp, r_stride, T, E = _corner(regions, bufaddr, bufcols, r0 + 1, _F32)
-        wp, w_stride, _nw, _ew = _corner(regions, bufaddr, bufcols, r0 + 2, _F32)
-        op, o_stride, _no, _co = _corner(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DT)
+    def _combine_rows(
+        bp, b_stride, C, rp, r_stride, wp, w_stride, T, E, op, o_stride, top_k, DT: tl.constexpr
+    ):
+        """The combine body's loops: per block of _CT tokens and _CN columns, top_k passes each
+        find every token's next picked expert (a scan of its row of the picks map) and add
+        weight * that expert's row of back."""
         for t0 in range(0, T, _CT):
             ot = t0 + tl.arange(0, _CT)
             tok = ot < T
             ot64 = ot.to(tl.int64)
-            for c0 in range(0, C, _CN):
-                oc = c0 + tl.arange(0, _CN)
+            for cc in range(0, tl.cdiv(C, _CN)):  # counts chunks: cc * _CN is visibly aligned
+                oc = cc * _CN + tl.arange(0, _CN)
                 cok = oc < C
                 acc = tl.zeros((_CT, _CN), dtype=tl.float32)
                 prev = tl.full((_CT,), -1, tl.int32)
                 for _p in range(top_k):
                     nxt = tl.full((_CT,), _BIG, tl.int32)
-                    for e0 in range(0, E, _EB):
-                        oe = e0 + tl.arange(0, _EB)
+                    for ec in range(0, tl.cdiv(E, _EB)):
+                        oe = ec * _EB + tl.arange(0, _EB)
                         ok = tok[:, None] & (oe < E)[None, :]
                         pr = tl.load(
                             rp + ot64[:, None] * r_stride + oe[None, :], mask=ok, other=-1.0
@@ -531,3 +667,41 @@ if HAVE_TRITON:
                     acc.to(DT),
                     mask=tok[:, None] & cok[None, :],
                 )
+
+    @COMBINE.triton
+    @triton.jit
+    def combine_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """out[t] = sum of weight * back[row] over token t's k picks in ascending expert order
+        (a gather through the picks map: each pass finds every token's next picked expert).
+        With 16-byte vector loads and stores when back, out and the picks map allow them
+        (_fits16), else element-wise."""
+        r0 = tl.load(tp + _READ0)
+        top_k = param_i32(params, tp, 0)
+        bp, b_stride, _nb, C = _corner(regions, bufaddr, bufcols, r0, DT)
+        rp, r_stride, T, E = _corner(regions, bufaddr, bufcols, r0 + 1, _F32)
+        wp, w_stride, _nw, _ew = _corner(regions, bufaddr, bufcols, r0 + 2, _F32)
+        op, o_stride, _no, _co = _corner(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DT)
+        if (
+            _fits16(bp, b_stride, C, DT)
+            & _fits16(op, o_stride, C, DT)
+            & _fits16(rp, r_stride, E, tl.float32)
+        ):
+            _combine_rows(
+                _vec16(bp, DT),
+                _whole16(b_stride, DT),
+                _whole16(C, DT),
+                _vec16(rp, tl.float32),
+                _whole16(r_stride, tl.float32),
+                wp,
+                w_stride,
+                T,
+                _whole16(E, tl.float32),
+                _vec16(op, DT),
+                _whole16(o_stride, DT),
+                top_k,
+                DT,
+            )
+        else:
+            _combine_rows(
+                bp, b_stride, C, rp, r_stride, wp, w_stride, T, E, op, o_stride, top_k, DT
+            )
