@@ -140,3 +140,19 @@ def test_network_first_starts_node_sums_and_sends_during_the_gemm():
     crit = simulate(mg.schedule(g, policy="critical_path"), baselines=False).predicted_s
     first = simulate(sched, baselines=False).predicted_s
     assert first <= crit
+
+
+def test_several_rdma_workers_stalled_on_a_full_fifo_all_resume():
+    """Each rdma worker whose push finds the FIFO full waits in line; the proxy's freed slots
+    resume them in order (the simulator once kept one stalled push per rank and lost the
+    others: "simulation stalled" at 2x8 with 2+ rdma workers)."""
+    from mgraph.settings import Settings
+
+    g = graph("gemm_allreduce", **AR)
+    sched = mg.schedule(g, workers={"compute": 100, "nvlink": 16, "rdma": 4})
+    res = simulate(sched, settings=Settings(fifo_slots=2), baselines=False)
+    rdma = [t for t in g.tasks if t.role == "rdma"]
+    assert res.stats["commands"] == len(rdma)
+    assert sorted(r.task for r in res.trace.records) == list(range(len(g.tasks)))
+    one = simulate(mg.schedule(g), settings=Settings(fifo_slots=2), baselines=False)
+    assert one.stats["commands"] == len(rdma)

@@ -127,7 +127,9 @@ class Engine:
         # rdma path
         self.fifo: list[deque[int]] = [deque() for _ in range(world)]
         self.fifo_used = [0] * world
-        self.blocked: list[int] = [-1] * world  # rdma task whose push waits for FIFO slots
+        # rdma tasks whose pushes wait for FIFO slots, in the order they stalled (one per rdma
+        # worker of the rank)
+        self.blocked: list[deque[int]] = [deque() for _ in range(world)]
         self.proxy_busy = [False] * world
         self.proxy_time = [0.0] * world  # seconds each host proxy spent executing commands
         self.round: list[list[int]] = [[] for _ in range(world)]
@@ -316,9 +318,10 @@ class Engine:
     def try_push(self, tid: int, now: float) -> None:
         """The rdma worker writes the task's commands, or stalls while the FIFO is full."""
         rank, need = self.graph.tasks[tid].rank, self.m.commands[tid]
-        # A task with more commands than slots still goes through an empty FIFO.
-        if self.fifo_used[rank] + need > max(self.fifo_slots, need):
-            self.blocked[rank] = tid
+        # A task with more commands than slots still goes through an empty FIFO; a push waits
+        # behind the pushes that stalled before it.
+        if self.blocked[rank] or self.fifo_used[rank] + need > max(self.fifo_slots, need):
+            self.blocked[rank].append(tid)
             return
         self.fifo_used[rank] += need
         self.at(now + self.m.duration[tid], _PUSH_END, tid)
@@ -363,10 +366,13 @@ class Engine:
                 self.qp_busy[qp] = True
                 self.at(now + self.hw.rdma_chunk_us * 1e-6, _QP_START, qp)
         self.proxy_busy[rank] = False
-        blocked = self.blocked[rank]
-        if blocked >= 0:
-            self.blocked[rank] = -1
-            self.try_push(blocked, now)  # the stall stays inside the task's record
+        blocked, commands = self.blocked[rank], self.m.commands
+        while blocked:  # the stall stays inside each task's record
+            need = commands[blocked[0]]
+            if self.fifo_used[rank] + need > max(self.fifo_slots, need):
+                break
+            self.fifo_used[rank] += need
+            self.at(now + self.m.duration[blocked[0]], _PUSH_END, blocked.popleft())
         if self.fifo[rank]:
             self.proxy_round(rank, now)
 
