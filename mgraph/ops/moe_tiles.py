@@ -243,6 +243,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from mgraph.runtime.megakernel.sync import bulk_store_fence
+
     from .abi import buffer_base, load_region, param_i32
 
     _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
@@ -252,8 +254,7 @@ if HAVE_TRITON:
     # columns per row copy
     _TB, _GB, _EB = tl.constexpr(64), tl.constexpr(16), tl.constexpr(128)
     _RB, _HB = tl.constexpr(32), tl.constexpr(256)
-    # expert: rows, K step, hidden columns per gate/up block, output columns per down block
-    _EM, _EK, _EF, _EN = tl.constexpr(64), tl.constexpr(64), tl.constexpr(64), tl.constexpr(128)
+    _EK = tl.constexpr(64)  # expert, TMA path: K step (its tiles: expert_tile)
     _PM = tl.constexpr(32)  # expert, pointer path: rows (and columns) per block
     _CT, _CN = tl.constexpr(32), tl.constexpr(256)  # combine: tokens, columns
 
@@ -543,6 +544,152 @@ if HAVE_TRITON:
         else:
             _move_rows(tp, params, regions, bufaddr, bufcols, DT, RB_M, RB_N)
 
+    @triton.jit
+    def _expert_tma(
+        xp,
+        x_stride,
+        n,
+        H,
+        gp,
+        g_stride,
+        up,
+        u_stride,
+        F,
+        dp,
+        d_stride,
+        yp,
+        y_stride,
+        hp,
+        h_stride,
+        DT: tl.constexpr,
+        EM: tl.constexpr,
+        EF: tl.constexpr,
+        EN: tl.constexpr,
+        USE_TIMER: tl.constexpr,
+    ):
+        """The expert body's fast path: every operand through a TMA descriptor over its region
+        (rows past ``n`` and columns past a block's edge read as zeros, and stores stop at the
+        region's edge), so the K loops hold no pointer tensor and Triton's pipeliner prefetches
+        the next blocks; the dots are wgmma on EM-row tiles. Pass 1 stores each hidden block
+        by TMA; pass 2 reads them back by TMA after the stores completed (bulk_store_fence)
+        and every thread's have (a barrier)."""
+        n32 = n.to(tl.int32)
+        xd = tl.make_tensor_descriptor(xp, [n32, H], [x_stride, 1], [EM, _EK])
+        gd = tl.make_tensor_descriptor(gp, [H, F], [g_stride, 1], [_EK, EF])
+        ud = tl.make_tensor_descriptor(up, [H, F], [u_stride, 1], [_EK, EF])
+        hs = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EM, EF])
+        hd = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EM, _EK])
+        dd = tl.make_tensor_descriptor(dp, [F, H], [d_stride, 1], [_EK, EN])
+        yd = tl.make_tensor_descriptor(yp, [n32, H], [y_stride, 1], [EM, EN])
+        for i in range(0, tl.cdiv(n32, EM)):
+            i0 = i * EM
+            for f in range(0, tl.cdiv(F, EF)):
+                f0 = f * EF
+                g = tl.zeros((EM, EF), dtype=tl.float32)
+                u = tl.zeros((EM, EF), dtype=tl.float32)
+                for k in range(0, tl.cdiv(H, _EK)):
+                    k0 = k * _EK
+                    x = xd.load([i0, k0])
+                    g = _dot(x, gd.load([k0, f0]), g, USE_TIMER)
+                    u = _dot(x, ud.load([k0, f0]), u, USE_TIMER)
+                hs.store([i0, f0], (g / (1.0 + tl.exp(-g)) * u).to(DT))
+        bulk_store_fence(USE_TIMER)
+        tl.debug_barrier()  # pass 2 reads hidden blocks other threads' TMA stores wrote
+        for i in range(0, tl.cdiv(n32, EM)):
+            i0 = i * EM
+            for c in range(0, tl.cdiv(H, EN)):
+                c0 = c * EN
+                acc = tl.zeros((EM, EN), dtype=tl.float32)
+                for k in range(0, tl.cdiv(F, _EK)):
+                    k0 = k * _EK
+                    acc = _dot(hd.load([i0, k0]), dd.load([k0, c0]), acc, USE_TIMER)
+                yd.store([i0, c0], acc.to(DT))
+        # the kernel's signal after this body publishes y: its TMA stores must have landed
+        bulk_store_fence(USE_TIMER)
+
+    @triton.jit(noinline=True)
+    def _expert_pointer(
+        xp,
+        x_stride,
+        n,
+        H,
+        gp,
+        g_stride,
+        up,
+        u_stride,
+        F,
+        dp,
+        d_stride,
+        yp,
+        y_stride,
+        hp,
+        h_stride,
+        DT: tl.constexpr,
+        USE_TIMER: tl.constexpr,
+    ):
+        """The expert body for rows TMA cannot address (a corner or row not in whole 16-byte
+        units): masked pointer loads in _PM x _PM blocks. A function of its own (scalar
+        arguments) whose 32-row dots are mma.sync: ptxas allocates its registers apart from the
+        fast path's wgmma loops (a noinline callee on wgmma would serialise the caller's)."""
+        for i0 in range(0, n, _PM):
+            om = i0 + tl.arange(0, _PM)
+            rok = om < n
+            om64 = om.to(tl.int64)
+            for f0 in range(0, F, _PM):
+                of = f0 + tl.arange(0, _PM)
+                fok = of < F
+                g = tl.zeros((_PM, _PM), dtype=tl.float32)
+                u = tl.zeros((_PM, _PM), dtype=tl.float32)
+                for k0 in range(0, H, _PM):
+                    ok = k0 + tl.arange(0, _PM)
+                    kok = ok < H
+                    ok64 = ok.to(tl.int64)
+                    x = tl.load(
+                        xp + om64[:, None] * x_stride + ok64[None, :],
+                        mask=rok[:, None] & kok[None, :],
+                        other=0.0,
+                    )
+                    wmask = kok[:, None] & fok[None, :]
+                    wg = tl.load(gp + ok64[:, None] * g_stride + of[None, :], mask=wmask, other=0.0)
+                    wu = tl.load(up + ok64[:, None] * u_stride + of[None, :], mask=wmask, other=0.0)
+                    g = _dot(x, wg, g, USE_TIMER)
+                    u = _dot(x, wu, u, USE_TIMER)
+                h = g / (1.0 + tl.exp(-g)) * u
+                tl.store(
+                    hp + om64[:, None] * h_stride + of[None, :],
+                    h.to(DT),
+                    mask=rok[:, None] & fok[None, :],
+                )
+        tl.debug_barrier()  # pass 2 reads hidden columns other threads stored
+        for i0 in range(0, n, _PM):
+            om = i0 + tl.arange(0, _PM)
+            rok = om < n
+            om64 = om.to(tl.int64)
+            for c0 in range(0, H, _PM):
+                oc = c0 + tl.arange(0, _PM)
+                cok = oc < H
+                acc = tl.zeros((_PM, _PM), dtype=tl.float32)
+                for k0 in range(0, F, _PM):
+                    ok = k0 + tl.arange(0, _PM)
+                    kok = ok < F
+                    ok64 = ok.to(tl.int64)
+                    h = tl.load(
+                        hp + om64[:, None] * h_stride + ok64[None, :],
+                        mask=rok[:, None] & kok[None, :],
+                        other=0.0,
+                    )
+                    wd = tl.load(
+                        dp + ok64[:, None] * d_stride + oc[None, :],
+                        mask=kok[:, None] & cok[None, :],
+                        other=0.0,
+                    )
+                    acc = _dot(h, wd, acc, USE_TIMER)
+                tl.store(
+                    yp + om64[:, None] * y_stride + oc[None, :],
+                    acc.to(DT),
+                    mask=rok[:, None] & cok[None, :],
+                )
+
     @EXPERT.triton
     @triton.jit
     def expert_tile(
@@ -550,7 +697,9 @@ if HAVE_TRITON:
     ):
         """SwiGLU over the tile's filled rows (the segment's count past ``row0``), nothing when
         there are none. Pass 1: hidden = silu(x @ w_gate) * (x @ w_up) in blocks of hidden
-        columns, stored in DT; pass 2: y = hidden @ w_down in blocks of output columns."""
+        columns, stored in DT; pass 2: y = hidden @ w_down in blocks of output columns. Through
+        TMA (_expert_tma) when every operand's rows are whole 16-byte units (the usual case:
+        H and F multiples of 8 in bf16), else by pointers (_expert_pointer)."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         row0 = param_i32(params, tp, 1)
@@ -563,68 +712,109 @@ if HAVE_TRITON:
             dp, d_stride, _nd, _hd = _corner(regions, bufaddr, bufcols, r0 + 5, DT)
             yp, y_stride, _ny, _hy = _corner(regions, bufaddr, bufcols, w0, DT)
             hp, h_stride, _nh, _fh = _corner(regions, bufaddr, bufcols, w0 + 1, DT)
-            for i0 in range(0, n, _EM):
-                om = i0 + tl.arange(0, _EM)
-                rok = om < n
-                om64 = om.to(tl.int64)
-                for f0 in range(0, F, _EF):
-                    of = f0 + tl.arange(0, _EF)
-                    fok = of < F
-                    g = tl.zeros((_EM, _EF), dtype=tl.float32)
-                    u = tl.zeros((_EM, _EF), dtype=tl.float32)
-                    for k0 in range(0, H, _EK):
-                        ok = k0 + tl.arange(0, _EK)
-                        kok = ok < H
-                        ok64 = ok.to(tl.int64)
-                        x = tl.load(
-                            xp + om64[:, None] * x_stride + ok64[None, :],
-                            mask=rok[:, None] & kok[None, :],
-                            other=0.0,
+            tma = (
+                _fits16(xp, x_stride, H, DT)
+                & _fits16(gp, g_stride, F, DT)
+                & _fits16(up, u_stride, F, DT)
+                & _fits16(dp, d_stride, H, DT)
+                & _fits16(yp, y_stride, H, DT)
+                & _fits16(hp, h_stride, F, DT)
+            )
+            if tma:
+                # Tiles of (rows, hidden columns, output columns) with the same accumulators
+                # (64 fp32 registers a thread) and the same wgmma per warpgroup (64 x 64 and
+                # 64 x 128): more than 64 filled rows go 128 at a time, so the weights (the bytes
+                # that bound this body) are read once per 128 rows, not per 64.
+                if DT.primitive_bitwidth == 16:
+                    if n > 64:
+                        _expert_tma(
+                            xp,
+                            x_stride,
+                            n,
+                            H,
+                            gp,
+                            g_stride,
+                            up,
+                            u_stride,
+                            F,
+                            dp,
+                            d_stride,
+                            yp,
+                            y_stride,
+                            hp,
+                            h_stride,
+                            DT,
+                            128,
+                            64,
+                            128,
+                            USE_TIMER,
                         )
-                        wmask = kok[:, None] & fok[None, :]
-                        wg = tl.load(
-                            gp + ok64[:, None] * g_stride + of[None, :], mask=wmask, other=0.0
+                    else:
+                        _expert_tma(
+                            xp,
+                            x_stride,
+                            n,
+                            H,
+                            gp,
+                            g_stride,
+                            up,
+                            u_stride,
+                            F,
+                            dp,
+                            d_stride,
+                            yp,
+                            y_stride,
+                            hp,
+                            h_stride,
+                            DT,
+                            64,
+                            128,
+                            256,
+                            USE_TIMER,
                         )
-                        wu = tl.load(
-                            up + ok64[:, None] * u_stride + of[None, :], mask=wmask, other=0.0
-                        )
-                        g = _dot(x, wg, g, USE_TIMER)
-                        u = _dot(x, wu, u, USE_TIMER)
-                    h = g / (1.0 + tl.exp(-g)) * u
-                    tl.store(
-                        hp + om64[:, None] * h_stride + of[None, :],
-                        h.to(DT),
-                        mask=rok[:, None] & fok[None, :],
+                else:  # float32: half the columns, to stay in an H200 block's shared memory
+                    _expert_tma(
+                        xp,
+                        x_stride,
+                        n,
+                        H,
+                        gp,
+                        g_stride,
+                        up,
+                        u_stride,
+                        F,
+                        dp,
+                        d_stride,
+                        yp,
+                        y_stride,
+                        hp,
+                        h_stride,
+                        DT,
+                        64,
+                        64,
+                        128,
+                        USE_TIMER,
                     )
-            tl.debug_barrier()  # pass 2 reads hidden columns other threads stored
-            for i0 in range(0, n, _EM):
-                om = i0 + tl.arange(0, _EM)
-                rok = om < n
-                om64 = om.to(tl.int64)
-                for c0 in range(0, H, _EN):
-                    oc = c0 + tl.arange(0, _EN)
-                    cok = oc < H
-                    acc = tl.zeros((_EM, _EN), dtype=tl.float32)
-                    for k0 in range(0, F, _EK):
-                        ok = k0 + tl.arange(0, _EK)
-                        kok = ok < F
-                        ok64 = ok.to(tl.int64)
-                        h = tl.load(
-                            hp + om64[:, None] * h_stride + ok64[None, :],
-                            mask=rok[:, None] & kok[None, :],
-                            other=0.0,
-                        )
-                        wd = tl.load(
-                            dp + ok64[:, None] * d_stride + oc[None, :],
-                            mask=kok[:, None] & cok[None, :],
-                            other=0.0,
-                        )
-                        acc = _dot(h, wd, acc, USE_TIMER)
-                    tl.store(
-                        yp + om64[:, None] * y_stride + oc[None, :],
-                        acc.to(DT),
-                        mask=rok[:, None] & cok[None, :],
-                    )
+            else:
+                _expert_pointer(
+                    xp,
+                    x_stride,
+                    n,
+                    H,
+                    gp,
+                    g_stride,
+                    up,
+                    u_stride,
+                    F,
+                    dp,
+                    d_stride,
+                    yp,
+                    y_stride,
+                    hp,
+                    h_stride,
+                    DT,
+                    USE_TIMER,
+                )
 
     @triton.jit
     def _combine_rows(
