@@ -24,6 +24,12 @@ anything launches, and the reference backend still runs it); so does every tile 
 views regroup digits that no split of the earlier ones expresses (``x.permute(1, 0).reshape`` to
 a shape that cuts across the permuted dims: torch copies there too). tests/test_relayout_maps.py
 checks the derived maps against a fit of the CPU body run on the positions themselves.
+
+The body has two paths, chosen once per task: when the innermost column digit is a stride-1 run
+of whole 16-byte vectors and every other stride, the base and the output's pitch are multiples of
+16 bytes (head splits and merges, repeat_kv's expand and last-dim slices of heads of 8 or more
+bf16 elements), it moves 16-byte vectors with int32 offsets, the digits evaluated once per row
+and once per vector; otherwise it gathers element by element in int64.
 """
 
 from __future__ import annotations
@@ -599,10 +605,11 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .abi import buffer_base, load_region, param_i32
+    from .abi import F_PARAM0, load_region, param_i32
 
     _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
     _DIGITS = tl.constexpr(DIGITS)
+    _PARAM0 = tl.constexpr(F_PARAM0)
 
     @triton.jit
     def _digits(params, tp, first, i):
@@ -617,25 +624,98 @@ if HAVE_TRITON:
             div = div * radix
         return out
 
-    @RELAYOUT.triton
     @triton.jit
-    def relayout_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
-                      RB_M: tl.constexpr, RB_N: tl.constexpr):
-        """A gather: out[i, j] = in_buffer.flat[base + f(i) + g(j)] over the task's output
-        rows (the fit of tile_gathers; no arithmetic, so no rounding)."""
-        s_in, _a, _b, _c, _d = load_region(regions, tl.load(tp + _READ0))
-        d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
-        src = buffer_base(bufaddr, s_in, DT)
-        dst = buffer_base(bufaddr, d, DT)
-        d_cols = tl.load(bufcols + d).to(tl.int64)
-        base = param_i32(params, tp, 0).to(tl.int64)
-        for i in range(0, dm1 - dm0, RB_M):
-            for j in range(0, dn1 - dn0, RB_N):
+    def _digit_sum(i, pp):
+        """_digits in int32 on the task's params row ``pp`` (radix, stride per digit, innermost
+        first): i // (n0 * n1) is i // n0 // n1. Four digits: DIGITS."""
+        out = (i % tl.load(pp)) * tl.load(pp + 1)
+        i = i // tl.load(pp)
+        out += (i % tl.load(pp + 2)) * tl.load(pp + 3)
+        i = i // tl.load(pp + 2)
+        out += (i % tl.load(pp + 4)) * tl.load(pp + 5)
+        i = i // tl.load(pp + 4)
+        return out + (i % tl.load(pp + 6)) * tl.load(pp + 7)
+
+    @triton.jit
+    def _copy_runs(pp, src, dst, pitch, dm0, dn0, m, n, VEC: tl.constexpr, BLK_M: tl.constexpr,
+                   BLK_N: tl.constexpr):
+        """The gather when every source run of VEC columns is contiguous and VEC-aligned (the
+        gate in relayout_tile): blocks of [BLK_M rows, BLK_N / VEC chunks, VEC], the map's
+        digits evaluated once per row and once per chunk (int32), each chunk moved by one
+        16-byte load and store whose contiguity and alignment Triton can prove."""
+        NCH: tl.constexpr = BLK_N // VEC
+        lane = tl.arange(0, VEC)[None, None, :]
+        base = tl.load(pp)
+        for i in range(0, m, BLK_M):
+            om = i + tl.arange(0, BLK_M)
+            rpos = tl.multiple_of(base + _digit_sum(om, pp + 1), VEC)
+            drow = tl.multiple_of((dm0 + om) * pitch + dn0, VEC)
+            for j in range(0, n, BLK_N):
+                oc = tl.multiple_of(j + tl.arange(0, NCH) * VEC, VEC)
+                cpos = tl.multiple_of(_digit_sum(oc, pp + 1 + 2 * _DIGITS), VEC)
+                mask = (om < m)[:, None, None] & (oc < n)[None, :, None]
+                x = tl.load(src + (rpos[:, None, None] + cpos[None, :, None] + lane), mask=mask)
+                tl.store(dst + (drow[:, None, None] + oc[None, :, None] + lane), x, mask=mask)
+
+    @triton.jit
+    def _gather(params, tp, src, dst, pitch, dm0, dn0, m, n, base, RB_M: tl.constexpr,
+                RB_N: tl.constexpr):
+        """The general gather, element by element in int64 (any strides, any alignment)."""
+        for i in range(0, m, RB_M):
+            for j in range(0, n, RB_N):
                 om = i + tl.arange(0, RB_M)
                 on = j + tl.arange(0, RB_N)
-                mask = (om < dm1 - dm0)[:, None] & (on < dn1 - dn0)[None, :]
+                mask = (om < m)[:, None] & (on < n)[None, :]
                 pos = base + _digits(params, tp, 1, om)[:, None] + _digits(
                     params, tp, 1 + 2 * _DIGITS, on)[None, :]
                 x = tl.load(src + pos, mask=mask)
-                tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * d_cols + (dn0 + on)[None, :],
+                tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * pitch + (dn0 + on)[None, :],
                          x, mask=mask)
+
+    @RELAYOUT.triton
+    @triton.jit
+    def relayout_tile(tp, params, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr,
+                      RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """A gather: out[i, j] = in_buffer.flat[base + f(i) + g(j)] over the task's output
+        rows (the fit of tile_gathers; no arithmetic, so no rounding).
+
+        Fast path (_copy_runs), decided once per task: the column map's innermost digit is a
+        contiguous run (stride 1) of a multiple of VEC = 16 bytes, every other stride, the
+        base and the output's row pitch and corner are multiples of VEC, the buffers' bases
+        are 16-byte aligned (encode.ALIGN guarantees 256) and both buffers have fewer than
+        2^31 elements (int32 offsets: every partial digit sum is a position in the buffer).
+        Head splits, merges, repeat_kv's expand and last-dim slices of heads of 8 or more
+        bf16 elements all qualify. Otherwise, the general int64 gather element by element."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        s_in, _a, _b, _c, _d = load_region(regions, tl.load(tp + _READ0))
+        d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
+        src_addr = tl.load(bufaddr + s_in)
+        dst_addr = tl.load(bufaddr + d)
+        d_cols = tl.load(bufcols + d)
+        m = dm1 - dm0
+        n = dn1 - dn0
+        pp = params + tl.load(tp + _PARAM0)  # the task's params: base, row digits, col digits
+        small = (tl.load(bufrows + s_in).to(tl.int64) * tl.load(bufcols + s_in) < 2**31) & (
+            tl.load(bufrows + d).to(tl.int64) * d_cols < 2**31)
+        aligned = ((src_addr % 16) | (dst_addr % 16)) == 0
+        # every row stride and the base (pp + 0..8 even offsets), the column digits past the
+        # first, the run length, the output pitch, corner and width: multiples of VEC
+        odd = tl.load(pp) | d_cols | dn0 | n | tl.load(pp + 9)
+        for k in tl.static_range(_DIGITS):
+            odd = odd | tl.load(pp + 2 + 2 * k)
+        for k in tl.static_range(1, _DIGITS):
+            odd = odd | tl.load(pp + 10 + 2 * k)
+        if (tl.load(pp + 10) == 1) & (odd % VEC == 0) & aligned & small:
+            # The hints go on values made in this branch: tl.multiple_of marks the op that
+            # defines its argument, and a mark on a load outside would reach the other path.
+            src = tl.multiple_of(src_addr.to(tl.pointer_type(DT)), 16)
+            dst = tl.multiple_of(dst_addr.to(tl.pointer_type(DT)), 16)
+            pitch = d_cols // VEC * VEC  # == d_cols here, and provably a multiple of VEC
+            if n <= RB_N // 2:  # a head (64-128 columns): twice the rows per block instead
+                _copy_runs(pp, src, dst, pitch, dm0, dn0, m, n, VEC, 2 * RB_M, RB_N // 2)
+            else:
+                _copy_runs(pp, src, dst, pitch, dm0, dn0, m, n, VEC, RB_M, RB_N)
+        else:
+            _gather(params, tp, src_addr.to(tl.pointer_type(DT)), dst_addr.to(tl.pointer_type(DT)),
+                    d_cols.to(tl.int64), dm0, dn0, m, n, tl.load(pp).to(tl.int64), RB_M // 4,
+                    RB_N // 2)
