@@ -145,3 +145,24 @@ def test_cut_schedule_check_skips_the_queue_simulation_only_when_it_would_pass()
         except ScheduleError as e:
             assert str(e) == full, case
     assert accepted > 100 and rejected > 100, (accepted, rejected)
+
+
+def test_task_costs_of_a_traced_layer_are_each_tasks_task_cost():
+    """task_costs sums remote bytes in its own pass (reads only for nvlink tasks): on a traced
+    2x2 layer (gemm, attention, elementwise, norm, relayout, copy and rdma tasks) every cost is
+    the same float as task_cost gives that task alone."""
+    import runpy
+
+    import torch
+
+    import mgraph as mg
+    from mgraph.scheduler import task_cost, task_costs
+
+    ns = runpy.run_path(EXAMPLE, run_name="mgraph_costs")
+    torch.manual_seed(0)
+    module = ns["DecoderBlock"](hidden=128, heads=4, kv_heads=2, ffn=256).eval()
+    prog = mg.compile(module, (torch.randn(1, 64, 128),), plan=ns["block_plan"](),
+                      topology="2x2")
+    g = prog.graph
+    assert {t.role for t in g.tasks} == {"compute", "nvlink", "rdma"}
+    assert task_costs(g, H200) == [task_cost(t, H200, g) for t in g.tasks]
