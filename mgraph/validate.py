@@ -105,6 +105,9 @@ def _check_transfers(graph: TaskGraph) -> None:
     events = graph.events
     compute, nvlink = Role.COMPUTE.value, Role.NVLINK.value
     same_shape = (TaskKind.COPY.value, TaskKind.REDUCE.value)
+    # hot (~450k regions at 2x8): each buffer's and event's node looked up once
+    node_of_buffer = {bid: node_of[b.rank] for bid, b in bufs.items()}
+    node_of_event = [node_of[ev.rank] for ev in events]
     for t in graph.tasks:
         node = node_of[t.rank]
         if t.kind in same_shape:
@@ -113,8 +116,13 @@ def _check_transfers(graph: TaskGraph) -> None:
             # A compute tile may read or write peers' memory over NVLink (its epilogue stores
             # the tile into a peer's buffer; a GEMM may load a peer's shard with TMA), never
             # across nodes: that is an rdma task's job.
-            far = [r for r in (*t.reads, *t.writes) if node_of[bufs[r.buffer].rank] != node]
-            if far:
+            near = True
+            for regions in (t.reads, t.writes):
+                for r in regions:
+                    if node_of_buffer[r[0]] != node:
+                        near = False
+            if not near:
+                far = [r for r in (*t.reads, *t.writes) if node_of[bufs[r.buffer].rank] != node]
                 ranks = sorted({bufs[r.buffer].rank for r in far})
                 if t.role == compute:
                     raise TransferError(
@@ -126,8 +134,8 @@ def _check_transfers(graph: TaskGraph) -> None:
                     hint="cross-node traffic goes through an rdma task to the rail peer",
                 )
             for e in t.signals:
-                ev = events[e]
-                if node_of[ev.rank] != node:
+                if node_of_event[e] != node:
+                    ev = events[e]
                     raise TransferError(
                         f"{_transfer_where(t)} signals event {ev.name!r} on rank {ev.rank}, "
                         "another node",
