@@ -1,0 +1,68 @@
+"""Runs under TRITON_INTERPRET=1 in a subprocess (see test_moe_fast_paths.py): the paths of the
+MoE tile bodies that tests/megakernel_moe_interp.py (float32, 16-row tiles) does not reach, on
+1x1 graphs, each body's output against the sequential CPU runtime's (filled rows only) and the
+op's output against its torch reference:
+
+- bf16, 128-row expert tiles with segments filled past 64 rows: the expert body's 128-row TMA
+  tiles (and its 64-row ones on the other segments), the route and combine bodies' 16-byte
+  vector paths (H and E multiples of 8);
+- bf16, 64-row expert tiles, a random routing: the 64-row TMA tiles;
+- float32 with H = 38 (rows of 152 bytes: not whole 16-byte units): the expert body's pointer
+  path and the route and combine bodies' element-wise paths.
+
+Prints one JSON line per (case, body), the case prefixed to megakernel_moe_interp's names, and
+one per case naming the expert body's paths that ran ("tma64", "tma128", "pointer"): the
+interpreter looks the helpers up in moe_tiles' globals, where a spy records each call."""
+
+from __future__ import annotations
+
+import os
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
+
+import megakernel_moe_interp as base  # noqa: E402
+import torch  # noqa: E402
+
+from mgraph.ops import moe_tiles  # noqa: E402
+
+CASES = {
+    # experts 0 and 3 get all 128 tokens: 128 filled rows, the 128-row tiles
+    "bf16-rows128": (("full", 11), dict(T_loc=128, H=64, F=96, expert_rows=128,
+                                        combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
+    "bf16-rows64": (("random", 12), dict(T_loc=64, H=64, F=96, expert_rows=64,
+                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
+    "fp32-h38": (("random", 13), dict(H=38, F=72, combine_cols=19)),
+}  # fmt: skip
+
+
+PATHS: set[str] = set()
+
+
+def spy(fn, path):
+    def call(*args, **kwargs):
+        PATHS.add(path(args))
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def run(tag: str, routing: str, seed: int, **options: object) -> None:
+    emit = base.emit
+    base.emit = lambda case, **row: emit(f"{tag}:{case}", **row)
+    PATHS.clear()
+    try:
+        base.one_rank(routing, seed, **options)
+    finally:
+        base.emit = emit
+    emit(f"{tag}:paths", paths=sorted(PATHS))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    # _expert_tma's 17th argument is its row tile (EM)
+    moe_tiles._expert_tma = spy(
+        moe_tiles._expert_tma, lambda a: f"tma{getattr(a[16], 'value', a[16])}"
+    )
+    moe_tiles._expert_pointer = spy(moe_tiles._expert_pointer, lambda a: "pointer")
+    for tag, ((routing, seed), options) in CASES.items():
+        run(tag, routing, seed, **options)
