@@ -160,8 +160,9 @@ if HAVE_TRITON:
                         mask=b_rows[:, None] & (ok < nk)[None, :], other=0.0).to(tl.float32)
             s += tl.where(b_bool, tl.where(b != 0.0, 0.0, float("-inf")), b * _LOG2E)
         if MASKED:
-            hide = (ok >= nk)[None, :] | ((ok[None, :] - om[:, None]) > lim)
-            s = tl.where(hide, float("-inf"), s)
+            # one comparison an element against a per-row bound (the last key the row sees)
+            last = tl.minimum(om + lim, nk - 1)
+            s = tl.where(ok[None, :] > last[:, None], float("-inf"), s)
         return s
 
     @triton.jit
