@@ -1,0 +1,40 @@
+"""The attention tile's pointer path compiled and run on a GPU (``pytest -m gpu``; skipped
+without CUDA). It is a ``noinline`` function on mma.sync (mgraph/ops/attention_tiles.py) that no
+other GPU test reaches: test_triton_attention.py's GPU case takes the TMA fast path (D 128,
+aligned mask). Here a head size past 128 in bf16 and float32 data take it, through run_chains,
+against float32 SDPA on the same inputs, causal with grouped-query heads."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+# bf16 data: half an ulp on inputs and output, p rounded to bf16 (as test_triton_attention.py);
+# float32 data: the dots run in TF32 on the GPU (10-bit mantissas), about 1e-3 relative
+TOL = {"bfloat16": 1.5e-2, "float32": 5e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D", [("bfloat16", 160), ("float32", 64)])
+def test_gpu_pointer_path_matches_sdpa(dtype, D):
+    import torch
+    import torch.nn.functional as F
+
+    import mgraph as mg
+    from mgraph.ops.attention_tiles import run_chains
+    from mgraph.runtime.memory import worst_tile_error
+
+    B, H, S = 1, 4, 512
+    dt = getattr(torch, dtype)
+    g = mg.ops.attention(topology="1x1", B=B, H=H, S=S, D=D, block=128, kv_heads=2, causal=True,
+                         dtype=dt)
+    gen = torch.Generator().manual_seed(D)
+    x = {n: torch.randn(s.shape, generator=gen).to(dt) for n, s in g.inputs.items()}
+    got = run_chains(mg.schedule(g), x, device="cuda")["out"].float().cpu()
+    q, k, v = (x[n].float() for n in "qkv")
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert bool(got.isfinite().all())
+    assert ((got - want).norm() / want.norm()).item() < TOL[dtype]
+    tile = worst_tile_error(got.reshape(-1, D), want.reshape(-1, D), rows=128, cols=D)
+    assert tile < TOL[dtype], tile
