@@ -283,7 +283,7 @@ class GraphBuilder:
             tid,
             name,
             rank,
-            role.value if role.__class__ is Role else role,
+            role._value_ if role.__class__ is Role else role,  # not .value: a Python property
             kind,
             list(reads),
             list(writes),
