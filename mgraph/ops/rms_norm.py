@@ -100,21 +100,47 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import load_region, param_f32
-    from .tilewise import tile_ptrs
+    from .tilewise import row_operand, tile_ptrs, vec_cols, vec_ptr
 
     _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
 
-    @RMS_NORM.triton
     @triton.jit
-    def rms_norm_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
-                      RB_M: tl.constexpr, RB_N: tl.constexpr):
-        """x * rsqrt(mean(x^2) + eps) * weight. Assumes the task's x region holds whole rows
-        (the tilewise lowering guarantees it): per RB_M-row block, one pass over the row in
-        RB_N-column blocks sums the squares, a second one scales and stores."""
-        r0 = tl.load(tp + _READ0)
-        nread = tl.load(tp + _NREAD)
-        w0 = tl.load(tp + _WRITE0)
-        eps = param_f32(params, tp, 0)
+    def _rms_vec(xa, xpitch, wa, oa, opitch, m, n, eps, has_w, DT: tl.constexpr,
+                 RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """The fast path: every operand 16-byte aligned (row_operand's ``vec``), int32
+        offsets, and the squares summed in a [RB_M, RB_N] accumulator reduced once per row
+        block (a cross-thread reduction per column block cost as much as its loads)."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        xp = vec_ptr(xa, DT)
+        wp = vec_ptr(wa, DT)
+        op = vec_ptr(oa, DT)
+        xpitch = xpitch // VEC * VEC  # as they are here, provably multiples of VEC
+        opitch = opitch // VEC * VEC
+        n = n // VEC * VEC
+        for i in range(0, m, RB_M):
+            om = i + tl.arange(0, RB_M)
+            rmask = (om < m)[:, None]
+            xrow = (om * xpitch)[:, None]
+            acc = tl.zeros((RB_M, RB_N), dtype=tl.float32)
+            for j in range(0, n, RB_N):
+                on = vec_cols(j, RB_N, VEC)
+                x = tl.load(xp + xrow + on[None, :], mask=rmask & (on < n)[None, :], other=0.0)
+                x = x.to(tl.float32)
+                acc += x * x
+            rstd = tl.rsqrt(tl.sum(acc, axis=1) / n.to(tl.float32) + eps)[:, None]
+            orow = (om * opitch)[:, None]
+            for j in range(0, n, RB_N):
+                on = vec_cols(j, RB_N, VEC)
+                mask = rmask & (on < n)[None, :]
+                y = tl.load(xp + xrow + on[None, :], mask=mask, other=0.0).to(tl.float32) * rstd
+                if has_w:  # the weight: a row operand, broadcast over the rows
+                    y = y * tl.load(wp + on, mask=on < n, other=0.0).to(tl.float32)[None, :]
+                tl.store(op + orow + on[None, :], y.to(DT), mask=mask)
+
+    @triton.jit
+    def _rms_general(tp, regions, bufaddr, bufcols, r0, nread, w0, eps, DT: tl.constexpr,
+                     RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """The general path: any widths and corners, pointers per element (tile_ptrs)."""
         _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
         n = xn1 - xn0
         for i in range(0, xm1 - xm0, RB_M):
@@ -138,3 +164,28 @@ if HAVE_TRITON:
                     y = y * tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + 1, om, on, DT),
                                     mask=mask, other=0.0).to(tl.float32)
                 tl.store(tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), y.to(DT), mask=mask)
+
+    @RMS_NORM.triton
+    @triton.jit
+    def rms_norm_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                      RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """x * rsqrt(mean(x^2) + eps) * weight. Assumes the task's x region holds whole rows
+        (the tilewise lowering guarantees it): per RB_M-row block, one pass over the row in
+        RB_N-column blocks sums the squares, a second one scales and stores. Rows of whole
+        16-byte vectors take _rms_vec; others the general path (tile_ptrs, element by
+        element)."""
+        r0 = tl.load(tp + _READ0)
+        nread = tl.load(tp + _NREAD)
+        w0 = tl.load(tp + _WRITE0)
+        eps = param_f32(params, tp, 0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        xa, xpitch, xvec = row_operand(regions, bufaddr, bufcols, r0, DT)
+        # without a weight, region r0 + 1 is not this task's: read x's again instead
+        wa, _wpitch, wvec = row_operand(regions, bufaddr, bufcols, tl.where(nread > 1, r0 + 1, r0),
+                                        DT)
+        oa, opitch, ovec = row_operand(regions, bufaddr, bufcols, w0, DT)
+        if xvec & wvec & ovec:
+            _rms_vec(xa, xpitch, wa, oa, opitch, xm1 - xm0, xn1 - xn0, eps, nread > 1, DT, RB_M,
+                     RB_N)
+        else:
+            _rms_general(tp, regions, bufaddr, bufcols, r0, nread, w0, eps, DT, RB_M, RB_N)

@@ -160,4 +160,36 @@ if HAVE_TRITON:
         cs = (c1 - c0 > 1).to(tl.int64)
         return base + (r0 + om.to(tl.int64) * rs)[:, None] * cols + (c0 + on.to(tl.int64) * cs)[None, :]
 
-    __all__ += ["tile_ptrs"]
+    @triton.jit
+    def row_operand(regions, bufaddr, bufcols, index, DT: tl.constexpr):
+        """Region ``index`` for the vectorised fast paths: (address of its corner as an int64,
+        its row pitch in elements: 0 for a region one row wide, read by every row, and
+        ``vec``: whether 16-byte vectors may read it, i.e. it is more than one column wide
+        and its corner, pitch and width are multiples of 16 bytes, its base 16-byte aligned
+        (encode.ALIGN guarantees 256) and its offsets fit int32).
+
+        A body makes its pointer from the address inside the branch that checked ``vec``,
+        then hints it (tl.multiple_of marks the op that defines its argument: a pointer made
+        before the branch would carry the hint into the general path too)."""
+        s, r0, r1, c0, c1 = load_region(regions, index)
+        addr = tl.load(bufaddr + s)
+        cols = tl.load(bufcols + s)
+        corner = r0.to(tl.int64) * cols + c0
+        pitch = tl.where(r1 - r0 > 1, cols, 0)
+        vec = (c1 - c0 > 1) & ((corner | pitch | (c1 - c0)) % (128 // DT.primitive_bitwidth) == 0)
+        vec = vec & (addr % 16 == 0) & ((r1 - r0).to(tl.int64) * cols < 2**31)
+        return addr + corner * (DT.primitive_bitwidth // 8), pitch, vec
+
+    @triton.jit
+    def vec_ptr(addr, DT: tl.constexpr):
+        """The typed, 16-byte aligned pointer of a row_operand address (call it inside the
+        branch that checked ``vec``)."""
+        return tl.multiple_of(addr.to(tl.pointer_type(DT)), 16)
+
+    @triton.jit
+    def vec_cols(j, BLOCK: tl.constexpr, VEC: tl.constexpr):
+        """Columns ``j .. j + BLOCK`` of a fast path, hinted as runs of VEC that start on a
+        multiple of VEC (``j`` is one: the loops step by the block)."""
+        return tl.multiple_of(j + tl.arange(0, BLOCK), VEC)
+
+    __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols"]
