@@ -33,7 +33,7 @@ from ..errors import OptionError, UnknownNameError
 from ..graph import Task
 from ..kinds import Role, define_kind
 from ..topology import Topology
-from .abi import F_READ0, F_WRITE0, HAVE_TRITON
+from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
 from .tilewise import lower_tilewise, tile_shapes
 
@@ -361,9 +361,10 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import load_region, param_i32
-    from .tilewise import tile_ptrs
+    from .tilewise import row_operand, tile_ptrs, vec_cols, vec_ptr
 
-    _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
+    _READ0, _NREAD = tl.constexpr(F_READ0), tl.constexpr(F_NREAD)
+    _WRITE0 = tl.constexpr(F_WRITE0)
     _LOAD, _CONST = tl.constexpr(LOAD), tl.constexpr(CONST)
     # The sub-block each pass of the interpreter loop computes: REGISTERS tiles of it stay live
     # (6 x 16 x 128 fp32 = 48 KiB over the program's threads: 24 registers each at 8 warps), well
@@ -463,22 +464,85 @@ if HAVE_TRITON:
             v5 = y
         return v0, v1, v2, v3, v4, v5
 
-    @EWISE.triton
     @triton.jit
-    def ewise_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
-        """The task's chain over its row tile, in _EW_M x _EW_N blocks: per block, the bytecode
-        runs over fp32 register tiles (LOAD reads region ``read0 + a``, broadcasting a row or
-        column operand through tile_ptrs), and the result register is stored once, cast to DT."""
-        r0 = tl.load(tp + _READ0)
-        w0 = tl.load(tp + _WRITE0)
+    def _vload(addr, pitch, om, on, mask, DT: tl.constexpr):
+        """A fast-path operand's [_EW_M, _EW_N] block as fp32 (row_operand's address and
+        pitch, its ``vec`` checked: 16-byte vectors, int32 offsets)."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        p = vec_ptr(addr, DT) + (om * (pitch // VEC * VEC))[:, None] + on[None, :]
+        return tl.load(p, mask=mask, other=1.0).to(tl.float32)  # 1: finite through log, 1/x
+
+    @triton.jit
+    def _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, m, n, DT: tl.constexpr):
+        """The fast path: every operand and the output take 16-byte vectors. Per block, the
+        first four operands are loaded before the bytecode runs (their loads in flight
+        together, where the interpreter's LOADs would wait one after another); a LOAD of a
+        later one reads it then. Region lookups are hoisted out of the block loops."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         nops = param_i32(params, tp, 0)
         result = param_i32(params, tp, 1)
-        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
-        for i in range(0, xm1 - xm0, _EW_M):
-            for j in range(0, xn1 - xn0, _EW_N):
+        last = r0 + nread - 1  # operand k of a task with fewer reads: not loaded (the index
+        a0, p0, _v0 = row_operand(regions, bufaddr, bufcols, r0, DT)  # only stays in range)
+        a1, p1, _v1 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 1, last), DT)
+        a2, p2, _v2 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 2, last), DT)
+        a3, p3, _v3 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 3, last), DT)
+        oa, opitch, _vo = row_operand(regions, bufaddr, bufcols, w0, DT)
+        out_p = vec_ptr(oa, DT)
+        opitch = opitch // VEC * VEC
+        n = n // VEC * VEC
+        for i in range(0, m, _EW_M):
+            om = i + tl.arange(0, _EW_M)
+            for j in range(0, n, _EW_N):
+                on = vec_cols(j, _EW_N, VEC)
+                mask = (om < m)[:, None] & (on < n)[None, :]
+                zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
+                t0 = _vload(a0, p0, om, on, mask, DT)
+                t1 = zero
+                t2 = zero
+                t3 = zero
+                if nread > 1:
+                    t1 = _vload(a1, p1, om, on, mask, DT)
+                if nread > 2:
+                    t2 = _vload(a2, p2, om, on, mask, DT)
+                if nread > 3:
+                    t3 = _vload(a3, p3, om, on, mask, DT)
+                v0 = zero
+                v1 = zero
+                v2 = zero
+                v3 = zero
+                v4 = zero
+                v5 = zero
+                for k in range(0, nops):
+                    op = param_i32(params, tp, 2 + 4 * k)
+                    dst = param_i32(params, tp, 3 + 4 * k)
+                    a = param_i32(params, tp, 4 + 4 * k)
+                    b = param_i32(params, tp, 5 + 4 * k)
+                    if op == _LOAD:
+                        if a < 4:
+                            y = _pick(a, t0, t1, t2, t3, t3, t3)
+                        else:
+                            ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                            y = _vload(ak, pk, om, on, mask, DT)
+                    elif op == _CONST:
+                        y = zero + b.to(tl.float32, bitcast=True)
+                    else:
+                        xa = _pick(a, v0, v1, v2, v3, v4, v5)
+                        xb = _pick(b, v0, v1, v2, v3, v4, v5)
+                        y = _ewise_math(op, xa, xa, xb)
+                    v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
+                out = _pick(result, v0, v1, v2, v3, v4, v5)
+                tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
+
+    @triton.jit
+    def _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT: tl.constexpr):
+        """The general path: any operand forms and widths, pointers per element (tile_ptrs)."""
+        nops = param_i32(params, tp, 0)
+        result = param_i32(params, tp, 1)
+        for i in range(0, m, _EW_M):
+            for j in range(0, n, _EW_N):
                 om = i + tl.arange(0, _EW_M)
                 on = j + tl.arange(0, _EW_N)
-                mask = (om < xm1 - xm0)[:, None] & (on < xn1 - xn0)[None, :]
+                mask = (om < m)[:, None] & (on < n)[None, :]
                 zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
                 v0 = zero
                 v1 = zero
@@ -508,3 +572,27 @@ if HAVE_TRITON:
                 tl.store(
                     tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), out.to(DT), mask=mask
                 )
+
+    @EWISE.triton
+    @triton.jit
+    def ewise_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """The task's chain over its row tile, in _EW_M x _EW_N blocks: per block, the bytecode
+        runs over fp32 register tiles (LOAD reads region ``read0 + a``, broadcasting a row or
+        column operand), and the result register is stored once, cast to DT. Tasks whose
+        operands and output all take 16-byte vectors (tilewise.row_operand: full and row
+        operands of 16-byte rows) run _ewise_vec; others (a column operand, odd widths)
+        _ewise_general."""
+        r0 = tl.load(tp + _READ0)
+        nread = tl.load(tp + _NREAD)
+        w0 = tl.load(tp + _WRITE0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        _oa, _op, fast = row_operand(regions, bufaddr, bufcols, w0, DT)
+        for k in range(0, nread):
+            _a, _p, vec = row_operand(regions, bufaddr, bufcols, r0 + k, DT)
+            fast = fast & vec
+        if fast:
+            _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, xm1 - xm0,
+                       xn1 - xn0, DT)
+        else:
+            _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, xm1 - xm0, xn1 - xn0,
+                           DT)
