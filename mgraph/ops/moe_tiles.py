@@ -514,13 +514,36 @@ if HAVE_TRITON:
         sp, s_stride, _ns, C = _corner(regions, bufaddr, bufcols, r0, DTYPE)
         cp, _c_stride, _nc, S = _corner(regions, bufaddr, bufcols, r0 + 1, _F32)
         dp, d_stride, _nd, _cd = _corner(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DTYPE)
+        # 16-byte vectors when the rows allow (the data rows; the metadata's 12-byte rows do
+        # not): element-wise, a 64 x 256 block held 64-bit addresses the registers could not
+        if _fits16(sp, s_stride, C, DTYPE) & _fits16(dp, d_stride, C, DTYPE):
+            _move_segments(
+                _vec16(sp, DTYPE),
+                _whole16(s_stride, DTYPE),
+                _vec16(dp, DTYPE),
+                _whole16(d_stride, DTYPE),
+                _whole16(C, DTYPE),
+                cp,
+                S,
+                seg,
+                RB_M,
+                RB_N,
+            )
+        else:
+            _move_segments(sp, s_stride, dp, d_stride, C, cp, S, seg, RB_M, RB_N)
+
+    @triton.jit
+    def _move_segments(
+        sp, s_stride, dp, d_stride, C, cp, S, seg, RB_M: tl.constexpr, RB_N: tl.constexpr
+    ):
+        """The first counts[j] rows of each segment j (``seg`` rows) from ``sp`` to ``dp``."""
         for j in range(S):
             n = tl.load(cp + j).to(tl.int32)
             for i0 in range(0, n, RB_M):
                 oi = i0 + tl.arange(0, RB_M)
                 om = (j * seg + oi).to(tl.int64)
-                for c0 in range(0, C, RB_N):
-                    oc = c0 + tl.arange(0, RB_N)
+                for c in range(0, tl.cdiv(C, RB_N)):  # counts chunks: c * RB_N is visibly aligned
+                    oc = c * RB_N + tl.arange(0, RB_N)
                     mask = (oi < n)[:, None] & (oc < C)[None, :]
                     v = tl.load(sp + om[:, None] * s_stride + oc[None, :], mask=mask)
                     tl.store(dp + om[:, None] * d_stride + oc[None, :], v, mask=mask)
@@ -540,7 +563,7 @@ if HAVE_TRITON:
         """The filled rows of each segment (its count, read from the counts region) to the
         destination, usually a peer's buffer: an empty segment moves nothing."""
         if param_i32(params, tp, 1) != 0:
-            _move_rows(tp, params, regions, bufaddr, bufcols, _F32, RB_M, RB_N)
+            _move_rows(tp, params, regions, bufaddr, bufcols, tl.float32, RB_M, RB_N)
         else:
             _move_rows(tp, params, regions, bufaddr, bufcols, DT, RB_M, RB_N)
 
