@@ -15,7 +15,8 @@ where torch has no _grouped_mm: the row says which), all_to_all_single back, ind
 weight * y into the tokens (fp32, cast once). ``grouped_gemm``: the two grouped GEMMs alone on
 the same routed rows, the GEMM-only bound. ``mgraph``: the op's graph in the megakernel,
 checked against the baseline's output (NaN-poisoned outputs first; relative error and worst
-128x128 tile), timed, and checked again after the timed relaunches. A configuration the
+128x128 tile), timed, and checked again after the timed relaunches; one mgraph row per
+``--expert-rows`` value (rows per expert tile; default 128, then 64). A configuration the
 runtime refuses is reported as a row with its error. The mgraph row also says the segment
 capacity (rows per source rank and expert, from --capacity-factor: the op's default when not
 given), the buffers' GiB per rank, and how many of all ranks' picks the op's drop policy drops
@@ -206,13 +207,13 @@ class Bench:
         self.add("grouped_gemm", ms, grouped=GROUPED, routed_rows=routed, tflops=round(tflops, 1))
         return want
 
-    def mgraph(self, local: dict[str, torch.Tensor], want: torch.Tensor) -> None:
+    def mgraph(self, local: dict[str, torch.Tensor], want: torch.Tensor, expert_rows: int) -> None:
         from mgraph.ops.moe_dispatch_combine import rank_bytes
         from mgraph.runtime.megakernel import TritonRuntime
         from mgraph.runtime.memory import worst_tile_error
 
         a = self.args
-        options = {"expert_rows": a.expert_rows, "expert_group": a.expert_group,
+        options = {"expert_rows": expert_rows, "expert_group": a.expert_group,
                    "combine_rows": a.combine_rows, "combine_cols": a.combine_cols}  # fmt: skip
         if a.capacity_factor is not None:
             options["capacity_factor"] = a.capacity_factor
@@ -225,7 +226,7 @@ class Bench:
             segment = graph.buffers["send@0"].rows // a.experts
             lost = drops_by_expert(local["router_logits"], a.top_k, segment)
             sizes = {"T": a.tokens * self.world, "H": a.hidden, "E": a.experts, "top_k": a.top_k,
-                     "F": a.ffn, "itemsize": 2, "expert_rows": a.expert_rows}  # fmt: skip
+                     "F": a.ffn, "itemsize": 2, "expert_rows": expert_rows}  # fmt: skip
             if a.capacity_factor is not None:
                 sizes["capacity_factor"] = a.capacity_factor
             memory = {"segment_rows": segment, "dropped_picks": int(summed(lost.sum())),
@@ -259,7 +260,7 @@ class Bench:
             from kind_breakdown import kind_breakdown
 
             for row in kind_breakdown(rt):
-                self.add("mgraph_kind", row["busy_ms"], **row)
+                self.add("mgraph_kind", row["busy_ms"], expert_rows=expert_rows, **row)
         del rt
         gc.collect()
         torch.cuda.empty_cache()
@@ -306,7 +307,8 @@ def table(rows: list[dict]) -> str:
         whole = r["impl"] != "mgraph_kind"  # a kind's row is busy time, not an op's time
         vs_base = f"{base / ms:.2f}x" if base and ms == ms and whole else ""
         vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms and whole else ""
-        notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "rel_err", "worst_tile_err",
+        notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "expert_rows", "rel_err",
+                                                  "worst_tile_err",
                                                   "rel_err_after", "segment_rows", "dropped_picks",
                                                   "dropped_kernel", "dropped_agree", "gib_per_rank",
                                                   "kind", "tasks", "programs", "mean_us",
@@ -323,7 +325,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--expert-rows", type=int, default=64)
+    parser.add_argument("--expert-rows", type=int, nargs="+", default=[128, 64],
+                        help="rows per expert tile: one mgraph row (and breakdown) per value; "
+                        "the expert body takes more than 64 filled rows 128 at a time")  # fmt: skip
     parser.add_argument("--expert-group", type=int, default=8)
     parser.add_argument("--combine-rows", type=int, default=64)
     parser.add_argument("--combine-cols", type=int, default=256)
@@ -352,7 +356,8 @@ def main() -> None:
     local = local_inputs(args, torch.device("cuda", rank), torch.bfloat16)
     want = bench.baseline(local)
     if args.mgraph:
-        bench.mgraph(local, want)
+        for expert_rows in args.expert_rows:
+            bench.mgraph(local, want, expert_rows)
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
