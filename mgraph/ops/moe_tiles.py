@@ -236,9 +236,13 @@ def _combine_flops(
 # -- megakernel tile bodies ----------------------------------------------------------------------
 # Every body addresses the data regions (x, logits, send/recv rows, weights, hidden, outputs) in
 # the graph's dtype DT and the routing regions (meta, counts, picks) as float32, whatever DT is:
-# the lowering declares those float32. Loads and stores are masked pointer accesses: a routed
-# tile has data-dependent rows, and the edges of any block are masked, so no dim needs to be a
-# multiple of a block. Each body picks its own block sizes (module constants).
+# the lowering declares those float32. A routed tile has data-dependent rows and the edges of
+# any block are masked (or, through TMA, zero-filled on load and clipped on store), so no dim
+# needs to be a multiple of a block. Each body checks at run time whether its rows are whole
+# 16-byte units (_fits16) and then runs its fast path: 16-byte vector loads and stores (route,
+# move, combine; the check made visible to Triton's alignment analysis by _vec16/_whole16) or
+# TMA descriptors and wgmma (expert); otherwise element-wise pointer accesses, the same
+# arithmetic. Each body picks its own block sizes (module constants).
 if HAVE_TRITON:
     import triton
     import triton.language as tl
