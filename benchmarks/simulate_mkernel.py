@@ -3,8 +3,8 @@
 Cluster (mKernel's setup): 2 nodes x 8 H200, 50 GB/s per GPU between nodes (one 400 Gb/s NIC per
 GPU, rail-optimised), 450 GB/s NVLink per GPU per direction. Every other constant is the
 calibrated H200 profile (mgraph/profiles/h200.json, a source per value). For each configuration: build the
-op's task graph, schedule it (critical-path queues, work-balance SM split), simulate it, and
-model the baselines (cuBLAS/FA2/grouped GEMM + NCCL-like collectives) on the same hardware.
+op's task graph, schedule it (critical-path queues, work-balance SM split; and again with the
+network_first policy), simulate it, and model the baselines (cuBLAS/FA2/grouped GEMM + NCCL-like collectives) on the same hardware.
 
 Large shapes use coarser tiles and larger network chunks than the op defaults (listed per row),
 so the graphs stay at most ~90k tasks; where a few lowering options are listed the fastest
@@ -13,7 +13,7 @@ the model against GPU.md, and the summary of benchmarks/results/predictions.json
 committed GPU measurement against its prediction, written by benchmarks/predict.py).
 
 Run: python benchmarks/simulate_mkernel.py [--quick] [--ops OP ...] [--out benchmarks]
-(about 10 minutes for every op; --ops writes a report of those ops only)
+(about 20 minutes on 2 cores for every op; --ops writes a report of those ops only)
 """
 
 from __future__ import annotations
