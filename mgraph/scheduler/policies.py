@@ -22,7 +22,11 @@ wave-major send order) that needs a task, then as ``critical_path``. Longest-pat
 GEMM tile before the node sums and rail sends waiting on them (a tile's path is longer by its own
 cost), so on several nodes the network starts only when the GEMM ends (simulated 2x8 GEMM+AR
 32768x2048x32768: the first node sum at 9.0 of 9.2 ms of GEMM). With no RDMA tasks (one node)
-its order is ``critical_path``'s. Not the default yet: benchmarks/NOTES.md, "2x8 schedules".
+its order is ``critical_path``'s. Not the default yet (benchmarks/NOTES.md, "Predictions and the
+2x8 schedules"): the megakernel runs only the compute queue's leading GEMM tasks as its static
+prefix and signals them once, after the prefix (runtime/megakernel/encode.py), so the node sums
+network_first interleaves cut that prefix to the first chunk's tiles; the simulator models
+neither the prefix nor its late signals.
 """
 
 from __future__ import annotations
