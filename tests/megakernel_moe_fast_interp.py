@@ -7,6 +7,8 @@ op's output against its torch reference:
   tiles (and its 64-row ones on the other segments), the route and combine bodies' 16-byte
   vector paths (H and E multiples of 8);
 - bf16, 64-row expert tiles, a random routing: the 64-row TMA tiles;
+- bf16, segments of 256 and 160 filled rows in one tile: two 128-row and three 64-row blocks
+  inside each block of weight columns;
 - float32 with H = 38 (rows of 152 bytes: not whole 16-byte units): the expert body's pointer
   path and the route and combine bodies' element-wise paths.
 
@@ -32,6 +34,12 @@ CASES = {
     "bf16-rows64": (("random", 12), dict(T_loc=64, H=64, F=96, expert_rows=64,
                                          combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
     "fp32-h38": (("random", 13), dict(H=38, F=72, combine_cols=19)),
+    # 256 filled rows in a 256-row tile: two 128-row blocks inside each weight block's loop
+    "bf16-rows256": (("full", 14), dict(T_loc=256, H=64, F=96, expert_rows=256,
+                                        combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
+    # 160 filled rows: three 64-row blocks (128-row ones would pad to 256)
+    "bf16-rows160": (("full", 15), dict(T_loc=160, H=64, F=96, expert_rows=160,
+                                        combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
 }  # fmt: skip
 
 

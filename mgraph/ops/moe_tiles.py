@@ -599,7 +599,9 @@ if HAVE_TRITON:
         region's edge), so the K loops hold no pointer tensor and Triton's pipeliner prefetches
         the next blocks; the dots are wgmma on EM-row tiles. Pass 1 stores each hidden block
         by TMA; pass 2 reads them back by TMA after the stores completed (bulk_store_fence)
-        and every thread's have (a barrier)."""
+        and every thread's have (a barrier). The row blocks are the inner loop of each pass:
+        a block of weight columns is read from memory for the first row block and found in L2
+        by the next ones, so a tile of several row blocks streams its expert's weights once."""
         n32 = n.to(tl.int32)
         xd = tl.make_tensor_descriptor(xp, [n32, H], [x_stride, 1], [EM, _EK])
         gd = tl.make_tensor_descriptor(gp, [H, F], [g_stride, 1], [_EK, EF])
@@ -608,10 +610,10 @@ if HAVE_TRITON:
         hd = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EM, _EK])
         dd = tl.make_tensor_descriptor(dp, [F, H], [d_stride, 1], [_EK, EN])
         yd = tl.make_tensor_descriptor(yp, [n32, H], [y_stride, 1], [EM, EN])
-        for i in range(0, tl.cdiv(n32, EM)):
-            i0 = i * EM
-            for f in range(0, tl.cdiv(F, EF)):
-                f0 = f * EF
+        for f in range(0, tl.cdiv(F, EF)):
+            f0 = f * EF
+            for i in range(0, tl.cdiv(n32, EM)):
+                i0 = i * EM
                 g = tl.zeros((EM, EF), dtype=tl.float32)
                 u = tl.zeros((EM, EF), dtype=tl.float32)
                 for k in range(0, tl.cdiv(H, _EK)):
@@ -622,10 +624,10 @@ if HAVE_TRITON:
                 hs.store([i0, f0], (g / (1.0 + tl.exp(-g)) * u).to(DT))
         bulk_store_fence(USE_TIMER)
         tl.debug_barrier()  # pass 2 reads hidden blocks other threads' TMA stores wrote
-        for i in range(0, tl.cdiv(n32, EM)):
-            i0 = i * EM
-            for c in range(0, tl.cdiv(H, EN)):
-                c0 = c * EN
+        for c in range(0, tl.cdiv(H, EN)):
+            c0 = c * EN
+            for i in range(0, tl.cdiv(n32, EM)):
+                i0 = i * EM
                 acc = tl.zeros((EM, EN), dtype=tl.float32)
                 for k in range(0, tl.cdiv(F, _EK)):
                     k0 = k * _EK
@@ -750,10 +752,11 @@ if HAVE_TRITON:
             if tma:
                 # Tiles of (rows, hidden columns, output columns) with the same accumulators
                 # (64 fp32 registers a thread) and the same wgmma per warpgroup (64 x 64 and
-                # 64 x 128): more than 64 filled rows go 128 at a time, so the weights (the bytes
-                # that bound this body) are read once per 128 rows, not per 64.
+                # 64 x 128): 128-row blocks where they pad the filled rows no more than 64-row
+                # ones would (n past 64 and n % 128 zero or past 64): fewer, larger blocks
+                # load each weight block into shared memory half as often per row.
                 if DT.primitive_bitwidth == 16:
-                    if n > 64:
+                    if tl.cdiv(n, 128) * 128 == tl.cdiv(n, 64) * 64:
                         _expert_tma(
                             xp,
                             x_stride,
