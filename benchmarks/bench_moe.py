@@ -16,7 +16,7 @@ weight * y into the tokens (fp32, cast once). ``grouped_gemm``: the two grouped 
 the same routed rows, the GEMM-only bound. ``mgraph``: the op's graph in the megakernel,
 checked against the baseline's output (NaN-poisoned outputs first; relative error and worst
 128x128 tile), timed, and checked again after the timed relaunches; one mgraph row per
-``--expert-rows`` value (rows per expert tile; default 128, then 64). A configuration the
+``--expert-rows`` value (rows per expert tile; default 128, 256, then 64). A configuration the
 runtime refuses is reported as a row with its error. The mgraph row also says the segment
 capacity (rows per source rank and expert, from --capacity-factor: the op's default when not
 given), the buffers' GiB per rank, and how many of all ranks' picks the op's drop policy drops
@@ -325,9 +325,10 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--expert-rows", type=int, nargs="+", default=[128, 64],
+    parser.add_argument("--expert-rows", type=int, nargs="+", default=[128, 256, 64],
                         help="rows per expert tile: one mgraph row (and breakdown) per value; "
-                        "the expert body takes more than 64 filled rows 128 at a time")  # fmt: skip
+                        "the expert body takes filled rows in 128- or 64-row blocks, each "
+                        "block of weights once for all of them")  # fmt: skip
     parser.add_argument("--expert-group", type=int, default=8)
     parser.add_argument("--combine-rows", type=int, default=64)
     parser.add_argument("--combine-cols", type=int, default=256)
