@@ -63,6 +63,9 @@ UNMODELLED_CONFIG = {
 }
 
 
+AG_CHUNK_BEFORE_V9 = 256 * 1024  # allgather_gemm's default chunk_bytes in every v7/v8 row
+
+
 def options_of(config: str) -> tuple[dict[str, Any], int | None]:
     """Lowering options and NVLink workers of a bench_tp configuration label."""
     opts: dict[str, Any] = {}
@@ -73,6 +76,8 @@ def options_of(config: str) -> tuple[dict[str, Any], int | None]:
         key, value = part.split("=")
         if key == "nvlink":
             nvlink = int(value)
+        elif key == "chunk":  # bench_tp v9 labels: chunk=1024KiB
+            opts["chunk_bytes"] = int(value.removesuffix("KiB")) * 1024
         else:
             opts[key] = value
     return opts, nvlink
@@ -137,6 +142,9 @@ class Predictor:
             seq = simulate(sched, hardware=self.hw).baseline("sequential")
             return seq.time_s * 1e3, "sequential baseline (GEMM + NCCL-like collective)"
         opts, nvlink = options_of(config)
+        if op == "allgather_gemm" and opts.get("gather", "copy") == "copy":
+            # the rows ran AG's default chunk of their day: 256 KiB before v9 (1 MiB since)
+            opts.setdefault("chunk_bytes", r.get("chunk_bytes", AG_CHUNK_BEFORE_V9))
         if impl in ("mgraph", "mgraph_sweep") and r.get("nvlink_workers"):
             nvlink = r["nvlink_workers"]
         graph = self.graph(op, f"1x{w}", dims, opts)
