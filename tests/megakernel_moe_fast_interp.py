@@ -9,12 +9,16 @@ op's output against its torch reference:
 - bf16, 64-row expert tiles, a random routing: the 64-row TMA tiles;
 - bf16, segments of 256 and 160 filled rows in one tile: two 128-row and three 64-row blocks
   inside each block of weight columns;
+- bf16 with 8 experts (logit rows of 16 bytes) and distinct logits per token: the route
+  body's ranking by packed int32 keys (_thresholds16; the other cases' rows of 6 logits take
+  the float ranking, _thresholds);
 - float32 with H = 38 (rows of 152 bytes: not whole 16-byte units): the expert body's pointer
   path and the route and combine bodies' element-wise paths.
 
 Prints one JSON line per (case, body), the case prefixed to megakernel_moe_interp's names, and
-one per case naming the expert body's paths that ran ("tma64", "tma128", "pointer"): the
-interpreter looks the helpers up in moe_tiles' globals, where a spy records each call."""
+one per case naming the paths that ran (the expert body's "tma64", "tma128", "pointer"; the
+route body's "keys16", "float"): the interpreter looks the helpers up in moe_tiles' globals,
+where a spy records each call."""
 
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ CASES = {
     # 256 filled rows in a 256-row tile: two 128-row blocks inside each weight block's loop
     "bf16-rows256": (("full", 14), dict(T_loc=256, H=64, F=96, expert_rows=256,
                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
+    # 8 experts (rows of 16 bytes), logits distinct per token: the route body's packed keys
+    "bf16-keys": (("distinct", 16), dict(E_loc=8, T_loc=64, H=64, F=96, expert_rows=64,
+                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
     # 160 filled rows: three 64-row blocks (128-row ones would pad to 256)
     "bf16-rows160": (("full", 15), dict(T_loc=160, H=64, F=96, expert_rows=160,
                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
@@ -52,6 +59,22 @@ def spy(fn, path):
         return fn(*args, **kwargs)
 
     return call
+
+
+_inputs_for = base.inputs_for
+
+
+def inputs_for(graph, routing: str, seed: int) -> dict[str, torch.Tensor]:
+    """megakernel_moe_interp's routings and "distinct": a permutation of E distinct values per
+    token, exact in bf16, some negative (no tie: the CPU's topk and the route body agree)."""
+    if routing != "distinct":
+        return _inputs_for(graph, routing, seed)
+    inputs = _inputs_for(graph, "random", seed)
+    logits = inputs["router_logits"]
+    T, E = logits.shape
+    perm = torch.rand(T, E, generator=torch.Generator().manual_seed(seed)).argsort(dim=1)
+    inputs["router_logits"] = ((perm - E // 2).float() / 32).to(logits.dtype)
+    return inputs
 
 
 def run(tag: str, routing: str, seed: int, **options: object) -> None:
@@ -72,5 +95,8 @@ if __name__ == "__main__":
         moe_tiles._expert_tma, lambda a: f"tma{getattr(a[16], 'value', a[16])}"
     )
     moe_tiles._expert_pointer = spy(moe_tiles._expert_pointer, lambda a: "pointer")
+    moe_tiles._thresholds16 = spy(moe_tiles._thresholds16, lambda a: "keys16")
+    moe_tiles._thresholds = spy(moe_tiles._thresholds, lambda a: "float")
+    base.inputs_for = inputs_for
     for tag, ((routing, seed), options) in CASES.items():
         run(tag, routing, seed, **options)

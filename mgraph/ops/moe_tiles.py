@@ -336,6 +336,48 @@ if HAVE_TRITON:
         return pv, pi, top, z
 
     @triton.jit
+    def _keys16(lp, l_stride, E, ot64, tok, oe):
+        """Int32 keys of the 16-bit logits of columns ``oe`` whose order is the ranking's: the
+        logit's bits made order-preserving (negative values' magnitude bits flipped; -0.0
+        taken as +0.0, which compares equal to it) in the high half, 65535 minus the expert
+        index in the low half (a tie goes to the lower index). Past the block: the least
+        int32, which no pass picks."""
+        ok = tok[:, None] & (oe < E)[None, :]
+        v = tl.load(lp + ot64[:, None] * l_stride + oe[None, :], mask=ok, other=0.0)
+        bits = (v.to(tl.float32) + 0.0).to(tl.int32, bitcast=True)
+        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = ((mono >> 16) << 16) | (65535 - oe)[None, :]
+        return tl.where(ok, key, -(2**31))
+
+    @triton.jit
+    def _key_value(key):
+        """The logit (float32) of a _keys16 key: its high half, made a float again."""
+        mono = (key >> 16) << 16
+        return (mono ^ ((mono >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _thresholds16(lp, l_stride, E, ot64, tok, top_k):
+        """_thresholds for 16-bit logits of at most 2 * _EB experts: the block's logits are
+        read once, as ranking keys held in registers (_keys16), and each of the top_k passes is
+        one compare, one select and one max over them (_thresholds: two chunk loads, two
+        reductions and a dozen operations per logit and pass)."""
+        k0 = _keys16(lp, l_stride, E, ot64, tok, tl.arange(0, _EB))
+        k1 = _keys16(lp, l_stride, E, ot64, tok, tl.arange(0, _EB) + _EB)
+        prev = tl.full(ot64.shape, 2**31 - 1, tl.int32)
+        top = tl.zeros(ot64.shape, dtype=tl.float32)
+        z = tl.zeros(ot64.shape, dtype=tl.float32)
+        for p in range(top_k):
+            best = tl.maximum(
+                tl.max(tl.where(k0 < prev[:, None], k0, -(2**31)), 1),
+                tl.max(tl.where(k1 < prev[:, None], k1, -(2**31)), 1),
+            )
+            v = _key_value(best)
+            top = tl.where(p == 0, tl.where(tok, v, 0.0), top)
+            z += tl.where(tok, tl.exp(v - top), 0.0)
+            prev = best
+        return _key_value(prev), 65535 - (prev & 65535), top, z
+
+    @triton.jit
     def _route_picks(
         lp,
         l_stride,
@@ -354,6 +396,7 @@ if HAVE_TRITON:
         w_stride,
         cp,
         dp,
+        KEYS16: tl.constexpr,
     ):
         """Pass 1 of the route body: per step of _GB experts of the group, per block of _TB
         tokens, which tokens pick which expert (a [tokens, experts] tile), their rows (running
@@ -369,7 +412,10 @@ if HAVE_TRITON:
                 ot = t0 + tl.arange(0, _TB)
                 tok = ot < T
                 ot64 = ot.to(tl.int64)
-                pv, pi, top, z = _thresholds(lp, l_stride, E, ot64, tok, top_k)
+                if KEYS16:
+                    pv, pi, top, z = _thresholds16(lp, l_stride, E, ot64, tok, top_k)
+                else:
+                    pv, pi, top, z = _thresholds(lp, l_stride, E, ot64, tok, top_k)
                 both = tok[:, None] & gok[None, :]
                 le = tl.load(
                     lp + ot64[:, None] * l_stride + e[None, :], mask=both, other=float("-inf")
@@ -430,7 +476,8 @@ if HAVE_TRITON:
         row at or past the segment's capacity is dropped (the module docstring's policy) and
         counted in e's entry of the dropped region. Pass 2 (_route_copy), after a barrier: the
         filled rows' x rows into the send rows. Each pass runs with 16-byte vector loads when
-        its rows allow (_fits16), else element-wise."""
+        its rows allow (_fits16), else element-wise; 16-bit logits of at most 256 experts in
+        such rows are ranked through packed int32 keys held in registers (_thresholds16)."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         top_k = param_i32(params, tp, 0)
@@ -446,45 +493,20 @@ if HAVE_TRITON:
         wp, w_stride, _nw, _gw = _corner(regions, bufaddr, bufcols, w0 + 4, _F32)
         dp, _d_stride, _nd, _gd = _corner(regions, bufaddr, bufcols, w0 + 5, _F32)
         if _fits16(lp, l_stride, E, DT):
-            _route_picks(
-                _vec16(lp, DT),
-                _whole16(l_stride, DT),
-                T,
-                _whole16(E, DT),
-                top_k,
-                per_rank,
-                first,
-                cap,
-                G,
-                mp,
-                m_stride,
-                rp,
-                r_stride,
-                wp,
-                w_stride,
-                cp,
-                dp,
-            )
+            lv, lv_stride, Ev = _vec16(lp, DT), _whole16(l_stride, DT), _whole16(E, DT)
+            if DT.primitive_bitwidth == 16:
+                if E <= 2 * _EB:  # the packed keys (_thresholds16)
+                    _route_picks(lv, lv_stride, T, Ev, top_k, per_rank, first, cap, G, mp,
+                                 m_stride, rp, r_stride, wp, w_stride, cp, dp, True)  # fmt: skip
+                else:
+                    _route_picks(lv, lv_stride, T, Ev, top_k, per_rank, first, cap, G, mp,
+                                 m_stride, rp, r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
+            else:
+                _route_picks(lv, lv_stride, T, Ev, top_k, per_rank, first, cap, G, mp, m_stride,
+                             rp, r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
         else:
-            _route_picks(
-                lp,
-                l_stride,
-                T,
-                E,
-                top_k,
-                per_rank,
-                first,
-                cap,
-                G,
-                mp,
-                m_stride,
-                rp,
-                r_stride,
-                wp,
-                w_stride,
-                cp,
-                dp,
-            )
+            _route_picks(lp, l_stride, T, E, top_k, per_rank, first, cap, G, mp, m_stride, rp,
+                         r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
         tl.debug_barrier()  # pass 2 reads the counts and metadata rows other threads stored
         if _fits16(xp, x_stride, H, DT) & _fits16(sp, s_stride, H, DT):
             _route_copy(
