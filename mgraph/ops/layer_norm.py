@@ -125,9 +125,50 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import load_region, param_f32, param_i32
-    from .tilewise import tile_ptrs
+    from .tilewise import block_ptrs, row_operand, vec_width
 
     _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
+
+    @triton.jit
+    def _layer_norm_rows(xa, xpitch, wa, ba, oa, opitch, m_rows, n, eps, has_w, has_b,
+                         DT: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr,
+                         FAST: tl.constexpr):
+        n = vec_width(n, DT, FAST)
+        nf = n.to(tl.float32)
+        zero = tl.zeros((1,), dtype=tl.int32)  # the weight and bias: one row, read by every row
+        for i in range(0, m_rows, RB_M):
+            om = i + tl.arange(0, RB_M)
+            rmask = om < m_rows
+            total = tl.zeros((RB_M,), dtype=tl.float32)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(block_ptrs(xa, xpitch, om, on, DT, FAST), mask=mask,
+                            other=0.0).to(tl.float32)
+                total += tl.sum(x, axis=1)
+            mean = total / nf
+            sq = tl.zeros((RB_M,), dtype=tl.float32)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(block_ptrs(xa, xpitch, om, on, DT, FAST), mask=mask,
+                            other=0.0).to(tl.float32)
+                d = tl.where(mask, x - mean[:, None], 0.0)
+                sq += tl.sum(d * d, axis=1)
+            rstd = tl.rsqrt(sq / nf + eps)
+            for j in range(0, n, RB_N):
+                on = j + tl.arange(0, RB_N)
+                mask = rmask[:, None] & (on < n)[None, :]
+                x = tl.load(block_ptrs(xa, xpitch, om, on, DT, FAST), mask=mask,
+                            other=0.0).to(tl.float32)
+                y = (x - mean[:, None]) * rstd[:, None]
+                if has_w != 0:
+                    y = y * tl.load(block_ptrs(wa, 0, zero, on, DT, FAST), mask=(on < n)[None, :],
+                                    other=0.0).to(tl.float32)
+                if has_b != 0:
+                    y = y + tl.load(block_ptrs(ba, 0, zero, on, DT, FAST), mask=(on < n)[None, :],
+                                    other=0.0).to(tl.float32)
+                tl.store(block_ptrs(oa, opitch, om, on, DT, FAST), y.to(DT), mask=mask)
 
     @LAYER_NORM.triton
     @triton.jit
@@ -137,45 +178,22 @@ if HAVE_TRITON:
         rows (the tilewise lowering guarantees it): per RB_M-row block, three passes over the
         row in RB_N-column blocks: the mean, the variance around it (no E[x^2] - mean^2
         cancellation), then the normalised store. The weight and bias reads follow x when the
-        params say they exist."""
+        params say they exist. By 16-byte vectors when every operand allows it
+        (tilewise.row_operand), element by element otherwise."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         eps = param_f32(params, tp, 0)
         has_w = param_i32(params, tp, 1)
         has_b = param_i32(params, tp, 2)
         _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
-        n = xn1 - xn0
-        nf = n.to(tl.float32)
-        for i in range(0, xm1 - xm0, RB_M):
-            om = i + tl.arange(0, RB_M)
-            rmask = om < xm1 - xm0
-            total = tl.zeros((RB_M,), dtype=tl.float32)
-            for j in range(0, n, RB_N):
-                on = j + tl.arange(0, RB_N)
-                mask = rmask[:, None] & (on < n)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
-                            other=0.0).to(tl.float32)
-                total += tl.sum(x, axis=1)
-            mean = total / nf
-            sq = tl.zeros((RB_M,), dtype=tl.float32)
-            for j in range(0, n, RB_N):
-                on = j + tl.arange(0, RB_N)
-                mask = rmask[:, None] & (on < n)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
-                            other=0.0).to(tl.float32)
-                d = tl.where(mask, x - mean[:, None], 0.0)
-                sq += tl.sum(d * d, axis=1)
-            rstd = tl.rsqrt(sq / nf + eps)
-            for j in range(0, n, RB_N):
-                on = j + tl.arange(0, RB_N)
-                mask = rmask[:, None] & (on < n)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
-                            other=0.0).to(tl.float32)
-                y = (x - mean[:, None]) * rstd[:, None]
-                if has_w != 0:
-                    y = y * tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + 1, om, on, DT),
-                                    mask=mask, other=0.0).to(tl.float32)
-                if has_b != 0:
-                    y = y + tl.load(tile_ptrs(regions, bufaddr, bufcols, r0 + 1 + has_w, om, on,
-                                              DT), mask=mask, other=0.0).to(tl.float32)
-                tl.store(tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), y.to(DT), mask=mask)
+        xa, xpitch, xvec = row_operand(regions, bufaddr, bufcols, r0, DT)
+        # an absent weight or bias: x's region again (region r0 + 1 may not be this task's)
+        wa, _wp, wvec = row_operand(regions, bufaddr, bufcols, r0 + has_w, DT)
+        ba, _bp, bvec = row_operand(regions, bufaddr, bufcols, r0 + (has_w + has_b) * has_b, DT)
+        oa, opitch, ovec = row_operand(regions, bufaddr, bufcols, w0, DT)
+        if xvec & wvec & bvec & ovec:
+            _layer_norm_rows(xa, xpitch, wa, ba, oa, opitch, xm1 - xm0, xn1 - xn0, eps, has_w,
+                             has_b, DT, RB_M, RB_N, True)
+        else:
+            _layer_norm_rows(xa, xpitch, wa, ba, oa, opitch, xm1 - xm0, xn1 - xn0, eps, has_w,
+                             has_b, DT, RB_M, RB_N, False)

@@ -102,34 +102,24 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import buffer_base, load_region, param_i32
-    from .tilewise import tile_ptrs
+    from .tilewise import block_ptrs, row_operand, vec_width
 
     _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
 
-    @ROW_REDUCE.triton
     @triton.jit
-    def row_reduce_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
-                        RB_M: tl.constexpr, RB_N: tl.constexpr):
-        """out[:, 0] = mean/sum/amax/amin of each row (code 0-3), fp32. Assumes the task's x
-        region holds whole rows (the tilewise lowering guarantees it): one pass over the row in
-        RB_N-column blocks per RB_M-row block, then one column stored."""
-        r0 = tl.load(tp + _READ0)
-        code = param_i32(params, tp, 0)
-        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
-        d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
-        dst = buffer_base(bufaddr, d, DT)
-        d_cols = tl.load(bufcols + d).to(tl.int64)
-        n = xn1 - xn0
+    def _reduce_rows(xa, xpitch, dst, d_cols, dm0, dn0, m_rows, n, code, DT: tl.constexpr,
+                     RB_M: tl.constexpr, RB_N: tl.constexpr, FAST: tl.constexpr):
+        n = vec_width(n, DT, FAST)
         # the reduction's identity: masked elements never change the result
         init = tl.where(code == 2, float("-inf"), tl.where(code == 3, float("inf"), 0.0))
-        for i in range(0, xm1 - xm0, RB_M):
+        for i in range(0, m_rows, RB_M):
             om = i + tl.arange(0, RB_M)
-            rmask = om < xm1 - xm0
+            rmask = om < m_rows
             acc = tl.zeros((RB_M,), dtype=tl.float32) + init
             for j in range(0, n, RB_N):
                 on = j + tl.arange(0, RB_N)
                 mask = rmask[:, None] & (on < n)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                x = tl.load(block_ptrs(xa, xpitch, om, on, DT, FAST), mask=mask,
                             other=0.0).to(tl.float32)
                 x = tl.where(mask, x, init)
                 if code == 2:
@@ -141,3 +131,25 @@ if HAVE_TRITON:
             if code == 0:
                 acc = acc / n.to(tl.float32)
             tl.store(dst + (dm0 + om).to(tl.int64) * d_cols + dn0, acc.to(DT), mask=rmask)
+
+    @ROW_REDUCE.triton
+    @triton.jit
+    def row_reduce_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                        RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """out[:, 0] = mean/sum/amax/amin of each row (code 0-3), fp32. Assumes the task's x
+        region holds whole rows (the tilewise lowering guarantees it): one pass over the row in
+        RB_N-column blocks per RB_M-row block, then one column stored. x is read by 16-byte
+        vectors when it allows it (tilewise.row_operand), element by element otherwise."""
+        r0 = tl.load(tp + _READ0)
+        code = param_i32(params, tp, 0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
+        dst = buffer_base(bufaddr, d, DT)
+        d_cols = tl.load(bufcols + d).to(tl.int64)
+        xa, xpitch, xvec = row_operand(regions, bufaddr, bufcols, r0, DT)
+        if xvec:
+            _reduce_rows(xa, xpitch, dst, d_cols, dm0, dn0, xm1 - xm0, xn1 - xn0, code, DT, RB_M,
+                         RB_N, True)
+        else:
+            _reduce_rows(xa, xpitch, dst, d_cols, dm0, dn0, xm1 - xm0, xn1 - xn0, code, DT, RB_M,
+                         RB_N, False)

@@ -77,31 +77,23 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import load_region
-    from .tilewise import tile_ptrs
+    from .tilewise import block_ptrs, row_operand, vec_width
 
     _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
 
-    @SOFTMAX.triton
     @triton.jit
-    def softmax_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
-                     RB_N: tl.constexpr):
-        """exp(x - max) / sum over whole rows, in fp32. Assumes the task's x region holds whole
-        rows (the tilewise lowering guarantees it): per RB_M-row block, one pass over the row in
-        RB_N-column blocks keeps a running max and a sum rescaled to it (online softmax), a
-        second one stores the normalised exponentials."""
-        r0 = tl.load(tp + _READ0)
-        w0 = tl.load(tp + _WRITE0)
-        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
-        n = xn1 - xn0
-        for i in range(0, xm1 - xm0, RB_M):
+    def _softmax_rows(xa, xpitch, oa, opitch, m_rows, n, DT: tl.constexpr, RB_M: tl.constexpr,
+                      RB_N: tl.constexpr, FAST: tl.constexpr):
+        n = vec_width(n, DT, FAST)
+        for i in range(0, m_rows, RB_M):
             om = i + tl.arange(0, RB_M)
-            rmask = om < xm1 - xm0
+            rmask = om < m_rows
             m = tl.full((RB_M,), float("-inf"), dtype=tl.float32)
             total = tl.zeros((RB_M,), dtype=tl.float32)
             for j in range(0, n, RB_N):
                 on = j + tl.arange(0, RB_N)
                 mask = rmask[:, None] & (on < n)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                x = tl.load(block_ptrs(xa, xpitch, om, on, DT, FAST), mask=mask,
                             other=float("-inf")).to(tl.float32)
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 # rows past the tile stay -inf (NaN here): never stored
@@ -110,7 +102,26 @@ if HAVE_TRITON:
             for j in range(0, n, RB_N):
                 on = j + tl.arange(0, RB_N)
                 mask = rmask[:, None] & (on < n)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, r0, om, on, DT), mask=mask,
+                x = tl.load(block_ptrs(xa, xpitch, om, on, DT, FAST), mask=mask,
                             other=float("-inf")).to(tl.float32)
                 y = tl.exp(x - m[:, None]) / total[:, None]
-                tl.store(tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), y.to(DT), mask=mask)
+                tl.store(block_ptrs(oa, opitch, om, on, DT, FAST), y.to(DT), mask=mask)
+
+    @SOFTMAX.triton
+    @triton.jit
+    def softmax_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
+                     RB_N: tl.constexpr):
+        """exp(x - max) / sum over whole rows, in fp32. Assumes the task's x region holds whole
+        rows (the tilewise lowering guarantees it): per RB_M-row block, one pass over the row in
+        RB_N-column blocks keeps a running max and a sum rescaled to it (online softmax), a
+        second one stores the normalised exponentials. By 16-byte vectors when x and out allow
+        it (tilewise.row_operand), element by element otherwise."""
+        r0 = tl.load(tp + _READ0)
+        w0 = tl.load(tp + _WRITE0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        xa, xpitch, xvec = row_operand(regions, bufaddr, bufcols, r0, DT)
+        oa, opitch, ovec = row_operand(regions, bufaddr, bufcols, w0, DT)
+        if xvec & ovec:
+            _softmax_rows(xa, xpitch, oa, opitch, xm1 - xm0, xn1 - xn0, DT, RB_M, RB_N, True)
+        else:
+            _softmax_rows(xa, xpitch, oa, opitch, xm1 - xm0, xn1 - xn0, DT, RB_M, RB_N, False)

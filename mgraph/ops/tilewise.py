@@ -192,4 +192,27 @@ if HAVE_TRITON:
         multiple of VEC (``j`` is one: the loops step by the block)."""
         return tl.multiple_of(j + tl.arange(0, BLOCK), VEC)
 
-    __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols"]
+    @triton.jit
+    def block_ptrs(addr, pitch, om, on, DT: tl.constexpr, FAST: tl.constexpr):
+        """Pointers to rows ``om`` and columns ``on`` of a row_operand region (a region more
+        than one column wide, or one whose single column is all ``on`` reaches). FAST (the
+        region's ``vec`` checked, the call inside that branch, ``on`` starting on a multiple of
+        VEC): int32 offsets from a 16-byte aligned corner, contiguity Triton can prove;
+        otherwise int64 offsets, element by element."""
+        if FAST:
+            VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+            rows = om * (pitch // VEC * VEC)  # == om * pitch here, provably a multiple of VEC
+            return vec_ptr(addr, DT) + rows[:, None] + tl.multiple_of(on, VEC)[None, :]
+        else:
+            return addr.to(tl.pointer_type(DT)) + om.to(tl.int64)[:, None] * pitch + on[None, :]
+
+    @triton.jit
+    def vec_width(n, DT: tl.constexpr, FAST: tl.constexpr):
+        """``n`` (a FAST region's width, a multiple of VEC) with that made provable, so that
+        masks ``on < n`` stay constant over each vector; unchanged otherwise."""
+        if FAST:
+            VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+            n = n // VEC * VEC
+        return n
+
+    __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols", "block_ptrs", "vec_width"]
