@@ -465,19 +465,27 @@ if HAVE_TRITON:
         return v0, v1, v2, v3, v4, v5
 
     @triton.jit
+    def _vblock(blk, nbj, m, n, VEC: tl.constexpr):
+        """Rows, columns and mask of block ``blk`` (row-major over ``nbj`` column blocks); a
+        block past the last one is all masked."""
+        om = (blk // nbj) * _EW_M + tl.arange(0, _EW_M)
+        on = vec_cols((blk % nbj) * _EW_N, _EW_N, VEC)
+        return om, on, (om < m)[:, None] & (on < n)[None, :]
+
+    @triton.jit
     def _vload(addr, pitch, om, on, mask, DT: tl.constexpr):
-        """A fast-path operand's [_EW_M, _EW_N] block as fp32 (row_operand's address and
-        pitch, its ``vec`` checked: 16-byte vectors, int32 offsets)."""
+        """A fast-path operand's [_EW_M, _EW_N] block, in DT (row_operand's address and pitch,
+        its ``vec`` checked: 16-byte vectors, int32 offsets)."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         p = vec_ptr(addr, DT) + (om * (pitch // VEC * VEC))[:, None] + on[None, :]
-        return tl.load(p, mask=mask, other=1.0).to(tl.float32)  # 1: finite through log, 1/x
+        return tl.load(p, mask=mask, other=1.0)  # 1: masked lanes finite through log, 1/x
 
     @triton.jit
     def _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, m, n, DT: tl.constexpr):
-        """The fast path: every operand and the output take 16-byte vectors. Per block, the
-        first four operands are loaded before the bytecode runs (their loads in flight
-        together, where the interpreter's LOADs would wait one after another); a LOAD of a
-        later one reads it then. Region lookups are hoisted out of the block loops."""
+        """The fast path: every operand and the output take 16-byte vectors. The first four
+        operands of block b + 1 are loaded before block b's bytecode runs (in flight together
+        and behind its math, where the interpreter's LOADs waited one after another); a LOAD
+        of a later operand reads it then. Region lookups are hoisted out of the block loop."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         nops = param_i32(params, tp, 0)
         result = param_i32(params, tp, 1)
@@ -490,48 +498,63 @@ if HAVE_TRITON:
         out_p = vec_ptr(oa, DT)
         opitch = opitch // VEC * VEC
         n = n // VEC * VEC
-        for i in range(0, m, _EW_M):
-            om = i + tl.arange(0, _EW_M)
-            for j in range(0, n, _EW_N):
-                on = vec_cols(j, _EW_N, VEC)
-                mask = (om < m)[:, None] & (on < n)[None, :]
-                zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
-                t0 = _vload(a0, p0, om, on, mask, DT)
-                t1 = zero
-                t2 = zero
-                t3 = zero
-                if nread > 1:
-                    t1 = _vload(a1, p1, om, on, mask, DT)
-                if nread > 2:
-                    t2 = _vload(a2, p2, om, on, mask, DT)
-                if nread > 3:
-                    t3 = _vload(a3, p3, om, on, mask, DT)
-                v0 = zero
-                v1 = zero
-                v2 = zero
-                v3 = zero
-                v4 = zero
-                v5 = zero
-                for k in range(0, nops):
-                    op = param_i32(params, tp, 2 + 4 * k)
-                    dst = param_i32(params, tp, 3 + 4 * k)
-                    a = param_i32(params, tp, 4 + 4 * k)
-                    b = param_i32(params, tp, 5 + 4 * k)
-                    if op == _LOAD:
-                        if a < 4:
-                            y = _pick(a, t0, t1, t2, t3, t3, t3)
-                        else:
-                            ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                            y = _vload(ak, pk, om, on, mask, DT)
-                    elif op == _CONST:
-                        y = zero + b.to(tl.float32, bitcast=True)
+        nbj = tl.cdiv(n, _EW_N)
+        raw = tl.zeros((_EW_M, _EW_N), dtype=DT)
+        om, on, mask = _vblock(0, nbj, m, n, VEC)
+        t0 = _vload(a0, p0, om, on, mask, DT)
+        t1 = raw
+        t2 = raw
+        t3 = raw
+        if nread > 1:
+            t1 = _vload(a1, p1, om, on, mask, DT)
+        if nread > 2:
+            t2 = _vload(a2, p2, om, on, mask, DT)
+        if nread > 3:
+            t3 = _vload(a3, p3, om, on, mask, DT)
+        for blk in range(0, tl.cdiv(m, _EW_M) * nbj):
+            nm, nn, nmask = _vblock(blk + 1, nbj, m, n, VEC)
+            u0 = _vload(a0, p0, nm, nn, nmask, DT)
+            u1 = raw
+            u2 = raw
+            u3 = raw
+            if nread > 1:
+                u1 = _vload(a1, p1, nm, nn, nmask, DT)
+            if nread > 2:
+                u2 = _vload(a2, p2, nm, nn, nmask, DT)
+            if nread > 3:
+                u3 = _vload(a3, p3, nm, nn, nmask, DT)
+            om, on, mask = _vblock(blk, nbj, m, n, VEC)
+            zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
+            v0 = zero
+            v1 = zero
+            v2 = zero
+            v3 = zero
+            v4 = zero
+            v5 = zero
+            for k in range(0, nops):
+                op = param_i32(params, tp, 2 + 4 * k)
+                dst = param_i32(params, tp, 3 + 4 * k)
+                a = param_i32(params, tp, 4 + 4 * k)
+                b = param_i32(params, tp, 5 + 4 * k)
+                if op == _LOAD:
+                    if a < 4:
+                        y = _pick(a, t0, t1, t2, t3, t3, t3).to(tl.float32)
                     else:
-                        xa = _pick(a, v0, v1, v2, v3, v4, v5)
-                        xb = _pick(b, v0, v1, v2, v3, v4, v5)
-                        y = _ewise_math(op, xa, xa, xb)
-                    v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
-                out = _pick(result, v0, v1, v2, v3, v4, v5)
-                tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
+                        ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                        y = _vload(ak, pk, om, on, mask, DT).to(tl.float32)
+                elif op == _CONST:
+                    y = zero + b.to(tl.float32, bitcast=True)
+                else:
+                    xa = _pick(a, v0, v1, v2, v3, v4, v5)
+                    xb = _pick(b, v0, v1, v2, v3, v4, v5)
+                    y = _ewise_math(op, xa, xa, xb)
+                v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
+            out = _pick(result, v0, v1, v2, v3, v4, v5)
+            tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
+            t0 = u0
+            t1 = u1
+            t2 = u2
+            t3 = u3
 
     @triton.jit
     def _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT: tl.constexpr):
