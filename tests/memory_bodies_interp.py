@@ -107,16 +107,43 @@ def rms_norm_cases() -> None:
                 compare(f"rms_norm-{name}-w{int(w)}", g, rows_fast, seed=22)
 
 
+def row_op_cases() -> None:
+    """layer_norm, softmax and row_reduce on both paths (their 16-byte rows are also covered,
+    every weight and bias combination and reduction, by megakernel_bodies_interp.py)."""
+    for dt in (F32, BF16):
+        for name, cols in WIDTHS.items():
+            for w, b in ((True, True), (False, True)):
+                g = mg.ops.layer_norm(topology="1x1", rows=40, cols=cols, tile_rows=24, dtype=dt,
+                                      has_weight=w, has_bias=b)
+                x = mg.ops.layer_norm.random_inputs(g, seed=27)
+                x["x"] = (x["x"].float() * 3 + 2).to(dt)  # a mean and a spread far from 0, 1
+                compare(f"layer_norm-{name}-w{int(w)}b{int(b)}", g, rows_fast, inputs=x)
+            g = mg.ops.softmax(topology="1x1", rows=40, cols=cols, tile_rows=24, dtype=dt)
+            x = mg.ops.softmax.random_inputs(g, seed=28)
+            x["x"] = (x["x"].float() * 4).to(dt)  # spread the logits: the running max matters
+            compare(f"softmax-{name}", g, rows_fast, inputs=x)
+            for fn in ("mean", "amax"):
+                g = mg.ops.row_reduce(topology="1x1", rows=40, cols=cols, tile_rows=24, dtype=dt,
+                                      fn=fn)
+                compare(f"row_reduce-{name}-{fn}", g, reduce_fast, seed=29)
+
+
+def reduce_fast(graph, task, dtype: torch.dtype) -> bool:
+    """row_reduce's gate: x alone (its output is one column, stored element by element)."""
+    return row_vec(graph, task.reads[0], dtype)
+
+
 def ewise_cases() -> None:
     """Chains of 2, 4 (RoPE's x * cos + rot(x) * sin) and 6 inputs (operands 4 and 5 are read
-    at their LOAD, the first four before the bytecode), full and row operands; the general
-    path for odd widths and a column operand."""
+    at their LOAD, the first four a block ahead), full and row operands, tasks of several row
+    blocks and of several column blocks (264: the last one masked); the general path for odd
+    widths and a column operand."""
     ew = mg.ops.elementwise
     rope = [["mul", 0, 1, 0.0], ["mul", 2, 3, 0.0], ["add", 4, 5, 0.0]]
     six = [["mul", 0, 1, 0.0], ["mul", 2, 3, 0.0], ["add", 6, 7, 0.0], ["mul", 4, 5, 0.0],
            ["sub", 8, 9, 0.0], ["silu", 10, -1, 0.0]]
     for dt in (F32, BF16):
-        for name, cols in (("vec", 80), ("odd", 78)):
+        for name, cols in (("vec", 80), ("vec-wide", 264), ("odd", 78)):
             g = ew(topology="1x1", rows=40, cols=cols, chain=rope,
                    operands=["full", "full", "full"], tile_rows=24, dtype=dt)
             compare(f"ewise-rope-{name}", g, rows_fast, seed=23)
@@ -139,7 +166,7 @@ def concat_cases() -> None:
 
 
 CASES = {"relayout": relayout_cases, "rms_norm": rms_norm_cases, "ewise": ewise_cases,
-         "concat": concat_cases}
+         "concat": concat_cases, "row_ops": row_op_cases}
 
 if __name__ == "__main__":
     import sys

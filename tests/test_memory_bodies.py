@@ -50,8 +50,15 @@ def test_rms_norm_fast_and_general_paths():
         assert r["fast"] == (r["tasks"] if "-vec-" in r["case"] else 0), r
 
 
+def test_layer_norm_softmax_row_reduce_fast_and_general_paths():
+    got = [r for prefix in ("layer_norm-", "softmax-", "row_reduce-")
+           for r in _check(prefix, {"layer_norm-": 8, "softmax-": 4, "row_reduce-": 8}[prefix])]
+    for r in got:
+        assert r["fast"] == (r["tasks"] if "-vec-" in r["case"] else 0), r
+
+
 def test_ewise_fast_and_general_paths():
-    for r in _check("ewise-", 10):  # chains of 2-6 inputs; 78 columns and a column operand not
+    for r in _check("ewise-", 14):  # chains of 2-6 inputs; 78 columns and a column operand not
         assert r["fast"] == (r["tasks"] if "-vec-" in r["case"] else 0), r
 
 
@@ -65,8 +72,11 @@ import triton.language as tl  # noqa: E402
 
 from mgraph.ops.concat import concat_tile  # noqa: E402
 from mgraph.ops.elementwise import ewise_tile  # noqa: E402
+from mgraph.ops.layer_norm import layer_norm_tile  # noqa: E402
 from mgraph.ops.relayout import relayout_tile  # noqa: E402
 from mgraph.ops.rms_norm import rms_norm_tile  # noqa: E402
+from mgraph.ops.row_reduce import row_reduce_tile  # noqa: E402
+from mgraph.ops.softmax import softmax_tile  # noqa: E402
 
 
 @triton.jit
@@ -91,6 +101,24 @@ def _ewise_kernel(tp, params, regions, bufaddr, bufrows, bufcols, DT: tl.constex
 def _concat_kernel(tp, params, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr,
                    RB_M: tl.constexpr, RB_N: tl.constexpr):
     concat_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
+
+
+@triton.jit
+def _layer_norm_kernel(tp, params, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr,
+                       RB_M: tl.constexpr, RB_N: tl.constexpr):
+    layer_norm_tile(tp, params, regions, bufaddr, bufcols, DT, RB_M, RB_N)
+
+
+@triton.jit
+def _softmax_kernel(tp, params, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr,
+                    RB_M: tl.constexpr, RB_N: tl.constexpr):
+    softmax_tile(tp, regions, bufaddr, bufcols, DT, RB_M, RB_N)
+
+
+@triton.jit
+def _row_reduce_kernel(tp, params, regions, bufaddr, bufrows, bufcols, DT: tl.constexpr,
+                       RB_M: tl.constexpr, RB_N: tl.constexpr):
+    row_reduce_tile(tp, params, regions, bufaddr, bufcols, DT, RB_M, RB_N)
 
 
 SIGNATURE = {"tp": "*i32", "params": "*i32", "regions": "*i32", "bufaddr": "*i64",
@@ -164,13 +192,14 @@ def test_rms_norm_fast_loops_move_16_byte_vectors(tmp_path):
 
 
 def test_ewise_fast_path_loads_16_byte_vectors(tmp_path):
-    """The fast path's loads: four operands before the bytecode and one at a LOAD of a later
-    operand, and the result's store, each one 16-byte vector a thread per 16 x 128 block; the
-    general path keeps its 2-byte loads (8 a thread: one per LOAD site, in its own loop)."""
+    """The fast path's loads: four operands for the first block, four for the next one in
+    each block's iteration, one at a LOAD of a later operand, and the result's store, each one
+    16-byte vector a thread per 16 x 128 block; the general path keeps its 2-byte loads (8 a
+    thread: one per LOAD site)."""
     stats = sass_stats(_ewise_kernel, tmp_path)
     print(stats)
     assert stats["spills"] == 0, stats
-    assert stats["all"].get("LDG.E.128") == 5 and stats["all"].get("STG.E.128") == 1, stats
+    assert stats["all"].get("LDG.E.128") == 9 and stats["all"].get("STG.E.128") == 1, stats
 
 
 def test_concat_fast_loops_move_16_byte_vectors(tmp_path):
@@ -184,8 +213,21 @@ def test_concat_fast_loops_move_16_byte_vectors(tmp_path):
     assert all(lp["LDG.E.128"] == lp["STG.E.128"] == 8 and lp["n"] < 200 for lp in fast), stats
 
 
+@pytest.mark.parametrize("body", ["layer_norm", "softmax", "row_reduce"])
+def test_row_op_fast_loops_load_16_byte_vectors(body, tmp_path):
+    """Each pass over the row: 8 vector loads a thread per block (layer_norm's last pass adds
+    the weight's and the bias's, one element a thread each); no spills."""
+    stats = sass_stats(KERNELS[body], tmp_path)
+    print(stats)
+    assert stats["spills"] == 0, stats
+    fast = [lp for lp in stats["loops"] if lp.get("LDG.E.128")]
+    assert len(fast) == {"layer_norm": 3, "softmax": 2, "row_reduce": 1}[body], stats
+    assert all(lp["LDG.E.128"] == 8 for lp in fast), stats
+
+
 KERNELS = {"relayout": _relayout_kernel, "rms_norm": _rms_norm_kernel, "ewise": _ewise_kernel,
-           "concat": _concat_kernel}
+           "concat": _concat_kernel, "layer_norm": _layer_norm_kernel,
+           "softmax": _softmax_kernel, "row_reduce": _row_reduce_kernel}
 
 if __name__ == "__main__":  # by hand: each body's SASS numbers (benchmarks/NOTES.md quotes them)
     import tempfile
