@@ -50,15 +50,15 @@ def test_rms_norm_fast_and_general_paths():
         assert r["fast"] == (r["tasks"] if "-vec-" in r["case"] else 0), r
 
 
-def test_layer_norm_softmax_row_reduce_fast_and_general_paths():
+def test_layer_norm_softmax_row_reduce_general_paths():
+    """Odd widths (their fast paths: test_triton_bodies.py's row cases, 16-byte rows)."""
     got = [r for prefix in ("layer_norm-", "softmax-", "row_reduce-")
-           for r in _check(prefix, {"layer_norm-": 8, "softmax-": 4, "row_reduce-": 8}[prefix])]
-    for r in got:
-        assert r["fast"] == (r["tasks"] if "-vec-" in r["case"] else 0), r
+           for r in _check(prefix, {"layer_norm-": 4, "softmax-": 2, "row_reduce-": 4}[prefix])]
+    assert all(r["fast"] == 0 for r in got), got
 
 
 def test_ewise_fast_and_general_paths():
-    for r in _check("ewise-", 14):  # chains of 2-6 inputs; 78 columns and a column operand not
+    for r in _check("ewise-", 12):  # chains of 2-6 inputs; 78 columns and a column operand not
         assert r["fast"] == (r["tasks"] if "-vec-" in r["case"] else 0), r
 
 
