@@ -27,9 +27,10 @@ checks the derived maps against a fit of the CPU body run on the positions thems
 
 The body has two paths, chosen once per task: when the innermost column digit is a stride-1 run
 of whole 16-byte vectors and every other stride, the base and the output's pitch are multiples of
-16 bytes (head splits and merges, repeat_kv's expand and last-dim slices of heads of 8 or more
-bf16 elements), it moves 16-byte vectors with int32 offsets, the digits evaluated once per row
-and once per vector; otherwise it gathers element by element in int64.
+16 bytes (head splits and merges, repeat_kv's expand and last-dim slices, when the head size and
+the slice bounds are multiples of 8 bf16 or 4 fp32 elements), it moves 16-byte vectors with
+int32 offsets, the digits evaluated once per row and once per vector; otherwise it gathers
+element by element in int64.
 """
 
 from __future__ import annotations
@@ -684,8 +685,9 @@ if HAVE_TRITON:
         base and the output's row pitch and corner are multiples of VEC, the buffers' bases
         are 16-byte aligned (encode.ALIGN guarantees 256) and both buffers have fewer than
         2^31 elements (int32 offsets: every partial digit sum is a position in the buffer).
-        Head splits, merges, repeat_kv's expand and last-dim slices of heads of 8 or more
-        bf16 elements all qualify. Otherwise, the general int64 gather element by element."""
+        Head splits, merges, repeat_kv's expand and last-dim slices qualify when the head size
+        and the slice bounds are multiples of VEC. Otherwise, the general int64 gather,
+        element by element."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         s_in, _a, _b, _c, _d = load_region(regions, tl.load(tp + _READ0))
         d, dm0, dm1, dn0, dn1 = load_region(regions, tl.load(tp + _WRITE0))
