@@ -114,10 +114,14 @@ def test_cut_schedule_check_skips_the_queue_simulation_only_when_it_would_pass()
         graph = _random_counter_graph(rng)
         order = _counter_order(graph, rng)
         sched = _cut(graph, order)
-        if rng.random() < 0.15:  # queues that are not the order's cut
+        spoil = rng.random()  # queues that are not the order's cut
+        if spoil < 0.15:
             q = next((q for rs in sched.ranks for q in rs.queues.values() if len(q) > 1), None)
             if q is not None:
                 q.reverse()
+        elif spoil < 0.25:  # a task queued twice, at the end of a queue
+            q = next(q for rs in sched.ranks for q in rs.queues.values() if q)
+            q.append(q[0])
         cut = all(
             rs.queues[role.value] == [t for t in order if graph.tasks[t].rank == rs.rank
                                       and graph.tasks[t].role == role.value]

@@ -49,7 +49,7 @@ def check_cut_schedule(schedule: Schedule, order: Sequence[int]) -> None:
     itself a merge of the queues the counters allow: exactly what ``check_queues`` searches for,
     so the queues are safe without its simulation (and membership holds: each task once, in its
     own queue). Otherwise this runs ``check_schedule``, which names the problem. At 2x8 the
-    queue simulation was ~0.25 s of scheduling; this pass is about half of it.
+    queue simulation was ~0.24 s of scheduling; this pass takes ~0.1 s.
     """
     if not _is_cut_counter_order(schedule.graph, schedule.ranks, order):
         check_schedule(schedule)
@@ -68,49 +68,40 @@ def _is_cut_counter_order(
     world = graph.topology.world_size
     if len(order) != n or [rs.rank for rs in ranks] != list(range(world)):
         return False
-    queues: dict[tuple[int, str], list[int]] = {}
+    # queue index of (rank, role): rank * len(roles) + the role's index, plain ints per task
+    role_index = {role: i for i, role in enumerate(_ROLE_NAMES)}
+    queues: list[list[int]] = []
     for rs in ranks:
         if set(rs.queues) != set(_ROLE_NAMES):
             return False
-        for role, q in rs.queues.items():
-            queues[(rs.rank, role)] = q
-    head = dict.fromkeys(queues, 0)
+        queues.extend(rs.queues[role] for role in _ROLE_NAMES)
+    head = [0] * len(queues)
     seen = bytearray(n)
     count = [0] * len(graph.events)
+    stride = len(_ROLE_NAMES)
     try:
-        return _runs_in_order(tasks, order, queues, head, seen, count)
+        for tid in order:
+            if tid.__class__ is not int or not 0 <= tid < n or seen[tid]:
+                return False
+            seen[tid] = 1
+            t = tasks[tid]
+            role = role_index.get(t.role)
+            if role is None or not 0 <= t.rank < world:
+                return False
+            qi = t.rank * stride + role
+            i = head[qi]
+            q = queues[qi]
+            if i >= len(q) or q[i] != tid:
+                return False
+            head[qi] = i + 1
+            for e, c in t.waits:
+                if count[e] < c:
+                    return False
+            for e in t.signals:
+                count[e] += 1
     except IndexError:  # an event id outside the graph (an unvalidated graph): the full check
         return False
-
-
-def _runs_in_order(
-    tasks: list,
-    order: Sequence[int],
-    queues: dict[tuple[int, str], list[int]],
-    head: dict[tuple[int, str], int],
-    seen: bytearray,
-    count: list[int],
-) -> bool:
-    n = len(tasks)
-    for tid in order:
-        if tid.__class__ is not int or not 0 <= tid < n or seen[tid]:
-            return False
-        seen[tid] = 1
-        t = tasks[tid]
-        key = (t.rank, t.role)
-        q = queues.get(key)
-        if q is None:
-            return False
-        i = head[key]
-        if i >= len(q) or q[i] != tid:
-            return False
-        head[key] = i + 1
-        for e, c in t.waits:
-            if count[e] < c:
-                return False
-        for e in t.signals:
-            count[e] += 1
-    return all(head[key] == len(q) for key, q in queues.items())
+    return all(h == len(q) for h, q in zip(head, queues, strict=True))
 
 
 def check_queues(graph: TaskGraph, ranks: Sequence[RankSchedule]) -> list[int]:
