@@ -378,26 +378,8 @@ if HAVE_TRITON:
         return _key_value(prev), 65535 - (prev & 65535), top, z
 
     @triton.jit
-    def _route_picks(
-        lp,
-        l_stride,
-        T,
-        E,
-        top_k,
-        per_rank,
-        first,
-        cap,
-        G,
-        mp,
-        m_stride,
-        rp,
-        r_stride,
-        wp,
-        w_stride,
-        cp,
-        dp,
-        KEYS16: tl.constexpr,
-    ):
+    def _route_picks(lp, l_stride, T, E, top_k, per_rank, first, cap, G, mp, m_stride,
+                     rp, r_stride, wp, w_stride, cp, dp, KEYS16: tl.constexpr):  # fmt: skip
         """Pass 1 of the route body: per step of _GB experts of the group, per block of _TB
         tokens, which tokens pick which expert (a [tokens, experts] tile), their rows (running
         counts in registers plus a cumsum down the block), the metadata rows, the picks map's
@@ -509,18 +491,8 @@ if HAVE_TRITON:
                          r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
         tl.debug_barrier()  # pass 2 reads the counts and metadata rows other threads stored
         if _fits16(xp, x_stride, H, DT) & _fits16(sp, s_stride, H, DT):
-            _route_copy(
-                _vec16(xp, DT),
-                _whole16(x_stride, DT),
-                _whole16(H, DT),
-                _vec16(sp, DT),
-                _whole16(s_stride, DT),
-                mp,
-                m_stride,
-                cp,
-                G,
-                cap,
-            )
+            _route_copy(_vec16(xp, DT), _whole16(x_stride, DT), _whole16(H, DT), _vec16(sp, DT),
+                        _whole16(s_stride, DT), mp, m_stride, cp, G, cap)  # fmt: skip
         else:
             _route_copy(xp, x_stride, H, sp, s_stride, mp, m_stride, cp, G, cap)
 
@@ -576,16 +548,8 @@ if HAVE_TRITON:
 
     @MOVE.triton
     @triton.jit
-    def move_tile(
-        tp,
-        params,
-        regions,
-        bufaddr,
-        bufcols,
-        DT: tl.constexpr,
-        RB_M: tl.constexpr,
-        RB_N: tl.constexpr,
-    ):
+    def move_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
+                  RB_M: tl.constexpr, RB_N: tl.constexpr):  # fmt: skip
         """The filled rows of each segment (its count, read from the counts region) to the
         destination, usually a peer's buffer: an empty segment moves nothing."""
         if param_i32(params, tp, 1) != 0:
@@ -594,28 +558,9 @@ if HAVE_TRITON:
             _move_rows(tp, params, regions, bufaddr, bufcols, DT, RB_M, RB_N)
 
     @triton.jit
-    def _expert_tma(
-        xp,
-        x_stride,
-        n,
-        H,
-        gp,
-        g_stride,
-        up,
-        u_stride,
-        F,
-        dp,
-        d_stride,
-        yp,
-        y_stride,
-        hp,
-        h_stride,
-        DT: tl.constexpr,
-        EM: tl.constexpr,
-        EF: tl.constexpr,
-        EN: tl.constexpr,
-        USE_TIMER: tl.constexpr,
-    ):
+    def _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp, d_stride,
+                    yp, y_stride, hp, h_stride, DT: tl.constexpr, EM: tl.constexpr,
+                    EF: tl.constexpr, EN: tl.constexpr, USE_TIMER: tl.constexpr):  # fmt: skip
         """The expert body's fast path: every operand through a TMA descriptor over its region
         (rows past ``n`` and columns past a block's edge read as zeros, and stores stop at the
         region's edge), so the K loops hold no pointer tensor and Triton's pipeliner prefetches
@@ -659,25 +604,9 @@ if HAVE_TRITON:
         bulk_store_fence(USE_TIMER)
 
     @triton.jit(noinline=True)
-    def _expert_pointer(
-        xp,
-        x_stride,
-        n,
-        H,
-        gp,
-        g_stride,
-        up,
-        u_stride,
-        F,
-        dp,
-        d_stride,
-        yp,
-        y_stride,
-        hp,
-        h_stride,
-        DT: tl.constexpr,
-        USE_TIMER: tl.constexpr,
-    ):
+    def _expert_pointer(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp,
+                        d_stride, yp, y_stride, hp, h_stride, DT: tl.constexpr,
+                        USE_TIMER: tl.constexpr):  # fmt: skip
         """The expert body for rows TMA cannot address (a corner or row not in whole 16-byte
         units): masked pointer loads in _PM x _PM blocks. A function of its own (scalar
         arguments) whose 32-row dots are mma.sync: ptxas allocates its registers apart from the
@@ -779,74 +708,17 @@ if HAVE_TRITON:
                 # load each weight block into shared memory half as often per row.
                 if DT.primitive_bitwidth == 16:
                     if tl.cdiv(n, 128) * 128 == tl.cdiv(n, 64) * 64:
-                        _expert_tma(
-                            xp,
-                            x_stride,
-                            n,
-                            H,
-                            gp,
-                            g_stride,
-                            up,
-                            u_stride,
-                            F,
-                            dp,
-                            d_stride,
-                            yp,
-                            y_stride,
-                            hp,
-                            h_stride,
-                            DT,
-                            128,
-                            64,
-                            128,
-                            USE_TIMER,
-                        )
+                        _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F,
+                                    dp, d_stride, yp, y_stride, hp, h_stride, DT, 128, 64, 128,
+                                    USE_TIMER)  # fmt: skip
                     else:
-                        _expert_tma(
-                            xp,
-                            x_stride,
-                            n,
-                            H,
-                            gp,
-                            g_stride,
-                            up,
-                            u_stride,
-                            F,
-                            dp,
-                            d_stride,
-                            yp,
-                            y_stride,
-                            hp,
-                            h_stride,
-                            DT,
-                            64,
-                            128,
-                            256,
-                            USE_TIMER,
-                        )
+                        _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F,
+                                    dp, d_stride, yp, y_stride, hp, h_stride, DT, 64, 128, 256,
+                                    USE_TIMER)  # fmt: skip
                 else:  # float32: half the columns, to stay in an H200 block's shared memory
-                    _expert_tma(
-                        xp,
-                        x_stride,
-                        n,
-                        H,
-                        gp,
-                        g_stride,
-                        up,
-                        u_stride,
-                        F,
-                        dp,
-                        d_stride,
-                        yp,
-                        y_stride,
-                        hp,
-                        h_stride,
-                        DT,
-                        64,
-                        64,
-                        128,
-                        USE_TIMER,
-                    )
+                    _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp,
+                                d_stride, yp, y_stride, hp, h_stride, DT, 64, 64, 128,
+                                USE_TIMER)  # fmt: skip
             else:
                 _expert_pointer(
                     xp,
@@ -928,22 +800,10 @@ if HAVE_TRITON:
             & _fits16(op, o_stride, C, DT)
             & _fits16(rp, r_stride, E, tl.float32)
         ):
-            _combine_rows(
-                _vec16(bp, DT),
-                _whole16(b_stride, DT),
-                _whole16(C, DT),
-                _vec16(rp, tl.float32),
-                _whole16(r_stride, tl.float32),
-                wp,
-                w_stride,
-                T,
-                _whole16(E, tl.float32),
-                _vec16(op, DT),
-                _whole16(o_stride, DT),
-                top_k,
-                DT,
-            )
+            _combine_rows(_vec16(bp, DT), _whole16(b_stride, DT), _whole16(C, DT),
+                          _vec16(rp, tl.float32), _whole16(r_stride, tl.float32), wp, w_stride, T,
+                          _whole16(E, tl.float32), _vec16(op, DT), _whole16(o_stride, DT), top_k,
+                          DT)  # fmt: skip
         else:
-            _combine_rows(
-                bp, b_stride, C, rp, r_stride, wp, w_stride, T, E, op, o_stride, top_k, DT
-            )
+            _combine_rows(bp, b_stride, C, rp, r_stride, wp, w_stride, T, E, op,
+                          o_stride, top_k, DT)  # fmt: skip
