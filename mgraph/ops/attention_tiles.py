@@ -60,6 +60,7 @@ reads the KV rows of head h // (H / kv_heads), whichever rows its regions name.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..kinds import TaskKind, kind_spec
@@ -68,7 +69,10 @@ from .abi import F_KIND, F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON, TASK
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ATTN_PARAMS", "BIAS_NONE", "BIAS_ADD", "BIAS_BOOL", "run_chains"]
+    from ..graph import TaskGraph
+
+__all__ = ["ATTN_PARAMS", "BIAS_NONE", "BIAS_ADD", "BIAS_BOOL", "FAST_HEAD_SIZES",
+           "attn_head_size", "run_chains"]
 
 ATTN_BLOCK = kind_spec(TaskKind.ATTN_BLOCK)
 ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
@@ -80,6 +84,25 @@ ATTN_BLOCK.params = ATTN_PARAMS
 # the bodies: the megakernel may run them on graphs whose buffers differ in dtype.
 ATTN_BLOCK.own_dtypes = ATTN_FINALIZE.own_dtypes = True
 BIAS_NONE, BIAS_ADD, BIAS_BOOL = 0, 1, 2  # the ``bias`` param: what the task's last read is
+# The head sizes a fast path is compiled for (attn_head_size rounds up to one of them).
+FAST_HEAD_SIZES = (128, 256)
+
+
+def attn_head_size(graph: TaskGraph, task_ids: Iterable[int]) -> int:
+    """The ``ATTN_D`` constexpr of a kernel that runs ``task_ids`` of ``graph``: the largest
+    head size of their attn_block tasks that a fast path takes, rounded up to 128 or 256; 0
+    when there is none (no attn_block task, or only heads past 256, which take the pointer
+    path). attn_block_tile compiles only the fast path of that width: ptxas gives a function
+    one register budget, and the 256-column path beside the 128-column one ran it out and
+    serialised every wgmma of the kernel (benchmarks/NOTES.md)."""
+    widest = 0
+    for tid in task_ids:
+        t = graph.tasks[tid]
+        if t.kind == ATTN_BLOCK.name:
+            d = t.reads[0].col1 - t.reads[0].col0  # the q region's columns: the head size
+            if d <= FAST_HEAD_SIZES[-1]:
+                widest = max(widest, d)
+    return next((w for w in FAST_HEAD_SIZES if widest <= w), 0) if widest else 0
 
 if HAVE_TRITON:
     import triton
@@ -102,6 +125,12 @@ if HAVE_TRITON:
     # k, v and the mask tile (32 KB each) hold 224 KB of shared memory, what 3 stages of k and
     # v alone do; 3 stages with the mask (288 KB) exceed an H200 block's 227 KB.
     _BIAS_STAGES = tl.constexpr(2)
+    # A head size in (_DB, 2 _DB] (compiled only when ATTN_D is 256) is folded in two
+    # _DB-column acc halves (64 registers a thread each at 8 warps) over chunks of 64 keys, 2
+    # stages: q (64 KB) and k, v (32 KB each a stage) hold 192 KB of shared memory, 208 KB with
+    # the mask tile; 128-key chunks would need 320 KB.
+    _KB_WIDE = tl.constexpr(64)
+    _WIDE_STAGES = tl.constexpr(2)
 
     @triton.jit
     def _rows_cols(regions, bufaddr, bufcols, index, DT: tl.constexpr):
@@ -186,6 +215,35 @@ if HAVE_TRITON:
             s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
             if MASKED or BIAS:
                 s = _scores(s, j0 + tl.arange(0, KB), om, row_ok, nk, lim, qk_scale, bp,
+                            b_stride, b_bool, MASKED, BIAS)
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.math.exp2(s - shift[:, None])
+            else:  # every score is finite, so is the new max
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                shift = m_new
+                p = tl.math.exp2(s * qk_scale - shift[:, None])
+            alpha = tl.math.exp2(m_i - shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(_operand(p.to(DT), USE_TIMER),
+                         _operand(vd.load([j0, 0]), USE_TIMER), acc * alpha[:, None])
+            m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _fold_wide(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, lim, qk_scale,
+                   bp, b_stride, b_bool, MASKED: tl.constexpr, BIAS: tl.constexpr,
+                   DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """_fold for a head size in (_DB, 2 _DB]: q and k 2 _DB columns wide (one dot for the
+        scores), v and acc in two _DB-column halves; _KB_WIDE-key chunks, _WIDE_STAGES stages
+        (shared memory). The same flash step as _fold's, kept apart so that a graph of smaller
+        heads compiles exactly the 128-column loops."""
+        for c in tl.range(c_lo, c_hi, num_stages=_WIDE_STAGES):
+            j0 = c * _KB_WIDE
+            s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
+            if MASKED or BIAS:
+                s = _scores(s, j0 + tl.arange(0, _KB_WIDE), om, row_ok, nk, lim, qk_scale, bp,
                             b_stride, b_bool, MASKED, BIAS)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
@@ -288,6 +346,52 @@ if HAVE_TRITON:
         tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
         _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
 
+    @triton.jit
+    def _fast_rows_wide(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
+                        sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
+                        causal, qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                        USE_TIMER: tl.constexpr):
+        """_fast_rows for a head size up to 2 _DB: q and k by descriptors 2 _DB columns wide,
+        v in two _DB-column halves, acc in two halves (_fold_wide). Columns past D are zeros
+        (TMA fills them), so a smaller head is correct here too, at twice the work."""
+        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, 2 * _DB])
+        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [_KB_WIDE, 2 * _DB])
+        vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [_KB_WIDE, 2 * _DB])
+        om = i0 + tl.arange(0, _QB)
+        row_ok = om < nq
+        m_old, l_old = _load_ml(first, smp, sm_stride, om, row_ok)
+        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, _KB_WIDE)
+        q = _operand(qd.load([i0, 0]), USE_TIMER)
+        # acc starts at 0 in the loops, the state's added after them (see _fast_rows)
+        acc = tl.zeros((_QB, 2 * _DB), dtype=tl.float32)
+        if has_bias == _BIAS_NONE:
+            acc, m_i, l_i = _fold_wide(acc, m_old, l_old, q, kd, vd, 0, c_plain,
+                                              om, row_ok, nk, lim, qk_scale, bp, b_stride,
+                                              b_bool, False, False, DT, USE_TIMER)
+            acc, m_i, l_i = _fold_wide(acc, m_i, l_i, q, kd, vd, c_plain, c_end,
+                                              om, row_ok, nk, lim, qk_scale, bp, b_stride,
+                                              b_bool, True, False, DT, USE_TIMER)
+        else:
+            # the caller's 16-byte check in a form the compiler sees (see _fast_rows)
+            per16 = 128 // DT.primitive_bitwidth
+            vbp = _aligned16(bp, DT)
+            vb_stride = b_stride // per16 * per16
+            vnk = nk // per16 * per16
+            acc, m_i, l_i = _fold_wide(acc, m_old, l_old, q, kd, vd, 0, c_plain,
+                                              om, row_ok, vnk, lim, qk_scale, vbp, vb_stride,
+                                              b_bool, False, True, DT, USE_TIMER)
+            acc, m_i, l_i = _fold_wide(acc, m_i, l_i, q, kd, vd, c_plain, c_end,
+                                              om, row_ok, vnk, lim, qk_scale, vbp, vb_stride,
+                                              b_bool, True, True, DT, USE_TIMER)
+        od = tl.arange(0, 2 * _DB)
+        cmask = row_ok[:, None] & (od < D)[None, :]
+        if first == 0:
+            keep = tl.where(m_old == float("-inf"), 0.0, tl.math.exp2(m_old - m_i))
+            acc += keep[:, None] * tl.load(sap + om[:, None] * sa_stride + od[None, :],
+                                           mask=cmask, other=0.0)
+        tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
+        _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
+
     @triton.jit(noinline=True)
     def _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                       sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
@@ -348,6 +452,17 @@ if HAVE_TRITON:
         _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
 
     @triton.jit
+    def _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
+                       sa_stride, mp, m_stride, smp, sm_stride, first, q_start, k_start, causal,
+                       qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                       USE_TIMER: tl.constexpr):
+        """The whole q block by the pointer path, _PB rows a call."""
+        for i0 in range(0, nq, _PB):
+            _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
+                          sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
+                          causal, qk_scale, has_bias, bp, b_stride, b_bool, DT, USE_TIMER)
+
+    @triton.jit
     def _aligned16(p, DT: tl.constexpr):
         """Pointer ``p`` rounded down to 16 bytes, with the hint that says so: ``p`` itself
         where the caller has checked that it is aligned, and then a fact Triton's alignment
@@ -358,8 +473,8 @@ if HAVE_TRITON:
 
     @ATTN_BLOCK.triton
     @triton.jit
-    def attn_block_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
-                        USE_TIMER: tl.constexpr):
+    def attn_block_tile(tp, params, regions, bufaddr, bufcols, ATTN_D: tl.constexpr,
+                        DT: tl.constexpr, USE_TIMER: tl.constexpr):
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
         w0 = tl.load(tp + _WRITE0)
@@ -382,28 +497,40 @@ if HAVE_TRITON:
         s0 = r0 + 3 + (first != 0).to(tl.int32) * (w0 - r0 - 3)
         sap, sa_stride, _nsa, _dsa = _rows_cols(regions, bufaddr, bufcols, s0, _F32)
         smp, sm_stride, _nsm, _dsm = _rows_cols(regions, bufaddr, bufcols, s0 + 1, _F32)
-        # The fast path: a head size up to _DB in a 16-bit dtype whose q, k, v regions TMA can
-        # address (fp32 tiles would not fit the pipeline stages in shared memory), and no mask
-        # tile or one read in whole 16-byte vectors (corner, row stride and key count in
-        # 16-byte units). Anything else takes the pointer path (any D), a call: its registers
-        # are not the fast loops' (see _pointer_rows).
-        per16 = 128 // DT.primitive_bitwidth
-        vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
-        fast = ((D <= _DB) & (DT.primitive_bitwidth == 16)
-                & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
-                & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
-        if fast:
-            for i0 in range(0, nq, _QB):
-                _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
-                           sap, sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start,
-                           k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, DT,
-                           USE_TIMER)
-        else:
-            for i0 in range(0, nq, _PB):
-                _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
-                              sap, sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start,
-                              k_start, causal, qk_scale, has_bias, bp, b_stride, b_bool, DT,
-                              USE_TIMER)
+        # The fast path: a head size up to ATTN_D in a 16-bit dtype whose q, k, v regions TMA
+        # can address (fp32 tiles would not fit the pipeline stages in shared memory), and no
+        # mask tile or one read in whole 16-byte vectors (corner, row stride and key count in
+        # 16-byte units). ATTN_D (0, 128 or 256, per graph: attn_head_size) picks the one fast
+        # path compiled: both in one function ran it out of registers, which serialised every
+        # wgmma of it (C7512). Anything else takes the pointer path (any D), a call: its
+        # registers are not the fast loops' (see _pointer_rows).
+        if ATTN_D > 0:
+            per16 = 128 // DT.primitive_bitwidth
+            vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
+            fast = ((D <= ATTN_D) & (DT.primitive_bitwidth == 16)
+                    & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
+                    & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
+            if fast:
+                for i0 in range(0, nq, _QB):
+                    if ATTN_D > _DB:
+                        _fast_rows_wide(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
+                                        a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride,
+                                        first, i0, q_start, k_start, causal, qk_scale, has_bias,
+                                        bp, b_stride, b_bool, DT, USE_TIMER)
+                    else:
+                        _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
+                                   a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
+                                   i0, q_start, k_start, causal, qk_scale, has_bias, bp,
+                                   b_stride, b_bool, DT, USE_TIMER)
+            else:
+                _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
+                               a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
+                               q_start, k_start, causal, qk_scale, has_bias, bp, b_stride,
+                               b_bool, DT, USE_TIMER)
+        else:  # no fast path compiled: a graph without a head size it could take
+            _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
+                           sap, sa_stride, mp, m_stride, smp, sm_stride, first, q_start, k_start,
+                           causal, qk_scale, has_bias, bp, b_stride, b_bool, DT, USE_TIMER)
 
     @ATTN_FINALIZE.triton
     @triton.jit
@@ -433,14 +560,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def chains_kernel(tasks, order, starts, param_table, regions, bufaddr, bufcols,
-                       BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """Program c runs chain c: its attn_block tasks in order, then its attn_finalize."""
+                       BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr,
+                       ATTN_D: tl.constexpr = 128):
+        """Program c runs chain c: its attn_block tasks in order, then its attn_finalize.
+        ``ATTN_D`` as the megakernel's (attn_head_size; run_chains passes it, 128 when a
+        launch leaves it out: benchmarks/bench_attention.py's, whose head size is 128)."""
         c = tl.program_id(0)
         for i in range(tl.load(starts + c), tl.load(starts + c + 1)):
             tp = tasks + tl.load(order + i) * _FIELDS
             if tl.load(tp + _KIND) == BLOCK_ID:
                 # (not named ``params``: Triton 3.6's argument binder shadows that name)
-                attn_block_tile(tp, param_table, regions, bufaddr, bufcols, DT, USE_TIMER)
+                attn_block_tile(tp, param_table, regions, bufaddr, bufcols, ATTN_D, DT,
+                                USE_TIMER)
             else:
                 attn_finalize_tile(tp, regions, bufaddr, bufcols, DT)
 
@@ -502,7 +633,8 @@ def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu"
             dev(tables.tasks), dev(torch.tensor(order, dtype=torch.int32)),
             dev(torch.tensor(starts, dtype=torch.int32)), dev(tables.params),
             dev(tables.regions), dev(addr), dev(cols), BLOCK_ID=kind_id(ATTN_BLOCK.name),
-            DT=_tl_dtype(graph.dtype), USE_TIMER=not interpret, num_warps=num_warps,
+            DT=_tl_dtype(graph.dtype), USE_TIMER=not interpret,
+            ATTN_D=attn_head_size(graph, tables.local_tasks), num_warps=num_warps,
             num_stages=num_stages,
         )
     return gather_outputs(graph, mem)

@@ -27,12 +27,26 @@ import inspect
 import os
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mgraph.errors import RegistrationError
 from mgraph.kinds import KINDS
 
-__all__ = ["ABI_NAMES", "PUSH_KIND", "megakernel_for", "dispatch_source", "has_body", "body_params"]
+if TYPE_CHECKING:
+    from mgraph.graph import TaskGraph
+
+__all__ = [
+    "ABI_NAMES",
+    "BODY_CONSTEXPRS",
+    "PUSH_KIND",
+    "megakernel_for",
+    "dispatch_source",
+    "has_body",
+    "body_params",
+    "body_constexprs",
+]
 
 # What a tile body may name as a parameter: the kernel's values at the dispatch point.
 ABI_NAMES = {
@@ -65,7 +79,15 @@ ABI_NAMES = {
     "RB_M": "constexpr: reduce/copy sub-block rows",
     "RB_N": "constexpr: reduce/copy sub-block columns",
     "USE_TIMER": "constexpr: on a GPU (inline PTX, %globaltimer) rather than the interpreter",
+    "ATTN_D": "constexpr: the head size attn_block's fast path is compiled for, 0, 128 or 256 "
+    "(mgraph.ops.attention_tiles.attn_head_size)",
 }
+# The constexprs of ABI_NAMES that only bodies read: kernel.py's template does not declare
+# them; the generated copy's signature does, and the runtime passes body_constexprs(). Each
+# is one value per kernel, fixed by the tasks it runs, so a graph compiles only the code
+# paths its tasks need (a path in the function costs every path registers: ptxas gives a
+# function one budget).
+BODY_CONSTEXPRS = ("ATTN_D",)
 PUSH_KIND = "push"  # the rdma push: not a registry kind (it has no CPU body), dispatched alike
 _BEGIN, _END = "# <dispatch>", "# </dispatch>"
 
@@ -101,6 +123,23 @@ def _params_of(kind: str, body) -> list[str]:
     return names
 
 
+def body_constexprs(graph: TaskGraph, task_ids: Iterable[int]) -> dict[str, int]:
+    """The values of :data:`BODY_CONSTEXPRS` for a kernel that runs ``task_ids`` of ``graph``
+    (one rank's tasks, or every rank's in one interpreter program)."""
+    from mgraph.ops.attention_tiles import attn_head_size
+
+    return {"ATTN_D": attn_head_size(graph, task_ids)}
+
+
+def _declare_body_constexprs(template: str) -> str:
+    """kernel.py's text with :data:`BODY_CONSTEXPRS` appended to megakernel's parameters."""
+    start = template.index("\ndef megakernel(")
+    close = template.index("\n):", start)  # the signature's closing line
+    missing = [n for n in BODY_CONSTEXPRS if f" {n}:" not in template[start:close]]
+    added = "".join(f"\n    {n}: tl.constexpr," for n in missing)
+    return template[:close] + added + template[close:]
+
+
 def dispatch_source(kinds: dict[str, int], indent: str) -> tuple[str, str]:
     """(the dispatch block, the import lines) for ``kinds`` (name -> kind id)."""
     block, imports = [], []
@@ -131,6 +170,7 @@ def megakernel_for(kinds: dict[str, int]):
     block, imports = dispatch_source(kinds, indent)
     # the copy lives outside the package: its relative imports become absolute
     template = template.replace("\nfrom .", "\nfrom mgraph.runtime.megakernel.")
+    template = _declare_body_constexprs(template)
     start = template.index(_BEGIN)
     line_start = template.rindex("\n", 0, start) + 1
     end = template.index("\n", template.index(_END)) + 1

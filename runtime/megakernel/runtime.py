@@ -31,7 +31,7 @@ from mgraph.settings import Settings
 
 from ..memory import check_inputs, gather_outputs
 from ..trace import TaskRecord, Trace
-from .dispatch import PUSH_KIND, body_params, has_body, megakernel_for
+from .dispatch import PUSH_KIND, body_constexprs, body_params, has_body, megakernel_for
 from .encode import (
     PUSH_ID,
     ROLE_ALL,
@@ -506,7 +506,7 @@ class TritonRuntime:
             a0_slot=t.a0_slot, b0_slot=t.b0_slot, start_cmds=t.start_cmds,
             nexit=len(t.exits), nexitev=len(t.exit_events),
             DT=_tl_dtype(self.graph.dtype), BM=self.bm, BN=self.bn, BK=BK, RB_M=RB_M, RB_N=RB_N,
-            NEED_AB=self._need_ab,
+            NEED_AB=self._need_ab, **body_constexprs(self.graph, t.local_tasks),
             USE_TIMER=not self.interpret, TRACE=self.trace_enabled,
             BARRIER=self.npeers > 0 or t.start_cmds > 0,
             HAS_NET=net is not None,
