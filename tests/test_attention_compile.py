@@ -14,7 +14,10 @@ must be checked inside the kernels that launch them, not only alone:
   cp.async, no 16-bit scalar global loads, no local-memory spill inside a loop;
 - the megakernel as the bf16 ring launches it (attn_block, attn_finalize and copy in one
   function with the queue loop and the waits): the fast loops' wgmma stay pipelined there and
-  the plain loop spills nothing.
+  the plain loop spills nothing;
+- the same megakernel at head size 256: ATTN_D = 256 compiles the wide fast path (one 128 x 256
+  acc, 64-key chunks) instead of the 128-column one, and its loops are pipelined too, inside an
+  H200 block's shared memory; ATTN_D itself (attention_tiles.attn_head_size) per graph.
 
 benchmarks/NOTES.md has the numbers before and after, also for attention_tiles.chains_kernel
 (what benchmarks/bench_attention.py tile launches), compiled the same way by hand.
@@ -34,7 +37,7 @@ nvidia = pytest.importorskip("triton.backends.nvidia")
 
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
 
 from mgraph.ops import attention_tiles as at  # noqa: E402
 
@@ -128,6 +131,28 @@ def compile_sm90(fn, signature: dict, constants: dict, tmp_path: Path,
     return compiled, stats
 
 
+def compile_megakernel(kinds, args: dict):
+    """The generated megakernel of ``kinds`` compiled for sm_90 with ``args`` (the runtime's
+    kernel arguments), specialised by Triton's binder as at a launch (test_gpu_compile's way),
+    through triton.compile: its metadata has the shared memory the launch needs."""
+    from triton.runtime.jit import create_function_from_signature
+
+    from mgraph.runtime.megakernel.dispatch import body_params, megakernel_for
+    from mgraph.runtime.megakernel.encode import kind_id
+
+    args = dict(args, NEED_AB=any(p in ("ad0", "bd0") for k in kinds for p in body_params(k)))
+    fn = megakernel_for({k: kind_id(k) for k in kinds})
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, launch_opts = binder(**args)
+    _options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch_opts, bound, specialization, launch_opts)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                          options={"num_warps": args["num_warps"],
+                                   "num_stages": args["num_stages"]})
+
+
 def pipelined(loop: dict) -> bool:
     """Whether a loop's wgmma run asynchronously: serialised, ptxas puts a wait (WARPGROUP.DEPBAR)
     after every HGMMA, 16 or more an iteration; pipelined, one or two (the probe's loop: 1)."""
@@ -187,3 +212,106 @@ def test_ring_megakernel_fast_loops_pipelined(tmp_path):
     assert plain["LDL"] == 0 and plain["STL"] == 0, fast
     # the pointer path: a call to a function of its own, on mma.sync (HMMA), no wgmma
     assert stats["HMMA"] > 0 and cubin.count(b"_pointer_rows") > 0, stats
+
+
+def ring_d(D: int, dtype=None):
+    """A causal bf16 ring over 1x2 as test_gpu_compile's ring_attention-1x2-bf16, head size D."""
+    import torch
+
+    import mgraph as mg
+
+    return mg.ops.ring_attention(topology="1x2", B=1, H=4, S=512, D=D, block=128, kv_heads=2,
+                                 causal=True, dtype=dtype or torch.bfloat16)
+
+
+def test_attn_head_size_picks_the_one_fast_path_a_graph_needs():
+    """ATTN_D per graph: the largest head size of the attn_block tasks a fast path takes,
+    rounded up to 128 or 256; 0 without attention or with heads past 256 only. The generated
+    megakernel declares it (kernel.py's template does not) and the runtime passes it."""
+    import mgraph as mg
+    from mgraph.runtime.megakernel.dispatch import body_constexprs, megakernel_for
+    from mgraph.runtime.megakernel.encode import kind_id
+
+    for D, want in ((40, 128), (128, 128), (160, 256), (256, 256), (320, 0)):
+        g = ring_d(D)
+        assert at.attn_head_size(g, range(len(g.tasks))) == want, D
+        # a rank's own tasks: rank 1's attn_block tasks alone give the same
+        mine = [t.id for t in g.tasks if t.rank == 1]
+        assert body_constexprs(g, mine) == {"ATTN_D": want}, D
+        assert body_constexprs(g, [t.id for t in g.tasks if t.kind == "copy"]) == {"ATTN_D": 0}
+    gemm = mg.ops.gemm_allreduce(topology="1x2", M=256, N=256, K=128)
+    assert at.attn_head_size(gemm, range(len(gemm.tasks))) == 0
+    fn = megakernel_for({k: kind_id(k) for k in ("attn_block", "attn_finalize", "copy")})
+    declared = [q for q in fn.params if q.name == "ATTN_D"]
+    assert len(declared) == 1 and declared[0].is_constexpr, fn.arg_names
+
+
+def test_ring_megakernel_d256_wide_fast_loops_pipelined(tmp_path):
+    """The ring megakernel of test_ring_megakernel_fast_loops_pipelined at head size 256:
+    ATTN_D = 256, so attn_block compiles the wide fast path alone (q and k 256 columns, one
+    128 x 256 fp32 acc, 64-key chunks, 2 stages): every fast loop issues 20 HGMMA an iteration
+    (q.k: K 256 over 16 steps; p.v: N 256, K 64 over 4), none the 128-column path's 16; they
+    are pipelined, the plain loop spills nothing, and q plus two stages of k, v and a mask tile
+    fit an H200 block's shared memory. (With the acc in two 128-column halves, ptxas
+    serialised every wgmma of the kernel: C7513.)"""
+    from unittest import mock
+
+    import test_gpu_compile as tgc
+
+    name = "ring_attention-1x2-bf16-d256"
+    with mock.patch.dict(tgc.GRAPHS, {name: lambda: ring_d(256)}):
+        args, kinds = tgc.gpu_args(name)
+    assert args["ATTN_D"] == 256 and tgc.gpu_args("ring_attention-1x2-bf16")[0]["ATTN_D"] == 128
+    compiled = compile_megakernel(kinds, args)
+    stats = sass_stats(compiled.asm["cubin"], tmp_path, per_loop=True)
+    fast = [r for r in stats["per_loop"] if r["UTMALDG"] > 0 and r["HGMMA"] > 0]
+    print(dict(shared=compiled.metadata.shared,
+               **{k: v for k, v in stats.items() if k != "per_loop"}), fast)
+    assert len(fast) == 4, fast  # (plain, masked) x (mask tile or not)
+    assert all(r["HGMMA"] == 20 for r in fast), fast
+    assert all(pipelined(r) for r in fast), fast
+    plain = min((r for r in fast if r["LDGSTS"] == 0), key=lambda r: r["n"])
+    assert plain["LDL"] == 0 and plain["STL"] == 0, fast
+    assert compiled.metadata.shared <= 232448, compiled.metadata.shared
+    assert stats["HMMA"] > 0 and compiled.asm["cubin"].count(b"_pointer_rows") > 0, stats
+
+
+_D192 = """
+import torch, mgraph as mg
+import mgraph.ops.attention_tiles as at
+from mgraph.runtime.megakernel import TritonRuntime
+
+def pointer_path(*args):  # every task here must take the wide fast path
+    raise AssertionError("attn_block took the pointer path")
+
+at._pointer_rows = pointer_path
+g = mg.ops.ring_attention(topology="1x1", B=1, H=1, S=256, D=192, block=64, kv_block=128,
+                          causal=True, dtype=torch.bfloat16)
+gen = torch.Generator().manual_seed(5)
+x = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16) for n, s in g.inputs.items()}
+s = mg.schedule(g)
+want = mg.run(s, x).outputs["out"].float()
+got = TritonRuntime(s, interpret=True).run(x).outputs["out"].float()
+print("ERR", ((got - want).norm() / want.norm()).item())
+"""
+
+
+def test_megakernel_d192_takes_the_wide_fast_path_interpreted():
+    """Under TRITON_INTERPRET=1, the megakernel on a bf16 causal graph of head size 192 (ATTN_D
+    256 from the runtime's kernel arguments: q blocks of 64 rows, KV blocks of 128 keys, so a
+    task folds chunks below, across and past the diagonal) matches the reference runtime within
+    bf16's tolerance (test_triton_attention.TOL_BF16), with the pointer path replaced by an
+    error: every task took the wide fast path. (run_chains' head size 160 cases in
+    megakernel_attention_interp.py take it through chains_kernel.)"""
+    import os
+    import subprocess
+    import sys
+
+    from test_triton_attention import TOL_BF16
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _D192], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = float(proc.stdout.split("ERR")[-1])
+    assert err < TOL_BF16, proc.stdout

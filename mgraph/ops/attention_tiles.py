@@ -9,17 +9,21 @@ KV block in chunks of ``_KB`` keys (flash attention's inner loop): per chunk the
 through exp2 with the scale folded into a log2(e) factor, the running max and sum are rescaled,
 and acc is rescaled and accumulated. Whole chunks at or before every row's diagonal run a plain
 loop with no mask; one masked loop covers the chunks the causal diagonal crosses and the
-block's partial last chunk. The fast path (head size up to ``_DB`` (128), a 16-bit dtype,
-q/k/v regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v
-through TMA descriptors over the task's regions and keeps q and acc in registers for the whole
-KV block; acc starts at 0 and the state's acc is added after the loops, scaled by their
-rescales. A mask tile rides along when it can be read in 16-byte vectors (its corner, row
+block's partial last chunk. The fast path (head size up to ``ATTN_D``, a 16-bit dtype, q/k/v
+regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v through TMA
+descriptors over the task's regions and keeps q and acc in registers for the whole KV block;
+acc starts at 0 and the state's acc is added after the loops, scaled by their rescales.
+``ATTN_D`` is a constexpr per kernel (:func:`attn_head_size`: the largest head size of the
+kernel's attn_block tasks, rounded up to 128 or 256) and only its fast path is compiled: at
+128, ``_DB``-column q, k, v and acc over ``_KB``-key chunks; at 256, q, k, v and acc 256
+columns wide over ``_KB_WIDE``-key chunks, 2 stages (shared memory), where a smaller head in
+the same kernel costs the 256-column work (TMA fills the columns past D with zeros). A mask tile rides along when it can be read in 16-byte vectors (its corner, row
 stride and key count in whole 16-byte units; a broadcast row has stride 0): its loops are
 compiled apart from the unmasked ones, load the tile by pointers the compiler can prove aligned
 (cp.async into shared memory, 2 pipeline stages instead of 3 to stay in shared memory) and
 apply either mask kind by a select, keeping the scores in one register layout. Every other
-task (a head size past 128, float32 data, unaligned regions or mask tile) takes the pointer
-path: ``_PB``-row sub-blocks, ``_PB``-key chunks, D in ``_PB``-column chunks, acc updated in
+task (a head size past ATTN_D, float32 data, unaligned regions or mask tile) takes the
+pointer path: ``_PB``-row sub-blocks, ``_PB``-key chunks, D in ``_PB``-column chunks, acc updated in
 the state buffer chunk by chunk; it is many times slower (pointer loads, mma.sync on 32-row
 tiles).
 
@@ -30,11 +34,13 @@ included. So the fast loops hold no index tensors (plain loop) or few (masked), 
 int32, acc never enters a loop from a runtime branch (that alone serialised them: C7515),
 attn_finalize works in small tiles, and the pointer path is a function of its own
 (``noinline``, scalar arguments) on mma.sync, which ptxas allocates apart: a noinline callee
-using wgmma would serialise the caller's (C7510). Head sizes in (128, 256] had a TMA path of
-their own (two 128-column acc halves); with it in the function ptxas ran out of registers
-(C7512) whatever else was done, so they take the pointer path. Compiled for sm_90
-(tests/test_attention_compile.py), chains_kernel's fast loops are wgmma fed by TMA, pipelined,
-and spill-free or nearly (benchmarks/NOTES.md has the numbers).
+using wgmma would serialise the caller's (C7510). Both fast paths in one function ran it out
+of registers (C7512) whatever else was done, hence ATTN_D; and the 256-column path with acc in
+two 128-column halves was serialised by itself (C7513: non-wgmma instructions defining a
+wgmma's input registers inside its pipeline stage), hence one 128 x 256 acc. Compiled for
+sm_90 (tests/test_attention_compile.py), the ring megakernel's fast loops at ATTN_D 128 and 256
+are wgmma fed by TMA, pipelined, and the plain loop is spill-free (benchmarks/NOTES.md has the
+numbers).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
@@ -125,10 +131,10 @@ if HAVE_TRITON:
     # k, v and the mask tile (32 KB each) hold 224 KB of shared memory, what 3 stages of k and
     # v alone do; 3 stages with the mask (288 KB) exceed an H200 block's 227 KB.
     _BIAS_STAGES = tl.constexpr(2)
-    # A head size in (_DB, 2 _DB] (compiled only when ATTN_D is 256) is folded in two
-    # _DB-column acc halves (64 registers a thread each at 8 warps) over chunks of 64 keys, 2
-    # stages: q (64 KB) and k, v (32 KB each a stage) hold 192 KB of shared memory, 208 KB with
-    # the mask tile; 128-key chunks would need 320 KB.
+    # A head size up to 2 _DB (compiled only when ATTN_D is 256) is folded with a 128 x 256
+    # fp32 acc (128 registers a thread at 8 warps) over chunks of 64 keys, 2 stages: q (64 KB)
+    # and k, v (32 KB each a stage) hold 192 KB of shared memory, 224 KB with the mask tile;
+    # 128-key chunks would need 320 KB.
     _KB_WIDE = tl.constexpr(64)
     _WIDE_STAGES = tl.constexpr(2)
 
@@ -235,10 +241,11 @@ if HAVE_TRITON:
     def _fold_wide(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, lim, qk_scale,
                    bp, b_stride, b_bool, MASKED: tl.constexpr, BIAS: tl.constexpr,
                    DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """_fold for a head size in (_DB, 2 _DB]: q and k 2 _DB columns wide (one dot for the
-        scores), v and acc in two _DB-column halves; _KB_WIDE-key chunks, _WIDE_STAGES stages
-        (shared memory). The same flash step as _fold's, kept apart so that a graph of smaller
-        heads compiles exactly the 128-column loops."""
+        """_fold for a head size up to 2 _DB: q, k, v and acc 2 _DB columns wide (one dot each
+        for the scores and p @ v), _KB_WIDE-key chunks, _WIDE_STAGES stages (shared memory).
+        The same flash step as _fold's, kept apart so that a kernel of smaller heads compiles
+        exactly the 128-column loops. One acc, not two 128-column halves: with halves ptxas
+        serialised every wgmma (C7513, sm_90)."""
         for c in tl.range(c_lo, c_hi, num_stages=_WIDE_STAGES):
             j0 = c * _KB_WIDE
             s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
@@ -351,9 +358,9 @@ if HAVE_TRITON:
                         sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
                         causal, qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
                         USE_TIMER: tl.constexpr):
-        """_fast_rows for a head size up to 2 _DB: q and k by descriptors 2 _DB columns wide,
-        v in two _DB-column halves, acc in two halves (_fold_wide). Columns past D are zeros
-        (TMA fills them), so a smaller head is correct here too, at twice the work."""
+        """_fast_rows for a head size up to 2 _DB: q, k, v by descriptors 2 _DB columns wide,
+        acc 2 _DB columns (_fold_wide). Columns past D are zeros (TMA fills them), so a smaller
+        head is correct here too, at the wide path's cost."""
         qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, 2 * _DB])
         kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [_KB_WIDE, 2 * _DB])
         vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [_KB_WIDE, 2 * _DB])
