@@ -387,3 +387,43 @@ def test_validate_and_schedule_leave_the_collector_as_they_found_it():
             assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def test_lower_runs_torch_on_one_thread_and_restores_the_count(monkeypatch):
+    # Lowering sets torch's intra-op threads to 1 while it runs (relayout's small tile maps made
+    # a second thread spin); the caller's count must come back, also when lowering raises.
+    import runpy
+    from pathlib import Path
+
+    import torch
+
+    from mgraph import lower as lowering
+
+    ns = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "llama_block.py"),
+                        run_name="mgraph_threads")
+    torch.manual_seed(0)
+    module = ns["DecoderBlock"](hidden=64, ffn=128).eval()
+    x = (torch.randn(1, 32, 64),)
+    seen: list[int] = []
+    lower_node = lowering._Lowering.lower_node
+
+    def spy(self, node):
+        seen.append(torch.get_num_threads())
+        return lower_node(self, node)
+
+    def fail(self, node):
+        raise mg.MgraphError("boom")
+
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(lowering._Lowering, "lower_node", spy)
+        mg.compile(module, x, plan=ns["block_plan"](), topology="1x2")
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        monkeypatch.setattr(lowering._Lowering, "lower_node", fail)
+        with pytest.raises(mg.MgraphError, match="boom"):
+            mg.compile(module, x, plan=ns["block_plan"](), topology="1x2")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)
