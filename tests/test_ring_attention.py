@@ -84,7 +84,11 @@ def test_kv_crosses_each_node_boundary_once(topology, causal):
 
 
 def test_rdma_chunks_hold_at_least_chunk_bytes():
-    g = mg.ops.ring_attention(topology="2x2", B=1, H=2, S=80, D=16, block=4, chunk_bytes=1000)
+    # kv_block=4 named: chunks are whole KV blocks, and the default (a whole 20-row slice
+    # here) would make every chunk one slice
+    g = mg.ops.ring_attention(
+        topology="2x2", B=1, H=2, S=80, D=16, block=4, kv_block=4, chunk_bytes=1000
+    )
     slot_rows = g.buffers["k@0"].rows  # 1 * 2 * 20 = 40 rows: chunks of 16, 16 and 8 rows
     sizes = [(t.writes[0], g.region_bytes(t.writes[0])) for t in g.tasks if t.role == "rdma"]
     assert sizes
@@ -118,7 +122,8 @@ def test_ring_consumption_order_and_chains(causal):
             assert order == expected
     first = next(c for (r, _), c in chains.items() if r == 5)
     if not causal:
-        assert [source_of(g, t) for t in first][:: (S // 8) // BLOCK] == [5, 6, 7, 4, 0, 1, 2, 3]
+        kvb = first[0].reads[1].row1 - first[0].reads[1].row0  # the default: a whole slice
+        assert [source_of(g, t) for t in first][:: (S // 8) // kvb] == [5, 6, 7, 4, 0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("topology", ["2x4", "4x2"])
@@ -149,9 +154,12 @@ def test_each_block_waits_only_on_its_rows(topology):
 
 
 def test_causal_skips_blocks_and_is_balanced():
+    # kv_block=BLOCK named (square tasks: the masked ones are exactly the diagonal); the
+    # default's longer KV blocks are checked by test_attention_kv_blocks.py
     for topology in ("2x4", "4x2", "1x2"):
         W = mg.Topology.parse(topology).world_size
-        full, causal = build(topology, False), build(topology, True)
+        full = build(topology, False, kv_block=BLOCK)
+        causal = build(topology, True, kv_block=BLOCK)
         nblk = S // BLOCK
         assert len(attn_tasks(full)) == B * H * nblk * nblk
         assert len(attn_tasks(causal)) == B * H * nblk * (nblk + 1) // 2

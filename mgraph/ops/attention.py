@@ -19,7 +19,12 @@ form, which the Program makes on the way in (mgraph/trace/attention_map.py).
 
 Grouped-query attention: option ``kv_heads`` (dividing H) gives k and v that many heads, each
 shared by H / kv_heads query heads (SDPA's ``enable_gqa``); the q blocks of a group read the
-same KV rows. ``kv_block`` (default ``block``): keys per ``attn_block`` task.
+same KV rows. ``kv_block``: keys per ``attn_block`` task; by default the largest multiple of
+the q block dividing S, at most 1024 (ring_attention's ``default_kv_block``: every task reads
+and writes the fp32 state once, so fewer, longer tasks pay that less often per key). Under a
+causal mask a KV block that straddles the diagonal is masked in the body (which hides the keys
+after each query; the Triton body skips the key chunks after the block's last query), and its
+cost counts only the pairs it shows; blocks wholly after a q block's last query are not emitted.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from ..layout import Layout, as_dim_shard, check_layout, layout_pieces
 from ..topology import Topology
 from .attention_tiles import BIAS_ADD, BIAS_BOOL
 from .registry import OpDef
-from .ring_attention import repeat_kv
+from .ring_attention import default_kv_block, repeat_kv
 
 __all__ = ["attention"]
 
@@ -109,7 +114,10 @@ def _kv_heads(H: int, kv_heads: int | None) -> int:
 def _blocks(S: int, block: int, kv_block: int | None) -> tuple[int, int]:
     """(q rows, keys) per attn_block task."""
     sizes = []
-    for name, value in (("block", block), ("kv_block", block if kv_block is None else kv_block)):
+    for name, value in (("block", block), ("kv_block", kv_block)):
+        if value is None:  # kv_block: the default, from the q block
+            sizes.append(default_kv_block(S, sizes[0]))
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ShapeError(f"{OP}: {name}={value!r} must be a positive int")
         sizes.append(pick_tile(OP, "S", S, value))

@@ -11,8 +11,10 @@ is cut into 2W chunks and rank r holds chunks r and 2W-1-r (zigzag), so every ra
 number of unmasked (q block, k block) pairs; a contiguous split would leave rank 0 with almost no
 work and rank W-1 with most of it. A rank's 2-D buffers are ``[b, h, s_local]`` rows x D columns
 (the two zigzag pieces concatenated along S), so one (b, h, block) is a contiguous row range.
-A task folds ``kv_block`` keys (default: ``block``) into a ``block``-row q block: larger KV
-blocks read and write the fp32 state less often per key (the GPU tile's main overhead).
+A task folds ``kv_block`` keys into a ``block``-row q block. By default (:func:`default_kv_block`)
+that is the largest multiple of the q block dividing a segment, at most ``KV_KEYS`` (1024): every
+task reads and writes the fp32 state once, so 128-key tasks paid that per 128 keys (71-76 TF/s
+for the tile on one H200, against 253-292 TF/s with 1024 keys: benchmarks/NOTES.md).
 
 Math (per q block, on its rank): online softmax in fp32 with the state acc [rows, D] and
 ml [rows, 2] = (running max m, running denominator l). ``attn_block`` folds one KV block into the
@@ -21,8 +23,11 @@ one q block are chained by events because they rewrite the same state. ``attn_fi
 ``acc / l`` in the op dtype, and 0 in a row whose every key was hidden (l = 0), as SDPA does.
 Causal masks use GLOBAL positions (task params ``q_start``, ``k_start``): with both block sizes
 dividing a zigzag chunk, a k block either reaches past the q block's first position (masked:
-the body hides keys after each query), lies entirely before it (unmasked) or entirely after its
-last position (no task at all).
+the body hides keys after each query; the Triton body skips the key chunks after the block's
+last query), lies
+entirely before it (unmasked) or starts after its last position (no task at all). When the KV
+block is a multiple of the q block (the default), a masked block starts at or before the q
+block's first position, so every row of every task sees at least one key.
 
 The KV "ring" is a CONSUMPTION ORDER, not the movement. Rank r folds its own slice first (no
 wait), then the slices of its node peers (r+1, r+2, ... wrapping inside the node), then the slices
@@ -62,7 +67,7 @@ from .registry import OpDef
 if TYPE_CHECKING:
     from ..graph import TaskGraph
 
-__all__ = ["ring_attention"]
+__all__ = ["KV_KEYS", "default_kv_block", "ring_attention"]
 
 ring_attention = OpDef(
     "ring_attention", dims=("B", "H", "S", "D"), inputs=("q", "k", "v"), outputs=("out",)
@@ -73,6 +78,10 @@ ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
 COPY = TaskKind.COPY.value
 
 Segment = tuple[int, int]  # a global sequence range [start, stop) held by one rank
+# Keys an attn_block task folds by default, where the sequence allows: every task reads and
+# writes the fp32 state (acc, ml) of its q block once, whatever its key count; 1024-key tasks
+# ran the tile at 3.5-4x the rate of 128-key ones on one H200 (benchmarks/NOTES.md).
+KV_KEYS = 1024
 
 
 # -- shapes, meaning, inputs -------------------------------------------------------------------
@@ -86,13 +95,27 @@ def _segments(S: int, world: int, rank: int, causal: bool) -> list[Segment]:
     return [(rank * chunk, (rank + 1) * chunk), (mirror * chunk, (mirror + 1) * chunk)]
 
 
+def default_kv_block(segment: int, blk: int) -> int:
+    """Keys per attn_block task when the caller names none: the largest multiple of the q block
+    ``blk`` that divides ``segment`` (a multiple of ``blk``), at most ``max(KV_KEYS, blk)``.
+    A multiple of the q block, so a causal KV block that reaches past a q block's first query
+    starts at or before it (no row of a task has every key masked)."""
+    assert segment % blk == 0, (segment, blk)
+    blocks = segment // blk
+    most = max(KV_KEYS, blk) // blk
+    return blk * max(m for m in range(1, min(most, blocks) + 1) if blocks % m == 0)
+
+
 def _block_size(
     S: int, world: int, causal: bool, block: int, kv_block: int | None = None
 ) -> tuple[int, int]:
     """(q rows, keys) per tile; each must divide every segment so blocks never straddle one."""
     segment, dim = (S // (2 * world), "S/(2W)") if causal else (S // world, "S/W")
     sizes = []
-    for name, value in (("block", block), ("kv_block", block if kv_block is None else kv_block)):
+    for name, value in (("block", block), ("kv_block", kv_block)):
+        if value is None:  # kv_block: the default, from the q block
+            sizes.append(default_kv_block(segment, sizes[0]))
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ShapeError(
                 f"ring_attention: {name}={value!r} must be a positive integer",
@@ -218,7 +241,21 @@ def _attn_block_flops(
     reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict
 ) -> float:
     (rows, d), (keys, _) = reads[0], reads[1]
-    return 4.0 * rows * keys * d  # q k^T and p v; the exp/max/sum terms are O(rows * keys)
+    pairs = rows * keys
+    if params.get("mask"):
+        pairs = _causal_pairs(rows, keys, params["q_start"] - params["k_start"])
+    return 4.0 * pairs * d  # q k^T and p v; the exp/max/sum terms are O(rows * keys)
+
+
+def _causal_pairs(rows: int, keys: int, offset: int) -> int:
+    """The (query, key) pairs a causal mask shows in a rows x keys block whose first query sits
+    ``offset`` positions after its first key: row i sees min(keys, max(0, offset + i + 1)) keys.
+    Counted so, a KV block much longer than the q block that straddles the diagonal costs the
+    keys its rows see (the Triton body skips the chunks after its last query), not all of them."""
+    d = offset + 1  # keys row 0 sees, before clamping
+    lo = max(0, min(rows, 1 - d))  # rows before lo see no key
+    hi = max(lo, min(rows, keys - d))  # rows from hi see every key
+    return (hi - lo) * d + (lo + hi - 1) * (hi - lo) // 2 + (rows - hi) * keys
 
 
 @ATTN_FINALIZE.cpu
