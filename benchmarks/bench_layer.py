@@ -534,7 +534,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="default bfloat16; float32 with --interpret (the interpreter's bf16 tl.dot is wrong)",
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
@@ -579,7 +583,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.interpret and not args.smoke:
         p.error("--interpret runs on the CPU: add --smoke")
     args.backend = "reference" if args.smoke and not args.interpret else "triton"
-    args.dtype = getattr(torch, args.dtype)
+    args.dtype = getattr(torch, args.dtype or ("float32" if args.interpret else "bfloat16"))
     return args
 
 
