@@ -6,7 +6,8 @@
 
 tile: the Triton bodies alone (no megakernel queues or waits: attention_tiles.chains_kernel,
 one program per q-block chain, tables built here as the attention lowering would) at the task
-shapes (q rows x keys per attn_block task) 128x128 (the lowering's default), 128x1024,
+shapes (q rows x keys per attn_block task) 128x128 (the lowering's default before v9), 128x1024
+(its default since, where the segment allows),
 128xS (one task per q block: the plain flash tile) and 4096x4096, against
 ``F.scaled_dot_product_attention`` with the cuDNN and the flash (FA2) backends, S = 8192..32768,
 causal and not. TF/s count the unmasked work (causal: half).
