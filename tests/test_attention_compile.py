@@ -228,6 +228,8 @@ def test_attn_head_size_picks_the_one_fast_path_a_graph_needs():
     """ATTN_D per graph: the largest head size of the attn_block tasks a fast path takes,
     rounded up to 128 or 256; 0 without attention or with heads past 256 only. The generated
     megakernel declares it (kernel.py's template does not) and the runtime passes it."""
+    import torch
+
     import mgraph as mg
     from mgraph.runtime.megakernel.dispatch import body_constexprs, megakernel_for
     from mgraph.runtime.megakernel.encode import kind_id
@@ -239,6 +241,8 @@ def test_attn_head_size_picks_the_one_fast_path_a_graph_needs():
         mine = [t.id for t in g.tasks if t.rank == 1]
         assert body_constexprs(g, mine) == {"ATTN_D": want}, D
         assert body_constexprs(g, [t.id for t in g.tasks if t.kind == "copy"]) == {"ATTN_D": 0}
+    fp32 = ring_d(128, torch.float32)  # no fast path for float32 data: compile none
+    assert at.attn_head_size(fp32, range(len(fp32.tasks))) == 0
     gemm = mg.ops.gemm_allreduce(topology="1x2", M=256, N=256, K=128)
     assert at.attn_head_size(gemm, range(len(gemm.tasks))) == 0
     fn = megakernel_for({k: kind_id(k) for k in ("attn_block", "attn_finalize", "copy")})

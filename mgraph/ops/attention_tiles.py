@@ -69,6 +69,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ..graph import ITEMSIZE
 from ..kinds import TaskKind, kind_spec
 from .abi import F_KIND, F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON, TASK_FIELDS
 
@@ -97,16 +98,17 @@ FAST_HEAD_SIZES = (128, 256)
 def attn_head_size(graph: TaskGraph, task_ids: Iterable[int]) -> int:
     """The ``ATTN_D`` constexpr of a kernel that runs ``task_ids`` of ``graph``: the largest
     head size of their attn_block tasks that a fast path takes, rounded up to 128 or 256; 0
-    when there is none (no attn_block task, or only heads past 256, which take the pointer
-    path). attn_block_tile compiles only the fast path of that width: ptxas gives a function
+    when there is none (no attn_block task, or only heads past 256 or q in float32, which take
+    the pointer path). attn_block_tile compiles only the fast path of that width: ptxas gives a function
     one register budget, and the 256-column path beside the 128-column one ran it out and
     serialised every wgmma of the kernel (benchmarks/NOTES.md)."""
     widest = 0
     for tid in task_ids:
         t = graph.tasks[tid]
         if t.kind == ATTN_BLOCK.name:
-            d = t.reads[0].col1 - t.reads[0].col0  # the q region's columns: the head size
-            if d <= FAST_HEAD_SIZES[-1]:
+            q = t.reads[0]
+            d = q.col1 - q.col0  # the q region's columns: the head size
+            if d <= FAST_HEAD_SIZES[-1] and ITEMSIZE[graph.buffers[q.buffer].dtype] == 2:
                 widest = max(widest, d)
     return next((w for w in FAST_HEAD_SIZES if widest <= w), 0) if widest else 0
 
