@@ -14,7 +14,8 @@ regions TMA can address: 16-byte aligned corners and row strides) loads q, k and
 descriptors over the task's regions and keeps q and acc in registers for the whole KV block;
 acc starts at 0 and the state's acc is added after the loops, scaled by their rescales.
 ``ATTN_D`` is a constexpr per kernel (:func:`attn_head_size`: the largest head size of the
-kernel's attn_block tasks, rounded up to 128 or 256) and only its fast path is compiled: at
+kernel's 16-bit attn_block tasks up to 256, rounded up to 128 or 256; else 0) and only its fast
+path is compiled (none at 0): at
 128, ``_DB``-column q, k, v and acc over ``_KB``-key chunks; at 256, q, k, v and acc 256
 columns wide over ``_KB_WIDE``-key chunks, 2 stages (shared memory), where a smaller head in
 the same kernel costs the 256-column work (TMA fills the columns past D with zeros). A mask tile rides along when it can be read in 16-byte vectors (its corner, row
