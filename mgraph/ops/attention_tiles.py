@@ -11,22 +11,21 @@ and acc is rescaled and accumulated. Whole chunks at or before every row's diago
 loop with no mask; one masked loop covers the chunks the causal diagonal crosses and the
 block's partial last chunk. The fast path (head size up to ``ATTN_D``, a 16-bit dtype, q/k/v
 regions TMA can address: 16-byte aligned corners and row strides) loads q, k and v through TMA
-descriptors over the task's regions and keeps q and acc in registers for the whole KV block;
-acc starts at 0 and the state's acc is added after the loops, scaled by their rescales.
-``ATTN_D`` is a constexpr per kernel (:func:`attn_head_size`: the largest head size of the
-kernel's 16-bit attn_block tasks up to 256, rounded up to 128 or 256; else 0) and only its fast
-path is compiled (none at 0): at
-128, ``_DB``-column q, k, v and acc over ``_KB``-key chunks; at 256, q, k, v and acc 256
-columns wide over ``_KB_WIDE``-key chunks, 2 stages (shared memory), where a smaller head in
-the same kernel costs the 256-column work (TMA fills the columns past D with zeros). A mask tile rides along when it can be read in 16-byte vectors (its corner, row
-stride and key count in whole 16-byte units; a broadcast row has stride 0): its loops are
-compiled apart from the unmasked ones, load the tile by pointers the compiler can prove aligned
-(cp.async into shared memory, 2 pipeline stages instead of 3 to stay in shared memory) and
-apply either mask kind by a select, keeping the scores in one register layout. Every other
-task (a head size past ATTN_D, float32 data, unaligned regions or mask tile) takes the
-pointer path: ``_PB``-row sub-blocks, ``_PB``-key chunks, D in ``_PB``-column chunks, acc updated in
-the state buffer chunk by chunk; it is many times slower (pointer loads, mma.sync on 32-row
-tiles).
+descriptors over the task's regions and keeps q and acc in registers for the whole KV block; acc
+starts at 0 and the state's acc is added after the loops, scaled by their rescales. ``ATTN_D``
+is a constexpr per kernel (:func:`attn_head_size`: the largest head size of the kernel's 16-bit
+attn_block tasks up to 256, rounded up to 128 or 256; else 0) and only its fast path is compiled
+(none at 0): at 128, ``_DB``-column q, k, v and acc over ``_KB``-key chunks; at 256, q, k, v and
+acc 256 columns wide over ``_KB_WIDE``-key chunks, 2 stages (shared memory), where a smaller
+head in the same kernel costs the 256-column work (TMA fills the columns past D with zeros). A
+mask tile rides along when it can be read in 16-byte vectors (its corner, row stride and key
+count in whole 16-byte units; a broadcast row has stride 0): its loops are compiled apart from
+the unmasked ones, load the tile by pointers the compiler can prove aligned (cp.async into
+shared memory, 2 pipeline stages instead of 3 to stay in shared memory) and apply either mask
+kind by a select, keeping the scores in one register layout. Every other task (a head size past
+ATTN_D, float32 data, unaligned regions or mask tile) takes the pointer path: ``_PB``-row
+sub-blocks, ``_PB``-key chunks, D in ``_PB``-column chunks, acc updated in the state buffer
+chunk by chunk; it is many times slower (pointer loads, mma.sync on 32-row tiles).
 
 Every path sits in one function (the megakernel's, or chains_kernel's), and ptxas gives a
 function one budget of 255 registers at 8 warps: where any point of it runs out, ptxas
