@@ -77,7 +77,7 @@ def _sdpa(x: dict, causal: bool = False, mask: torch.Tensor | None = None) -> to
 def ring_cases() -> None:
     """ring_attention: block 32 with D 40 (keys and head columns masked inside the 128 x 128 x 128
     sub-blocks); causal uses the zigzag layout and the diagonal mask. (Head sizes past 128, the
-    D-chunked path, are checked by the "chains" cases.)"""
+    256-column fast path (ATTN_D 256), are checked by the "chains" cases.)"""
     shapes = {"small": dict(B=2, H=2, S=128, D=40, block=32)}
     for name, dims in shapes.items():
         for causal in (False, True):
@@ -139,7 +139,7 @@ def mask_cases() -> None:
 
 def chain_cases() -> None:
     """bf16 data with fp32 state through run_chains: head sizes 40 (masked columns) and 160
-    (the D-chunked path); causal zigzag over two ranks with grouped-query attention (2 q heads
+    (the 256-column fast path, ATTN_D 256); causal zigzag over two ranks with grouped-query attention (2 q heads
     per KV head, the KV slices moved by copy tasks); KV blocks twice the q block (chunks below,
     across and above the diagonal inside one task); additive and boolean masks; a fully hidden
     row. One fp32 graph checks the algorithm to fp32 rounding."""
@@ -197,7 +197,7 @@ def chain_cases() -> None:
     x["mask"] = shown.to(bf16).reshape(g.inputs["mask"].shape)
     compare("chains-bf16-mask-pointer-path", g, x, _sdpa(x, mask=shown), chains=True)
     # left padding with a causal mask (transformers' SDPA mask for a left-padded batch): the pad
-    # queries of sequence 1 see no key at all; head size 160, the D-chunked path
+    # queries of sequence 1 see no key at all; head size 160, the 256-column fast path
     B, S, D, pad = 2, 128, 160, 5
     g = mg.ops.attention(topology="1x1", B=B, H=1, S=S, D=D, block=64, mask_shape=[B, 1, 1, S],
                          mask_kind="boolean", causal=True, dtype=bf16)

@@ -1,8 +1,9 @@
-"""The attention tile's pointer path compiled and run on a GPU (``pytest -m gpu``; skipped
-without CUDA). It is a ``noinline`` function on mma.sync (mgraph/ops/attention_tiles.py) that no
-other GPU test reaches: test_triton_attention.py's GPU case takes the TMA fast path (D 128,
-aligned mask). Here a head size past 128 in bf16 and float32 data take it, through run_chains,
-against float32 SDPA on the same inputs, causal with grouped-query heads."""
+"""The attention tile's less common paths compiled and run on a GPU (``pytest -m gpu``; skipped
+without CUDA), through run_chains, against float32 SDPA on the same inputs, causal with
+grouped-query heads. test_triton_attention.py's GPU case takes the 128-column TMA fast path.
+Here: the pointer path, a ``noinline`` function on mma.sync (mgraph/ops/attention_tiles.py) that
+no other GPU test reaches, by a head past 256 in bf16 (320) and by float32 data (64); and the
+256-column TMA fast path (``ATTN_D`` 256) by a bf16 head of 160."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ TOL = {"bfloat16": 1.5e-2, "float32": 5e-3}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,D", [("bfloat16", 160), ("float32", 64)])
-def test_gpu_pointer_path_matches_sdpa(dtype, D):
+@pytest.mark.parametrize("dtype,D", [("bfloat16", 320), ("float32", 64), ("bfloat16", 160)])
+def test_gpu_attention_paths_match_sdpa(dtype, D):
     import torch
     import torch.nn.functional as F
 
