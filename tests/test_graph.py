@@ -339,13 +339,16 @@ def _compile_fingerprint(prog) -> list[str]:
     return [hashlib.sha256(repr(x).encode()).hexdigest()[:16] for x in (tasks, events, ranks)]
 
 
+# Re-pinned on purpose (v9): the task hashes only, since a causal attn_block's Task.flops counts
+# the (query, key) pairs the mask shows (63a0b51); events and schedules are
+# the same as before.
 @pytest.mark.parametrize(("topology", "sizes", "shape", "want"), [
     ("1x2", dict(hidden=64, ffn=128), (1, 32, 64),
-     ["214f0168651021af", "a72378125a458288", "9eda7dd90c533f71"]),
+     ["9a0efd2c7a18f6e9", "a72378125a458288", "9eda7dd90c533f71"]),
     ("2x2", dict(hidden=128, heads=4, kv_heads=2, ffn=256), (1, 64, 128),
-     ["a4a38efe851e2976", "ef69a0beead9b68c", "8ce85a0f4f8ca71d"]),
+     ["f283fe5f23c5a1f8", "ef69a0beead9b68c", "8ce85a0f4f8ca71d"]),
     ("2x4", dict(hidden=256, heads=8, kv_heads=2, ffn=384), (1, 128, 256),
-     ["c67b76d618fd31a2", "1e5c9d2d771fc65a", "121fa184e84da899"]),
+     ["965c62d52aee1edb", "1e5c9d2d771fc65a", "121fa184e84da899"]),
 ])
 def test_compile_speedups_keep_graph_and_schedule(topology, sizes, shape, want):
     """Pinned to the output of the code before the compile-speed work of issue 16 item 5 (the
