@@ -43,7 +43,11 @@ def kind_breakdown(runtime) -> list[dict]:
         trace = traced.trace()
     finally:
         traced.close()
-    tasks = runtime.graph.tasks
+    return kind_rows(trace, runtime.graph.tasks)
+
+
+def kind_rows(trace, tasks) -> list[dict]:
+    """The rows of one trace (records with start, ready and end), tasks indexed by record.task."""
     busy: dict[tuple[str, str], float] = defaultdict(float)
     work: dict[tuple[str, str], float] = defaultdict(float)
     count: dict[tuple[str, str], int] = defaultdict(int)
