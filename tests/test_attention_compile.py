@@ -55,7 +55,8 @@ def _fast_rows_kernel(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a
     pairs of loops)."""
     at._fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                   sa_stride, mp, 2, smp, 2, first, 0, q_start, k_start, causal, qk_scale,
-                  HAS_BIAS, bp, b_stride, False, DT, USE_TIMER)
+                  HAS_BIAS, bp, b_stride, False, DT, USE_TIMER, at._DB, at._KB, None,
+                  at._BIAS_STAGES)
 
 
 SIGNATURE = {

@@ -211,7 +211,7 @@ if HAVE_TRITON:
         regions (zeros past the region's rows and the head size), so the loop has no pointer
         tensors for them and Triton's pipeliner prefetches the next chunks. Without ``MASKED``
         or ``BIAS`` (whole chunks below the diagonal: most of the work) the loop is the plain
-        flash loop of ../shared/probes/attn_tile.py, scale folded into one FMA per score and no
+        flash loop (a plain Triton flash-attention tile), scale folded into one FMA per score and no
         key or row index held: the index tensors a mask compares cost registers that the wgmma
         pipeline needs. With ``BIAS`` the mask tile comes by pointer loads which the caller has
         made provably 16-byte aligned; the pipeliner stages them in shared memory beside k and
@@ -223,36 +223,6 @@ if HAVE_TRITON:
             s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
             if MASKED or BIAS:
                 s = _scores(s, j0 + tl.arange(0, KB), om, row_ok, nk, lim, qk_scale, bp,
-                            b_stride, b_bool, MASKED, BIAS)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
-                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s - shift[:, None])
-            else:  # every score is finite, so is the new max
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-                shift = m_new
-                p = tl.math.exp2(s * qk_scale - shift[:, None])
-            alpha = tl.math.exp2(m_i - shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(_operand(p.to(DT), USE_TIMER),
-                         _operand(vd.load([j0, 0]), USE_TIMER), acc * alpha[:, None])
-            m_i = m_new
-        return acc, m_i, l_i
-
-    @triton.jit
-    def _fold_wide(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, lim, qk_scale,
-                   bp, b_stride, b_bool, MASKED: tl.constexpr, BIAS: tl.constexpr,
-                   DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """_fold for a head size up to 2 _DB: q, k, v and acc 2 _DB columns wide (one dot each
-        for the scores and p @ v), _KB_WIDE-key chunks, _WIDE_STAGES stages (shared memory).
-        The same flash step as _fold's, kept apart so that a kernel of smaller heads compiles
-        exactly the 128-column loops. One acc, not two 128-column halves: with halves ptxas
-        serialised every wgmma (C7513, sm_90)."""
-        for c in tl.range(c_lo, c_hi, num_stages=_WIDE_STAGES):
-            j0 = c * _KB_WIDE
-            s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
-            if MASKED or BIAS:
-                s = _scores(s, j0 + tl.arange(0, _KB_WIDE), om, row_ok, nk, lim, qk_scale, bp,
                             b_stride, b_bool, MASKED, BIAS)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
@@ -306,31 +276,35 @@ if HAVE_TRITON:
     def _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                    sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start, causal,
                    qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
-                   USE_TIMER: tl.constexpr):
-        """The fast path for the _QB-row sub-block at row i0 (head size up to _DB): q and acc in
-        registers, the plain chunks, then the masked ones, each range by a loop without the
-        mask tile or, when the task has one, a loop with it. Reads and writes the state's rows.
-        Nothing but scalars and row vectors is live across the loops."""
-        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, _DB])
-        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [_KB, _DB])
-        vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [_KB, _DB])
+                   USE_TIMER: tl.constexpr, DB: tl.constexpr, KB: tl.constexpr,
+                   STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr):
+        """The fast path for the _QB-row sub-block at row i0 (head size up to DB columns; KB-key
+        chunks; STAGES / BIAS_STAGES pipeline stages for the loops without / with the mask
+        tile, None: the kernel's): q and acc in registers, the plain chunks, then the masked
+        ones, each range by a loop without the mask tile or, when the task has one, a loop
+        with it. Reads and writes the state's rows. Nothing but scalars and row vectors is
+        live across the loops. Columns past D are zeros (TMA fills them), so a head smaller
+        than DB is correct here too, at DB's cost."""
+        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, DB])
+        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, DB])
+        vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [KB, DB])
         om = i0 + tl.arange(0, _QB)
         row_ok = om < nq
         m_old, l_old = _load_ml(first, smp, sm_stride, om, row_ok)
-        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, _KB)
+        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, KB)
         q = _operand(qd.load([i0, 0]), USE_TIMER)
         # The loops start from acc = 0 and the state's acc is folded in after them, scaled by
         # the product of their rescales (exp2(m_old - m)): an acc that entered the loop from a
         # runtime branch (zeros, or the state's) made ptxas serialise every wgmma of the
         # kernel (C7515, sm_90).
-        acc = tl.zeros((_QB, _DB), dtype=tl.float32)
+        acc = tl.zeros((_QB, DB), dtype=tl.float32)
         if has_bias == _BIAS_NONE:
             # the loops compiled without the mask tile's loads (no bias, no branch)
             acc, m_i, l_i = _fold(acc, m_old, l_old, q, kd, vd, 0, c_plain, om, row_ok, nk, lim,
-                                  qk_scale, bp, b_stride, b_bool, False, False, _KB, None, DT,
+                                  qk_scale, bp, b_stride, b_bool, False, False, KB, STAGES, DT,
                                   USE_TIMER)
             acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_plain, c_end, om, row_ok, nk, lim,
-                                  qk_scale, bp, b_stride, b_bool, True, False, _KB, None, DT,
+                                  qk_scale, bp, b_stride, b_bool, True, False, KB, STAGES, DT,
                                   USE_TIMER)
         else:
             # what the caller checked (corner, row stride and key count in whole 16-byte
@@ -340,61 +314,15 @@ if HAVE_TRITON:
             vb_stride = b_stride // per16 * per16
             vnk = nk // per16 * per16
             acc, m_i, l_i = _fold(acc, m_old, l_old, q, kd, vd, 0, c_plain, om, row_ok, vnk,
-                                  lim, qk_scale, vbp, vb_stride, b_bool, False, True, _KB,
-                                  _BIAS_STAGES, DT, USE_TIMER)
+                                  lim, qk_scale, vbp, vb_stride, b_bool, False, True, KB,
+                                  BIAS_STAGES, DT, USE_TIMER)
             acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_plain, c_end, om, row_ok, vnk, lim,
-                                  qk_scale, vbp, vb_stride, b_bool, True, True, _KB,
-                                  _BIAS_STAGES, DT, USE_TIMER)
-        od = tl.arange(0, _DB)
+                                  qk_scale, vbp, vb_stride, b_bool, True, True, KB,
+                                  BIAS_STAGES, DT, USE_TIMER)
+        od = tl.arange(0, DB)
         cmask = row_ok[:, None] & (od < D)[None, :]
         if first == 0:
             # (m_old = -inf: nothing folded before, the state's acc is 0)
-            keep = tl.where(m_old == float("-inf"), 0.0, tl.math.exp2(m_old - m_i))
-            acc += keep[:, None] * tl.load(sap + om[:, None] * sa_stride + od[None, :],
-                                           mask=cmask, other=0.0)
-        tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
-        _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
-
-    @triton.jit
-    def _fast_rows_wide(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
-                        sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
-                        causal, qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
-                        USE_TIMER: tl.constexpr):
-        """_fast_rows for a head size up to 2 _DB: q, k, v by descriptors 2 _DB columns wide,
-        acc 2 _DB columns (_fold_wide). Columns past D are zeros (TMA fills them), so a smaller
-        head is correct here too, at the wide path's cost."""
-        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, 2 * _DB])
-        kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [_KB_WIDE, 2 * _DB])
-        vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [_KB_WIDE, 2 * _DB])
-        om = i0 + tl.arange(0, _QB)
-        row_ok = om < nq
-        m_old, l_old = _load_ml(first, smp, sm_stride, om, row_ok)
-        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, _KB_WIDE)
-        q = _operand(qd.load([i0, 0]), USE_TIMER)
-        # acc starts at 0 in the loops, the state's added after them (see _fast_rows)
-        acc = tl.zeros((_QB, 2 * _DB), dtype=tl.float32)
-        if has_bias == _BIAS_NONE:
-            acc, m_i, l_i = _fold_wide(acc, m_old, l_old, q, kd, vd, 0, c_plain,
-                                              om, row_ok, nk, lim, qk_scale, bp, b_stride,
-                                              b_bool, False, False, DT, USE_TIMER)
-            acc, m_i, l_i = _fold_wide(acc, m_i, l_i, q, kd, vd, c_plain, c_end,
-                                              om, row_ok, nk, lim, qk_scale, bp, b_stride,
-                                              b_bool, True, False, DT, USE_TIMER)
-        else:
-            # the caller's 16-byte check in a form the compiler sees (see _fast_rows)
-            per16 = 128 // DT.primitive_bitwidth
-            vbp = _aligned16(bp, DT)
-            vb_stride = b_stride // per16 * per16
-            vnk = nk // per16 * per16
-            acc, m_i, l_i = _fold_wide(acc, m_old, l_old, q, kd, vd, 0, c_plain,
-                                              om, row_ok, vnk, lim, qk_scale, vbp, vb_stride,
-                                              b_bool, False, True, DT, USE_TIMER)
-            acc, m_i, l_i = _fold_wide(acc, m_i, l_i, q, kd, vd, c_plain, c_end,
-                                              om, row_ok, vnk, lim, qk_scale, vbp, vb_stride,
-                                              b_bool, True, True, DT, USE_TIMER)
-        od = tl.arange(0, 2 * _DB)
-        cmask = row_ok[:, None] & (od < D)[None, :]
-        if first == 0:
             keep = tl.where(m_old == float("-inf"), 0.0, tl.math.exp2(m_old - m_i))
             acc += keep[:, None] * tl.load(sap + om[:, None] * sa_stride + od[None, :],
                                            mask=cmask, other=0.0)
@@ -521,16 +449,19 @@ if HAVE_TRITON:
                     & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
             if fast:
                 for i0 in range(0, nq, _QB):
-                    if ATTN_D > _DB:
-                        _fast_rows_wide(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
-                                        a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride,
-                                        first, i0, q_start, k_start, causal, qk_scale, has_bias,
-                                        bp, b_stride, b_bool, DT, USE_TIMER)
+                    if ATTN_D > _DB:  # one acc 2 _DB wide (two halves: ptxas serialised
+                        # every wgmma, C7513), _KB_WIDE-key chunks, 2 stages (shared memory)
+                        _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
+                                   a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
+                                   i0, q_start, k_start, causal, qk_scale, has_bias, bp,
+                                   b_stride, b_bool, DT, USE_TIMER, 2 * _DB, _KB_WIDE,
+                                   _WIDE_STAGES, _WIDE_STAGES)
                     else:
                         _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                    a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
                                    i0, q_start, k_start, causal, qk_scale, has_bias, bp,
-                                   b_stride, b_bool, DT, USE_TIMER)
+                                   b_stride, b_bool, DT, USE_TIMER, _DB, _KB, None,
+                                   _BIAS_STAGES)
             else:
                 _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
