@@ -17,7 +17,7 @@ op's output against its torch reference:
 
 Prints one JSON line per (case, body), the case prefixed to megakernel_moe_interp's names, and
 one per case naming the paths that ran (the expert body's "tma64", "tma128", "pointer"; the
-route body's "keys16", "float"): the interpreter looks the helpers up in moe_tiles' globals,
+route body's "keys16", "float"): the interpreter looks the helpers up in moe_bodies' globals,
 where a spy records each call."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 import megakernel_moe_interp as base  # noqa: E402
 import torch  # noqa: E402
 
-from mgraph.ops import moe_tiles  # noqa: E402
+from mgraph.ops import moe_bodies  # noqa: E402
 
 CASES = {
     # experts 0 and 3 get all 128 tokens: 128 filled rows, the 128-row tiles
@@ -91,12 +91,12 @@ def run(tag: str, routing: str, seed: int, **options: object) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     # _expert_tma's 17th argument is its row tile (EM)
-    moe_tiles._expert_tma = spy(
-        moe_tiles._expert_tma, lambda a: f"tma{getattr(a[16], 'value', a[16])}"
+    moe_bodies._expert_tma = spy(
+        moe_bodies._expert_tma, lambda a: f"tma{getattr(a[16], 'value', a[16])}"
     )
-    moe_tiles._expert_pointer = spy(moe_tiles._expert_pointer, lambda a: "pointer")
-    moe_tiles._thresholds16 = spy(moe_tiles._thresholds16, lambda a: "keys16")
-    moe_tiles._thresholds = spy(moe_tiles._thresholds, lambda a: "float")
+    moe_bodies._expert_pointer = spy(moe_bodies._expert_pointer, lambda a: "pointer")
+    moe_bodies._thresholds16 = spy(moe_bodies._thresholds16, lambda a: "keys16")
+    moe_bodies._thresholds = spy(moe_bodies._thresholds, lambda a: "float")
     base.inputs_for = inputs_for
     for tag, ((routing, seed), options) in CASES.items():
         run(tag, routing, seed, **options)
