@@ -148,10 +148,15 @@ def static_partition(
     return out
 
 
+def nvlink_events(graph: TaskGraph) -> set[int]:
+    """The events NVLink tasks signal (compute that waits on one waits for a copy)."""
+    return {e for t in graph.tasks if t.role == _NVLINK for e in t.signals}
+
+
 def _compute_not_waiting_on_nvlink(graph: TaskGraph, costs: list[float]) -> dict[int, float]:
     """rank -> summed cost of its compute tasks that wait for no NVLink task (AG+GEMM: the
     tiles of the rank's own rows, while the gather brings the peers')."""
-    by_nvlink = {e for t in graph.tasks if t.role == _NVLINK for e in t.signals}
+    by_nvlink = nvlink_events(graph)
     free: dict[int, float] = {}
     for t in graph.tasks:
         if t.role == _COMPUTE and not any(e in by_nvlink for e, _ in t.waits):

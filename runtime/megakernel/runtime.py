@@ -125,7 +125,9 @@ def _check_adaptive(graph: TaskGraph) -> None:
     tiles wait for the gather's copies): there its runs on 2 H200 did not finish within minutes,
     twice (NOTES v9: not diagnosed). A refusal before launch beats a kernel that stalls into
     the watchdog on every launch."""
-    by_nvlink = {e for t in graph.tasks if t.role == "nvlink" for e in t.signals}
+    from mgraph.scheduler.balance import nvlink_events
+
+    by_nvlink = nvlink_events(graph)
     for t in graph.tasks:
         if t.role == "compute" and any(e in by_nvlink for e, _ in t.waits):
             raise ScheduleError(
