@@ -429,9 +429,17 @@ void Nic::post_chain(size_t index) {
     }
     ibv::send_wr* bad = nullptr;
     const int rc = c.qp->ctx->ops.post_send(c.qp, wrs.data(), &bad);
-    if (rc != 0)
+    if (rc != 0) {
+      // A queue pair that went to the error state refuses posts (EINVAL); the failed completion
+      // that put it there is the cause, and it is on the CQ or soon will be: poll() raises it.
+      // Report the refusal only when no such completion shows up within 100 ms.
+      const double until = now_s() + 0.1;
+      while (now_s() < until) {
+        if (poll() == 0) std::this_thread::yield();
+      }
       nic_fail("ibv_post_send of " + std::to_string(k) + " requests to rank " +
            std::to_string(c.peer) + " failed: " + errno_text(rc));
+    }
     c.posted += k;
     ++stats.post_calls;
     ++stats.signaled;
