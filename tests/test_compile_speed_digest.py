@@ -1,0 +1,93 @@
+"""Compile-speed work must not change what is compiled: the TaskGraph (every task's fields, its
+waits and signals, the events and buffers) and the Schedule (workers, queue order, proxy
+batches) of small traced models are pinned to the digests the code gave before that work
+(commit 203eea5's lowering, validation and scheduler; benchmarks/NOTES.md "compile speed").
+
+A change that moves a digest changes the tasks or their order: if it is meant (a new lowering,
+a new policy), it must say so and re-pin here on purpose. The models avoid RoPE (whose tracing
+is fused elsewhere) so the pins watch lower/validate/schedule, not the tracer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import mgraph as mg
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def graph_digest(graph: mg.TaskGraph) -> str:
+    """Every field of every task, event and buffer, in graph order."""
+    tasks = [
+        (t.id, t.name, t.rank, t.role, t.kind, [tuple(r) for r in t.reads],
+         [tuple(r) for r in t.writes], [tuple(w) for w in t.waits], list(t.signals), t.flops,
+         t.bytes, sorted(t.params.items()))
+        for t in graph.tasks
+    ]  # fmt: skip
+    buffers = [
+        (k, b.name, b.rank, b.rows, b.cols, b.dtype, b.role, b.binding, b.symmetric, b.zeroed)
+        for k, b in graph.buffers.items()
+    ]
+    events = [(e.id, e.rank, e.name) for e in graph.events]
+    meta = (graph.op, str(graph.topology), graph.dtype, sorted(graph.params.items()),
+            sorted(graph.inputs.items()), sorted(graph.outputs.items()))  # fmt: skip
+    return hashlib.sha256(repr((meta, tasks, buffers, events)).encode()).hexdigest()[:16]
+
+
+def schedule_digest(sched: mg.Schedule) -> str:
+    """Per rank: workers per role, every role queue in order, the proxy batches."""
+    ranks = [
+        (rs.rank, sorted(rs.workers.items()), sorted(rs.queues.items()), rs.batches)
+        for rs in sched.ranks
+    ]
+    return hashlib.sha256(repr(ranks).encode()).hexdigest()[:16]
+
+
+def _block(topology: str, hidden: int, heads: int, ffn: int, tokens: int) -> mg.Program:
+    ns = runpy.run_path(str(EXAMPLES / "transformer_block.py"), run_name="digest")
+    torch.manual_seed(0)
+    model = ns["Block"](hidden=hidden, heads=heads, ffn=ffn).eval()
+    x = torch.randn(1, tokens, hidden)
+    return mg.compile(model, (x,), plan=ns["block_plan"](), topology=topology)
+
+
+# topology, hidden, heads, ffn, tokens -> (tasks, graph digest, schedule digest)
+PINNED = [
+    ("1x2", 64, 4, 128, 32, (64, "e699464867ffca7c", "b6bc2eb9f334488e")),
+    ("2x2", 128, 4, 384, 64, (248, "937a0ecd3cd5447a", "edc4e8bf3186074e")),
+    ("2x4", 512, 8, 1536, 1024, (1384, "68cbb25f7a01b1b8", "a3ce3d8e6e95117d")),
+    # 2816 / 4 ranks = 704 columns: masked edge tiles
+    ("2x2", 1024, 8, 2816, 2048, (2680, "64e1bc267918a17d", "4d6688ccf5d3308e")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("topology", "hidden", "heads", "ffn", "tokens", "pinned"), PINNED)
+def test_compiled_graph_and_schedule_are_pinned(topology, hidden, heads, ffn, tokens, pinned):
+    prog = _block(topology, hidden, heads, ffn, tokens)
+    got = (len(prog.graph.tasks), graph_digest(prog.graph), schedule_digest(prog.schedule))
+    assert got == pinned, (
+        f"transformer_block at {topology}: the compiled graph or schedule moved "
+        f"(tasks, graph, schedule) {got} != {pinned}; compile-speed changes must keep them"
+    )
+
+
+def test_digests_see_a_moved_wait_and_a_reordered_queue():
+    """Neither digest is blind: one wait count, or two queued tasks swapped, changes it."""
+    prog = _block("1x2", 64, 4, 128, 32)
+    graph, sched = prog.graph, prog.schedule
+    g0, s0 = graph_digest(graph), schedule_digest(sched)
+    waiter = next(t for t in graph.tasks if t.waits)
+    e, c = waiter.waits[0]
+    waiter.waits[0] = (e, c + 1)
+    assert graph_digest(graph) != g0
+    waiter.waits[0] = (e, c)
+    assert graph_digest(graph) == g0
+    q = sched.ranks[0].queues["compute"]
+    q[0], q[1] = q[1], q[0]
+    assert schedule_digest(sched) != s0
