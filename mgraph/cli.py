@@ -351,8 +351,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- compile --profile ---------------------------------------------------------------------------
-# The stages mg.compile runs, by the names mgraph.program calls them (TaskGraph.validate is a
-# method): the profile wraps them for the duration of one compile, so it times the real call.
+# The stages mg.compile runs, by the names mgraph.program calls them (validate as
+# ``validate_graph``: compile's flag is named ``validate``): the profile wraps them for the
+# duration of one compile, so it times the real call.
 COMPILE_STAGES = ("trace", "fuse_pointwise", "lower", "validate", "check_triton_bodies", "schedule")
 
 
@@ -384,13 +385,9 @@ class StageTimes:
 
     def __enter__(self) -> StageTimes:
         from . import program
-        from .graph import TaskGraph
 
         for stage in COMPILE_STAGES:
-            if stage == "validate":
-                self._wrap(TaskGraph, "validate", stage)
-            else:
-                self._wrap(program, stage, stage)
+            self._wrap(program, "validate_graph" if stage == "validate" else stage, stage)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,7 +18,6 @@ global tensors, in whatever layout they ended in; the runtime gathers them.
 
 from __future__ import annotations
 
-import gc
 import json
 from bisect import bisect_left, bisect_right
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from .builder import GraphBuilder
 from .errors import MgraphError
-from .graph import Binding, Buffer, Region, Task, TaskGraph, TensorSpec
+from .graph import Binding, Buffer, Region, Task, TaskGraph, TensorSpec, gc_paused
 from .kinds import Role, TaskKind
 from .layout import REPLICATE, Run, binding_runs, flat_shape, layout_runs, runs_pieces
 from .ops import get_op
@@ -40,8 +39,6 @@ __all__ = ["lower"]
 def lower(opgraph: OpGraph) -> TaskGraph:
     """The TaskGraph of a traced program (validated by the caller)."""
     ctx = _Lowering(opgraph)
-    was_enabled = gc.isenabled()
-    gc.disable()  # see OpDef.__call__: a graph is many small long-lived objects
     # Lowerings run thousands of torch ops on tensors of a few hundred elements (relayout's
     # tile maps): a second intra-op thread only spins on them, which at 2x8 cost ~1 s of CPU
     # and held the other core of a 2-core machine. The caller's setting is restored.
@@ -49,15 +46,14 @@ def lower(opgraph: OpGraph) -> TaskGraph:
     if threads != 1:
         torch.set_num_threads(1)
     try:
-        for node in opgraph.nodes:
-            ctx.lower_node(node)
-        ctx.bind_outputs()
-        return ctx.b.finish()
+        with gc_paused():  # see mgraph.graph.gc_paused: a graph is many small objects
+            for node in opgraph.nodes:
+                ctx.lower_node(node)
+            ctx.bind_outputs()
+            return ctx.b.finish()
     finally:
         if threads != 1:
             torch.set_num_threads(threads)
-        if was_enabled:
-            gc.enable()
 
 
 class _Lowering:

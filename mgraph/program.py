@@ -33,7 +33,6 @@ as the ops read them.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch.nn as nn
 
 from .api import BACKENDS, backend_names, run
 from .errors import DTypeError, InputError, MgraphError, RegistrationError, UnknownNameError
-from .graph import TaskGraph, torch_dtype
+from .graph import TaskGraph, gc_paused, torch_dtype
 from .hardware import H200, HardwareProfile
 from .kinds import KINDS
 from .layout import REPLICATE, Layout, binding_runs, flat_shape, layout_runs
@@ -55,6 +54,7 @@ from .trace import OpGraph, trace
 from .trace.attention_map import additive_mask
 from .trace.opgraph import Value
 from .trace.pointwise import fuse_pointwise
+from .validate import validate as validate_graph
 
 __all__ = ["compile", "Program", "check_triton_bodies"]
 
@@ -82,20 +82,13 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     check_backend(backend)
     opgraph = trace(module, example_inputs, plan, topology)
     lowered = fuse_pointwise(opgraph) if fuse else opgraph
-    # The graph is 10^4+ small objects that all live on: the cyclic collector would rescan
-    # them again and again while validating and scheduling (see OpDef.__call__) and free none.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():  # the graph is 10^6 small long-lived objects: mgraph.graph.gc_paused
         graph = lower(lowered)
-        if validate:
-            graph.validate()
+        # validation's counter order is the one scheduling starts from: computed once
+        order = validate_graph(graph) if validate else None
         if backend == "triton":
             check_triton_bodies(graph, lowered)
-        sched = schedule(graph, hardware, policy, workers)
-    finally:
-        if was_enabled:
-            gc.enable()
+        sched = schedule(graph, hardware, policy, workers, order=order)
     return Program(
         module, opgraph, sched, backend, lowered=lowered, backend_options=backend_options
     )

@@ -12,11 +12,10 @@ queue check as one pass over the order they were cut from, when that order prove
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Mapping
 
 from ..errors import ScheduleError, UnknownNameError
-from ..graph import TaskGraph
+from ..graph import TaskGraph, gc_paused
 from ..hardware import H200, HardwareProfile
 from ..kinds import ROLES, Role
 from .balance import DAMPING, balance_workers, static_partition
@@ -64,22 +63,20 @@ def schedule(
     hardware: HardwareProfile = H200,
     policy: str = "critical_path",
     workers: Mapping[str | Role, int] | None = None,
+    *,
+    order: list[int] | None = None,
 ) -> Schedule:
     """Schedule ``graph`` for ``hardware`` with the ordering ``policy`` (see ``POLICIES``).
 
     ``workers`` overrides the SM partition on every rank: role -> workers, where a role left
     out gets none; it must give each role with tasks at least one and use at most
-    ``hardware.sms`` in total.
+    ``hardware.sms`` in total. ``order`` is ``mgraph.validate.topo_order(graph)`` when the
+    caller already has it (mg.compile: what validation returned), so it is not simulated twice.
     """
     # Like lower and validate: scheduling allocates ~10^6 small containers next to a graph of
-    # ~10^6 live objects, and the full collections they trigger walk the whole graph each time.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _schedule(graph, hardware, policy, workers)
-    finally:
-        if was_enabled:
-            gc.enable()
+    # ~10^6 live objects (mgraph.graph.gc_paused).
+    with gc_paused():
+        return _schedule(graph, hardware, policy, workers, order)
 
 
 def _schedule(
@@ -87,11 +84,12 @@ def _schedule(
     hardware: HardwareProfile,
     policy: str,
     workers: Mapping[str | Role, int] | None,
+    topo: list[int] | None,
 ) -> Schedule:
     choose = get_policy(policy)  # an unknown name fails before any work
     override = None if workers is None else _check_override(graph, hardware, workers)
     costs = task_costs(graph, hardware)
-    order = choose(graph, policy_input(graph, costs))
+    order = choose(graph, policy_input(graph, costs, topo))
     world = graph.topology.world_size
     queues: list[dict[str, list[int]]] = [{r: [] for r in _ROLE_NAMES} for _ in range(world)]
     tasks = graph.tasks

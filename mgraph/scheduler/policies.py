@@ -127,8 +127,12 @@ def get_policy(name: str) -> Policy:
         ) from None
 
 
-def policy_input(graph: TaskGraph, costs: list[float]) -> PolicyInput:
-    order = topo_order(graph)  # raises CycleError / UnsatisfiableWaitError for broken graphs
+def policy_input(
+    graph: TaskGraph, costs: list[float], order: list[int] | None = None
+) -> PolicyInput:
+    """What the policies read; ``order`` is ``topo_order(graph)`` when the caller has it."""
+    if order is None:
+        order = topo_order(graph)  # raises CycleError / UnsatisfiableWaitError for broken graphs
     pos = [0] * len(graph.tasks)
     for i, tid in enumerate(order):
         pos[tid] = i
