@@ -6,6 +6,20 @@ op (mgraph/trace/pointwise.py: fuse_pointwise), so a traced SwiGLU runs one ``ew
 row tile, not one per op. Layouts and operand forms are tilewise.py's: one compute task per row
 tile in the layout of ``x``; other operands full, a row vector or one value per row.
 
+Two more operand forms serve rotary embeddings (``q * cos + rotate_half(q) * sin``) without
+relayouts:
+
+- ``bcast:<d0>x<d1>x...``: a tensor of that N-D shape (the output's rank, last dim equal to the
+  output's) that broadcasts to the output over one run of leading dims (``cos`` ``[1, 1, S, D]``
+  or ``[B, 1, S, D]`` against ``[B, H, S, D]``). Each output row ``g`` (its flat global row)
+  reads operand row ``(g // A) * M + g % M`` (:func:`row_map`); the task's ``row0`` param is
+  the global row of its first row (its tiles never straddle two runs of the layout), and it
+  reads the operand rows from ``lo`` on that its rows map to (every row up to its last when
+  the tile wraps around ``M``). Broadcasts the map cannot express stay ``*_bcast`` relayouts.
+- the step ``["rotate_half", a, -1, 0]`` (:data:`ROTATE`) reads input ``a`` rotated by half the
+  last dim with the sign on the first half, ``cat((-x[..., D/2:], x[..., :D/2]), -1)``: a load
+  of other columns, so ``a`` must be an input (not a step) and the tiles whole rows.
+
 A chain (option ``chain``) is a list of steps ``[fn, a, b, scalar]``: ``fn`` a key of
 :data:`UNARY` or :data:`BINARY`; ``a`` and ``b`` name values: ``0..n-1`` the op's inputs
 (``x``, then ``y``, ``y2``, ``y3``... whose forms ``operands`` lists), ``n + j`` the result of
@@ -14,28 +28,31 @@ result is its last step. Math runs in fp32 and is stored once in the buffer dtyp
 
 The task carries the chain as a small bytecode in its params row (see :func:`compile_chain`):
 ``nops``, ``result``, then four words per instruction ``(opcode, dst, a, b)`` over
-:data:`REGISTERS` fp32 tile registers: ``LOAD dst <- read a``, ``CONST dst <- float b``, or a
-fn of registers ``a`` (and ``b``). The CPU body and the Triton body both interpret that
+:data:`REGISTERS` fp32 tile registers: ``LOAD dst <- read a``, ``ROT dst <- read a rotated``,
+``CONST dst <- float b``, or a fn of registers ``a`` (and ``b``); then ``half`` (D/2 of a
+rotation), ``maps`` (each input's map, 2 bits), ``row0`` and A, M, lo per map. The CPU body and the Triton body both interpret that
 bytecode, so the reference runtime checks the compiler too; the op's reference (its meaning on
 global tensors) evaluates the chain itself.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..builder import GraphBuilder
-from ..errors import OptionError, UnknownNameError
+from ..builder import GraphBuilder, split
+from ..errors import OptionError, ShapeError, UnknownNameError
 from ..graph import Task
 from ..kinds import Role, define_kind
+from ..layout import layout_runs, runs_pieces
 from ..topology import Topology
 from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
 from .registry import OpDef
-from .tilewise import lower_tilewise, tile_shapes
+from .tilewise import lower_tilewise, parse_layout, parse_shape, tile_shapes
 
 __all__ = [
     "elementwise",
@@ -47,6 +64,9 @@ __all__ = [
     "run_chain",
     "single_chain",
     "input_names",
+    "ROTATE",
+    "row_map",
+    "operand_maps",
 ]
 
 elementwise = OpDef("elementwise", dims=("rows", "cols"), inputs=("x", "y"), outputs=("out",))
@@ -80,6 +100,14 @@ BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 # two data instructions. Appending keeps old codes valid; the Triton body must follow.
 CODES: tuple[str, ...] = (*UNARY, *BINARY)
 LOAD, CONST = len(CODES), len(CODES) + 1
+# rotate_half is a load (of other columns), not a fn of a register: it reads an input only, and
+# the bodies run it as their loads do. Not in UNARY, so the fns' codes above stay unchanged.
+ROTATE = "rotate_half"
+ROT = CONST + 1
+# Distinct row maps of broadcast operands one chain may read (cos and sin share one); per map a
+# task's params hold A, M and ``lo``, the first operand row its region holds.
+MAPS = 2
+MAP_PARAMS = tuple(f"map{k}_{f}" for k in range(1, MAPS + 1) for f in ("a", "m", "lo"))
 # Sizes of the bytecode: the params row is fixed per kind (2 + 4 * MAX_OPS int32 words), the
 # registers are the Triton body's loop-carried tiles. A chain that needs more is not fused
 # further (fuse_pointwise) or refused (an OptionError from the op's shape check).
@@ -91,8 +119,12 @@ EWISE = define_kind(
     "ewise",
     [Role.COMPUTE],
     "a chain of elementwise fns over one row tile (params: its bytecode)",
-    params=("nops", "result", *WORDS),
+    params=("nops", "result", *WORDS, "half", "maps", "row0", *MAP_PARAMS),
 )
+# A chain without rotation or broadcast operands leaves these out of its tasks' params.
+EWISE.param_defaults = {"half": 0, "maps": 0, "row0": 0, **dict.fromkeys(MAP_PARAMS, 1)}
+for _k in range(1, MAPS + 1):
+    EWISE.param_defaults[f"map{_k}_lo"] = 0
 
 Step = list  # [fn, a, b, scalar]
 
@@ -100,6 +132,79 @@ Step = list  # [fn, a, b, scalar]
 def input_names(n: int) -> list[str]:
     """The op's input names for ``n`` inputs: x, y, y2, y3, ..."""
     return ["x", "y", *(f"y{i}" for i in range(2, n))][:n]
+
+
+def bcast_shape(form: str) -> tuple[int, ...] | None:
+    """The operand shape of a ``bcast:`` form; None for the other forms."""
+    if not form.startswith("bcast:"):
+        return None
+    return tuple(int(d) for d in form[len("bcast:") :].split("x"))
+
+
+def bcast_form(shape: Sequence[int], out: Sequence[int]) -> str | None:
+    """The ``bcast:`` form of an operand of ``shape`` read by an op of shape ``out``, or None
+    when :func:`row_map` cannot express the broadcast (the last dim broadcast too, or the
+    broadcast dims not one run of leading dims)."""
+    shape, out = tuple(shape), tuple(out)
+    if not shape or len(shape) > len(out) or shape[-1] != out[-1] or shape == out:
+        return None
+    padded = (1,) * (len(out) - len(shape)) + shape
+    try:
+        row_map(padded, out)
+    except ValueError:
+        return None
+    return "bcast:" + "x".join(str(d) for d in padded)
+
+
+def row_map(shape: Sequence[int], out: Sequence[int]) -> tuple[int, int]:
+    """``(A, M)``: output row ``g`` of ``out`` (flat, all dims but the last) reads row
+    ``(g // A) * M + g % M`` of an operand of ``shape`` (same rank) broadcast to it. ValueError
+    unless the broadcast dims form one run (dims of size 1 in ``out`` are ignored)."""
+    if len(shape) != len(out) or shape[-1] != out[-1]:
+        raise ValueError(f"{list(shape)} is not {list(out)} broadcast over leading dims")
+    bdims = []
+    for i in range(len(out) - 1):
+        if out[i] == 1 or shape[i] == out[i]:
+            continue
+        if shape[i] != 1:
+            raise ValueError(f"{list(shape)} does not broadcast to {list(out)}")
+        bdims.append(i)
+    if not bdims:
+        raise ValueError(f"{list(shape)} is not broadcast against {list(out)}")
+    first, last = bdims[0], bdims[-1]
+    if any(shape[i] != 1 and out[i] != 1 for i in range(first, last + 1)):
+        raise ValueError(f"{list(shape)} broadcasts over more than one run of dims of {list(out)}")
+    prod = 1
+    for d in out[last + 1 : -1]:
+        prod *= d
+    span = prod
+    for d in out[first : last + 1]:
+        span *= d
+    return span, prod
+
+
+def operand_maps(forms: Sequence[str], shape: Sequence[int]) -> tuple[list[int], list[tuple]]:
+    """(map code per input, the distinct ``(A, M)`` maps): code 0 reads the output's rows, code
+    ``k`` map ``k - 1``. ``forms``: every input's, ``x`` first. OptionError past MAPS maps or a
+    mapped input past the 15 that the ``maps`` param packs (2 bits each)."""
+    codes: list[int] = []
+    maps: list[tuple[int, int]] = []
+    for k, form in enumerate(forms):
+        b = bcast_shape(form)
+        if b is None:
+            codes.append(0)
+            continue
+        m = row_map(b, shape)
+        if m not in maps:
+            maps.append(m)
+        if len(maps) > MAPS or k >= 15:
+            raise OptionError(
+                f"elementwise: more than {MAPS} distinct broadcast maps, or a broadcast operand "
+                "past the 15th input",
+                hint="split the chain into several elementwise ops",
+            )
+        codes.append(maps.index(m) + 1)
+    return codes, maps
 
 
 def single_chain(
@@ -143,10 +248,18 @@ def _check_chain(chain: Sequence, nin: int) -> None:
                 hint="each step is [fn, a, b, scalar] (a, b ints; scalar a number)",
             )
         fn, a, b, _ = step
+        if fn == ROTATE:
+            if not 0 <= a < nin or b != -1:
+                raise OptionError(
+                    f"elementwise: chain step {j} rotates value {a}: {ROTATE} reads an input "
+                    f"(0..{nin - 1}), with b = -1",
+                    hint="rotate_half is a load of other columns: it applies to an op input only",
+                )
+            continue
         if fn not in UNARY and fn not in BINARY:
             raise UnknownNameError(
                 f"elementwise: chain step {j} has unknown fn {fn!r}; valid: "
-                f"{', '.join(sorted(UNARY) + sorted(BINARY))}"
+                f"{', '.join(sorted(UNARY) + sorted(BINARY) + [ROTATE])}"
             )
         refs = (a,) if fn in UNARY else (a, b)
         for r in refs:
@@ -162,13 +275,24 @@ def _check_chain(chain: Sequence, nin: int) -> None:
     compile_chain(chain, nin)
 
 
-def compile_chain(chain: Sequence[Step], nin: int) -> dict[str, int | float]:
+def compile_chain(
+    chain: Sequence[Step], nin: int, maps: Sequence[int] = ()
+) -> dict[str, int | float]:
     """The ``ewise`` params of ``chain`` over ``nin`` inputs: its bytecode, registers allocated
     in one pass (an input is loaded at its first use, a register is reused after its value's
-    last use). OptionError when the chain needs more than MAX_OPS instructions or REGISTERS
-    registers."""
+    last use); ``maps``: each input's broadcast map code (operand_maps), packed 2 bits per
+    input into ``maps``. A ``rotate_half`` step is one ROT instruction (``ROT dst <- read a
+    rotated``). OptionError when the chain needs more than MAX_OPS instructions or REGISTERS
+    registers, or rotates a value that is not an input."""
     last_use: dict[int, int] = {}
     for j, (fn, a, b, _) in enumerate(chain):
+        if fn == ROTATE:
+            if not 0 <= a < nin:
+                raise OptionError(
+                    f"elementwise: chain step {j} rotates value {a}, which is not an input",
+                    hint="rotate_half is a load of other columns: it applies to an op input only",
+                )
+            continue  # read from memory by its ROT, not from a register
         for r in (a,) if fn in UNARY else (a, b):
             if r >= 0:
                 last_use[r] = j
@@ -186,6 +310,11 @@ def compile_chain(chain: Sequence[Step], nin: int) -> dict[str, int | float]:
         return free.pop(0)
 
     for j, (fn, a, b, s) in enumerate(chain):
+        if fn == ROTATE:
+            dst = take()
+            code.append((ROT, dst, a, 0))
+            reg[nin + j] = dst
+            continue
         refs = (a,) if fn in UNARY else (a, b)
         regs, temps = [], []
         for r in refs:
@@ -217,13 +346,24 @@ def compile_chain(chain: Sequence[Step], nin: int) -> dict[str, int | float]:
         params.update(
             {WORDS[4 * k]: op, WORDS[4 * k + 1]: dst, WORDS[4 * k + 2]: a, WORDS[4 * k + 3]: b}
         )
+    packed = sum(c << (2 * k) for k, c in enumerate(maps))
+    if packed:
+        params["maps"] = packed
     return params
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def run_chain(chain: Sequence[Step], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The chain's meaning on fp32 tensors (broadcasting like torch): its last step's value."""
     values = list(inputs)
     for fn, a, b, s in chain:
+        if fn == ROTATE:
+            values.append(_rotate_half(values[a]))
+            continue
         scalar = torch.tensor(float(s), dtype=torch.float32)
         x = scalar if a == -1 else values[a]
         values.append(
@@ -258,6 +398,52 @@ def _chain_of(
     ]
 
 
+def _nd(rows: int, cols: int, shape: Sequence[int] | None) -> tuple[int, ...]:
+    return (rows, cols) if shape is None else tuple(int(d) for d in shape)
+
+
+def _check_forms(
+    topology: Topology,
+    rows: int,
+    cols: int,
+    steps: list[Step],
+    forms: list[str],
+    shape: Sequence[int] | None,
+    layout: Sequence | None,
+) -> None:
+    """ShapeError for a broadcast operand that does not broadcast to the op's shape, or a
+    rotation the tiles cannot hold (an odd last dim, or one split over the ranks)."""
+    nd = _nd(rows, cols, shape)
+    for form in forms:
+        b = bcast_shape(form)
+        if b is None:
+            continue
+        try:
+            row_map(b, nd)
+        except ValueError as e:
+            raise ShapeError(
+                f"elementwise: operand form {form!r}: {e}",
+                hint="a bcast operand has the op's rank and last dim, and broadcasts over one "
+                "run of leading dims",
+            ) from None
+    if any(step[0] == ROTATE for step in steps):
+        lay = parse_layout(layout)
+        if cols % 2 or (lay.kind == "shard" and lay.dim % len(nd) == len(nd) - 1):
+            raise ShapeError(
+                f"elementwise: {ROTATE} needs whole rows of an even width; cols={cols}, "
+                f"layout {lay.to_json()}",
+                hint="replicate the input, or shard it along another dim",
+            )
+    operand_maps(["full", *forms], nd)
+
+
+def _global_shape(form: str, rows: int, cols: int) -> tuple[int, int]:
+    b = bcast_shape(form)
+    if b is not None:
+        return (math.prod(b[:-1]), cols)
+    return {"full": (rows, cols), "row": (1, cols), "col": (rows, 1)}[form]
+
+
 @elementwise.shapes
 def _shapes(
     topology: Topology,
@@ -274,11 +460,16 @@ def _shapes(
     layout: Sequence | None = None,
     **_: object,
 ) -> dict[str, tuple]:
-    _, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
+    steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
     names = input_names(1 + len(forms))[1:]
-    return tile_shapes(
-        "elementwise", topology, rows, cols, shape, layout, dict(zip(names, forms, strict=True))
-    )
+    plain = {
+        n: ("full" if f.startswith("bcast:") else f) for n, f in zip(names, forms, strict=True)
+    }
+    out = tile_shapes("elementwise", topology, rows, cols, shape, layout, plain)
+    _check_forms(topology, rows, cols, steps, forms, shape, layout)
+    for n, f in zip(names, forms, strict=True):
+        out[n] = _global_shape(f, rows, cols)
+    return out
 
 
 @elementwise.reference
@@ -291,11 +482,20 @@ def _reference(
     swap: bool = False,
     chain: list | None = None,
     operands: list[str] | None = None,
+    shape: Sequence[int] | None = None,
     **kw: Any,
 ) -> dict[str, torch.Tensor]:
     steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
     names = input_names(1 + len(forms))
-    tensors = [x.float(), *(kw[n].float() for n in names[1:])]
+    tensors = [x.float()]
+    for n, form in zip(names[1:], forms, strict=True):
+        t = kw[n].float()
+        b = bcast_shape(form)
+        if b is not None:  # the operand's rows each output row reads, as the tasks map them
+            a, m = row_map(b, _nd(*x.shape, shape))
+            g = torch.arange(x.shape[0])
+            t = t[(g // a) * m + g % m]
+        tensors.append(t)
     return {"out": run_chain(steps, tensors).expand(x.shape).to(x.dtype)}
 
 
@@ -317,29 +517,127 @@ def _lower(
 ) -> None:
     steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
     names = input_names(1 + len(forms))[1:]
-    lower_tilewise(
-        b,
-        EWISE.name,
-        rows=rows,
-        cols=cols,
-        shape=shape,
-        layout=layout,
-        operands=dict(zip(names, forms, strict=True)),
-        params=compile_chain(steps, 1 + len(forms)),
-        tile_rows=tile_rows,
-        label="*".join(s[0] for s in steps) if chain is not None else fn,
-    )
+    codes, maps = operand_maps(["full", *forms], _nd(rows, cols, shape))
+    params = compile_chain(steps, 1 + len(forms), codes)
+    if any(step[0] == ROTATE for step in steps):
+        params["half"] = cols // 2
+    label = "*".join(s[0] for s in steps) if chain is not None else fn
+    if not maps:
+        lower_tilewise(
+            b,
+            EWISE.name,
+            rows=rows,
+            cols=cols,
+            shape=shape,
+            layout=layout,
+            operands=dict(zip(names, forms, strict=True)),
+            params=params,
+            tile_rows=tile_rows,
+            label=label,
+        )
+        return
+    for k, (a, m) in enumerate(maps, start=1):
+        params[f"map{k}_a"], params[f"map{k}_m"] = a, m
+    forms_of = dict(zip(names, forms, strict=True))
+    _lower_mapped(b, rows, cols, shape, layout, forms_of, params, maps, codes[1:], tile_rows, label)
+
+
+def _lower_mapped(
+    b: GraphBuilder,
+    rows: int,
+    cols: int,
+    shape: Sequence[int] | None,
+    layout: Sequence | None,
+    forms: dict[str, str],
+    params: dict[str, Any],
+    maps: list[tuple[int, int]],
+    codes: list[int],
+    tile_rows: int,
+    label: str,
+) -> None:
+    """tilewise.lower_tilewise for chains with broadcast operands: each rank holds every row of
+    those (only its columns of a column-sharded ``x``), and a task's rows lie in one run of
+    its layout, so that ``row0``, the global row of its first row, maps them all."""
+    if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows <= 0:
+        raise ShapeError(f"elementwise: tile_rows={tile_rows!r} must be a positive int")
+    nd = parse_shape("elementwise", rows, cols, shape)
+    lay = parse_layout(layout)
+    b.global_input("x", (rows, cols))
+    for name, form in forms.items():
+        b.global_input(name, _global_shape(form, rows, cols))
+    b.global_output("out", (rows, cols))
+    for r in b.topo.ranks:
+        runs = layout_runs(nd, lay, r, b.world)
+        x = b.bound_buffer("x", r, "x", runs_pieces(runs))
+        c0, c1 = runs[0][2], runs[0][3]
+        reads: list[tuple[Any, str]] = []
+        for name, form in forms.items():
+            if form == "full":
+                pieces = runs_pieces(runs)
+            elif form == "col":
+                pieces = tuple(((r0, r1), (0, 1)) for r0, r1, _, _ in runs)
+            else:  # a row vector, or every row of a broadcast operand
+                pieces = (((0, _global_shape(form, rows, cols)[0]), (c0, c1)),)
+            reads.append((b.bound_buffer(name, r, name, pieces), form))
+        out = b.bound_buffer("out", r, "out", runs_pieces(runs), role="output")
+        at = 0  # the run's first row in the rank's buffers
+        for g0, g1, _, _ in runs:
+            for t0, t1 in split(g1 - g0, tile_rows):
+                task_params = {**params, "row0": g0 + t0}
+                windows = [_window(*m, g0 + t0, g0 + t1) for m in maps]
+                for k, (lo, _) in enumerate(windows, start=1):
+                    task_params[f"map{k}_lo"] = lo
+                regions = [x.region((at + t0, at + t1))]
+                for (buf, form), code in zip(reads, codes, strict=True):
+                    if code:
+                        regions.append(buf.region(windows[code - 1]))
+                    elif form == "row":
+                        regions.append(buf.region())
+                    else:
+                        regions.append(buf.region((at + t0, at + t1)))
+                b.task(
+                    r,
+                    Role.COMPUTE,
+                    EWISE.name,
+                    regions,
+                    [out.region((at + t0, at + t1))],
+                    name=f"{label} r{r} [{at + t0}:{at + t1}]",
+                    params=task_params,
+                )
+            at += g1 - g0
+
+
+def _window(a: int, m: int, g0: int, g1: int) -> tuple[int, int]:
+    """The operand rows ``[lo, hi)`` that output rows ``[g0, g1)`` read through map ``(a, m)``:
+    one contiguous run, unless the tile wraps around ``m`` (then every row up to its last)."""
+    if g0 // a == (g1 - 1) // a and g0 % m + (g1 - g0) <= m:
+        lo = (g0 // a) * m + g0 % m
+        return lo, lo + (g1 - g0)
+    return 0, ((g1 - 1) // a) * m + m
 
 
 @EWISE.cpu
 def _ewise_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     """Interprets the task's bytecode, as the Triton body does."""
     p = task.params
+    maps, rows = int(p.get("maps", 0)), writes[0].shape[0]
+
+    def load(a: int) -> torch.Tensor:
+        t = reads[a].float()
+        code = (maps >> (2 * a)) & 3
+        if code:  # a broadcast operand: the rows the task's rows map to, from its region's lo
+            g = torch.arange(p["row0"], p["row0"] + rows)
+            a, m = p[f"map{code}_a"], p[f"map{code}_m"]
+            t = t[(g // a) * m + g % m - p[f"map{code}_lo"]]
+        return t
+
     regs: list[Any] = [None] * REGISTERS
     for k in range(p["nops"]):
         op, dst, a, b = (p[WORDS[4 * k + i]] for i in range(4))
         if op == LOAD:
-            regs[dst] = reads[a].float()
+            regs[dst] = load(a)
+        elif op == ROT:
+            regs[dst] = _rotate_half(load(a))
         elif op == CONST:
             regs[dst] = torch.tensor(float(b), dtype=torch.float32)
         elif CODES[op] in UNARY:
@@ -365,7 +663,10 @@ if HAVE_TRITON:
 
     _READ0, _NREAD = tl.constexpr(F_READ0), tl.constexpr(F_NREAD)
     _WRITE0 = tl.constexpr(F_WRITE0)
-    _LOAD, _CONST = tl.constexpr(LOAD), tl.constexpr(CONST)
+    _LOAD, _CONST, _ROT = tl.constexpr(LOAD), tl.constexpr(CONST), tl.constexpr(ROT)
+    # Params after the bytecode words: half, maps, row0, then (A, M, lo) per map (EWISE's order).
+    _P_HALF = tl.constexpr(2 + 4 * MAX_OPS)
+    _P_MAP = tl.constexpr(2 + 4 * MAX_OPS + 3)
     # The sub-block each pass of the interpreter loop computes: REGISTERS tiles of it stay live
     # (6 x 16 x 128 fp32 = 48 KiB over the program's threads: 24 registers each at 8 warps), well
     # under what the GEMM body already needs, so the megakernel's register budget is unchanged.
@@ -465,6 +766,26 @@ if HAVE_TRITON:
         return v0, v1, v2, v3, v4, v5
 
     @triton.jit
+    def _rows_of(params, tp, maps, k, row0, om):
+        """Rows of input ``k``'s region that the tile's rows ``om`` read: ``om`` itself, or,
+        for a broadcast operand, ``(g // A) * M + g % M - lo`` of their global rows ``g``."""
+        code = (maps >> (2 * k)) & 3
+        rows = om
+        if code != 0:
+            a = param_i32(params, tp, _P_MAP + 3 * (code - 1))
+            m = param_i32(params, tp, _P_MAP + 3 * (code - 1) + 1)
+            lo = param_i32(params, tp, _P_MAP + 3 * (code - 1) + 2)
+            g = row0 + om
+            rows = (g // a) * m + g % m - lo
+        return rows
+
+    @triton.jit
+    def _rot_cols(on, half):
+        """rotate_half's columns: column j reads j + half (negated) in the first half, j - half
+        in the second."""
+        return tl.where(on < half, on + half, on - half)
+
+    @triton.jit
     def _vblock(blk, nbj, m, n, VEC: tl.constexpr):
         """Rows, columns and mask of block ``blk`` (row-major over ``nbj`` column blocks); a
         block past the last one is all masked."""
@@ -474,21 +795,27 @@ if HAVE_TRITON:
 
     @triton.jit
     def _vload(addr, pitch, om, on, mask, DT: tl.constexpr):
-        """A fast-path operand's [_EW_M, _EW_N] block, in DT (row_operand's address and pitch,
-        its ``vec`` checked: 16-byte vectors, int32 offsets)."""
+        """A fast-path operand's [_EW_M, _EW_N] block at rows ``om``, in DT (row_operand's
+        address and pitch, its ``vec`` checked: 16-byte vectors, int32 offsets; ``on`` in runs
+        of VEC columns starting on multiples of VEC)."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         p = vec_ptr(addr, DT) + (om * (pitch // VEC * VEC))[:, None] + on[None, :]
         return tl.load(p, mask=mask, other=1.0)  # 1: masked lanes finite through log, 1/x
 
     @triton.jit
     def _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, m, n, DT: tl.constexpr):
-        """The fast path: every operand and the output take 16-byte vectors. The first four
+        """The fast path: every operand and the output take 16-byte vectors (and half of a
+        rotation is a multiple of them, so its columns move in whole vectors). The first four
         operands of block b + 1 are loaded before block b's bytecode runs (in flight together
         and behind its math, where the interpreter's LOADs waited one after another); a LOAD
-        of a later operand reads it then. Region lookups are hoisted out of the block loop."""
+        of a later operand, or a ROT, reads it then. Region lookups are hoisted out of the
+        block loop."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         nops = param_i32(params, tp, 0)
         result = param_i32(params, tp, 1)
+        half = param_i32(params, tp, _P_HALF)
+        maps = param_i32(params, tp, _P_HALF + 1)
+        row0 = param_i32(params, tp, _P_HALF + 2)
         last = r0 + nread - 1  # operand k of a task with fewer reads: not loaded (the index
         a0, p0, _v0 = row_operand(regions, bufaddr, bufcols, r0, DT)  # only stays in range)
         a1, p1, _v1 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 1, last), DT)
@@ -498,6 +825,7 @@ if HAVE_TRITON:
         out_p = vec_ptr(oa, DT)
         opitch = opitch // VEC * VEC
         n = n // VEC * VEC
+        half = half // VEC * VEC  # a multiple of VEC here (ewise_tile checked it)
         nbj = tl.cdiv(n, _EW_N)
         raw = tl.zeros((_EW_M, _EW_N), dtype=DT)
         om, on, mask = _vblock(0, nbj, m, n, VEC)
@@ -506,11 +834,11 @@ if HAVE_TRITON:
         t2 = raw
         t3 = raw
         if nread > 1:
-            t1 = _vload(a1, p1, om, on, mask, DT)
+            t1 = _vload(a1, p1, _rows_of(params, tp, maps, 1, row0, om), on, mask, DT)
         if nread > 2:
-            t2 = _vload(a2, p2, om, on, mask, DT)
+            t2 = _vload(a2, p2, _rows_of(params, tp, maps, 2, row0, om), on, mask, DT)
         if nread > 3:
-            t3 = _vload(a3, p3, om, on, mask, DT)
+            t3 = _vload(a3, p3, _rows_of(params, tp, maps, 3, row0, om), on, mask, DT)
         for blk in range(0, tl.cdiv(m, _EW_M) * nbj):
             nm, nn, nmask = _vblock(blk + 1, nbj, m, n, VEC)
             u0 = _vload(a0, p0, nm, nn, nmask, DT)
@@ -518,11 +846,11 @@ if HAVE_TRITON:
             u2 = raw
             u3 = raw
             if nread > 1:
-                u1 = _vload(a1, p1, nm, nn, nmask, DT)
+                u1 = _vload(a1, p1, _rows_of(params, tp, maps, 1, row0, nm), nn, nmask, DT)
             if nread > 2:
-                u2 = _vload(a2, p2, nm, nn, nmask, DT)
+                u2 = _vload(a2, p2, _rows_of(params, tp, maps, 2, row0, nm), nn, nmask, DT)
             if nread > 3:
-                u3 = _vload(a3, p3, nm, nn, nmask, DT)
+                u3 = _vload(a3, p3, _rows_of(params, tp, maps, 3, row0, nm), nn, nmask, DT)
             om, on, mask = _vblock(blk, nbj, m, n, VEC)
             zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
             v0 = zero
@@ -541,7 +869,15 @@ if HAVE_TRITON:
                         y = _pick(a, t0, t1, t2, t3, t3, t3).to(tl.float32)
                     else:
                         ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                        y = _vload(ak, pk, om, on, mask, DT).to(tl.float32)
+                        rows = _rows_of(params, tp, maps, a, row0, om)
+                        y = _vload(ak, pk, rows, on, mask, DT).to(tl.float32)
+                elif op == _ROT:
+                    ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                    rows = _rows_of(params, tp, maps, a, row0, om)
+                    # runs of VEC columns stay runs: half is a multiple of VEC
+                    cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)
+                    y = _vload(ak, pk, rows, cols, mask, DT).to(tl.float32)
+                    y = tl.where((on < half)[None, :], -y, y)
                 elif op == _CONST:
                     y = zero + b.to(tl.float32, bitcast=True)
                 else:
@@ -561,6 +897,9 @@ if HAVE_TRITON:
         """The general path: any operand forms and widths, pointers per element (tile_ptrs)."""
         nops = param_i32(params, tp, 0)
         result = param_i32(params, tp, 1)
+        half = param_i32(params, tp, _P_HALF)
+        maps = param_i32(params, tp, _P_HALF + 1)
+        row0 = param_i32(params, tp, _P_HALF + 2)
         for i in range(0, m, _EW_M):
             for j in range(0, n, _EW_N):
                 om = i + tl.arange(0, _EW_M)
@@ -579,11 +918,21 @@ if HAVE_TRITON:
                     a = param_i32(params, tp, 4 + 4 * k)
                     b = param_i32(params, tp, 5 + 4 * k)
                     if op == _LOAD:
+                        rows = _rows_of(params, tp, maps, a, row0, om)
                         y = tl.load(
-                            tile_ptrs(regions, bufaddr, bufcols, r0 + a, om, on, DT),
+                            tile_ptrs(regions, bufaddr, bufcols, r0 + a, rows, on, DT),
                             mask=mask,
                             other=1.0,  # masked lanes stay finite through log, 1/x
                         ).to(tl.float32)
+                    elif op == _ROT:
+                        rows = _rows_of(params, tp, maps, a, row0, om)
+                        cols = _rot_cols(on, half)
+                        y = tl.load(
+                            tile_ptrs(regions, bufaddr, bufcols, r0 + a, rows, cols, DT),
+                            mask=mask,
+                            other=1.0,
+                        ).to(tl.float32)
+                        y = tl.where((on < half)[None, :], -y, y)
                     elif op == _CONST:
                         y = zero + b.to(tl.float32, bitcast=True)
                     else:
@@ -601,10 +950,12 @@ if HAVE_TRITON:
     def ewise_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
         """The task's chain over its row tile, in _EW_M x _EW_N blocks: per block, the bytecode
         runs over fp32 register tiles (LOAD reads region ``read0 + a``, broadcasting a row or
-        column operand), and the result register is stored once, cast to DT. Tasks whose
-        operands and output all take 16-byte vectors (tilewise.row_operand: full and row
-        operands of 16-byte rows) run _ewise_vec; others (a column operand, odd widths)
-        _ewise_general."""
+        column operand and mapping a broadcast operand's rows; ROT reads it rotated), and the
+        result register is stored once, cast to DT. Tasks whose operands and output all take
+        16-byte vectors (tilewise.row_operand: full, row and broadcast operands of 16-byte
+        rows; a rotation by a multiple of 16 bytes) run _ewise_vec; others (a column operand,
+        odd widths) _ewise_general."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
         w0 = tl.load(tp + _WRITE0)
@@ -613,6 +964,7 @@ if HAVE_TRITON:
         for k in range(0, nread):
             _a, _p, vec = row_operand(regions, bufaddr, bufcols, r0 + k, DT)
             fast = fast & vec
+        fast = fast & (param_i32(params, tp, _P_HALF) % VEC == 0)
         if fast:
             _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, xm1 - xm0,
                        xn1 - xn0, DT)

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..layout import REPLICATE, flat_shape
+from ..ops.elementwise import bcast_form
 from .capture import CNode
 from .mapping import BINARY, UNARY, broadcast_form, handles, whole_rows
 from .opgraph import OpGraph, OpNode, Value
@@ -67,10 +68,10 @@ def _binary(tr: Tracer, n: CNode) -> Any:
     inputs = {"x": a}
     lay = tr.layout_in(a, n)
     if isinstance(b, Value):
-        form = broadcast_form(b.shape, out_shape)
+        form = broadcast_form(b.shape, out_shape) or bcast_form(b.shape, out_shape)
         if form is None:
-            # Broadcast over leading dims other than the rows' (a rotary table [B, 1, S, D]
-            # against [B, H, S, D]): expanded into the layout of ``a``.
+            # A broadcast the row map cannot express ([B, 1, S, 1] against [B, H, S, D]):
+            # expanded into the layout of ``a``.
             b, form = broadcast(tr, n, b, out_shape, lay), "full"
         params["other"] = form
         inputs["y"] = b
@@ -277,7 +278,7 @@ def fuse_pointwise(og: OpGraph) -> OpGraph:
     from dataclasses import replace
 
     from ..errors import OptionError
-    from ..ops.elementwise import compile_chain, input_names
+    from ..ops.elementwise import compile_chain, input_names, operand_maps
 
     reads: Counter[str] = Counter()
     for node in og.nodes:
@@ -307,10 +308,16 @@ def fuse_pointwise(og: OpGraph) -> OpGraph:
                 ):
                     continue
                 inputs, steps = chain.inline(slot, producer)
+                p = chain.node.params
                 try:
-                    compile_chain(steps, len(inputs))
+                    codes, _ = operand_maps(
+                        [f for _, f in inputs], p.get("shape") or [p["rows"], p["cols"]]
+                    )
+                    compile_chain(steps, len(inputs), codes)
                 except OptionError:
-                    continue  # too long or too many live tiles: stays two nodes
+                    # too long, too many live tiles or broadcast maps, or a rotation of a
+                    # computed value (rotate_half loads an input): stays two nodes
+                    continue
                 chain.inputs, chain.steps = inputs, steps
                 chain.origins = producer.origins + chain.origins
                 nodes.remove(producer.node)

@@ -4,7 +4,8 @@ used), ``expand`` (``repeat_kv``) and ``cat``.
 
 Slices and expands are relayout steps (mgraph/ops/relayout.py), so a chain of them and of
 views/permutes is one op; cat along the last dim is the ``concat`` op, along another dim it is
-the same op between relayouts that bring that dim last.
+the same op between relayouts that bring that dim last. ``rotate_half``'s cat of a negated and
+a plain half of one tensor is a pointwise op instead (:func:`_rotate_half`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from ..errors import UnsupportedOpError
 from ..layout import REPLICATE, flat_shape
+from ..ops.elementwise import ROTATE
 from .capture import CNode
 from .mapping import handles, sharded_last
 from .opgraph import Value
@@ -130,6 +132,9 @@ def broadcast(tr: Tracer, n: CNode, x: Value, out: tuple[int, ...], want) -> Val
 
 @handles("cat", "concat", "concatenate")
 def _cat(tr: Tracer, n: CNode) -> Any:
+    rotated = _rotate_half(tr, n)
+    if rotated is not None:
+        return rotated
     parts = [tr.tensor(n, t, "input") for t in n.arg(0, "tensors")]
     parts = [p for p in parts if math.prod(p.shape) > 0]  # torch.cat skips empty tensors
     nd = len(parts[0].shape)
@@ -173,3 +178,64 @@ def _concat_last(tr: Tracer, n: CNode, parts: list[Value]) -> Value:
         name = n.name if i == len(parts) - 1 else f"{n.name}_{i}"
         out = tr.emit(n, "concat", params, {"x": out, "y": y}, shape, lay, name=name)
     return out
+
+
+def _rotate_half(tr: Tracer, n: CNode) -> Value | None:
+    """``torch.cat((-x[..., h:], x[..., :h]), dim=-1)`` with ``h`` half of x's last dim (the
+    ``rotate_half`` of transformers' Llama, Mistral, Qwen and Mixtral) as ONE elementwise op of
+    ``x``, a ``rotate_half`` step (mgraph/ops/elementwise.py), in place of two slice
+    relayouts, a neg and a concat: a consumer's pointwise chain then reads ``x`` rotated
+    (fuse_pointwise). None, and the usual path, for any other cat, for pieces something else
+    also reads, or when ``x`` is split along its last dim (the rotation needs whole rows)."""
+    tensors = n.arg(0, "tensors")
+    if len(tensors) != 2 or not n.shape or n.arg(1, "dim", 0) % len(n.shape) != len(n.shape) - 1:
+        return None
+    neg, first = tensors
+    if not (isinstance(neg, CNode) and neg.op == "neg" and isinstance(first, CNode)):
+        return None
+    second = neg.args[0]
+    if not isinstance(second, CNode) or first.op != "slice" or second.op != "slice":
+        return None
+    if any(len(c.users) != 1 or c in tr.cap.outputs for c in (neg, first, second)):
+        return None
+    v_first, v_second, v_neg = (tr.env.get(c) for c in (first, second, neg))
+    r_first = tr.relayouts.get(getattr(v_first, "name", ""))
+    r_second = tr.relayouts.get(getattr(v_second, "name", ""))
+    if r_first is None or r_second is None or not isinstance(v_neg, Value):
+        return None
+    x = r_first.inputs["x"]
+    nd, d = len(x.shape), x.shape[-1]
+    h = d // 2
+    if (
+        r_second.inputs["x"] is not x
+        or d % 2
+        or tuple(n.shape) != x.shape
+        or r_first.params["steps"] != [["slice", [nd - 1, 0, h, 1]]]
+        or r_second.params["steps"] != [["slice", [nd - 1, h, d, 1]]]
+    ):
+        return None
+    negs = [
+        node
+        for node in tr.og.nodes[::-1]
+        if node.outputs.get("out") is v_neg
+        and node.op == "elementwise"
+        and node.params.get("fn") == "neg"
+        and node.params.get("chain") is None
+        and node.inputs.get("x") is v_second
+    ]
+    lay = tr.layout_in(x, n) or REPLICATE
+    if not negs or sharded_last(lay, nd):
+        return None
+    for node in (negs[0], r_first, r_second):  # read by nothing else: never lowered
+        tr.og.nodes.remove(node)
+        tr.relayouts.pop(node.outputs["out"].name, None)
+    rows, cols = flat_shape(x.shape)
+    params = {
+        "rows": rows,
+        "cols": cols,
+        "chain": [[ROTATE, 0, -1, 0.0]],
+        "operands": [],
+        "shape": list(x.shape),
+        "layout": lay.to_json(),
+    }
+    return tr.emit(n, "elementwise", params, {"x": x}, x.shape, lay)
