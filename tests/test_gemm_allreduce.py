@@ -43,8 +43,9 @@ def test_stats_structure_2x4():
     assert kinds[("compute", "gemm")] == 8 * 4  # every rank computes every tile's partial
     assert kinds[("compute", "reduce")] == 2 * 4 + 4  # node reduce per tile and node, + rail
     # The node reduce's 3 pushes per tile and node ride on the GEMM epilogues (a GEMM tile of
-    # a non-owner stores its partial straight into the owner): only the broadcasts are copies.
-    assert kinds[("nvlink", "copy")] == 8
+    # a non-owner stores its partial straight into the owner): only the broadcasts are copies,
+    # one per (chunk, node peer): 8 owners x 1 chunk x 3 peers.
+    assert kinds[("nvlink", "copy")] == 8 * 3
     pushed = [t for t in g.tasks if t.kind == "gemm"
               and g.buffers[t.writes[0].buffer].rank != t.rank]
     assert len(pushed) == 2 * 4 * 3

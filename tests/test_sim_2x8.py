@@ -1,12 +1,9 @@
 """What the simulated 2x8 configurations (benchmarks/simulate_mkernel.py) rest on, checked on
 small 2x8 graphs: the default policy staggers each GPU's first pushes over its node (no NVLink
-incast), the simulator pushes exactly the commands the megakernel's network plan encodes (one
-per RDMA write), and the split-broadcast what-if moves the same bytes."""
+incast), and the simulator pushes exactly the commands the megakernel's network plan encodes (one
+per RDMA write). The node broadcast split per (chunk, peer): tests/test_node_broadcast_split.py."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +12,6 @@ import mgraph as mg
 from mgraph.runtime.megakernel.netplan import net_plan
 from mgraph.runtime.sim import simulate
 
-ROOT = Path(__file__).resolve().parents[1]
 AR = dict(M=1024, N=1024, K=1024, tile=[64, 128], chunk_bytes=32768)
 RS = dict(M=1024, N=1024, K=1024, tile=[64, 128], chunk_bytes=32768)
 
@@ -56,26 +52,6 @@ def test_one_proxy_command_per_rdma_write_as_netplan_encodes(op, kw):
     rdma = [t for t in g.tasks if t.role == "rdma"]
     encoded = sum(len(plan.commands[t.id]) for t in rdma)
     assert res.stats["commands"] == encoded == len(rdma)
-
-
-def test_split_broadcast_what_if_moves_the_same_bytes():
-    """simulate_mkernel's what-if: each 7-peer broadcast becomes 7 one-peer tasks with its
-    waits; every other task is kept; the NVLink and RDMA bytes do not change."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from simulate_mkernel import split_broadcasts
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    g = graph("gemm_allreduce", **AR)
-    split = split_broadcasts(g)
-    wide = [t for t in g.tasks if t.role == "nvlink" and len(t.writes) > 1]
-    assert wide and all(len(t.writes) == 7 for t in wide)
-    assert len(split.tasks) == len(g.tasks) + 6 * len(wide)
-    assert all(len(t.writes) == 1 for t in split.tasks if t.role == "nvlink")
-    assert split.stats().bytes_by_link == g.stats().bytes_by_link
-    a = simulate(mg.schedule(g), baselines=False, fill=lambda t: 1.0)
-    b = simulate(mg.schedule(split), baselines=False, fill=lambda t: 1.0)
-    assert a.bytes_by_link == b.bytes_by_link
 
 
 # -- the network_first policy ---------------------------------------------------------------------

@@ -10,7 +10,8 @@ node, N nodes); slot (l, j) belongs to local GPU l on every node and is finally 
 2. rail reduce-scatter (rdma): node sums of slot (l, j) go, in chunks, to the rail peer (j, l),
    which adds the N node sums (compute);
 3. rail all-gather (rdma): (j, l) sends the finished chunks back to its rail peers;
-4. node broadcast (nvlink): GPU l of each node pushes the finished chunks to its node peers.
+4. node broadcast (nvlink): GPU l of each node pushes the finished chunks to its node peers, one
+   copy task per (chunk, peer).
 RDMA bytes sent per node = 2 D (N-1)/N for D output bytes: exactly D on 2 nodes. ``hierarchical=
 False`` runs the rail stages on the full partials first (every GPU's partial crosses the network)
 and the node stages after, moving G times more over RDMA: the baseline the design improves on.
@@ -262,23 +263,40 @@ class _Stages:
                 task.signals += [landed[(p, owner)] for p in peers]
 
     def node_broadcast(self, out: list[Buffer], done: _Result) -> None:
-        """Every owner pushes its finished chunks to its node peers over NVLink."""
+        """Every owner pushes its finished chunks to its node peers over NVLink: one task per
+        (chunk, peer). One task per chunk into all G-1 peers would be one worker moving G-1
+        chunks in a row after the last rail arrival (at 2x8 the simulator's largest gap); per
+        peer, the SM partition and the controller can give the G-1 copies G-1 workers.
+
+        Each copy raises the peer's ``broadcast r{owner}->r{peer}`` event (one per (owner,
+        peer): as many signals as the owner has chunks), which that peer's kernel waits for
+        before it ends: nothing else in this op reads the finished output (a later op's reads
+        wait for the copy that wrote them, through the builder's joins)."""
         b, topo = self.b, self.topo
-        if topo.gpus_per_node == 1:
+        G = topo.gpus_per_node
+        if G == 1:
             return
         for owner in topo.ranks:
-            peers = [p for p in topo.node_ranks(topo.node_of(owner)) if p != owner]
+            members = topo.node_ranks(topo.node_of(owner))
+            local = topo.local_of(owner)
+            # From the next GPU on: the node's owners start on G-1 different peers (no incast).
+            peers = [members[(local + i) % G] for i in range(1, G)]
+            landed = {p: b.event(p, f"broadcast r{owner}->r{p}") for p in peers}
             for chunk in self.chunks(done.owned[owner]):
                 box = bounding(chunk)
-                b.task(
-                    owner,
-                    Role.NVLINK,
-                    COPY,
-                    [tile_region(out[owner], box)],
-                    [tile_region(out[p], box) for p in peers],
-                    waits=b.after(owner, unique_tasks(done.ready[owner][t] for t in chunk)),
-                    name=f"broadcast r{owner} [{box[0]}:{box[1]},{box[2]}:{box[3]}]",
-                )
+                where = f"[{box[0]}:{box[1]},{box[2]}:{box[3]}]"
+                waits = b.after(owner, unique_tasks(done.ready[owner][t] for t in chunk))
+                for p in peers:
+                    b.task(
+                        owner,
+                        Role.NVLINK,
+                        COPY,
+                        [tile_region(out[owner], box)],
+                        [tile_region(out[p], box)],
+                        waits=waits,
+                        signals=[landed[p]],
+                        name=f"broadcast r{owner}->r{p} {where}",
+                    )
 
     def rail_allreduce(self, src, src_ready, out, *, by_local: bool) -> _Result:
         """All-reduce over each rail group (GPUs with one local index), reduce-scatter then
