@@ -19,7 +19,6 @@ Run: python benchmarks/simulate_mkernel.py [--quick] [--ops OP ...] [--out bench
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -37,6 +36,14 @@ os.environ.setdefault("MGRAPH_MAX_BYTES", str(1 << 50))
 import mgraph as mg  # noqa: E402
 from mgraph.runtime.sim import collective_times, simulate, sweep_comm_sms
 from mgraph.runtime.sim.model import expected_fill
+from mgraph.scheduler.policies import (
+    POLICIES,
+    critical_path_lengths,
+    list_order,
+    network_slots,
+    push_rotation,
+    register_policy,
+)
 
 TOPOLOGY = "2x8"
 PROFILE = mg.H200.model_copy(
@@ -225,24 +232,27 @@ def what_if(case: Case, sched, graph, res, first_graph) -> dict[str, Any]:
         }  # fmt: skip
     proxy = PROFILE.model_copy(update={"proxy_command_us": PROXY_4_STREAMS_US})
     if case.op == "gemm_allreduce":
-        split = mg.schedule(split_broadcasts(graph), PROFILE)
-        split_first = mg.schedule(split_broadcasts(first_graph), PROFILE, policy=NETWORK_FIRST)
+        ordered = {
+            "critical_path": mg.schedule(graph, PROFILE, policy=CHUNK_ORDER),
+            NETWORK_FIRST: mg.schedule(first_graph, PROFILE, policy=CHUNK_ORDER_FIRST),
+        }
 
         def ms(s, hw) -> float:
             return simulate(s, hardware=hw, baselines=False).predicted_s * 1e3
 
-        both = {"critical_path": ms(split, proxy), NETWORK_FIRST: ms(split_first, proxy)}
+        both = {policy: ms(s, proxy) for policy, s in ordered.items()}
         policy = min(both, key=both.get)
         return {
             "what": f"the proxy on 4 copy streams ({PROXY_4_STREAMS_US:g} us per command, "
-            f"measured; the profile: {PROFILE.proxy_command_us:g}) and the node broadcast as "
-            "one NVLink task per (chunk, peer) instead of one per chunk into all 7 peers (a "
-            "lowering change, not built), on the faster of the two policies (named per row)",
+            f"measured; the profile: {PROFILE.proxy_command_us:g}; Settings.proxy_streams is 1 "
+            "by default) and the node broadcast's copies queued chunk by chunk instead of peer "
+            "by peer (push_rotation leaving NVLink copies in lowering order: a scheduler change, "
+            "not built), on the faster of the two policies (named per row)",
             "predicted_ms": both[policy],
             "policy": policy,
             "by_policy": both,
             "proxy_4_streams_ms": ms(sched, proxy),
-            "split_broadcast_ms": ms(split, PROFILE),
+            "chunk_order_ms": ms(ordered["critical_path"], PROFILE),
         }
     push = PROFILE.model_copy(
         update={"nvlink_worker_gbps": PROBE_PUSH_GBPS, "nvlink_worker_push_gbps": PROBE_PUSH_GBPS}
@@ -257,26 +267,26 @@ def what_if(case: Case, sched, graph, res, first_graph) -> dict[str, Any]:
     }
 
 
-def split_broadcasts(graph: mg.TaskGraph) -> mg.TaskGraph:
-    """The graph with each NVLink task that writes into several peers and signals nothing (the
-    GEMM+AR node broadcast: one chunk into 7 peers) split into one task per peer, each with the
-    original's waits: a what-if of a lowering that does not exist (gemm_allreduce's
-    node_broadcast emits one task per chunk). One task per chunk is bound by ONE worker's push
-    rate for 7x the chunk's bytes; split, up to 7 workers share it, and the critical-path
-    policy's push rotation staggers the peers."""
-    tasks: list = []
-    for t in graph.tasks:
-        if t.role == "nvlink" and len(t.writes) > 1 and not t.signals:
-            reads = sum(graph.region_bytes(r) for r in t.reads)
-            for w in t.writes:
-                peer = graph.buffers[w.buffer].rank
-                tasks.append(dataclasses.replace(
-                    t, id=len(tasks), name=f"{t.name} ->r{peer}", writes=[w],
-                    waits=list(t.waits), signals=[], bytes=reads + graph.region_bytes(w),
-                    params=dict(t.params)))  # fmt: skip
-        else:
-            tasks.append(dataclasses.replace(t, id=len(tasks)))
-    return dataclasses.replace(graph, tasks=tasks).validate()
+def _chunk_ordered(graph: mg.TaskGraph, facts, slots: bool) -> list[int]:
+    """critical_path (network_first with ``slots``) with push_rotation's tie-break kept for
+    every task but the NVLink copies: gemm_allreduce's node broadcast is one copy per (chunk,
+    peer), all of equal path length, and push_rotation sorts ties by peer, so each rank queues
+    every chunk's copy to its next GPU before any copy to the one after (a worker then waits on
+    the last chunk's copy to GPU r+1 while earlier chunks' copies to r+2.. are ready). Without
+    it ties fall back to task id: the lowering's order, chunk by chunk and rotated per owner."""
+    length = critical_path_lengths(facts)
+    turn = [0 if t.role == "nvlink" else r
+            for t, r in zip(graph.tasks, push_rotation(graph), strict=True)]  # fmt: skip
+    if not slots:
+        return list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
+    slot = network_slots(graph, facts)
+    return list_order(graph, [(s, -x, r) for s, x, r in zip(slot, length, turn, strict=True)])
+
+
+CHUNK_ORDER, CHUNK_ORDER_FIRST = "what-if:chunk_order", "what-if:chunk_order_network_first"
+if CHUNK_ORDER not in POLICIES:  # a second import of this module
+    register_policy(CHUNK_ORDER)(lambda g, f: _chunk_ordered(g, f, slots=False))
+    register_policy(CHUNK_ORDER_FIRST)(lambda g, f: _chunk_ordered(g, f, slots=True))
 
 
 # -- calibration against GPU.md -----------------------------------------------------------------
@@ -378,12 +388,15 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
             f"network plan needs {cmds:.2f} commands per RDMA write (netplan: one WRITE whose "
             "arrival flag serves every destination event, a SIGNAL only per extra source event; "
             "the issue's 2.5 predates it). The node broadcast after the rail all-reduce is one "
-            "NVLink task per chunk that pushes the chunk into all 7 peers, so ONE worker moves "
-            f"7 chunks at the measured {PROFILE.nvlink_worker_push_gbps:g} GB/s per worker: the "
-            "last chunk's broadcast alone takes 7 x chunk / that rate after the last RDMA "
-            "arrival, and the static partition gives NVLink at most one worker per task. The "
-            "what-if column splits it per (chunk, peer) and runs the proxy on 4 copy streams; "
-            "each row below gives the two apart."
+            "NVLink copy per (chunk, peer), each raising its peer's event "
+            "(gemm_allreduce.node_broadcast), so a chunk's 7 copies run on up to 7 workers, "
+            f"each at the measured {PROFILE.nvlink_worker_push_gbps:g} GB/s per worker. All "
+            "copies are sinks with paths of equal length, and the critical-path policy breaks "
+            "that tie by push_rotation, i.e. by peer: each rank queues every chunk's copy to its "
+            "next GPU before any copy to the GPU after it, so workers holding late chunks' "
+            "copies wait while earlier chunks' copies to other peers are ready. The what-if "
+            "column queues the copies chunk by chunk (lowering order) and runs the proxy on 4 "
+            "copy streams; each row below gives the two apart."
         )
     elif op == "ring_attention":
         out.append(
@@ -464,6 +477,10 @@ def explain_row(r: dict[str, Any]) -> list[str]:
     if nf < r["predicted_ms"] * 0.97:
         text += (f" The {NETWORK_FIRST} policy (sends leave while later tiles compute): "
                  f"{_ms(nf)} ({base / nf:.2f}x).")  # fmt: skip
+    ad = r["adaptive_ms"]
+    if ad < r["predicted_ms"] * 0.95:
+        text += (f" The adaptive controller (Settings.adaptive, off by default): {_ms(ad)} "
+                 f"({base / ad:.2f}x).")  # fmt: skip
     split = r.get("best_split")
     if split and split["predicted_ms"] < r["predicted_ms"] * 0.95:
         text += (f" The best static split ({split['comm_sms']} nvlink SMs vs the rule's "
@@ -478,11 +495,11 @@ def explain_row(r: dict[str, Any]) -> list[str]:
                  "over 8 NICs and NVLink at the measured bus bandwidth.")  # fmt: skip
     if r["op"] == "gemm_allreduce":
         text += (f" Proxy on 4 streams alone: {_ms(wi['proxy_4_streams_ms'])} "
-                 f"({base / wi['proxy_4_streams_ms']:.2f}x); the broadcast split per peer "
-                 f"alone: {_ms(wi['split_broadcast_ms'])} "
-                 f"({base / wi['split_broadcast_ms']:.2f}x). Each chunk crosses epilogue push "
-                 "-> node sum -> RDMA -> rail sum -> RDMA -> NVLink broadcast to 7 peers.")  # fmt: skip
-        best = min(wi["proxy_4_streams_ms"], wi["split_broadcast_ms"], wi["predicted_ms"])
+                 f"({base / wi['proxy_4_streams_ms']:.2f}x); the broadcast copies in chunk "
+                 f"order alone: {_ms(wi['chunk_order_ms'])} "
+                 f"({base / wi['chunk_order_ms']:.2f}x). Each chunk crosses epilogue push "
+                 "-> node sum -> RDMA -> rail sum -> RDMA -> 7 NVLink copies, one per peer.")  # fmt: skip
+        best = min(wi["proxy_4_streams_ms"], wi["chunk_order_ms"], wi["predicted_ms"])
         if best >= r["predicted_ms"] * 0.97:
             text += (" Neither change helps here: the GEMM with its epilogue pushes (the node "
                      "reduce-scatter through the push port) and the NVLink workers beside it set "
@@ -490,8 +507,9 @@ def explain_row(r: dict[str, Any]) -> list[str]:
                      "above), not a cheaper proxy.")  # fmt: skip
         else:
             text += (" The larger of the two gains names the stage that sets the time; what is "
-                     "left after both is the NVLink SM work (floor above), the NVLink worker "
-                     "cap and the fixed costs.")  # fmt: skip
+                     "left after both is the NVLink SM work (floor above), the per-worker NVLink "
+                     "rate (a copy moves a whole network chunk), the NVLink worker cap and the "
+                     "fixed costs.")  # fmt: skip
     if r["op"] == "ring_attention" and r["diff"] < 0:
         text += (" mKernel's gain grows with S, i.e. with the share of attention math: its "
                  "attention tiles are faster than FA2 (GPU.md's cuDNN reaches 617 TF/s), while "
