@@ -27,6 +27,8 @@ from mgraph.scheduler.controller import (
     TIME_CAP,
 )
 
+from .sync import load_uniform
+
 __all__ = ["CTL_WORDS", "C_FINISHED", "C_TARGET", "C_WINDOW", "C_DONE", "C_PREVIOUS", "C_PRIOR",
            "C_INITIAL", "C_DECISIONS", "decide", "account", "maybe_decide", "reset_at_exit"]
 
@@ -103,22 +105,25 @@ def account(ctl, role, run_ns, wait_ns):
 @triton.jit
 def maybe_decide(ctl, heads, qinfo, c_static, t_now, pool, window_ns, max_comm,
                  QF: tl.constexpr, QLEN: tl.constexpr):
-    """Once per window, by the program that wins the window: run the rule and publish."""
-    start = tl.load(ctl + _WIN, volatile=True)
+    """Once per window, by the program that wins the window: run the rule and publish.
+    ``t_now`` must be the same in every warp (sync.now_uniform), and so is every word read here
+    (sync.load_uniform, atomics): the window test and the compare-and-swap are branches, and
+    the atomics inside them hold CTA barriers (sync.py, "Uniform control flow")."""
+    start = load_uniform(ctl + _WIN)
     if t_now - start >= window_ns:
         if tl.atomic_cas(ctl + _WIN, start, t_now) == start:
             window = t_now - start
-            c_left = tl.maximum(tl.load(qinfo + QLEN) - c_static - tl.load(heads, volatile=True), 0)
-            s_left = tl.maximum(tl.load(qinfo + QF + QLEN) - tl.load(heads + 1, volatile=True), 0)
-            tgt = tl.load(ctl + _TGT, volatile=True)
-            comm = decide(c_left.to(tl.int64), tl.load(ctl + _DONE, volatile=True),
-                          tl.load(ctl + _DONE + 1, volatile=True),
+            c_left = tl.maximum(tl.load(qinfo + QLEN) - c_static - load_uniform(heads), 0)
+            s_left = tl.maximum(tl.load(qinfo + QF + QLEN) - load_uniform(heads + 1), 0)
+            tgt = load_uniform(ctl + _TGT)
+            comm = decide(c_left.to(tl.int64), load_uniform(ctl + _DONE),
+                          load_uniform(ctl + _DONE + 1),
                           tl.atomic_xchg(ctl + _DONE + 2, 0), (pool - tgt).to(tl.int64),
                           tl.load(ctl + _PRIOR), s_left.to(tl.int64),
-                          tl.load(ctl + _DONE + 3, volatile=True),
-                          tl.load(ctl + _DONE + 4, volatile=True),
+                          load_uniform(ctl + _DONE + 3),
+                          load_uniform(ctl + _DONE + 4),
                           tl.atomic_xchg(ctl + _DONE + 5, 0), tgt.to(tl.int64),
-                          tl.load(ctl + _PRIOR + 1), window, tl.load(ctl + _PREV, volatile=True),
+                          tl.load(ctl + _PRIOR + 1), window, load_uniform(ctl + _PREV),
                           max_comm.to(tl.int64))
             tl.store(ctl + _PREV, comm)
             tl.atomic_xchg(ctl + _TGT, comm)

@@ -99,7 +99,16 @@ from mgraph.ops.abi import (
 
 from .control import C_TARGET, account, maybe_decide, reset_at_exit
 from .hostfifo import CMD_WORDS, push
-from .sync import bulk_store_fence, fence_proxy_async, now, signal, wait, wait_sum
+from .sync import (
+    bulk_store_fence,
+    fence_proxy_async,
+    load_uniform,
+    now,
+    now_uniform,
+    signal,
+    wait,
+    wait_sum,
+)
 
 __all__ = ["megakernel", "ERR_FIELDS"]
 
@@ -324,7 +333,8 @@ def _ticket(pid, role, heads, qinfo, base, ctl, pool, ADAPTIVE: tl.constexpr):
     if ADAPTIVE:
         movable = pid < pool
     if movable:
-        want = (pid >= pool - tl.load(ctl + _CTARGET, volatile=True)).to(tl.int32)
+        # (load_uniform: every warp must pick the same queue, sync.py "Uniform control flow")
+        want = (pid >= pool - load_uniform(ctl + _CTARGET)).to(tl.int32)
         i = tl.atomic_add(heads + want, 1) + tl.load(qinfo + want * _QF + _QSTATIC)
         role = want
         if i >= tl.load(qinfo + want * _QF + _QLEN):
@@ -397,7 +407,7 @@ def megakernel(
     else:
         base = (epoch - 1) * (qlen - nstatic + nworkers)
     i, role = _ticket(pid, role, heads, qinfo, base, ctl, pool, ADAPTIVE)
-    stop = tl.load(abort, volatile=True)
+    stop = load_uniform(abort)
     while (i >= 0) & (stop == 0):
         qoff = tl.load(qinfo + role * _QF + _QOFF)
         t = tl.load(queues + qoff + i)
@@ -450,12 +460,12 @@ def megakernel(
                 tl.store(trace + t * 4 + 3, pid)
             if ADAPTIVE:
                 if pid < pool:
-                    t_end = now(USE_TIMER)
+                    t_end = now_uniform(USE_TIMER)  # the window test branches on it
                     account(ctl, role, t_end - t_start, t_waited - t_start)
                     maybe_decide(ctl, heads, qinfo, tl.load(qinfo + _QSTATIC), t_end, pool,
                                  window_ns, max_comm, _QF, _QLEN)
         i, role = _ticket(pid, role, heads, qinfo, base, ctl, pool, ADAPTIVE)
-        stop = tl.load(abort, volatile=True)
+        stop = load_uniform(abort)
     if pid == 0:  # bytes peers store into this rank's outputs, which no local task waits for
         for x in range(nexitev):
             slot = tl.load(exitev + x)

@@ -120,25 +120,6 @@ def _check_gemm_tiles(graph: TaskGraph, gemms) -> None:
             )
 
 
-def _check_adaptive(graph: TaskGraph) -> None:
-    """The in-kernel controller is refused where compute tasks wait for NVLink tasks (AG+GEMM's
-    tiles wait for the gather's copies): there its runs on 2 H200 did not finish within minutes,
-    twice (NOTES v9: not diagnosed). A refusal before launch beats a kernel that stalls into
-    the watchdog on every launch."""
-    from mgraph.scheduler.balance import nvlink_events
-
-    by_nvlink = nvlink_events(graph)
-    for t in graph.tasks:
-        if t.role == "compute" and any(e in by_nvlink for e, _ in t.waits):
-            raise ScheduleError(
-                f"{graph.op}: Settings(adaptive=True) on the megakernel is not supported where "
-                f"compute tasks wait for NVLink tasks (task {t.name!r} does); on 2 H200 such "
-                "runs did not finish (benchmarks/NOTES.md v9)",
-                hint="run with adaptive=False (the default); the reference runtime's "
-                "controller has no such limit",
-            )
-
-
 def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[str, torch.Tensor]:
     """``rank``'s buffers (by id) as 2-D views of its arena (its own, or a peer's mapped one)."""
     views = {}
@@ -256,8 +237,6 @@ class TritonRuntime:
         # The adaptive controller (control.py) moves compute and nvlink programs between roles;
         # with one program for every role there is nothing to move.
         self.adaptive = bool(self.settings.adaptive) and not self.single_program
-        if self.adaptive:
-            _check_adaptive(graph)
         self.mine = set(graph.topology.ranks) if self.rank is None else {self.rank}
         self.epoch = 0
         self._scratch_buf: torch.Tensor | None = None

@@ -18,6 +18,17 @@ Contracts (DESIGN: synchronisation protocol):
   barrier and after the waits of every GEMM task that waited.
 - Data produced through TMA stores is published only after ``bulk_store_fence()`` (complete the
   bulk stores, then a proxy fence), a CTA barrier and the release.
+- Uniform control flow: Triton holds a scalar as one value per program, but every thread computes
+  it. A scalar atomic whose result is used is executed by one thread and broadcast through shared
+  memory between two CTA barriers, so its result is the same in every warp; a scalar loaded with
+  ``volatile=True`` or read from ``%globaltimer`` is NOT: warps execute the load at different
+  times and may see different values. A branch or loop on such a value splits the program's
+  warps, and the barriers inside (every scalar atomic, reductions, ``signal``) then pair the
+  wrong warps: the kernel hangs on a hardware barrier, where the watchdog cannot see it (the
+  adaptive AG+GEMM hang of NOTES v9). So control flow branches only on atomics' results, on
+  tables that do not change during a launch, and on ``load_uniform`` / ``now_uniform``, which
+  reduce the threads' reads to one value through shared memory. ``now`` (per thread) is for
+  trace stamps only. tests/cta_uniform.py checks the compiled kernel for such branches.
 """
 
 from __future__ import annotations
@@ -25,12 +36,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["now", "signal", "wait", "wait_sum", "fence_proxy_async", "bulk_store_fence"]
+__all__ = ["now", "now_uniform", "load_uniform", "signal", "wait", "wait_sum", "fence_proxy_async",
+           "bulk_store_fence", "LANES"]
+
+# A block this wide spans every warp of a program (at most 32 warps of 32 threads), so a
+# reduction over it combines all warps' values through shared memory.
+LANES = tl.constexpr(1024)
 
 
 @triton.jit
 def now(USE_TIMER: tl.constexpr):
-    """Nanoseconds of the GPU's global timer; 0 in the interpreter (no inline asm there)."""
+    """Nanoseconds of the GPU's global timer, read by each thread (warps may differ: for trace
+    stamps, never for a branch); 0 in the interpreter (no inline asm there)."""
     if USE_TIMER:
         t = tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
@@ -38,6 +55,32 @@ def now(USE_TIMER: tl.constexpr):
     else:
         t = tl.zeros((), dtype=tl.int64)
     return t
+
+
+@triton.jit
+def now_uniform(USE_TIMER: tl.constexpr):
+    """The global timer as ONE value in every thread of the program (the latest of the
+    threads' reads): what control flow may branch on. 0 in the interpreter."""
+    if USE_TIMER:
+        lanes = tl.zeros([LANES], dtype=tl.int32)  # one read per element: nothing to fold
+        t = tl.max(
+            tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer; // $1", "=l,r", [lanes], dtype=tl.int64,
+                is_pure=False, pack=1,
+            ),
+            axis=0,
+        )
+    else:
+        t = tl.zeros((), dtype=tl.int64)
+    return t
+
+
+@triton.jit
+def load_uniform(ptr):
+    """A volatile read of a word other programs change, as ONE value in every thread of the
+    program (the largest of the threads' reads; every one is a value the word held). No
+    ordering: a relaxed read, for control words and the abort flag."""
+    return tl.max(tl.load(ptr + tl.zeros([LANES], dtype=tl.int32), volatile=True), axis=0)
 
 
 @triton.jit
@@ -84,17 +127,17 @@ def _poll(flag, SYS: tl.constexpr):
 @triton.jit
 def wait(flag, target, limit, abort, USE_TIMER: tl.constexpr, SYS: tl.constexpr = True):
     value = _poll(flag, SYS)
-    if value < target:
-        start = now(USE_TIMER)
+    if value < target:  # (value: an atomic's result, the same in every warp)
+        start = now_uniform(USE_TIMER)
         spins = 0
-        aborted = tl.load(abort, volatile=True)
+        aborted = load_uniform(abort)
         elapsed = tl.zeros((), dtype=tl.int64)
         while (value < target) & (elapsed < limit) & (aborted == 0):
             value = _poll(flag, SYS)
-            aborted = tl.load(abort, volatile=True)
+            aborted = load_uniform(abort)
             spins += 1
             if USE_TIMER:
-                elapsed = now(USE_TIMER) - start
+                elapsed = now_uniform(USE_TIMER) - start
             else:
                 elapsed = spins.to(tl.int64)
     return value
@@ -115,16 +158,16 @@ def wait_sum(flag, net, nnet, target, limit, abort, USE_TIMER: tl.constexpr, SYS
     addresses start at ``net``, which host proxies raise (runtime/megakernel/netplan.py)."""
     value = _poll_sum(flag, net, nnet, SYS)
     if value < target:
-        start = now(USE_TIMER)
+        start = now_uniform(USE_TIMER)
         spins = 0
-        aborted = tl.load(abort, volatile=True)
+        aborted = load_uniform(abort)
         elapsed = tl.zeros((), dtype=tl.int64)
         while (value < target) & (elapsed < limit) & (aborted == 0):
             value = _poll_sum(flag, net, nnet, SYS)
-            aborted = tl.load(abort, volatile=True)
+            aborted = load_uniform(abort)
             spins += 1
             if USE_TIMER:
-                elapsed = now(USE_TIMER) - start
+                elapsed = now_uniform(USE_TIMER) - start
             else:
                 elapsed = spins.to(tl.int64)
     return value

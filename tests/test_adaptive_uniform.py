@@ -1,0 +1,127 @@
+"""The megakernel branches only on values every warp of a program agrees on (sync.py, "Uniform
+control flow"): the cause of the adaptive AG+GEMM hang on 2 H200 (NOTES v9).
+
+The controller tested its window with each thread's own ``%globaltimer`` read and each thread's
+own volatile load of the window start, then ran a compare-and-swap inside that branch; and
+``_ticket`` chose a queue from each thread's volatile load of the target. A scalar atomic whose
+result is used is a CTA barrier, a shared-memory store and another barrier in the compiled code,
+so warps that disagreed met at different barriers and the kernel hung where no watchdog looks.
+GEMM+AR and GEMM+RS ran: they have no NVLink tasks, so no program ever reached that code. The
+watchdog's own loops (``sync.wait``) had the same flaw on their timeout and abort tests.
+
+The interpreter runs a program as one thread and cannot show this; the compiled kernel can. Each
+config is compiled for sm_90 to TTIR on the CPU and checked by tests/cta_uniform.py.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from cta_uniform import divergent_branches  # noqa: E402
+from test_gpu_compile import compile_for_sm90  # noqa: E402
+
+import mgraph as mg  # noqa: E402
+import mgraph.runtime.megakernel.runtime as megaruntime  # noqa: E402
+from mgraph.runtime.megakernel.dispatch import body_params, megakernel_for  # noqa: E402
+from mgraph.runtime.megakernel.encode import kind_id  # noqa: E402
+from mgraph.runtime.megakernel.sync import load_uniform, now_uniform  # noqa: E402
+from mgraph.settings import Settings  # noqa: E402
+
+
+def gpu_launch_args(graph, workers: dict[str, int], **settings):
+    """(kernel, the arguments rank 0 launches it with on a GPU): rank 0's own tables and
+    programs (not the interpreter's one program), USE_TIMER on, the watchdog in ns."""
+    sched = mg.schedule(graph, workers=workers)
+    per_rank = megaruntime.encode_rank
+
+    def encode(schedule, rank, *, single_program=False, net=None):
+        return per_rank(schedule, rank, single_program=False, net=net)
+
+    with mock.patch.object(megaruntime, "encode_rank", encode):
+        rt = megaruntime.TritonRuntime(
+            sched,
+            rank=0,
+            interpret=True,
+            interpret_roles=True,
+            shared=megaruntime._SharedMemory(graph, torch.device("cpu")),
+            settings=Settings(**settings),
+        )
+    rt.interpret = False
+    args = rt._kernel_args()
+    kinds = {k: kind_id(k) for k in rt.tables.kinds}
+    args["NEED_AB"] = any(p in ("ad0", "bd0") for k in kinds for p in body_params(k))
+    return megakernel_for(kinds), args
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "static"])
+def test_allgather_gemm_megakernel_branches_are_warp_uniform(adaptive):
+    g = mg.ops.allgather_gemm(
+        M=512,
+        N=512,
+        K=256,
+        topology="1x2",
+        dtype=torch.bfloat16,
+        tile=[128, 256],
+        chunk_bytes=128 * 256 * 2,
+    )
+    fn, args = gpu_launch_args(g, {"compute": 6, "nvlink": 2}, adaptive=adaptive)
+    assert args["ADAPTIVE"] == adaptive and args["SEG_WAITS"] and args["pool"] == 8, args
+    module, _ = compile_for_sm90(fn, args, "ttir")
+    found = divergent_branches(str(module))
+    assert found == [], "branches on per-warp values (file:line <- caller):\n" + "\n".join(found)
+
+
+@triton.jit
+def _volatile_branch(flag, out):
+    if tl.load(flag, volatile=True) > 0:  # each warp's own read
+        tl.atomic_add(out, 1)
+
+
+@triton.jit
+def _timer_loop(out, limit):
+    start = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+    elapsed = tl.zeros((), dtype=tl.int64)
+    while elapsed < limit:
+        tl.atomic_add(out, 1)
+        elapsed = (
+            tl.inline_asm_elementwise(
+                "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+            )
+            - start
+        )
+
+
+@triton.jit
+def _uniform_branches(flag, out, limit):
+    if load_uniform(flag) > 0:
+        tl.atomic_add(out, 1)
+    start = now_uniform(True)
+    while now_uniform(True) - start < limit:
+        v = tl.atomic_add(out, 1)  # an atomic's result is broadcast: uniform
+        if v > 3:
+            tl.atomic_add(out, 1)
+
+
+def test_the_check_finds_branches_on_volatile_loads_and_the_clock():
+    """The analysis can fail: a branch on a volatile load, a loop on the timer (through a
+    loop-carried value); the same shapes through load_uniform / now_uniform pass."""
+    p = torch.zeros(4, dtype=torch.int64)
+    bad = divergent_branches(
+        str(compile_for_sm90(_volatile_branch, dict(flag=p, out=p), "ttir")[0])
+    )
+    assert len(bad) == 1 and "test_adaptive_uniform.py" in bad[0], bad
+    bad = divergent_branches(
+        str(compile_for_sm90(_timer_loop, dict(out=p, limit=2**40), "ttir")[0])
+    )
+    assert len(bad) == 1, bad
+    good = compile_for_sm90(_uniform_branches, dict(flag=p, out=p, limit=2**40), "ttir")[0]
+    assert divergent_branches(str(good)) == []
