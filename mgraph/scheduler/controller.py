@@ -8,12 +8,12 @@ launch runs (DESIGN: Controller).
 - the CPU reference runtime with ``Settings(adaptive=True)`` (runtime/reference.py), when a worker
   finishes a task and ``Settings.adaptive_window_us`` has passed since the rank's last decision;
 - the static SM partition (``balance.balance_workers``, used by ``static_partition``): the same
-  rule with nothing measured yet, on the cost model's estimates.
-
-The Triton megakernel does not run it yet: each program reads its role once per launch and keeps
-it. ``decide_mirror`` is the rule in the flat, branch-free int64 form a Triton program would
-execute (the port into runtime/megakernel/kernel.py is still to be done); tests hold the two equal
-on recorded progress traces and on random inputs.
+  rule with nothing measured yet, on the cost model's estimates;
+- the Triton megakernel with ``Settings(adaptive=True)``: ``runtime/megakernel/control.py``
+  transcribes ``decide_mirror``, the rule in the flat, branch-free int64 form a Triton program
+  executes; when a program of the pool finishes a dynamic task and ``Settings.adaptive_window_us``
+  has passed since the last decision, that program runs it and publishes the split. Tests hold ``decide_mirror`` equal to ``decide`` on recorded progress traces
+  and on random inputs.
 
 The rule, for one rank's pool of ``P`` = compute + comm workers (rdma workers are not pooled: they
 only push proxy commands). All inputs are integers, times in one unit of the caller's choice (the
