@@ -12,8 +12,8 @@ launch runs (DESIGN: Controller).
 - the Triton megakernel with ``Settings(adaptive=True)``: ``runtime/megakernel/control.py``
   transcribes ``decide_mirror``, the rule in the flat, branch-free int64 form a Triton program
   executes; when a program of the pool finishes a dynamic task and ``Settings.adaptive_window_us``
-  has passed since the last decision, that program runs it and publishes the split. Tests hold ``decide_mirror`` equal to ``decide`` on recorded progress traces
-  and on random inputs.
+  has passed since the last decision, that program runs it and publishes the split. Tests hold
+  ``decide_mirror`` equal to ``decide`` on recorded progress traces and on random inputs.
 
 The rule, for one rank's pool of ``P`` = compute + comm workers (rdma workers are not pooled: they
 only push proxy commands). All inputs are integers, times in one unit of the caller's choice (the
