@@ -8,7 +8,10 @@ particular, so it orders nothing here (conservative: a race it hides would be a 
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict, deque
+
+import torch
 
 from .errors import CycleError, GraphError, RaceError, TransferError, UnsatisfiableWaitError
 from .graph import Region, Task, TaskGraph, gc_paused
@@ -347,9 +350,6 @@ class Reachability:
         return self.before(a, b) or self.before(b, a)
 
 
-_NO_WRITERS: frozenset[int] = frozenset()
-
-
 def _check_races(graph: TaskGraph, order: list[int]) -> None:
     """Every two accesses of overlapping regions, one of them a write, are ordered.
 
@@ -363,75 +363,145 @@ def _check_races(graph: TaskGraph, order: list[int]) -> None:
     Across groups, each access is checked against the writers of every other group overlapping
     its region at once: those writers, less the tasks it directly waits for (one set difference),
     are usually none; the rest are checked one by one. A GEMM tile reading a row of ~100
-    elementwise tiles is one set operation, not 100 searches.
+    elementwise tiles is one set operation, not 100 searches. The overlapping pairs of groups
+    are found by one sort of all regions (``_overlapping_pairs``), not a sweep per buffer.
     """
     # Writes that accumulate (atomic adds into a zeroed buffer) commute with each other: two of
     # them on one region are no race; against a plain write or a read they still are.
     adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
-    # buffer -> region -> [(task, is_write)]
-    by_buffer: dict[str, dict[Region, list[tuple[int, bool]]]] = defaultdict(dict)
+    # region -> its accesses, regions of every buffer in one table. An access is the int
+    # 2 * task + is_write; a region accessed once (~80k of ~110k at 2x8) keeps that int, not
+    # a list of tuples.
+    groups: dict[Region, int | list[int]] = {}
+    get = groups.get
     for t in graph.tasks:
-        tid = t.id
+        code = 2 * t.id
         writes = t.writes
         for w in writes:
-            by_buffer[w.buffer].setdefault(w, []).append((tid, True))
+            acc = get(w)
+            if acc is None:
+                groups[w] = code + 1
+            elif acc.__class__ is int:
+                groups[w] = [acc, code + 1]
+            else:
+                acc.append(code + 1)
         for r in t.reads:
             if r not in writes:
-                by_buffer[r.buffer].setdefault(r, []).append((tid, False))
+                acc = get(r)
+                if acc is None:
+                    groups[r] = code
+                elif acc.__class__ is int:
+                    groups[r] = [acc, code]
+                else:
+                    acc.append(code)
     reach = Reachability(graph, order)
-    for groups in by_buffer.values():
-        items = []  # (region, writers, accesses) per exact region
-        for region, accesses in groups.items():
-            if len(accesses) == 1:
-                # Most regions of a traced layer have one access (~150k at 2x8): nothing to
-                # order inside the group, so skip the group check and the generator.
-                tid, is_write = accesses[0]
-                writers = frozenset((tid,)) if is_write else _NO_WRITERS
-            else:
-                writers = frozenset([tid for tid, w in accesses if w])
-                if writers:
-                    _check_group(graph, reach, region, accesses, adds)
-            items.append((region, writers, accesses))
-        if len(items) == 1 or not any(w for _, w, _ in items):
+    regions = list(groups)
+    codes_of = list(groups.values())
+    written = bytearray(len(regions))  # group i has a writer
+    for i, codes in enumerate(codes_of):
+        if codes.__class__ is int:
+            written[i] = codes & 1  # one access: nothing to order inside the group
             continue
-        # Sweep by rows: each group collects the writers of the other groups it overlaps.
-        items.sort(key=lambda it: it[0].row0)
-        others: list[set[int]] = [set() for _ in items]
-        active: list[int] = []
-        for i, (region, writers, _) in enumerate(items):
-            row0, col0, col1 = region.row0, region.col0, region.col1
-            active = [j for j in active if items[j][0].row1 > row0]
-            for j in active:
-                other_region, other_writers, _ = items[j]
-                if (writers or other_writers) and other_region.col0 < col1 and col0 < other_region.col1:
-                    others[i] |= other_writers
-                    others[j] |= writers
-            active.append(i)
-        for (region, _, accesses), over in zip(items, others, strict=True):
-            if not over:
+        for c in codes:
+            if c & 1:
+                written[i] = 1
+                accesses = [(c >> 1, c & 1 == 1) for c in codes]
+                _check_group(graph, reach, regions[i], accesses, adds)
+                break
+    # i -> the writers of the other groups overlapping group i
+    others: dict[int, set[int]] = {}
+    writers_of: dict[int, list[int]] = {}
+    for i, j in _overlapping_pairs(regions, written):
+        for a, b in ((i, j), (j, i)):
+            if written[b]:
+                ws = writers_of.get(b)
+                if ws is None:
+                    codes = codes_of[b]
+                    ws = writers_of[b] = (
+                        [codes >> 1] if codes.__class__ is int else [c >> 1 for c in codes if c & 1]
+                    )
+                over = others.get(a)
+                if over is None:
+                    others[a] = set(ws)
+                else:
+                    over.update(ws)
+    for i in sorted(others):
+        over = others[i]
+        region = regions[i]
+        codes = codes_of[i]
+        # Tasks reading one region usually wait on one event whose signalers are all the
+        # writers it overlaps (a gather reading a whole 512-tile activation from 1024 tiles):
+        # one subset test per distinct predecessor set, not per access (15M -> 0.2M
+        # membership tests at 2x8).
+        covered = None  # a predecessor set known to hold every writer in ``over``
+        for c in (codes,) if codes.__class__ is int else codes:
+            tid, is_write = c >> 1, c & 1 == 1
+            direct = reach.preds(tid)
+            if direct is covered:
                 continue
-            # Tasks reading one region usually wait on one event whose signalers are all the
-            # writers it overlaps (a gather reading a whole 512-tile activation from 1024 tiles):
-            # one subset test per distinct predecessor set, not per access (15M -> 0.2M
-            # membership tests at 2x8).
-            covered = None  # a predecessor set known to hold every writer in ``over``
-            for tid, is_write in accesses:
-                direct = reach.preds(tid)
-                if direct is covered:
+            left = over - direct
+            if not left:
+                covered = direct
+                continue
+            left.discard(tid)
+            for w in left:
+                if is_write and tid in adds and w in adds:
                     continue
-                left = over - direct
-                if not left:
-                    covered = direct
-                    continue
-                left.discard(tid)
-                for w in left:
-                    if is_write and tid in adds and w in adds:
-                        continue
-                    if not reach.ordered(w, tid):
-                        theirs = _region_of(graph, w, region)
-                        if w < tid:  # named in task order
-                            _race(graph, w, theirs, True, tid, region, is_write)
-                        _race(graph, tid, region, is_write, w, theirs, True)
+                if not reach.ordered(w, tid):
+                    theirs = _region_of(graph, w, region)
+                    if w < tid:  # named in task order
+                        _race(graph, w, theirs, True, tid, region, is_write)
+                    _race(graph, tid, region, is_write, w, theirs, True)
+
+
+def _overlapping_pairs(regions: list[Region], written: bytearray) -> list[tuple[int, int]]:
+    """Index pairs (i, j) of distinct ``regions`` that overlap, one of them ``written``.
+
+    All regions sorted by (buffer, row0): the regions whose rows can meet region i's are the
+    ones after it up to the first starting at or past its row1 (a binary search), so the
+    candidate pairs are those of a per-buffer row sweep, found by a few tensor ops rather than
+    a Python loop over ~10^5 regions (torch, not numpy: numpy is no dependency of mgraph)."""
+    n = len(regions)
+    if n < 2:
+        return []
+    # One intra-op thread: on ~10^5 elements a second one costs more than it brings, and on a
+    # busy machine it waits for a core (the sort: 5 ms on one thread, 50-100 ms on two).
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        return _overlaps(regions, written)
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
+
+def _overlaps(regions: list[Region], written: bytearray) -> list[tuple[int, int]]:
+    n = len(regions)
+    # columns of int64 through array('q'): torch.tensor() of 10^5 tuples is ~4x slower
+    buffer_ids, *bounds = zip(*regions, strict=True)
+    index = {b: i for i, b in enumerate(dict.fromkeys(buffer_ids))}
+    buf, row0, row1, col0, col1 = (
+        torch.frombuffer(array("q", column), dtype=torch.int64)
+        for column in ([index[b] for b in buffer_ids], *bounds)
+    )
+    wrote = torch.frombuffer(bytearray(written), dtype=torch.uint8).bool()
+    key = (buf << 32) | row0
+    by_key = torch.argsort(key, stable=True)
+    key_sorted = key[by_key]
+    # in sorted order, the first region of the same buffer starting at or after row1
+    end = torch.searchsorted(key_sorted, (buf[by_key] << 32) | row1[by_key], side="left")
+    counts = (end - torch.arange(1, n + 1)).clamp_(min=0)
+    total = int(counts.sum())
+    if total == 0:
+        return []
+    # expand each sorted position p into its candidates p+1 .. end[p]-1
+    left = torch.repeat_interleave(torch.arange(n), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    right = left + 1 + (torch.arange(total) - torch.repeat_interleave(starts, counts))
+    i, j = by_key[left], by_key[right]
+    keep = (col0[i] < col1[j]) & (col0[j] < col1[i]) & (wrote[i] | wrote[j])
+    return list(zip(i[keep].tolist(), j[keep].tolist(), strict=True))
 
 
 def _region_of(graph: TaskGraph, tid: int, near: Region) -> Region:

@@ -224,15 +224,21 @@ def _lower(
         }
         tiles = split(out.rows, tile_rows)
         gathers = tile_gathers(shape, steps, src, dst, r, b.world, tiles)
+        # Hot: a traced layer's head splits and merges are ~half its tasks at 2x8 (42k), so
+        # what every tile of the rank shares is made once: the region read (all of x) and
+        # the flops hint, which depends on no tile (the kind's own facet, asked once).
+        whole = x.region()
+        flops = RELAYOUT.flops_fn((), (), common)
         for (t0, t1), gather in zip(tiles, gathers, strict=True):
             b.task(
                 r,
                 Role.COMPUTE,
                 RELAYOUT.name,
-                [x.region()],
+                [whole],
                 [out.region((t0, t1))],
                 name=f"relayout r{r} [{t0}:{t1}]",
                 params={**common, "rows": [t0, t1], **gather},
+                flops=flops,
             )
 
 
