@@ -235,15 +235,17 @@ def _tile_add(desc, m, n, c, DT: tl.constexpr, USE_TIMER: tl.constexpr):
 
 @triton.jit
 def _gemm_segments(pid, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows, bufcols,
-                   evaddr, epoch, limit, abort, err, rank, trace, SEG_P: tl.constexpr,
+                   evaddr, epoch, limit, abort, err, rank, trace, seg_p,
                    SEG_K: tl.constexpr, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
                    SEG_WAITS: tl.constexpr, FLATTEN: tl.constexpr, USE_TIMER: tl.constexpr,
                    TRACE: tl.constexpr):
     """The static GEMM prefix of this program's queue: position j of it runs on program
-    j mod SEG_P (the compute programs; SEG_K, when not 0, is every segment's K range: both
-    compile-time, as in a plain persistent GEMM), in one software-pipelined persistent loop per segment (no atomics, no waits,
-    no fences: STYLE rule 15). Each position's coordinates are one row of ``segpos``, so the
+    j mod seg_p (the compute programs), in one software-pipelined persistent loop per segment
+    (no atomics, no waits, no fences: STYLE rule 15). SEG_K, when not 0, is every segment's K
+    range, compile-time as in a plain persistent GEMM; seg_p is a runtime value, so a sweep
+    over the NVLink workers reuses one compiled kernel (the loop's step is a register: the
+    SASS of the loop is unchanged, runtime.py's module docstring has the counts). Each position's coordinates are one row of ``segpos``, so the
     loop reads one 32-byte row per tile, not a chain of table lookups. Each tile's epilogue
     stores it through TMA into write 0 (and write 1: a node peer's receive buffer, the epilogue
     push) of its task."""
@@ -275,8 +277,8 @@ def _gemm_segments(pid, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows,
             c1 = tl.load(bufcols + s1)
             cd1 = tl.make_tensor_descriptor(buffer_base(bufaddr, s1, DT),
                                             [tl.load(bufrows + s1), c1], [c1, 1], [BM, BN])
-        first = start + ((pid - start) % SEG_P + SEG_P) % SEG_P
-        for j in tl.range(first, end, SEG_P, flatten=FLATTEN):
+        first = start + ((pid - start) % seg_p + seg_p) % seg_p
+        for j in tl.range(first, end, seg_p, flatten=FLATTEN):
             pos = segpos + j * _PF
             am0 = tl.load(pos + _PAM)
             bk0 = tl.load(pos + _PBK)
@@ -347,7 +349,11 @@ def _ticket(pid, role, heads, qinfo, base, ctl, pool, ADAPTIVE: tl.constexpr):
     return i, role
 
 
-@triton.jit
+# Not specialised by Triton (which compiles one kernel per int == 1, per int or address % 16 ==
+# 0): seg_p, the only value that changes with the split of programs between roles, and
+# start_flags, an address after the events in the flag array (its alignment follows the event
+# count, so the chunk size). A sweep over NVLink workers and chunks at one shape reuses one kernel.
+@triton.jit(do_not_specialize=["seg_p", "start_flags"])
 def megakernel(
     tasks, regions, waits, signals, param_table, bufaddr, bufrows, bufcols, bufdt, evaddr,
     queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch_ptr, rank, limit, err, abort,
@@ -355,14 +361,14 @@ def megakernel(
     start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
     ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netfirst, netn,
     exitaddr, exitcount, nexit, exitev, exittotal, nexitev,
-    ctl, window_ns, max_comm, pool,
+    ctl, window_ns, max_comm, pool, seg_p,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
     NEED_AB: tl.constexpr,
     USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
     HAS_NET: tl.constexpr,
     HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
-    SEG_WAITS: tl.constexpr, SEG_P: tl.constexpr, SEG_K: tl.constexpr, FLATTEN: tl.constexpr,
+    SEG_WAITS: tl.constexpr, SEG_K: tl.constexpr, FLATTEN: tl.constexpr,
     ADAPTIVE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -396,9 +402,9 @@ def megakernel(
         if nstatic > 0:  # only the compute role (or the interpreter's one program) has some
             # compute programs come first, so pid is the program's index in its role
             _gemm_segments(pid, segs, nseg, segpos, segwaits, regions, bufaddr, bufrows,
-                           bufcols, evaddr, epoch, limit, abort, err, rank, trace, SEG_P, SEG_K,
+                           bufcols, evaddr, epoch, limit, abort, err, rank, trace, seg_p, SEG_K,
                            DT, BM, BN, BK, SEG_NW, SEG_ADD, SEG_WAITS, FLATTEN, USE_TIMER, TRACE)
-            _signal_segments(pid, SEG_P, segpos, nstatic, tasks, signals, evaddr, USE_TIMER)
+            _signal_segments(pid, seg_p, segpos, nstatic, tasks, signals, evaddr, USE_TIMER)
     # Tickets: without the controller a role's programs are fixed, so each launch hands out
     # (its dynamic tasks + one failing ticket per program) and the base follows the epoch; with
     # it, programs move between roles, and the last program to finish resets the heads.

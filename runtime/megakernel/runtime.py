@@ -493,7 +493,7 @@ class TritonRuntime:
             HAS_NET=net is not None,
             HAS_SEGS=nseg > 0, SEG_NW=int(t.segs[0][S_NW]) if nseg else 1,
             SEG_ADD=t.prefix_adds, SEG_WAITS=bool(t.segwaits.shape[0]),
-            SEG_P=max(1, int(t.qinfo[ROLE_ALL if self.single_program else 0][Q_WORKERS])),
+            seg_p=max(1, int(t.qinfo[ROLE_ALL if self.single_program else 0][Q_WORKERS])),
             SEG_K=ksizes.pop() if len(ksizes) == 1 else 0,
             FLATTEN=bool(cfg["flatten"]),
             ctl=d["ctl"], ADAPTIVE=self.adaptive,
