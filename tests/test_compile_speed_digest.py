@@ -91,3 +91,45 @@ def test_digests_see_a_moved_wait_and_a_reordered_queue():
     q = sched.ranks[0].queues["compute"]
     q[0], q[1] = q[1], q[0]
     assert schedule_digest(sched) != s0
+
+
+def test_schedule_from_validations_order_is_the_schedule_without_it():
+    """mg.compile hands validation's counter order to scheduling instead of simulating the
+    counters again: the same queues and workers as a schedule that computes it itself."""
+    from mgraph.validate import topo_order, validate
+
+    graph = _block("2x2", 128, 4, 384, 64).graph
+    order = validate(graph)
+    assert order == topo_order(graph)
+    assert schedule_digest(mg.schedule(graph, order=order)) == schedule_digest(mg.schedule(graph))
+
+
+def test_gc_paused_restores_the_collector_and_leaves_freezes_alone():
+    import gc
+
+    from mgraph.graph import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        made = [[i] for i in range(5000)]
+    assert gc.isenabled()
+    # what was made inside is in the oldest generation, not waiting for a young collection
+    assert gc.get_count()[0] < 1000, gc.get_count()
+    assert gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.enable()
+    # a process that froze objects itself keeps them frozen
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_paused():
+            made.append([0])
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
