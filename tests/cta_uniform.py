@@ -9,7 +9,7 @@ barriers (a scalar atomic whose result is used broadcasts it through shared memo
 different barriers: the kernel hangs on the hardware barrier, where no watchdog can see it.
 
 ``divergent_branches(ttir)`` is a taint analysis on the TTIR text (one function after inlining):
-sources are scalar volatile loads and scalar inline asm that reads a clock; results of scalar
+sources are scalar volatile loads and scalar inline asm that reads a clock or memory; results of scalar
 atomics and of reductions are uniform (the hardware broadcasts them through shared memory);
 everything else carries its operands' taint, through the region results, loop-carried values
 and block arguments of scf.if / scf.for / scf.while, to a fixpoint. It returns the tainted
@@ -27,7 +27,8 @@ _DEF = re.compile(r"^\s*(%[\w.$-]+)(?::(\d+))?\s*=\s*(.*)$")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _LOC = re.compile(r"loc\((#loc\d*)\)\s*$")
 _UNIFORM_OPS = ("tt.atomic_rmw", "tt.atomic_cas", '"tt.reduce"')
-_CLOCKS = ("%globaltimer", "%clock")
+# inline asm that reads a clock or memory, each thread on its own
+_PER_THREAD_ASM = ("%globaltimer", "%clock", "ld.")
 
 
 def _uses(text: str) -> list[str]:
@@ -164,7 +165,11 @@ def divergent_branches(ttir: str) -> list[str]:
             )
             if kind == "tt.load" and "isVolatile = true" in rhs and scalar:
                 tainted.update(results)
-            elif kind == "tt.elementwise_inline_asm" and scalar and any(c in rhs for c in _CLOCKS):
+            elif (
+                kind == "tt.elementwise_inline_asm"
+                and scalar
+                and any(c in rhs for c in _PER_THREAD_ASM)
+            ):
                 tainted.update(results)
             elif not rhs.startswith(_UNIFORM_OPS):
                 edges.append((results, use(_uses(rhs))))
