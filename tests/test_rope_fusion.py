@@ -67,10 +67,11 @@ TABLES = (["S", "D"], [1, 1, "S", "D"], ["B", 1, "S", "D"], [1, 4, "S", "D"], ["
 @pytest.mark.parametrize("table", TABLES, ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("topology,layout", [("1x1", None), ("2x2", ["shard", 1, False]),
                                              ("1x2", ["shard", 2, False]),
+                                             ("1x2", ["shard", 2, True]),
                                              ("1x2", ["rows", -1, False])])
 def test_rope_op_matches_torch(table, topology, layout):
     """Against q * cos + rotate_half(q) * sin by torch's own broadcasting, on layouts that
-    shard heads, tokens (several runs per rank) and flat rows."""
+    shard heads, tokens (several runs per rank; zigzag as ContextParallel's) and flat rows."""
     g, shape, tshape = rope_op(table, topology=topology, layout=layout)
     check_graph(g)
     q, cos, sin = random(*shape, seed=1), random(*tshape, seed=2), random(*tshape, seed=3)

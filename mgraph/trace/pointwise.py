@@ -272,8 +272,11 @@ def fuse_pointwise(og: OpGraph) -> OpGraph:
     (once, as a full operand, not a program output), both run on the same tile grid (same
     shape and layout), and the fused chain still fits the bytecode (MAX_OPS instructions,
     REGISTERS live tiles: mgraph/ops/elementwise.py). ``silu(gate) * up`` becomes one node, one
-    ``ewise`` task per row tile. The returned OpGraph shares ``og``'s values; ``og`` is left as
-    traced (one node per ATen op)."""
+    ``ewise`` task per row tile; so does RoPE's ``q * cos + rotate_half(q) * sin``, which
+    reads ``q`` (loaded plainly and rotated) and ``cos``/``sin`` as ``bcast:`` operands (a
+    ``rotate_half`` step fuses only while it rotates an input of the chain, not a computed
+    value). The returned OpGraph shares ``og``'s values; ``og`` is left as traced (one node
+    per ATen op)."""
     from collections import Counter
     from dataclasses import replace
 
