@@ -28,7 +28,9 @@ Contracts (DESIGN: synchronisation protocol):
   adaptive AG+GEMM hang of NOTES v9). So control flow branches only on atomics' results, on
   tables that do not change during a launch, and on ``load_uniform`` / ``now_uniform``, which
   reduce the threads' reads to one value through shared memory. ``now`` (per thread) is for
-  trace stamps only. tests/cta_uniform.py checks the compiled kernel for such branches.
+  trace stamps only. tests/cta_uniform.py checks the compiled kernel for such branches
+  (tests/test_adaptive_uniform.py). Not yet followed: hostfifo.push, the rdma path, whose
+  FIFO-full loop reads the proxy's tail and the abort flag per thread.
 """
 
 from __future__ import annotations
