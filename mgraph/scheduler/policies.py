@@ -78,6 +78,10 @@ class PolicyInput:
     full: list[list[int]] = field(repr=False)
     # event -> the tasks waiting for fewer than all (only signalers earlier in ``order`` count)
     partial: dict[int, list[int]] = field(repr=False)
+    # event -> count -> the tasks that wait for the event to reach that count, and per task
+    # its number of waits: ``list_order``'s counter simulation, built in the pass above
+    released: dict[int, dict[int, list[int]]] | None = field(default=None, repr=False)
+    waits: list[int] | None = field(default=None, repr=False)
 
     @cached_property
     def succ(self) -> list[list[int]]:
@@ -142,18 +146,40 @@ def policy_input(
             total[e] += 1
     full: list[list[int]] = [[] for _ in graph.events]
     partial: dict[int, list[int]] = {}
+    released: dict[int, dict[int, list[int]]] = {}
+    waits = [0] * len(graph.tasks)
     for t in graph.tasks:
+        tid = t.id
+        waits[tid] = len(t.waits)
         for e, c in t.waits:
             if c >= total[e]:
-                full[e].append(t.id)
+                full[e].append(tid)
             else:
-                partial.setdefault(e, []).append(t.id)
-    return PolicyInput(costs=costs, order=order, graph=graph, pos=pos, full=full, partial=partial)
+                partial.setdefault(e, []).append(tid)
+            by_count = released.get(e)
+            if by_count is None:
+                released[e] = {c: [tid]}
+            else:
+                by_count.setdefault(c, []).append(tid)
+    return PolicyInput(
+        costs=costs,
+        order=order,
+        graph=graph,
+        pos=pos,
+        full=full,
+        partial=partial,
+        released=released,
+        waits=waits,
+    )
 
 
-def list_order(graph: TaskGraph, priority: Sequence[Any]) -> list[int]:
+def list_order(
+    graph: TaskGraph, priority: Sequence[Any], facts: PolicyInput | None = None
+) -> list[int]:
     """The counter simulation of ``topo_order``, taking the ready task with the smallest
-    ``(priority[id], id)`` first. Any priority gives a valid topological order."""
+    ``(priority[id], id)`` first. Any priority gives a valid topological order. ``facts``
+    (policy_input's, for ``graph``) supplies the waiters by event and count instead of a
+    second pass over every wait."""
     tasks = graph.tasks
     n = len(tasks)
     # Rank the keys once so the heap holds plain ints (40k+ tasks per schedule); the sort is
@@ -164,12 +190,16 @@ def list_order(graph: TaskGraph, priority: Sequence[Any]) -> list[int]:
         rank_of[tid] = i
     # event -> count -> waiters: a signal visits only the waiters its new count releases (a
     # join event of a traced layer has ~100 signalers and as many waiters)
-    waiters: dict[int, dict[int, list[int]]] = {}
-    missing = [0] * n
-    for t in tasks:
-        missing[t.id] = len(t.waits)
-        for e, c in t.waits:
-            waiters.setdefault(e, {}).setdefault(c, []).append(t.id)
+    if facts is not None and facts.released is not None and facts.waits is not None:
+        waiters = facts.released
+        missing = list(facts.waits)
+    else:
+        waiters = {}
+        missing = [0] * n
+        for t in tasks:
+            missing[t.id] = len(t.waits)
+            for e, c in t.waits:
+                waiters.setdefault(e, {}).setdefault(c, []).append(t.id)
     count = [0] * len(graph.events)
     heap = [rank_of[t.id] for t in tasks if not t.waits]
     heapq.heapify(heap)
@@ -328,7 +358,7 @@ def push_rotation(graph: TaskGraph) -> list[int]:
 @register_policy("topological")
 def topological(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     """Ready tasks in id order: the program order the lowering emitted them in."""
-    return list_order(graph, range(len(graph.tasks)))
+    return list_order(graph, range(len(graph.tasks)), facts)
 
 
 @register_policy("critical_path")
@@ -338,7 +368,7 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     way to go."""
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
-    return list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
+    return list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)], facts)
 
 
 @register_policy("network_first")
@@ -348,7 +378,9 @@ def network_first(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
     slot = network_slots(graph, facts)
-    return list_order(graph, [(s, -x, r) for s, x, r in zip(slot, length, turn, strict=True)])
+    return list_order(
+        graph, [(s, -x, r) for s, x, r in zip(slot, length, turn, strict=True)], facts
+    )
 
 
 @register_policy("remote_first")
@@ -361,4 +393,6 @@ def remote_first(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     waves = network_waves(graph, facts)
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
-    return list_order(graph, [(w, -x, r) for w, x, r in zip(waves, length, turn, strict=True)])
+    return list_order(
+        graph, [(w, -x, r) for w, x, r in zip(waves, length, turn, strict=True)], facts
+    )
