@@ -569,11 +569,10 @@ def tile_gathers(
             fits[size, k] = gather_params(_fit_axis(v), col_digits, 0)
         for i, k in zip(which, inverse.tolist(), strict=True):
             pattern[i] = k
-    out = []
-    for (t0, t1), first, k in zip(tiles, firsts, pattern, strict=True):
-        digits = fits[t1 - t0, k]
-        out.append({**digits, "base": first + col0} if digits else {})
-    return out
+    return [
+        {**digits, "base": first + col0} if (digits := fits[t1 - t0, k]) else {}
+        for (t0, t1), first, k in zip(tiles, firsts, pattern, strict=True)
+    ]
 
 
 @RELAYOUT.cpu
