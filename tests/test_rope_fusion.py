@@ -83,12 +83,15 @@ def test_rope_op_matches_torch(table, topology, layout):
 
 def test_rope_tasks_read_only_the_table_rows_they_need():
     """A tile inside one run of the table's rows reads just those rows; one that wraps around
-    the sequence reads every row up to its last."""
+    the sequence reads the whole table; a rank holds the rows its tasks read (its tokens')."""
     g, _, _ = rope_op(["S", "D"], seq=32, tile_rows=16)
     table_rows = {(t.reads[1].row0, t.reads[1].row1) for t in g.tasks}
     assert table_rows == {(0, 16), (16, 32)}, table_rows
     g, _, _ = rope_op(["S", "D"], seq=24, tile_rows=16)
     assert {(t.reads[1].row0, t.reads[1].row1) for t in g.tasks} == {(0, 16), (0, 24), (8, 24)}
+    g, _, _ = rope_op(["S", "D"], seq=32, topology="1x2", layout=["shard", 2, False])
+    held = {b.rank: b.binding.pieces for b in g.buffers.values() if b.name == "y"}
+    assert held == {0: (((0, 16), (0, D)),), 1: (((16, 32), (0, D)),)}, held
 
 
 def test_bad_rope_operands_are_named_errors():

@@ -14,8 +14,8 @@ relayouts:
   or ``[B, 1, S, D]`` against ``[B, H, S, D]``). Each output row ``g`` (its flat global row)
   reads operand row ``(g // A) * M + g % M`` (:func:`row_map`); the task's ``row0`` param is
   the global row of its first row (its tiles never straddle two runs of the layout), and it
-  reads the operand rows from ``lo`` on that its rows map to (every row up to its last when
-  the tile wraps around ``M``). Broadcasts the map cannot express stay ``*_bcast`` relayouts.
+  reads the operand rows from ``lo`` on that its rows map to (whole periods of ``M`` when the
+  tile wraps around one); a rank holds only the span of rows its tasks read. Broadcasts the map cannot express stay ``*_bcast`` relayouts.
 - the step ``["rotate_half", a, -1, 0]`` (:data:`ROTATE`) reads input ``a`` rotated by half the
   last dim with the sign on the first half, ``cat((-x[..., D/2:], x[..., :D/2]), -1)``: a load
   of other columns, so ``a`` must be an input (not a step) and the tiles whole rows.
@@ -555,9 +555,10 @@ def _lower_mapped(
     tile_rows: int,
     label: str,
 ) -> None:
-    """tilewise.lower_tilewise for chains with broadcast operands: each rank holds every row of
-    those (only its columns of a column-sharded ``x``), and a task's rows lie in one run of
-    its layout, so that ``row0``, the global row of its first row, maps them all."""
+    """tilewise.lower_tilewise for chains with broadcast operands: a task's rows lie in one run
+    of the layout, so that ``row0``, the global row of its first row, maps them all; each rank
+    holds the span of a broadcast operand's rows that its tasks read (only its columns of a
+    column-sharded ``x``), each task's region the window of its own rows."""
     if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows <= 0:
         raise ShapeError(f"elementwise: tile_rows={tile_rows!r} must be a positive int")
     nd = parse_shape("elementwise", rows, cols, shape)
@@ -568,52 +569,63 @@ def _lower_mapped(
     b.global_output("out", (rows, cols))
     for r in b.topo.ranks:
         runs = layout_runs(nd, lay, r, b.world)
+        # (buffer row, global row, rows, operand windows per map) of each task
+        tiles, at = [], 0
+        for g0, g1, _, _ in runs:
+            for t0, t1 in split(g1 - g0, tile_rows):
+                windows = [_window(*m, g0 + t0, g0 + t1) for m in maps]
+                tiles.append((at + t0, g0 + t0, t1 - t0, windows))
+            at += g1 - g0
+        spans = [
+            (min(w[k][0] for *_, w in tiles), max(w[k][1] for *_, w in tiles))
+            for k in range(len(maps))
+        ]
         x = b.bound_buffer("x", r, "x", runs_pieces(runs))
         c0, c1 = runs[0][2], runs[0][3]
         reads: list[tuple[Any, str]] = []
-        for name, form in forms.items():
+        for (name, form), code in zip(forms.items(), codes, strict=True):
             if form == "full":
                 pieces = runs_pieces(runs)
             elif form == "col":
                 pieces = tuple(((r0, r1), (0, 1)) for r0, r1, _, _ in runs)
-            else:  # a row vector, or every row of a broadcast operand
-                pieces = (((0, _global_shape(form, rows, cols)[0]), (c0, c1)),)
+            elif code:
+                pieces = ((spans[code - 1], (c0, c1)),)
+            else:
+                pieces = (((0, 1), (c0, c1)),)
             reads.append((b.bound_buffer(name, r, name, pieces), form))
         out = b.bound_buffer("out", r, "out", runs_pieces(runs), role="output")
-        at = 0  # the run's first row in the rank's buffers
-        for g0, g1, _, _ in runs:
-            for t0, t1 in split(g1 - g0, tile_rows):
-                task_params = {**params, "row0": g0 + t0}
-                windows = [_window(*m, g0 + t0, g0 + t1) for m in maps]
-                for k, (lo, _) in enumerate(windows, start=1):
-                    task_params[f"map{k}_lo"] = lo
-                regions = [x.region((at + t0, at + t1))]
-                for (buf, form), code in zip(reads, codes, strict=True):
-                    if code:
-                        regions.append(buf.region(windows[code - 1]))
-                    elif form == "row":
-                        regions.append(buf.region())
-                    else:
-                        regions.append(buf.region((at + t0, at + t1)))
-                b.task(
-                    r,
-                    Role.COMPUTE,
-                    EWISE.name,
-                    regions,
-                    [out.region((at + t0, at + t1))],
-                    name=f"{label} r{r} [{at + t0}:{at + t1}]",
-                    params=task_params,
-                )
-            at += g1 - g0
+        for t0, g0, n, windows in tiles:
+            task_params = {**params, "row0": g0}
+            for k, (lo, _) in enumerate(windows, start=1):
+                task_params[f"map{k}_lo"] = lo
+            regions = [x.region((t0, t0 + n))]
+            for (buf, form), code in zip(reads, codes, strict=True):
+                if code:  # the window, in the buffer's rows (it holds the span from its start)
+                    (lo, hi), first = windows[code - 1], spans[code - 1][0]
+                    regions.append(buf.region((lo - first, hi - first)))
+                elif form == "row":
+                    regions.append(buf.region())
+                else:
+                    regions.append(buf.region((t0, t0 + n)))
+            b.task(
+                r,
+                Role.COMPUTE,
+                EWISE.name,
+                regions,
+                [out.region((t0, t0 + n))],
+                name=f"{label} r{r} [{t0}:{t0 + n}]",
+                params=task_params,
+            )
 
 
 def _window(a: int, m: int, g0: int, g1: int) -> tuple[int, int]:
     """The operand rows ``[lo, hi)`` that output rows ``[g0, g1)`` read through map ``(a, m)``:
-    one contiguous run, unless the tile wraps around ``m`` (then every row up to its last)."""
+    one contiguous run, unless the tile wraps around ``m`` (then the whole periods it
+    touches)."""
     if g0 // a == (g1 - 1) // a and g0 % m + (g1 - g0) <= m:
         lo = (g0 // a) * m + g0 % m
         return lo, lo + (g1 - g0)
-    return 0, ((g1 - 1) // a) * m + m
+    return (g0 // a) * m, ((g1 - 1) // a) * m + m
 
 
 @EWISE.cpu
