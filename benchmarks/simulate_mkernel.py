@@ -87,12 +87,17 @@ class Case:
 def cases(quick: bool) -> list[Case]:
     out = []
     for m, pub in GEMM_AR_PUBLISHED.items():
+        # broadcast_bytes: the node broadcast's NVLink copies in 256 KiB pieces (the size the
+        # NVLink worker rate was calibrated on) while the network moves 1 MiB chunks
         if m <= 8192:
-            opts = [{"tile": [128, 256], "chunk_bytes": c} for c in (64 * KIB, 256 * KIB, MIB)]
+            tile, chunks = [128, 256], (64 * KIB, 256 * KIB, MIB)
         elif m == 16384:
-            opts = [{"tile": [256, 256], "chunk_bytes": c} for c in (256 * KIB, MIB)]
+            tile, chunks = [256, 256], (256 * KIB, MIB)
         else:
-            opts = [{"tile": [512, 512], "chunk_bytes": MIB}]
+            tile, chunks = [512, 512], (MIB,)
+        opts = [{"tile": tile, "chunk_bytes": c} for c in chunks]
+        if m <= 16384:
+            opts.append({"tile": tile, "chunk_bytes": MIB, "broadcast_bytes": 256 * KIB})
         out.append(Case("gemm_allreduce", f"{m}x{m // 16}x{m}", dict(M=m, N=m, K=m), opts, pub))
     for s, pub in RING_PUBLISHED.items():
         slice_bytes = 4 * 16 * (s // 16) * 128 * 2  # one rank's k (or v)
@@ -245,7 +250,7 @@ def what_if(case: Case, sched, graph, res, first_graph) -> dict[str, Any]:
         return {
             "what": f"the proxy on 4 copy streams ({PROXY_4_STREAMS_US:g} us per command, "
             f"measured; the profile: {PROFILE.proxy_command_us:g}; Settings.proxy_streams is 1 "
-            "by default) and the node broadcast's copies queued chunk by chunk instead of peer "
+            "by default) and the node broadcast's copies queued piece by piece instead of peer "
             "by peer (push_rotation leaving NVLink copies in lowering order: a scheduler change, "
             "not built), on the faster of the two policies (named per row)",
             "predicted_ms": both[policy],
@@ -273,7 +278,7 @@ def _chunk_ordered(graph: mg.TaskGraph, facts, slots: bool) -> list[int]:
     peer), all of equal path length, and push_rotation sorts ties by peer, so each rank queues
     every chunk's copy to its next GPU before any copy to the one after (a worker then waits on
     the last chunk's copy to GPU r+1 while earlier chunks' copies to r+2.. are ready). Without
-    it ties fall back to task id: the lowering's order, chunk by chunk and rotated per owner."""
+    it ties fall back to task id: the lowering's order, piece by piece and rotated per owner."""
     length = critical_path_lengths(facts)
     turn = [0 if t.role == "nvlink" else r
             for t, r in zip(graph.tasks, push_rotation(graph), strict=True)]  # fmt: skip
@@ -388,14 +393,15 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
             f"network plan needs {cmds:.2f} commands per RDMA write (netplan: one WRITE whose "
             "arrival flag serves every destination event, a SIGNAL only per extra source event; "
             "the issue's 2.5 predates it). The node broadcast after the rail all-reduce is one "
-            "NVLink copy per (chunk, peer), each raising its peer's event "
-            "(gemm_allreduce.node_broadcast), so a chunk's 7 copies run on up to 7 workers, "
-            f"each at the measured {PROFILE.nvlink_worker_push_gbps:g} GB/s per worker. All "
+            "NVLink copy per (piece, peer), each raising its peer's event "
+            "(gemm_allreduce.node_broadcast; a piece is the network chunk, or broadcast_bytes "
+            "where the options say so), so a piece's 7 copies run on up to 7 workers, each at "
+            f"the measured {PROFILE.nvlink_worker_push_gbps:g} GB/s per worker. All "
             "copies are sinks with paths of equal length, and the critical-path policy breaks "
             "that tie by push_rotation, i.e. by peer: each rank queues every chunk's copy to its "
-            "next GPU before any copy to the GPU after it, so workers holding late chunks' "
-            "copies wait while earlier chunks' copies to other peers are ready. The what-if "
-            "column queues the copies chunk by chunk (lowering order) and runs the proxy on 4 "
+            "next GPU before any copy to the GPU after it, so workers holding late pieces' "
+            "copies wait while earlier pieces' copies to other peers are ready. The what-if "
+            "column queues the copies piece by piece (lowering order) and runs the proxy on 4 "
             "copy streams; each row below gives the two apart."
         )
     elif op == "ring_attention":
@@ -495,10 +501,11 @@ def explain_row(r: dict[str, Any]) -> list[str]:
                  "over 8 NICs and NVLink at the measured bus bandwidth.")  # fmt: skip
     if r["op"] == "gemm_allreduce":
         text += (f" Proxy on 4 streams alone: {_ms(wi['proxy_4_streams_ms'])} "
-                 f"({base / wi['proxy_4_streams_ms']:.2f}x); the broadcast copies in chunk "
+                 f"({base / wi['proxy_4_streams_ms']:.2f}x); the broadcast copies in piece "
                  f"order alone: {_ms(wi['chunk_order_ms'])} "
                  f"({base / wi['chunk_order_ms']:.2f}x). Each chunk crosses epilogue push "
-                 "-> node sum -> RDMA -> rail sum -> RDMA -> 7 NVLink copies, one per peer.")  # fmt: skip
+                 "-> node sum -> RDMA -> rail sum -> RDMA -> 7 NVLink copies per piece, one per "
+                 "peer.")  # fmt: skip
         best = min(wi["proxy_4_streams_ms"], wi["chunk_order_ms"], wi["predicted_ms"])
         if best >= r["predicted_ms"] * 0.97:
             text += (" Neither change helps here: the GEMM with its epilogue pushes (the node "
@@ -508,8 +515,8 @@ def explain_row(r: dict[str, Any]) -> list[str]:
         else:
             text += (" The larger of the two gains names the stage that sets the time; what is "
                      "left after both is the NVLink SM work (floor above), the per-worker NVLink "
-                     "rate (a copy moves a whole network chunk), the NVLink worker cap and the "
-                     "fixed costs.")  # fmt: skip
+                     "rate (one worker moves each copy), the NVLink worker cap and the fixed "
+                     "costs.")  # fmt: skip
     if r["op"] == "ring_attention" and r["diff"] < 0:
         text += (" mKernel's gain grows with S, i.e. with the share of attention math: its "
                  "attention tiles are faster than FA2 (GPU.md's cuDNN reaches 617 TF/s), while "
@@ -628,7 +635,7 @@ def _ms(ms: float) -> str:
 def _opts(opts: dict[str, Any]) -> str:
     parts = []
     for k, v in opts.items():
-        if k == "chunk_bytes":
+        if k.endswith("_bytes"):
             v = f"{v // MIB} MiB" if v >= MIB else f"{v // KIB} KiB"
         parts.append(f"{k}={v}".replace(" ", ""))
     return " ".join(parts)

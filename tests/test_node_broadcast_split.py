@@ -11,6 +11,7 @@ import os
 import sys
 from collections import defaultdict
 
+import pytest
 import torch
 
 import mgraph as mg
@@ -87,6 +88,25 @@ def test_matches_torch_on_the_reference_runtime():
     g = mg.ops.gemm_allreduce(M=64, N=128, K=64, topology="2x4", tile=[16, 32],
                               dtype=torch.bfloat16, chunk_bytes=2048)  # fmt: skip
     check_graph(g, tol=1e-2)
+
+
+def test_broadcast_bytes_cuts_each_chunk_into_smaller_copies():
+    """broadcast_bytes: pieces of at most that many bytes (whole tiles), each still one copy per
+    peer; the result is still torch's. Not positive: a named error before anything is built."""
+    from helpers import check_graph
+
+    kw = dict(M=64, N=128, K=64, topology="2x4", tile=[16, 32], chunk_bytes=8192)
+    whole = mg.ops.gemm_allreduce(**kw)
+    cut = mg.ops.gemm_allreduce(**kw, broadcast_bytes=2048)  # one 16x32 fp32 tile
+    assert {cut.region_bytes(t.writes[0]) for t in broadcasts(cut)} == {2048}
+    assert max(whole.region_bytes(t.writes[0]) for t in broadcasts(whole)) > 2048
+    assert len(broadcasts(cut)) > len(broadcasts(whole))
+    assert sum(cut.region_bytes(t.writes[0]) for t in broadcasts(cut)) == sum(
+        whole.region_bytes(t.writes[0]) for t in broadcasts(whole))  # fmt: skip
+    check_graph(cut)
+    for bad in (0, -1):
+        with pytest.raises(mg.SizeOptionError, match="broadcast_bytes"):
+            mg.ops.gemm_allreduce(**kw, broadcast_bytes=bad)
 
 
 def test_broadcast_events_are_each_peers_exit_events():

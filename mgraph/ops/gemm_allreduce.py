@@ -10,8 +10,9 @@ node, N nodes); slot (l, j) belongs to local GPU l on every node and is finally 
 2. rail reduce-scatter (rdma): node sums of slot (l, j) go, in chunks, to the rail peer (j, l),
    which adds the N node sums (compute);
 3. rail all-gather (rdma): (j, l) sends the finished chunks back to its rail peers;
-4. node broadcast (nvlink): GPU l of each node pushes the finished chunks to its node peers, one
-   copy task per (chunk, peer).
+4. node broadcast (nvlink): GPU l of each node pushes the finished tiles to its node peers, one
+   copy task per (piece, peer); a piece is ``broadcast_bytes`` of consecutive tiles (default:
+   ``chunk_bytes``, the network chunk).
 RDMA bytes sent per node = 2 D (N-1)/N for D output bytes: exactly D on 2 nodes. ``hierarchical=
 False`` runs the rail stages on the full partials first (every GPU's partial crosses the network)
 and the node stages after, moving G times more over RDMA: the baseline the design improves on.
@@ -70,6 +71,7 @@ def _lower(
     hierarchical: bool = True,
     chunk_bytes: int = 256 * 1024,
     algorithm: str = "auto",
+    broadcast_bytes: int | None = None,
 ) -> None:
     topo, world = b.topo, b.world
     algorithm = node_algorithm(topo, M, N, K, ITEMSIZE[b.dtype], algorithm)
@@ -106,7 +108,7 @@ def _lower(
                 name=f"gemm r{r} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
             )
         gemms.append(row)
-    lower = _Stages(b, tiles, itemsize, chunk_bytes)
+    lower = _Stages(b, tiles, itemsize, chunk_bytes, broadcast_bytes or chunk_bytes)
     if topo.nodes == 1 and algorithm == "accumulate":
         lower.accumulate(part, gemms, out)
     elif topo.nodes == 1 and algorithm == "oneshot":
@@ -169,12 +171,14 @@ class _Result:
 
 
 class _Stages:
-    def __init__(self, b: GraphBuilder, tiles: list[Tile], itemsize: int, chunk_bytes: int):
+    def __init__(self, b: GraphBuilder, tiles: list[Tile], itemsize: int, chunk_bytes: int,
+                 broadcast_bytes: int):  # fmt: skip
         self.b = b
         self.topo = b.topo
         self.tiles = tiles
         self.itemsize = itemsize
         self.chunk_bytes = chunk_bytes
+        self.broadcast_bytes = broadcast_bytes
 
     def chunks(self, tiles: list[Tile]) -> list[list[Tile]]:
         return group_chunks(tiles, self.itemsize, self.chunk_bytes)
@@ -263,13 +267,16 @@ class _Stages:
                 task.signals += [landed[(p, owner)] for p in peers]
 
     def node_broadcast(self, out: list[Buffer], done: _Result) -> None:
-        """Every owner pushes its finished chunks to its node peers over NVLink: one task per
-        (chunk, peer). One task per chunk into all G-1 peers would be one worker moving G-1
-        chunks in a row after the last rail arrival (at 2x8 the simulator's largest gap); per
-        peer, the SM partition and the controller can give the G-1 copies G-1 workers.
+        """Every owner pushes its finished tiles to its node peers over NVLink: one task per
+        (piece, peer), a piece being ``broadcast_bytes`` of consecutive tiles. One task per
+        piece into all G-1 peers would be one worker moving G-1 pieces in a row after the last
+        rail arrival (at 2x8 the simulator's largest gap); per peer, the SM partition and the
+        controller can give the G-1 copies G-1 workers. Pieces smaller than the network chunk
+        spread one chunk's copies over more workers (the NVLink worker rate was calibrated on
+        256 KiB copies).
 
         Each copy raises the peer's ``broadcast r{owner}->r{peer}`` event (one per (owner,
-        peer): as many signals as the owner has chunks), which that peer's kernel waits for
+        peer): as many signals as the owner has pieces), which that peer's kernel waits for
         before it ends: nothing else in this op reads the finished output (a later op's reads
         wait for the copy that wrote them, through the builder's joins)."""
         b, topo = self.b, self.topo
@@ -279,13 +286,13 @@ class _Stages:
         for owner in topo.ranks:
             members = topo.node_ranks(topo.node_of(owner))
             local = topo.local_of(owner)
-            # From the next GPU on: the node's owners start on G-1 different peers (no incast).
+            # From the next GPU on: the G owners of a node start on G different peers (no incast).
             peers = [members[(local + i) % G] for i in range(1, G)]
             landed = {p: b.event(p, f"broadcast r{owner}->r{p}") for p in peers}
-            for chunk in self.chunks(done.owned[owner]):
-                box = bounding(chunk)
+            for part in group_chunks(done.owned[owner], self.itemsize, self.broadcast_bytes):
+                box = bounding(part)
                 where = f"[{box[0]}:{box[1]},{box[2]}:{box[3]}]"
-                waits = b.after(owner, unique_tasks(done.ready[owner][t] for t in chunk))
+                waits = b.after(owner, unique_tasks(done.ready[owner][t] for t in part))
                 for p in peers:
                     b.task(
                         owner,
