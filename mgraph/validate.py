@@ -398,10 +398,28 @@ def _check_races(graph: TaskGraph, order: list[int]) -> None:
     regions = list(groups)
     codes_of = list(groups.values())
     written = bytearray(len(regions))  # group i has a writer
+    pos = reach.pos
+    before = reach.before
     for i, codes in enumerate(codes_of):
         if codes.__class__ is int:
             written[i] = codes & 1  # one access: nothing to order inside the group
             continue
+        if len(codes) == 2:
+            # The common multi-access group (~20k at 2x8: a tile written once and read once
+            # by another task), _check_group's two-access case without building its list.
+            a, b = codes
+            if a & 1 or b & 1:
+                written[i] = 1
+                ta, tb = a >> 1, b >> 1
+                if not ((a & 1 and ta in adds) or (b & 1 and tb in adds)):
+                    if ta != tb:
+                        x, y = (a, b) if pos[ta] <= pos[tb] else (b, a)
+                        if not before(x >> 1, y >> 1):
+                            r = regions[i]
+                            _race(graph, x >> 1, r, x & 1 == 1, y >> 1, r, y & 1 == 1)
+                    continue
+            else:
+                continue
         for c in codes:
             if c & 1:
                 written[i] = 1
