@@ -106,12 +106,22 @@ def test_schedule_from_validations_order_is_the_schedule_without_it():
 
 def test_gc_paused_restores_the_collector_and_leaves_freezes_alone():
     import gc
+    import weakref
 
     from mgraph.graph import gc_paused
 
+    class Node:
+        pass
+
+    # a young reference cycle made before the pause is collected, not promoted with the graph
+    cycle = Node()
+    cycle.self = cycle
+    dead = weakref.ref(cycle)
+    del cycle
     assert gc.isenabled()
     with gc_paused():
         assert not gc.isenabled()
+        assert dead() is None
         made = [[i] for i in range(5000)]
     assert gc.isenabled()
     # what was made inside is in the oldest generation, not waiting for a young collection
