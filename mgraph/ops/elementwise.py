@@ -19,6 +19,16 @@ relayouts:
 - the step ``["rotate_half", a, -1, 0]`` (:data:`ROTATE`) reads input ``a`` rotated by half the
   last dim with the sign on the first half, ``cat((-x[..., D/2:], x[..., :D/2]), -1)``: a load
   of other columns, so ``a`` must be an input (not a step) and the tiles whole rows.
+- ``gather:<json>`` (:func:`gather_form`): the result of a relayout (mgraph/ops/relayout.py:
+  a head split ``x.view(B, S, H, D).transpose(1, 2)``) read from the relayout's SOURCE, so
+  the relayout is no task of its own. The operand is the source tensor (its global shape
+  flattened, held in the source's layout; the form's JSON names its shape, the steps and
+  that layout); each task reads it through the relayout's gather map of its rows
+  (relayout.tile_gathers: ``base`` and mixed-radix row and column digits, the ``g_*``
+  params), from the box of the source buffer that the map reaches (its region). One such
+  operand per chain (it may be ``x``: option ``x_form``); the op refuses one whose source
+  layout does not hold every element a rank reads (ShapeError), and its lowering one whose
+  map has no gather form on some tile. fuse_pointwise makes these forms.
 
 A chain (option ``chain``) is a list of steps ``[fn, a, b, scalar]``: ``fn`` a key of
 :data:`UNARY` or :data:`BINARY`; ``a`` and ``b`` name values: ``0..n-1`` the op's inputs
@@ -30,15 +40,18 @@ The task carries the chain as a small bytecode in its params row (see :func:`com
 ``nops``, ``result``, then four words per instruction ``(opcode, dst, a, b)`` over
 :data:`REGISTERS` fp32 tile registers: ``LOAD dst <- read a``, ``ROT dst <- read a rotated``,
 ``CONST dst <- float b``, or a fn of registers ``a`` (and ``b``); then ``half`` (D/2 of a
-rotation), ``maps`` (each input's map, 2 bits), ``row0`` and A, M, lo per map. The CPU body and the Triton body both interpret that
+rotation), ``maps`` (each input's map, 2 bits), ``row0`` and A, M, lo per map, then the gather map of a ``gather:``
+operand (map code 3). The CPU body and the Triton body both interpret that
 bytecode, so the reference runtime checks the compiler too; the op's reference (its meaning on
 global tensors) evaluates the chain itself.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -48,10 +61,18 @@ from ..builder import GraphBuilder, split
 from ..errors import OptionError, ShapeError, UnknownNameError
 from ..graph import Task
 from ..kinds import Role, define_kind
-from ..layout import layout_runs, runs_pieces
+from ..layout import Layout, canonical, flat_shape, layout_runs, runs_pieces
 from ..topology import Topology
 from .abi import HAVE_TRITON
 from .registry import OpDef
+from .relayout import (
+    _GPU_PARAMS,
+    _rank_maps,
+    apply_steps,
+    relayout_feasible,
+    steps_shape,
+    tile_gathers,
+)
 from .tilewise import lower_tilewise, parse_layout, parse_shape, tile_shapes
 
 __all__ = [
@@ -67,6 +88,9 @@ __all__ = [
     "ROTATE",
     "row_map",
     "operand_maps",
+    "gather_form",
+    "gather_spec",
+    "gather_fits",
 ]
 
 elementwise = OpDef("elementwise", dims=("rows", "cols"), inputs=("x", "y"), outputs=("out",))
@@ -108,6 +132,11 @@ ROT = CONST + 1
 # task's params hold A, M and ``lo``, the first operand row its region holds.
 MAPS = 2
 MAP_PARAMS = tuple(f"map{k}_{f}" for k in range(1, MAPS + 1) for f in ("a", "m", "lo"))
+# The map code of a ``gather:`` operand (2 bits per input: 0 the output's rows, 1..MAPS a
+# broadcast map); its tile's gather map (relayout's GPU params: base, row digits, column
+# digits) is in the ``g_*`` params.
+GATHER = 3
+G_PARAMS = tuple(f"g_{name}" for name in _GPU_PARAMS)
 # Sizes of the bytecode: the params row is fixed per kind (2 + 4 * MAX_OPS int32 words), the
 # registers are the Triton body's loop-carried tiles. A chain that needs more is not fused
 # further (fuse_pointwise) or refused (an OptionError from the op's shape check).
@@ -119,12 +148,14 @@ EWISE = define_kind(
     "ewise",
     [Role.COMPUTE],
     "a chain of elementwise fns over one row tile (params: its bytecode)",
-    params=("nops", "result", *WORDS, "half", "maps", "row0", *MAP_PARAMS),
+    params=("nops", "result", *WORDS, "half", "maps", "row0", *MAP_PARAMS, *G_PARAMS),
 )
 # A chain without rotation or broadcast operands leaves these out of its tasks' params.
 EWISE.param_defaults = {"half": 0, "maps": 0, "row0": 0, **dict.fromkeys(MAP_PARAMS, 1)}
 for _k in range(1, MAPS + 1):
     EWISE.param_defaults[f"map{_k}_lo"] = 0
+# no gather operand: radices 1, strides 0 (never read)
+EWISE.param_defaults.update({n: int(n.endswith("n")) for n in G_PARAMS})
 
 Step = list  # [fn, a, b, scalar]
 
@@ -139,6 +170,68 @@ def bcast_shape(form: str) -> tuple[int, ...] | None:
     if not form.startswith("bcast:"):
         return None
     return tuple(int(d) for d in form[len("bcast:") :].split("x"))
+
+
+def gather_form(in_shape: Sequence[int], steps: Sequence, in_layout: Sequence | None) -> str:
+    """The ``gather:`` form of a relayout's result read from its source of ``in_shape``, held
+    in ``in_layout`` (JSON, relayout's ``in_layout`` param), through ``steps``."""
+    spec = [
+        [int(d) for d in in_shape],
+        [[str(k), [int(v) for v in a]] for k, a in steps],
+        Layout.from_json(in_layout).to_json(),
+    ]
+    return "gather:" + json.dumps(spec, separators=(",", ":"))
+
+
+@lru_cache(maxsize=256)
+def gather_spec(form: str) -> tuple[tuple[int, ...], tuple, Layout] | None:
+    """(source shape, steps, source layout) of a ``gather:`` form; None for the other forms."""
+    if not form.startswith("gather:"):
+        return None
+    shape, steps, lay = json.loads(form[len("gather:") :])
+    steps = tuple((str(k), tuple(int(v) for v in a)) for k, a in steps)
+    return tuple(int(d) for d in shape), steps, Layout.from_json(lay)
+
+
+@lru_cache(maxsize=256)
+def _gathers(form: str, nd: tuple, lay: Layout, rank: int, world: int, tiles: tuple) -> Any:
+    """(g_* params per tile, F, G) of a ``gather:`` operand on rank ``rank``: its map at
+    output buffer (i, j) is F[i] + G[j] (relayout._rank_maps); None when some tile's map has
+    no gather form. Cached: fuse_pointwise asks before the lowering does."""
+    shape, steps, src = gather_spec(form)  # type: ignore[misc]
+    dst = canonical(nd, lay, world)
+    fits = tile_gathers(shape, steps, src, dst, rank, world, [(t0, t0 + n) for t0, _, n in tiles])
+    if not all(fits):
+        return None
+    rows, cols = _rank_maps(shape, steps, src, dst, rank, world)  # type: ignore[misc]
+    return [{f"g_{k}": v for k, v in f.items()} for f in fits], rows, cols
+
+
+def _tiles(nd: tuple, lay: Layout, rank: int, world: int, tile_rows: int) -> tuple:
+    """The tasks' tiles on rank ``rank``: (buffer row, global row, rows), none across two runs
+    of the layout (so that ``row0`` maps a tile's rows)."""
+    tiles, at = [], 0
+    for g0, g1, _, _ in layout_runs(nd, lay, rank, world):
+        tiles += [(at + t0, g0 + t0, t1 - t0) for t0, t1 in split(g1 - g0, tile_rows)]
+        at += g1 - g0
+    return tuple(tiles)
+
+
+def gather_fits(
+    form: str, shape: Sequence[int], layout: Sequence | None, world: int, tile_rows: int = 64
+) -> bool:
+    """Whether an op of ``shape`` in ``layout`` can read the ``gather:`` operand ``form``:
+    every rank's source part holds what the rank reads, and each tile's map has a gather form."""
+    spec = gather_spec(form)
+    nd, lay = tuple(shape), parse_layout(layout)
+    if spec is None or steps_shape(spec[0], spec[1]) != nd:
+        return False
+    if not relayout_feasible(spec[0], spec[1], spec[2], canonical(nd, lay, world), world):
+        return False
+    return all(
+        _gathers(form, nd, lay, r, world, _tiles(nd, lay, r, world, tile_rows)) is not None
+        for r in range(world)
+    )
 
 
 def bcast_form(shape: Sequence[int], out: Sequence[int]) -> str | None:
@@ -185,11 +278,21 @@ def row_map(shape: Sequence[int], out: Sequence[int]) -> tuple[int, int]:
 
 def operand_maps(forms: Sequence[str], shape: Sequence[int]) -> tuple[list[int], list[tuple]]:
     """(map code per input, the distinct ``(A, M)`` maps): code 0 reads the output's rows, code
-    ``k`` map ``k - 1``. ``forms``: every input's, ``x`` first. OptionError past MAPS maps or a
-    mapped input past the 15 that the ``maps`` param packs (2 bits each)."""
+    ``k`` map ``k - 1``, GATHER the ``gather:`` operand. ``forms``: every input's, ``x`` first.
+    OptionError past MAPS maps, two gather forms, or a mapped input past the 15 that the
+    ``maps`` param packs (2 bits each)."""
     codes: list[int] = []
     maps: list[tuple[int, int]] = []
+    gathers = {f for f in forms if f.startswith("gather:")}
+    if len(gathers) > 1 or (gathers and len(forms) > 15):
+        raise OptionError(
+            "elementwise: more than one gather operand, or past the 15th input",
+            hint="keep the other relayouts as relayout ops",
+        )
     for k, form in enumerate(forms):
+        if form.startswith("gather:"):
+            codes.append(GATHER)
+            continue
         b = bcast_shape(form)
         if b is None:
             codes.append(0)
@@ -411,10 +514,15 @@ def _check_forms(
     shape: Sequence[int] | None,
     layout: Sequence | None,
 ) -> None:
-    """ShapeError for a broadcast operand that does not broadcast to the op's shape, or a
-    rotation the tiles cannot hold (an odd last dim, or one split over the ranks)."""
+    """ShapeError for a broadcast operand that does not broadcast to the op's shape, a gather
+    operand whose steps do not make it or whose source layout does not hold what a rank reads,
+    or a rotation the tiles cannot hold (an odd last dim, or one split over the ranks).
+    ``forms``: every input's, ``x`` first."""
     nd = _nd(rows, cols, shape)
     for form in forms:
+        spec = gather_spec(form)
+        if spec is not None:
+            _check_gather(topology, spec, nd, layout)
         b = bcast_shape(form)
         if b is None:
             continue
@@ -434,13 +542,34 @@ def _check_forms(
                 f"layout {lay.to_json()}",
                 hint="replicate the input, or shard it along another dim",
             )
-    operand_maps(["full", *forms], nd)
+    operand_maps(forms, nd)
+
+
+def _check_gather(topology: Topology, spec: tuple, nd: tuple, layout: Sequence | None) -> None:
+    shape, steps, src = spec
+    if steps_shape(shape, steps) != nd:
+        raise ShapeError(
+            f"elementwise: a gather operand's steps make {list(steps_shape(shape, steps))} "
+            f"from {list(shape)}, not the op's shape {list(nd)}",
+            hint="the steps are the relayout's, from its source to the op's operand",
+        )
+    world = topology.world_size
+    dst = canonical(nd, parse_layout(layout), world)
+    if not relayout_feasible(shape, steps, src, dst, world):
+        raise ShapeError(
+            f"elementwise: a gather operand held as {src.describe()} of {list(shape)} lacks "
+            f"elements the op's ranks ({dst.describe()} of {list(nd)}) read",
+            hint="keep the relayout as its own op",
+        )
 
 
 def _global_shape(form: str, rows: int, cols: int) -> tuple[int, int]:
     b = bcast_shape(form)
     if b is not None:
         return (math.prod(b[:-1]), cols)
+    spec = gather_spec(form)
+    if spec is not None:
+        return flat_shape(spec[0])
     return {"full": (rows, cols), "row": (1, cols), "col": (rows, 1)}[form]
 
 
@@ -458,16 +587,19 @@ def _shapes(
     operands: list[str] | None = None,
     shape: Sequence[int] | None = None,
     layout: Sequence | None = None,
+    x_form: str = "full",
     **_: object,
 ) -> dict[str, tuple]:
     steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
-    names = input_names(1 + len(forms))[1:]
-    plain = {
-        n: ("full" if f.startswith("bcast:") else f) for n, f in zip(names, forms, strict=True)
-    }
+    if x_form != "full" and gather_spec(x_form) is None:
+        raise OptionError(
+            f"elementwise: x_form={x_form!r}", hint="x is 'full' or a gather: operand"
+        )
+    names = input_names(1 + len(forms))
+    plain = {n: ("full" if ":" in f else f) for n, f in zip(names[1:], forms, strict=True)}
     out = tile_shapes("elementwise", topology, rows, cols, shape, layout, plain)
-    _check_forms(topology, rows, cols, steps, forms, shape, layout)
-    for n, f in zip(names, forms, strict=True):
+    _check_forms(topology, rows, cols, steps, [x_form, *forms], shape, layout)
+    for n, f in zip(names, [x_form, *forms], strict=True):
         out[n] = _global_shape(f, rows, cols)
     return out
 
@@ -483,18 +615,24 @@ def _reference(
     chain: list | None = None,
     operands: list[str] | None = None,
     shape: Sequence[int] | None = None,
+    x_form: str = "full",
     **kw: Any,
 ) -> dict[str, torch.Tensor]:
     steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
     names = input_names(1 + len(forms))
+    spec = gather_spec(x_form)
+    if spec is not None:  # the relayout's result, in the op's flat shape
+        x = apply_steps(x.reshape(spec[0]), spec[1]).reshape(flat_shape(steps_shape(*spec[:2])))
     tensors = [x.float()]
     for n, form in zip(names[1:], forms, strict=True):
         t = kw[n].float()
-        b = bcast_shape(form)
+        b, spec = bcast_shape(form), gather_spec(form)
         if b is not None:  # the operand's rows each output row reads, as the tasks map them
             a, m = row_map(b, _nd(*x.shape, shape))
             g = torch.arange(x.shape[0])
             t = t[(g // a) * m + g % m]
+        elif spec is not None:
+            t = apply_steps(t.reshape(spec[0]), spec[1]).reshape(x.shape)
         tensors.append(t)
     return {"out": run_chain(steps, tensors).expand(x.shape).to(x.dtype)}
 
@@ -514,15 +652,16 @@ def _lower(
     shape: list[int] | None = None,
     layout: list | None = None,
     tile_rows: int = 64,
+    x_form: str = "full",
 ) -> None:
     steps, forms = _chain_of(fn, other, scalar, alpha, swap, chain, operands)
-    names = input_names(1 + len(forms))[1:]
-    codes, maps = operand_maps(["full", *forms], _nd(rows, cols, shape))
+    names = input_names(1 + len(forms))
+    codes, maps = operand_maps([x_form, *forms], _nd(rows, cols, shape))
     params = compile_chain(steps, 1 + len(forms), codes)
     if any(step[0] == ROTATE for step in steps):
         params["half"] = cols // 2
     label = "*".join(s[0] for s in steps) if chain is not None else fn
-    if not maps:
+    if not any(codes):
         lower_tilewise(
             b,
             EWISE.name,
@@ -530,7 +669,7 @@ def _lower(
             cols=cols,
             shape=shape,
             layout=layout,
-            operands=dict(zip(names, forms, strict=True)),
+            operands=dict(zip(names[1:], forms, strict=True)),
             params=params,
             tile_rows=tile_rows,
             label=label,
@@ -538,8 +677,8 @@ def _lower(
         return
     for k, (a, m) in enumerate(maps, start=1):
         params[f"map{k}_a"], params[f"map{k}_m"] = a, m
-    forms_of = dict(zip(names, forms, strict=True))
-    _lower_mapped(b, rows, cols, shape, layout, forms_of, params, maps, codes[1:], tile_rows, label)
+    forms_of = dict(zip(names, [x_form, *forms], strict=True))
+    _lower_mapped(b, rows, cols, shape, layout, forms_of, params, maps, codes, tile_rows, label)
 
 
 def _lower_mapped(
@@ -555,36 +694,42 @@ def _lower_mapped(
     tile_rows: int,
     label: str,
 ) -> None:
-    """tilewise.lower_tilewise for chains with broadcast operands: a task's rows lie in one run
-    of the layout, so that ``row0``, the global row of its first row, maps them all; each rank
-    holds the span of a broadcast operand's rows that its tasks read (only its columns of a
-    column-sharded ``x``), each task's region the window of its own rows."""
+    """tilewise.lower_tilewise for chains with broadcast or gather operands: a task's rows lie
+    in one run of the layout, so that ``row0``, the global row of its first row, maps them
+    all; each rank holds the span of a broadcast operand's rows that its tasks read (only its
+    columns of a column-sharded ``x``), each task's region the window of its own rows. A
+    gather operand is bound in its source's layout, each task's region the box its map
+    reaches, its map in the task's ``g_*`` params. ``forms``: every input's, ``x`` first."""
     if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows <= 0:
         raise ShapeError(f"elementwise: tile_rows={tile_rows!r} must be a positive int")
     nd = parse_shape("elementwise", rows, cols, shape)
     lay = parse_layout(layout)
-    b.global_input("x", (rows, cols))
     for name, form in forms.items():
         b.global_input(name, _global_shape(form, rows, cols))
     b.global_output("out", (rows, cols))
     for r in b.topo.ranks:
         runs = layout_runs(nd, lay, r, b.world)
-        # (buffer row, global row, rows, operand windows per map) of each task
-        tiles, at = [], 0
-        for g0, g1, _, _ in runs:
-            for t0, t1 in split(g1 - g0, tile_rows):
-                windows = [_window(*m, g0 + t0, g0 + t1) for m in maps]
-                tiles.append((at + t0, g0 + t0, t1 - t0, windows))
-            at += g1 - g0
+        tiles = _tiles(nd, lay, r, b.world, tile_rows)
+        windows = [[_window(*m, g0, g0 + n) for m in maps] for _, g0, n in tiles]
         spans = [
-            (min(w[k][0] for *_, w in tiles), max(w[k][1] for *_, w in tiles))
-            for k in range(len(maps))
+            (min(w[k][0] for w in windows), max(w[k][1] for w in windows)) for k in range(len(maps))
         ]
-        x = b.bound_buffer("x", r, "x", runs_pieces(runs))
         c0, c1 = runs[0][2], runs[0][3]
         reads: list[tuple[Any, str]] = []
+        gather: Any = None
         for (name, form), code in zip(forms.items(), codes, strict=True):
-            if form == "full":
+            if code == GATHER:
+                src_shape, _, src = gather_spec(form)  # type: ignore[misc]
+                pieces = runs_pieces(layout_runs(src_shape, src, r, b.world))
+                gather = _gathers(form, tuple(nd), lay, r, b.world, tiles)
+                if gather is None:
+                    raise ShapeError(
+                        f"elementwise: operand {name}'s relayout map has no gather form on "
+                        f"some tile of rank {r} (tile_rows={tile_rows})",
+                        hint="keep the relayout as its own op (fuse_pointwise does where the "
+                        "map does not fit)",
+                    )
+            elif form == "full":
                 pieces = runs_pieces(runs)
             elif form == "col":
                 pieces = tuple(((r0, r1), (0, 1)) for r0, r1, _, _ in runs)
@@ -594,14 +739,18 @@ def _lower_mapped(
                 pieces = (((0, 1), (c0, c1)),)
             reads.append((b.bound_buffer(name, r, name, pieces), form))
         out = b.bound_buffer("out", r, "out", runs_pieces(runs), role="output")
-        for t0, g0, n, windows in tiles:
+        for i, ((t0, g0, n), window) in enumerate(zip(tiles, windows, strict=True)):
             task_params = {**params, "row0": g0}
-            for k, (lo, _) in enumerate(windows, start=1):
+            for k, (lo, _) in enumerate(window, start=1):
                 task_params[f"map{k}_lo"] = lo
-            regions = [x.region((t0, t0 + n))]
+            regions = []
             for (buf, form), code in zip(reads, codes, strict=True):
-                if code:  # the window, in the buffer's rows (it holds the span from its start)
-                    (lo, hi), first = windows[code - 1], spans[code - 1][0]
+                if code == GATHER:
+                    fits, f_rows, g_cols = gather
+                    task_params.update(fits[i], gather_cols=buf.cols)
+                    regions.append(buf.region(*_gather_box(f_rows[t0 : t0 + n], g_cols, buf)))
+                elif code:  # the window, in the buffer's rows (it holds the span from its start)
+                    (lo, hi), first = window[code - 1], spans[code - 1][0]
                     regions.append(buf.region((lo - first, hi - first)))
                 elif form == "row":
                     regions.append(buf.region())
@@ -618,6 +767,18 @@ def _lower_mapped(
             )
 
 
+def _gather_box(f_rows: torch.Tensor, g_cols: torch.Tensor, buf: Any) -> tuple:
+    """(rows, cols) of the box of ``buf`` that positions F[i] + G[j] reach: exact when no row
+    of the tile wraps past the buffer's width, else whole buffer rows."""
+    width = buf.cols
+    g_lo, g_hi = int(g_cols.min()), int(g_cols.max())
+    row, col = f_rows // width, f_rows % width
+    if int(col.max()) + g_hi < width:
+        rows = (int(row.min()), int(row.max()) + 1)
+        return rows, (int(col.min()) + g_lo, int(col.max()) + g_hi + 1)
+    return (int(f_rows.min() + g_lo) // width, int(f_rows.max() + g_hi) // width + 1), None
+
+
 def _window(a: int, m: int, g0: int, g1: int) -> tuple[int, int]:
     """The operand rows ``[lo, hi)`` that output rows ``[g0, g1)`` read through map ``(a, m)``:
     one contiguous run, unless the tile wraps around ``m`` (then the whole periods it
@@ -628,15 +789,33 @@ def _window(a: int, m: int, g0: int, g1: int) -> tuple[int, int]:
     return (g0 // a) * m, ((g1 - 1) // a) * m + m
 
 
+def _digit_values(p: dict, axis: str, i: torch.Tensor) -> torch.Tensor:
+    """sum over the ``g_`` map's digits of ``((i // div_k) % radix_k) * stride_k`` (axis "r"
+    or "c"), as the Triton body's relayout._digit_sum."""
+    out = torch.zeros_like(i)
+    for k in range(len(G_PARAMS) // 4):
+        n, s = p[f"g_{axis}{k}n"], p[f"g_{axis}{k}s"]
+        out += (i % n) * s
+        i = i // n
+    return out
+
+
 @EWISE.cpu
 def _ewise_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
     """Interprets the task's bytecode, as the Triton body does."""
     p = task.params
-    maps, rows = int(p.get("maps", 0)), writes[0].shape[0]
+    maps, (rows, cols) = int(p.get("maps", 0)), writes[0].shape
 
     def load(a: int) -> torch.Tensor:
         t = reads[a].float()
         code = (maps >> (2 * a)) & 3
+        if code == GATHER:  # the relayout's map: flat positions in the source buffer
+            pos = p["g_base"] + (
+                _digit_values(p, "r", torch.arange(rows))[:, None]
+                + _digit_values(p, "c", torch.arange(cols))[None, :]
+            )
+            width, box = p["gather_cols"], task.reads[a]
+            return t[pos // width - box.row0, pos % width - box.col0]
         if code:  # a broadcast operand: the rows the task's rows map to, from its region's lo
             g = torch.arange(p["row0"], p["row0"] + rows)
             a, m = p[f"map{code}_a"], p[f"map{code}_m"]

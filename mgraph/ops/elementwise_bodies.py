@@ -4,23 +4,27 @@ importing either registers the body.
 
 Per ``_EW_M x _EW_N`` block of the task's row tile the body interprets the bytecode over fp32
 register tiles (REGISTERS of them, loop-carried): LOAD reads an operand (a row or column
-operand broadcast, a ``bcast:`` operand through its row map), ROT reads one rotated by half
-the last dim, CONST fills a register, and the fns compute; the result register is stored once
-in DT. Two paths: a fast one when every operand and the output take 16-byte vectors (and a
-rotation moves whole vectors), the first four operands loaded a block ahead; a general one with
-a pointer per element.
+operand broadcast, a ``bcast:`` operand through its row map, a ``gather:`` operand from its
+source buffer through the relayout's gather map: relayout._digit_sum and _digits, the same
+index arithmetic as the relayout body), ROT reads one rotated by half the last dim, CONST fills
+a register, and the fns compute; the result register is stored once in DT. Two paths: a fast
+one when every operand and the output take 16-byte vectors (and a rotation moves whole
+vectors; a gather operand's map passes relayout's fast-path gate: its innermost column digit a
+stride-1 run of whole vectors, every other stride and its base multiples of them), the first
+four operands loaded a block ahead; a general one with a pointer per element.
 """
 
 from __future__ import annotations
 
 from .abi import F_NREAD, F_READ0, F_WRITE0, HAVE_TRITON
-from .elementwise import CONST, EWISE, LOAD, ROT
+from .elementwise import CONST, EWISE, GATHER, LOAD, ROT
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .abi import load_region, param_i32
+    from .abi import F_PARAM0, load_region, param_i32
+    from .relayout import DIGITS, _digit_sum, _digits
     from .tilewise import row_operand, tile_ptrs, vec_cols, vec_ptr
 
     _READ0, _NREAD = tl.constexpr(F_READ0), tl.constexpr(F_NREAD)
@@ -29,6 +33,11 @@ if HAVE_TRITON:
     # Params after the bytecode words: half, maps, row0, then (A, M, lo) per map.
     _P_HALF = tl.constexpr(EWISE.params.index("half"))
     _P_MAP = tl.constexpr(EWISE.params.index("map1_a"))
+    # a gather operand's map: base, then (radix, stride) per row digit, then per column digit
+    _P_G = tl.constexpr(EWISE.params.index("g_base"))
+    _P_GC = tl.constexpr(EWISE.params.index("g_c0n"))
+    _GATHER, _PARAM0 = tl.constexpr(GATHER), tl.constexpr(F_PARAM0)
+    _DIGITS = tl.constexpr(DIGITS)
     # The sub-block each pass of the interpreter loop computes: REGISTERS tiles of it stay live
     # (6 x 16 x 128 fp32 = 48 KiB over the program's threads: 24 registers each at 8 warps), well
     # under what the GEMM body already needs, so the megakernel's register budget is unchanged.
@@ -142,6 +151,58 @@ if HAVE_TRITON:
         return rows
 
     @triton.jit
+    def _gather_src(params, tp, regions, bufaddr, bufcols, index, DT: tl.constexpr):
+        """A gather operand (region ``index``): (its buffer's address as an int64, the task's
+        gather map ``pp`` for _digit_sum, ``vec``: relayout_tile's fast-path gate: the
+        innermost column digit a stride-1 run of whole 16-byte vectors, the base and every
+        other stride multiples of them, the base 16-byte aligned and the positions the region
+        spans int32)."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        s, _r0, r1, _c0, _c1 = load_region(regions, index)
+        addr = tl.load(bufaddr + s)
+        pp = params + tl.load(tp + _PARAM0) + _P_G
+        odd = tl.load(pp) | tl.load(pp + 1 + 2 * _DIGITS)  # the base, the run's length
+        for k in tl.static_range(_DIGITS):
+            odd = odd | tl.load(pp + 2 + 2 * k)  # row strides
+        for k in tl.static_range(1, _DIGITS):
+            odd = odd | tl.load(pp + 2 + 2 * _DIGITS + 2 * k)  # outer column strides
+        vec = (tl.load(pp + 2 + 2 * _DIGITS) == 1) & (odd % VEC == 0) & (addr % 16 == 0)
+        vec = vec & (r1.to(tl.int64) * tl.load(bufcols + s) < 2**31)
+        return addr, pp, vec
+
+    @triton.jit
+    def _gload(addr, pp, om, on, mask, DT: tl.constexpr):
+        """A fast-path gather operand's block at the tile's rows ``om`` and columns ``on`` (in
+        runs of VEC from multiples of VEC): the map's positions in int32, each run one
+        16-byte vector (_gather_src's ``vec`` checked)."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        rpos = tl.multiple_of(tl.load(pp) + _digit_sum(om, pp + 1), VEC)
+        cpos = tl.max_contiguous(tl.multiple_of(_digit_sum(on, pp + 1 + 2 * _DIGITS), VEC), VEC)
+        p = vec_ptr(addr, DT) + rpos[:, None] + cpos[None, :]
+        return tl.load(p, mask=mask, other=1.0)
+
+    @triton.jit
+    def _gptrs(params, tp, regions, bufaddr, index, om, on, DT: tl.constexpr):
+        """Pointers of a gather operand (region ``index``) at the tile's rows ``om`` and
+        columns ``on``, in int64 (relayout._gather's arithmetic)."""
+        s, _r0, _r1, _c0, _c1 = load_region(regions, index)
+        pos = param_i32(params, tp, _P_G).to(tl.int64) + _digits(params, tp, _P_G + 1, om)[
+            :, None] + _digits(params, tp, _P_GC, on)[None, :]
+        return tl.load(bufaddr + s).to(tl.pointer_type(DT)) + pos
+
+    @triton.jit
+    def _vread(params, tp, regions, bufaddr, bufcols, index, k, maps, row0, addr, pitch, om,
+               on, mask, DT: tl.constexpr):
+        """Fast-path operand ``k`` (region ``index``; row_operand's ``addr`` and ``pitch``) at
+        the tile's rows ``om``, columns ``on``: through the gather map or a row map."""
+        if (maps >> (2 * k)) & 3 == _GATHER:
+            ga, pp, _gv = _gather_src(params, tp, regions, bufaddr, bufcols, index, DT)
+            y = _gload(ga, pp, om, on, mask, DT)
+        else:
+            y = _vload(addr, pitch, _rows_of(params, tp, maps, k, row0, om), on, mask, DT)
+        return y
+
+    @triton.jit
     def _rot_cols(on, half):
         """rotate_half's columns: column j reads j + half (negated) in the first half, j - half
         in the second."""
@@ -191,28 +252,36 @@ if HAVE_TRITON:
         nbj = tl.cdiv(n, _EW_N)
         raw = tl.zeros((_EW_M, _EW_N), dtype=DT)
         om, on, mask = _vblock(0, nbj, m, n, VEC)
-        t0 = _vload(a0, p0, om, on, mask, DT)
+        t0 = _vread(params, tp, regions, bufaddr, bufcols, r0, 0, maps, row0, a0, p0, om, on,
+                    mask, DT)
         t1 = raw
         t2 = raw
         t3 = raw
         if nread > 1:
-            t1 = _vload(a1, p1, _rows_of(params, tp, maps, 1, row0, om), on, mask, DT)
+            t1 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 1, 1, maps, row0, a1, p1, om,
+                        on, mask, DT)
         if nread > 2:
-            t2 = _vload(a2, p2, _rows_of(params, tp, maps, 2, row0, om), on, mask, DT)
+            t2 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 2, 2, maps, row0, a2, p2, om,
+                        on, mask, DT)
         if nread > 3:
-            t3 = _vload(a3, p3, _rows_of(params, tp, maps, 3, row0, om), on, mask, DT)
+            t3 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 3, 3, maps, row0, a3, p3, om,
+                        on, mask, DT)
         for blk in range(0, tl.cdiv(m, _EW_M) * nbj):
             nm, nn, nmask = _vblock(blk + 1, nbj, m, n, VEC)
-            u0 = _vload(a0, p0, nm, nn, nmask, DT)
+            u0 = _vread(params, tp, regions, bufaddr, bufcols, r0, 0, maps, row0, a0, p0, nm, nn,
+                        nmask, DT)
             u1 = raw
             u2 = raw
             u3 = raw
             if nread > 1:
-                u1 = _vload(a1, p1, _rows_of(params, tp, maps, 1, row0, nm), nn, nmask, DT)
+                u1 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 1, 1, maps, row0, a1, p1,
+                            nm, nn, nmask, DT)
             if nread > 2:
-                u2 = _vload(a2, p2, _rows_of(params, tp, maps, 2, row0, nm), nn, nmask, DT)
+                u2 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 2, 2, maps, row0, a2, p2,
+                            nm, nn, nmask, DT)
             if nread > 3:
-                u3 = _vload(a3, p3, _rows_of(params, tp, maps, 3, row0, nm), nn, nmask, DT)
+                u3 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 3, 3, maps, row0, a3, p3,
+                            nm, nn, nmask, DT)
             om, on, mask = _vblock(blk, nbj, m, n, VEC)
             zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
             v0 = zero
@@ -231,14 +300,14 @@ if HAVE_TRITON:
                         y = _pick(a, t0, t1, t2, t3, t3, t3).to(tl.float32)
                     else:
                         ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                        rows = _rows_of(params, tp, maps, a, row0, om)
-                        y = _vload(ak, pk, rows, on, mask, DT).to(tl.float32)
+                        y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps, row0,
+                                   ak, pk, om, on, mask, DT).to(tl.float32)
                 elif op == _ROT:
                     ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                    rows = _rows_of(params, tp, maps, a, row0, om)
                     # runs of VEC columns stay runs: half is a multiple of VEC
                     cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)
-                    y = _vload(ak, pk, rows, cols, mask, DT).to(tl.float32)
+                    y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps, row0, ak,
+                               pk, om, cols, mask, DT).to(tl.float32)
                     y = tl.where((on < half)[None, :], -y, y)
                 elif op == _CONST:
                     y = zero + b.to(tl.float32, bitcast=True)
@@ -279,22 +348,19 @@ if HAVE_TRITON:
                     dst = param_i32(params, tp, 3 + 4 * k)
                     a = param_i32(params, tp, 4 + 4 * k)
                     b = param_i32(params, tp, 5 + 4 * k)
-                    if op == _LOAD:
-                        rows = _rows_of(params, tp, maps, a, row0, om)
-                        y = tl.load(
-                            tile_ptrs(regions, bufaddr, bufcols, r0 + a, rows, on, DT),
-                            mask=mask,
-                            other=1.0,  # masked lanes stay finite through log, 1/x
-                        ).to(tl.float32)
-                    elif op == _ROT:
-                        rows = _rows_of(params, tp, maps, a, row0, om)
-                        cols = _rot_cols(on, half)
-                        y = tl.load(
-                            tile_ptrs(regions, bufaddr, bufcols, r0 + a, rows, cols, DT),
-                            mask=mask,
-                            other=1.0,
-                        ).to(tl.float32)
-                        y = tl.where((on < half)[None, :], -y, y)
+                    if (op == _LOAD) | (op == _ROT):
+                        cols = on
+                        if op == _ROT:
+                            cols = _rot_cols(on, half)
+                        if (maps >> (2 * a)) & 3 == _GATHER:
+                            ptrs = _gptrs(params, tp, regions, bufaddr, r0 + a, om, cols, DT)
+                        else:
+                            rows = _rows_of(params, tp, maps, a, row0, om)
+                            ptrs = tile_ptrs(regions, bufaddr, bufcols, r0 + a, rows, cols, DT)
+                        # masked lanes stay finite through log, 1/x
+                        y = tl.load(ptrs, mask=mask, other=1.0).to(tl.float32)
+                        if op == _ROT:
+                            y = tl.where((on < half)[None, :], -y, y)
                     elif op == _CONST:
                         y = zero + b.to(tl.float32, bitcast=True)
                     else:
@@ -315,16 +381,20 @@ if HAVE_TRITON:
         column operand and mapping a broadcast operand's rows; ROT reads it rotated), and the
         result register is stored once, cast to DT. Tasks whose operands and output all take
         16-byte vectors (tilewise.row_operand: full, row and broadcast operands of 16-byte
-        rows; a rotation by a multiple of 16 bytes) run _ewise_vec; others (a column operand,
-        odd widths) _ewise_general."""
+        rows; a rotation by a multiple of 16 bytes; a gather operand whose map passes
+        _gather_src's gate) run _ewise_vec; others (a column operand, odd widths)
+        _ewise_general."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
         w0 = tl.load(tp + _WRITE0)
-        _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
+        _s, xm0, xm1, xn0, xn1 = load_region(regions, w0)  # x may be a gather operand
         _oa, _op, fast = row_operand(regions, bufaddr, bufcols, w0, DT)
+        maps = param_i32(params, tp, _P_HALF + 1)
         for k in range(0, nread):
             _a, _p, vec = row_operand(regions, bufaddr, bufcols, r0 + k, DT)
+            if (maps >> (2 * k)) & 3 == _GATHER:
+                _ga, _pp, vec = _gather_src(params, tp, regions, bufaddr, bufcols, r0 + k, DT)
             fast = fast & vec
         fast = fast & (param_i32(params, tp, _P_HALF) % VEC == 0)
         if fast:

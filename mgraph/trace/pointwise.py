@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedOpError
-from ..layout import REPLICATE, flat_shape
+from ..layout import REPLICATE, Layout, canonical, flat_shape
 from ..ops.elementwise import bcast_form
 from .capture import CNode
 from .mapping import BINARY, UNARY, broadcast_form, handles, whole_rows
@@ -198,11 +198,38 @@ class _Chain:
         )
         names = input_names(1 + len(forms))
         self.node = node
+        x_form = p.get("x_form", "full")
         self.inputs: list[tuple[Value, str]] = [
-            (node.inputs[n], f) for n, f in zip(names, ["full", *forms], strict=True)
+            (node.inputs[n], f) for n, f in zip(names, [x_form, *forms], strict=True)
         ]
         self.steps = steps
         self.origins = [node.origin]
+
+    def rebuilt(self) -> OpNode:
+        """The node of this chain: its steps and inputs in chain form (option ``chain``; the
+        first input's form in ``x_form`` unless full)."""
+        from ..ops.elementwise import input_names
+
+        node = self.node
+        p = {
+            k: v
+            for k, v in node.params.items()
+            if k not in ("fn", "other", "scalar", "alpha", "swap", "x_form")
+        }
+        p["chain"] = self.steps
+        p["operands"] = [f for _, f in self.inputs[1:]]
+        if self.inputs[0][1] != "full":
+            p["x_form"] = self.inputs[0][1]
+        names = input_names(len(self.inputs))
+        return OpNode(
+            node.name,
+            node.op,
+            p,
+            {n: v for n, (v, _) in zip(names, self.inputs, strict=True)},
+            node.outputs,
+            node.path,
+            "+".join(self.origins),
+        )
 
     @property
     def out(self) -> Value:
@@ -281,7 +308,7 @@ def fuse_pointwise(og: OpGraph) -> OpGraph:
     from dataclasses import replace
 
     from ..errors import OptionError
-    from ..ops.elementwise import compile_chain, input_names, operand_maps
+    from ..ops.elementwise import compile_chain, operand_maps
 
     reads: Counter[str] = Counter()
     for node in og.nodes:
@@ -328,23 +355,70 @@ def fuse_pointwise(og: OpGraph) -> OpGraph:
                 fused_any = True
                 break
         if len(chain.steps) > 1 or chain.node.params.get("chain") is not None:
-            p = {
-                k: v
-                for k, v in node.params.items()
-                if k not in ("fn", "other", "scalar", "alpha", "swap")
-            }
-            p["chain"] = chain.steps
-            p["operands"] = [f for _, f in chain.inputs[1:]]
-            names = input_names(len(chain.inputs))
-            chain.node = OpNode(
-                node.name,
-                node.op,
-                p,
-                {n: v for n, (v, _) in zip(names, chain.inputs, strict=True)},
-                node.outputs,
-                node.path,
-                "+".join(chain.origins),
-            )
+            chain.node = chain.rebuilt()
         nodes.append(chain.node)
         chains[chain.out.name] = chain
-    return replace(og, nodes=nodes)
+    return replace(og, nodes=_read_relayouts(og, nodes))
+
+
+def _read_relayouts(og: OpGraph, nodes: list[OpNode]) -> list[OpNode]:
+    """``nodes`` with each relayout that one elementwise node alone reads (once, as a full
+    operand) folded into that node: it reads the relayout's source through the relayout's
+    gather map (a ``gather:`` operand, mgraph/ops/elementwise.py), and the relayout is no
+    task. Kept as a task: a relayout whose source is held in another layout than the relayout
+    reads it in (its source would move between ranks), whose result the consumer reads in
+    another layout, whose map has no gather form on some tile, or a second one of a chain."""
+    from collections import Counter
+
+    from ..errors import OptionError
+    from ..ops.elementwise import gather_fits, gather_form, operand_maps
+
+    reads: Counter[str] = Counter()  # in the fused chains: RoPE's q is one input, read twice
+    for node in nodes:
+        for v in node.inputs.values():
+            reads[v.root().name] += 1
+    for v in og.outputs:
+        reads[v.root().name] += 2  # an output is kept
+    world = og.topology.world_size
+    relayouts = {n.outputs["out"].name: n for n in nodes if n.op == "relayout"}
+    gone: set[int] = set()
+    for i, node in enumerate(nodes):
+        if node.op != "elementwise":
+            continue
+        chain, p, changed = _Chain(node), node.params, False
+        shape = tuple(p.get("shape") or (p["rows"], p["cols"]))
+        for slot, (v, form) in enumerate(chain.inputs):
+            rel = relayouts.get(v.name)
+            if (
+                rel is None
+                or form != "full"
+                or v.alias_of is not None
+                or reads[v.name] != 1
+                or v.shape != shape
+            ):
+                continue
+            rp, source = rel.params, rel.inputs["x"]
+            src, dst = Layout.from_json(rp["in_layout"]), Layout.from_json(rp["out_layout"])
+            lay = Layout.from_json(p.get("layout"))
+            held = source.layout
+            if canonical(shape, dst, world) != canonical(shape, lay, world) or (
+                held is not None
+                and canonical(source.shape, held, world) != canonical(source.shape, src, world)
+            ):
+                continue
+            gather = gather_form(rp["in_shape"], rp["steps"], rp["in_layout"])
+            forms = [f for _, f in chain.inputs]
+            forms[slot] = gather
+            try:
+                operand_maps(forms, shape)
+            except OptionError:  # a second gather operand
+                continue
+            if not gather_fits(gather, shape, p.get("layout"), world, p.get("tile_rows", 64)):
+                continue
+            chain.inputs[slot] = (source, gather)
+            chain.origins = [rel.origin, *chain.origins]
+            gone.add(id(rel))
+            changed = True
+        if changed:
+            nodes[i] = chain.rebuilt()
+    return [n for n in nodes if id(n) not in gone]
