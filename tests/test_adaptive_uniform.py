@@ -7,15 +7,17 @@ own volatile load of the window start, then ran a compare-and-swap inside that b
 result is used is a CTA barrier, a shared-memory store and another barrier in the compiled code,
 so warps that disagreed met at different barriers and the kernel hung where no watchdog looks.
 GEMM+AR and GEMM+RS ran: they have no NVLink tasks, so no program ever reached that code. The
-watchdog's own loops (``sync.wait``) had the same flaw on their timeout and abort tests.
+watchdog's own loops (``sync.wait``) had the same flaw on their timeout and abort tests, and so
+did the rdma push (``hostfifo.push``) on its wait for FIFO space: each thread read the proxy's
+tail, the abort flag and the clock.
 
 The interpreter runs a program as one thread and cannot show this; the compiled kernel can. Each
-config is compiled for sm_90 to TTIR on the CPU and checked by tests/cta_uniform.py.
+config is compiled for sm_90 to TTIR on the CPU and checked by tests/cta_uniform.py; the kernel
+with every kind and the rdma push, in each of its configs, is checked the same way by
+tests/test_gpu_compile.py.
 """
 
 from __future__ import annotations
-
-from unittest import mock
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ import mgraph as mg  # noqa: E402
 import mgraph.runtime.megakernel.runtime as megaruntime  # noqa: E402
 from mgraph.runtime.megakernel.dispatch import body_params, megakernel_for  # noqa: E402
 from mgraph.runtime.megakernel.encode import kind_id  # noqa: E402
+from mgraph.runtime.megakernel.hostfifo import push  # noqa: E402
 from mgraph.runtime.megakernel.sync import load_uniform, now_uniform  # noqa: E402
 from mgraph.settings import Settings  # noqa: E402
 
@@ -39,22 +42,19 @@ def gpu_launch_args(graph, workers: dict[str, int], **settings):
     """(kernel, the arguments rank 0 launches it with on a GPU): rank 0's own tables and
     programs (not the interpreter's one program), USE_TIMER on, the watchdog in ns."""
     sched = mg.schedule(graph, workers=workers)
-    per_rank = megaruntime.encode_rank
-
-    def encode(schedule, rank, *, single_program=False, net=None):
-        return per_rank(schedule, rank, single_program=False, net=net)
-
-    with mock.patch.object(megaruntime, "encode_rank", encode):
-        rt = megaruntime.TritonRuntime(
-            sched,
-            rank=0,
-            interpret=True,
-            interpret_roles=True,
-            shared=megaruntime._SharedMemory(graph, torch.device("cpu")),
-            settings=Settings(**settings),
-        )
-    rt.interpret = False
-    args = rt._kernel_args()
+    rt = megaruntime.TritonRuntime(
+        sched,
+        rank=0,
+        interpret=True,
+        interpret_roles=True,  # one program per worker: rank 0's tables as a GPU encodes them
+        shared=megaruntime._SharedMemory(graph, torch.device("cpu")),
+        settings=Settings(**settings),
+    )
+    try:
+        rt.interpret = False
+        args = rt._kernel_args()
+    finally:
+        rt.close()
     kinds = {k: kind_id(k) for k in rt.tables.kinds}
     args["NEED_AB"] = any(p in ("ad0", "bd0") for k in kinds for p in body_params(k))
     return megakernel_for(kinds), args
@@ -125,3 +125,40 @@ def test_the_check_finds_branches_on_volatile_loads_and_the_clock():
     assert len(bad) == 1, bad
     good = compile_for_sm90(_uniform_branches, dict(flag=p, out=p, limit=2**40), "ttir")[0]
     assert divergent_branches(str(good)) == []
+
+
+@triton.jit
+def _push_then_branch(ring, dhead, tail, row, abort, out, capacity, epoch, limit):
+    ticket, seen = push(ring, dhead, tail, capacity, row, epoch, limit, abort, True)
+    if ticket - seen >= capacity:  # as kernel.push_commands records a full FIFO
+        tl.atomic_add(out, 1)
+
+
+def test_the_rdma_push_branches_on_one_tail_read_per_program():
+    """``hostfifo.push`` waits for FIFO space on the proxy's tail, the abort flag and the clock:
+    its loop, its branches and its caller's test of the result are uniform. The tail's
+    ``ld.acquire.sys`` is issued by one lane only (one PCIe read per poll, its value handed to
+    every warp by the reduction), and the PTX assembles (ptxas, sm_90): the check above stops
+    at TTIR, where inline asm is still a string."""
+    import re
+
+    p = torch.zeros(64, dtype=torch.int64)
+    args = dict(
+        ring=p,
+        dhead=p,
+        tail=p,
+        row=p,
+        abort=torch.zeros(4, dtype=torch.int32),
+        out=p,
+        capacity=64,
+        epoch=3,
+        limit=10**9,
+        num_warps=8,
+    )
+    texts: dict[str, str] = {}
+    cubin, _ = compile_for_sm90(_push_then_branch, args, "cubin", texts)
+    assert divergent_branches(texts["ttir"]) == []
+    assert isinstance(cubin, bytes) and len(cubin) > 0
+    loads = re.findall(r"(\S+)\s+ld\.acquire\.sys\.global\.b64", texts["ptx"])
+    # before the loop and in it, each of a thread's elements of the lane block, all predicated
+    assert loads and set(loads) == {"@p"}, loads

@@ -4,12 +4,14 @@ Triton's interpreter (what the other megakernel tests run) executes the bodies a
 type-checks nothing the way the compiler does: a body that returned bf16 on one path and float32
 on another ran there and failed to compile on the GPU (block-sp-1x2, attention_tiles._operand).
 This test feeds the same kernel through the compiler for target cuda:90. The kernel arguments are
-the ones runtime.py passes on a GPU (``TritonRuntime._kernel_args`` with rank 0's tables and
-``USE_TIMER`` on; NEED_AB follows the dispatch, as runtime.py derives it), specialised by
-Triton's own binder as at a launch. The dispatch holds every kind the graphs below run, which
+the ones runtime.py passes on a GPU (``TritonRuntime._kernel_args`` with rank 0's tables, its
+programs split into roles and ``USE_TIMER`` on; NEED_AB follows the dispatch, as runtime.py
+derives it), specialised by Triton's own binder as at a launch. The dispatch holds every kind the graphs below run, which
 the first test checks is every kind mgraph ships a body for, plus the rdma push. Each config
 compiles to TTIR (the AST front end, where type errors surface); the SP block goes on to TTGIR
-(layouts, TMA, the pipeliner). LLVM IR, PTX and ptxas took about two minutes more for the SP
+(layouts, TMA, the pipeliner). Each config's TTIR also goes through tests/cta_uniform.py: no
+branch on a value that may differ between a program's warps (runtime/megakernel/sync.py,
+"Uniform control flow"). LLVM IR, PTX and ptxas took about two minutes more for the SP
 block on two cores and are not run here: ``python tests/test_gpu_compile.py --full`` runs them
 by hand. Nothing is cached between runs: the stages are run directly, not through
 ``triton.compile`` and its on-disk cache.
@@ -21,12 +23,13 @@ import sys
 import time
 from functools import cache
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from cta_uniform import divergent_branches  # noqa: E402
 
 import mgraph as mg  # noqa: E402
 import mgraph.runtime.megakernel.runtime as megaruntime  # noqa: E402
@@ -104,28 +107,25 @@ def gpu_args(name: str, trace: bool = False) -> tuple[dict, frozenset[str]]:
     """(the kernel arguments rank 0 of ``name`` launches with on a GPU, the kinds it runs).
 
     The runtime is built on the CPU the interpreter's way (every rank's arena in this process)
-    but with rank 0's own tables, as a GPU process encodes them (the interpreter's single
-    program would give other queues and segment switches); then it answers as a GPU runtime:
-    watchdog in ns, USE_TIMER on, the compute queue's worker count."""
-    per_rank = megaruntime.encode_rank
-
-    def encode(schedule, rank, *, single_program=False, net=None):
-        return per_rank(schedule, rank, single_program=False, net=net)
-
+    but with one program per worker (``interpret_roles``), as a GPU process encodes rank 0's
+    tables and sizes its launch (the interpreter's single program would give other queues,
+    segment switches, ``seg_p`` 1 and ``pool`` 0, which Triton specialises differently); then
+    it answers as a GPU runtime: watchdog in ns, USE_TIMER on."""
     schedule = schedule_of(name)
-    with mock.patch.object(megaruntime, "encode_rank", encode):
-        rt = megaruntime.TritonRuntime(
-            schedule,
-            rank=0,
-            interpret=True,
-            shared=megaruntime._SharedMemory(schedule.graph, torch.device("cpu")),
-        )
+    rt = megaruntime.TritonRuntime(
+        schedule,
+        rank=0,
+        interpret=True,
+        interpret_roles=True,
+        shared=megaruntime._SharedMemory(schedule.graph, torch.device("cpu")),
+    )
     try:
         rt.interpret, rt.trace_enabled = False, trace
         args = rt._kernel_args()
     finally:
         rt.close()
     assert args["USE_TIMER"] and args["TRACE"] == trace
+    assert args["pool"] > 0 and args["seg_p"] > 1, "not the GPU's split of programs into roles"
     return args, frozenset(rt.tables.kinds)
 
 
@@ -154,10 +154,13 @@ def dispatch_args(name: str, kinds: set[str], trace: bool = False) -> dict:
     return args
 
 
-def compile_for_sm90(fn, args: dict, last: str) -> tuple[object, dict[str, float]]:
+def compile_for_sm90(
+    fn, args: dict, last: str, texts: dict[str, str] | None = None
+) -> tuple[object, dict[str, float]]:
     """Compile ``fn`` for cuda:90 through stage ``last`` (ttir, ttgir, llir, ptx or cubin):
     the arguments specialised as JITFunction.run does at a launch, then Triton's stages one by
-    one. Returns (the last module, seconds per stage)."""
+    one. Returns (the last module, seconds per stage); ``texts``, when given, gets the text of
+    each stage before the cubin (a stage changes the previous one's module in place)."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -192,6 +195,8 @@ def compile_for_sm90(fn, args: dict, last: str) -> tuple[object, dict[str, float
         start = time.perf_counter()
         module = run(module, metadata)
         seconds[stage] = time.perf_counter() - start
+        if texts is not None and not isinstance(module, bytes):
+            texts[stage] = str(module)
         if stage == last:
             return module, seconds
     raise AssertionError(f"no stage {last!r} in {list(stages)}")
@@ -218,11 +223,14 @@ def test_the_graphs_cover_every_kind_with_a_body():
 def test_megakernel_with_every_kind_compiles_for_sm90(name):
     last, trace, _why = COMPILED[name]
     fn, kinds = every_kind_megakernel()
-    module, _seconds = compile_for_sm90(fn, dispatch_args(name, kinds, trace), last)
+    texts: dict[str, str] = {}
+    module, _seconds = compile_for_sm90(fn, dispatch_args(name, kinds, trace), last, texts)
     text = str(module)
     assert "tt.func public @megakernel" in text
     if last == "ttgir":  # laid out for the H200: compute capability 90, the launch's warps
         assert 'ttg.target = "cuda:90"' in text and '"ttg.num-warps" = 8 : i32' in text
+    found = divergent_branches(texts["ttir"])
+    assert found == [], "branches on per-warp values (file:line <- caller):\n" + "\n".join(found)
 
 
 def test_adaptive_controller_compiles_for_sm90():
@@ -231,12 +239,14 @@ def test_adaptive_controller_compiles_for_sm90():
     schedule has compute and nvlink programs to move."""
     fn, kinds = every_kind_megakernel()
     args = dispatch_args("allgather_gemm-1x2-bf16", kinds)
-    # (built the interpreter's way, the runtime has one program and nothing to move: the pool
-    # a GPU launch of this schedule passes)
-    args.update(ADAPTIVE=True, pool=132, window_ns=200_000, max_comm=32)
-    module, _seconds = compile_for_sm90(fn, args, "ttgir")
+    assert args["pool"] > 0 and args["window_ns"] > 0 and args["max_comm"] > 0, args
+    args["ADAPTIVE"] = True
+    texts: dict[str, str] = {}
+    module, _seconds = compile_for_sm90(fn, args, "ttgir", texts)
     text = str(module)
     assert "tt.atomic_cas" in text and "tt.func public @megakernel" in text
+    found = divergent_branches(texts["ttir"])
+    assert found == [], "branches on per-warp values (file:line <- caller):\n" + "\n".join(found)
 
 
 def main() -> None:

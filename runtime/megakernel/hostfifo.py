@@ -4,6 +4,10 @@
 - claim a ticket with a fetch-add on ``dhead`` (int64, device memory: only GPU workers claim);
 - wait, bounded, while the ring is full: ``ticket - tail >= capacity``, reading the proxy's
   ``tail`` (pinned host memory) with ``ld.acquire.sys``, so the slot's clearing is visible;
+  one thread reads it and a reduction hands its value to every warp (``ld_acquire_sys64``),
+  as the abort flag and the clock are read (sync.load_uniform, sync.now_uniform): the loop and
+  the branches after it hold CTA barriers, so every warp must take them alike (sync.py,
+  "Uniform control flow");
 - store words 1..15 of the slot from the precomputed command row (the launch epoch patched in);
 - CTA barrier, then ONE thread publishes the header ``(ticket + 1) << 8 | opcode`` with
   ``st.release.sys``: the release orders the whole body (all threads' stores, by the barrier)
@@ -24,7 +28,7 @@ import triton.language as tl
 
 from mgraph.runtime.proxy.command import WORDS
 
-from .sync import now
+from .sync import LANES, load_uniform, now_uniform
 
 __all__ = ["push", "ld_acquire_sys64", "publish64", "CMD_WORDS"]
 
@@ -34,11 +38,25 @@ _EPOCH_WORD = tl.constexpr(2)  # Word.EPOCH
 
 @triton.jit
 def ld_acquire_sys64(ptr, ASM: tl.constexpr):
+    """``ld.acquire.sys`` of the int64 at ``ptr``, as ONE value in every thread of the program.
+
+    One lane (element 0 of a block that spans every warp) loads; the sum over the block hands
+    its value to every warp through shared memory, between CTA barriers. The acquire orders
+    the proxy's release of the tail before that thread's later accesses, and the barrier
+    orders them before every other thread's: the usual "one thread acquires, then the CTA
+    syncs" pattern, with one PCIe read per poll rather than one per thread. Under the
+    interpreter (``ASM`` false) an atomic add of 0, whose result is one value already."""
     if ASM:
-        v = tl.inline_asm_elementwise(
-            "ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64, is_pure=False,
-            pack=1,
-        )
+        lanes = tl.arange(0, LANES)
+        v = tl.sum(
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.eq.s32 p, $2, 0; mov.b64 $0, 0; "
+                "@p ld.acquire.sys.global.b64 $0, [$1]; }",
+                "=l,l,r", [ptr + tl.zeros([LANES], dtype=tl.int32), lanes], dtype=tl.int64,
+                is_pure=False, pack=1,
+            ),
+            axis=0,
+        )  # (a sum, not a max: the other lanes' 0 is neutral whatever the tail's sign)
     else:
         v = tl.atomic_add(ptr, 0)
     return v
@@ -60,20 +78,22 @@ def publish64(ptr, value, ASM: tl.constexpr):
 @triton.jit
 def push(ring, dhead, tail, capacity, row, epoch, limit, abort, ASM: tl.constexpr):
     """Push the 16-word command at ``row`` (device memory) with ``epoch``; returns
-    ``(ticket, tail seen)``: the push happened iff ``ticket - tail < capacity``."""
+    ``(ticket, tail seen)``, both the same in every warp: the push happened iff
+    ``ticket - tail < capacity``."""
     ticket = tl.atomic_add(dhead, 1, sem="relaxed", scope="gpu")
     done = ld_acquire_sys64(tail, ASM)
     if ticket - done >= capacity:
-        start = now(ASM)
+        # (ticket: an atomic's result; done, aborted, the clock: uniform reads)
+        start = now_uniform(ASM)
         spins = 0
         elapsed = tl.zeros((), dtype=tl.int64)
-        aborted = tl.load(abort, volatile=True)
+        aborted = load_uniform(abort)
         while (ticket - done >= capacity) & (elapsed < limit) & (aborted == 0):
             done = ld_acquire_sys64(tail, ASM)
-            aborted = tl.load(abort, volatile=True)
+            aborted = load_uniform(abort)
             spins += 1
             if ASM:
-                elapsed = now(ASM) - start
+                elapsed = now_uniform(ASM) - start
             else:
                 elapsed = spins.to(tl.int64)
     if ticket - done < capacity:
