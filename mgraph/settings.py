@@ -67,7 +67,9 @@ class Settings(BaseModel):
         False, description="each rank's compute and nvlink workers change role at task "
         "boundaries as the controller (mgraph.scheduler.controller.decide) says: threads in the "
         "CPU reference runtime, programs in the Triton megakernel (runtime/megakernel/control.py; "
-        "interpreter-tested, not yet run on a GPU); off: each keeps its role",
+        "on 2 H200 correct for GEMM+AR and GEMM+RS, benchmarks/NOTES.md v9; AG+GEMM hung there, "
+        "and its fix, docs/controller.md, is interpreter-tested, not yet run on a GPU); off: "
+        "each keeps its role",
     )
     adaptive_window_us: float = Field(
         200.0, gt=0, allow_inf_nan=False, description="adaptive: least time between two of a "
