@@ -9,24 +9,32 @@ barriers (a scalar atomic whose result is used broadcasts it through shared memo
 different barriers: the kernel hangs on the hardware barrier, where no watchdog can see it.
 
 ``divergent_branches(ttir)`` is a taint analysis on the TTIR text (one function after inlining):
-sources are scalar volatile loads and scalar inline asm that reads a clock or memory; results of scalar
-atomics and of reductions are uniform (the hardware broadcasts them through shared memory);
-everything else carries its operands' taint, through the region results, loop-carried values
+sources are volatile loads and inline asm that reads a clock or memory, scalar or block (a
+block smaller than the program's threads is held by several threads each, and each copy is read
+on its own); results of scalar atomics are uniform (the hardware broadcasts them through shared
+memory), and so is a reduction to a scalar over a block of at least ``CTA_THREADS`` elements
+(it spans every warp: its partial results meet in shared memory, as sync.load_uniform's do);
+everything else, a smaller reduction included, carries its operands' taint, through the region results, loop-carried values
 and block arguments of scf.if / scf.for / scf.while, to a fixpoint. It returns the tainted
 conditions (scf.if, scf.while's scf.condition, scf.for bounds) with their source locations.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
-__all__ = ["divergent_branches"]
+__all__ = ["divergent_branches", "CTA_THREADS"]
+
+# The most threads a program has (32 warps of 32): a block this large spans every warp.
+CTA_THREADS = 1024
 
 _VALUE = re.compile(r"%[\w.$-]+(?:#\d+)?")
 _DEF = re.compile(r"^\s*(%[\w.$-]+)(?::(\d+))?\s*=\s*(.*)$")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _LOC = re.compile(r"loc\((#loc\d*)\)\s*$")
-_UNIFORM_OPS = ("tt.atomic_rmw", "tt.atomic_cas", '"tt.reduce"')
+_UNIFORM_OPS = ("tt.atomic_rmw", "tt.atomic_cas")
+_TENSOR = re.compile(r"tensor<([\dx]+)x[^>]*>")
 # inline asm that reads a clock or memory, each thread on its own
 _PER_THREAD_ASM = ("%globaltimer", "%clock", "ld.")
 
@@ -49,6 +57,16 @@ class _Region:
         self.control: list[str] = []  # what decides the region runs / iterates
         self.condition: list[str] = []  # scf.while: scf.condition's forwarded operands
         self.sink: int | None = None  # index of its condition in the sinks
+        self.operands: list[str] = []  # tt.reduce: what it reduces
+
+
+def _spans_every_warp(close: str) -> bool:
+    """A tt.reduce's closing line ``}) : (tensor<1024xi64>) -> i64``: a scalar result of a
+    block of at least CTA_THREADS elements."""
+    types = close.split(":", 1)[1] if ":" in close else ""
+    operands, _, result = types.partition("->")
+    sizes = [math.prod(int(d) for d in dims.split("x")) for dims in _TENSOR.findall(operands)]
+    return bool(sizes) and min(sizes) >= CTA_THREADS and "tensor<" not in result
 
 
 def divergent_branches(ttir: str) -> list[str]:
@@ -82,6 +100,8 @@ def divergent_branches(ttir: str) -> list[str]:
                 continue
             region = stack.pop()
             scopes.pop()
+            if region.kind == "reduce" and not _spans_every_warp(line):
+                edges.append((region.results, region.operands))
             if region.sink is not None:  # an scf.if / scf.for: its location is on this line
                 sinks[region.sink] = (sinks[region.sink][0], n)
             continue
@@ -126,6 +146,9 @@ def divergent_branches(ttir: str) -> list[str]:
             for (arg, _init), init in zip(pairs, inits, strict=True):
                 region.carried.append(define(arg, n))
                 edges.append(([region.carried[-1]], [init]))
+        elif rhs.startswith('"tt.reduce"'):  # uniform or not: decided at its closing line
+            region = _Region("reduce", results, n)
+            region.operands = use(_uses(rhs.split(")")[0]))
         elif line.startswith("scf.condition("):
             cond = use(_uses(line.split(")")[0]))
             sinks.append((cond, n))
@@ -159,17 +182,9 @@ def divergent_branches(ttir: str) -> list[str]:
                 edges.append(([tgt], [val]))
         elif m:
             kind = rhs.split()[0] if rhs.split() else ""
-            scalar = (
-                "tensor<" not in rhs.rsplit("->", 1)[-1]
-                and "tensor<" not in rhs.rsplit(" : ", 1)[-1]
-            )
-            if kind == "tt.load" and "isVolatile = true" in rhs and scalar:
+            if kind == "tt.load" and "isVolatile = true" in rhs:
                 tainted.update(results)
-            elif (
-                kind == "tt.elementwise_inline_asm"
-                and scalar
-                and any(c in rhs for c in _PER_THREAD_ASM)
-            ):
+            elif kind == "tt.elementwise_inline_asm" and any(c in rhs for c in _PER_THREAD_ASM):
                 tainted.update(results)
             elif not rhs.startswith(_UNIFORM_OPS):
                 edges.append((results, use(_uses(rhs))))
@@ -177,7 +192,7 @@ def divergent_branches(ttir: str) -> list[str]:
             if region is None:
                 region = _Region("other", results, n)
             stack.append(region)
-            if region.kind in ("if", "other"):
+            if region.kind in ("if", "other", "reduce"):
                 scopes.append({})
     changed = True
     while changed:

@@ -101,6 +101,13 @@ def _timer_loop(out, limit):
 
 
 @triton.jit
+def _small_block_branch(flag, out):
+    # 32 lanes in 8 warps: each warp holds its own copy of the block and reduces its own reads
+    if tl.max(tl.load(flag + tl.zeros([32], dtype=tl.int32), volatile=True), axis=0) > 0:
+        tl.atomic_add(out, 1)
+
+
+@triton.jit
 def _uniform_branches(flag, out, limit):
     if load_uniform(flag) > 0:
         tl.atomic_add(out, 1)
@@ -113,7 +120,8 @@ def _uniform_branches(flag, out, limit):
 
 def test_the_check_finds_branches_on_volatile_loads_and_the_clock():
     """The analysis can fail: a branch on a volatile load, a loop on the timer (through a
-    loop-carried value); the same shapes through load_uniform / now_uniform pass."""
+    loop-carried value), a branch on the reduction of a block too small to span the warps; the
+    same shapes through load_uniform / now_uniform pass."""
     p = torch.zeros(4, dtype=torch.int64)
     bad = divergent_branches(
         str(compile_for_sm90(_volatile_branch, dict(flag=p, out=p), "ttir")[0])
@@ -122,6 +130,9 @@ def test_the_check_finds_branches_on_volatile_loads_and_the_clock():
     bad = divergent_branches(
         str(compile_for_sm90(_timer_loop, dict(out=p, limit=2**40), "ttir")[0])
     )
+    assert len(bad) == 1, bad
+    small = dict(flag=p, out=p, num_warps=8)
+    bad = divergent_branches(str(compile_for_sm90(_small_block_branch, small, "ttir")[0]))
     assert len(bad) == 1, bad
     good = compile_for_sm90(_uniform_branches, dict(flag=p, out=p, limit=2**40), "ttir")[0]
     assert divergent_branches(str(good)) == []
