@@ -137,18 +137,20 @@ def test_stats_structure_2x4():
     chunks = 1  # a whole 8-row shard fits one chunk
     assert g.stats().by_role_kind() == {
         ("compute", "gemm"): 8 * (M // 4),  # every rank: all row tiles x its one column tile
-        ("nvlink", "copy"): 8 * chunks * 2,  # owner push + rail peer's forward on the other node
+        # owner push + rail peer's forward on the other node, one copy per node peer each
+        ("nvlink", "copy"): 8 * chunks * 2 * 3,
         ("rdma", "copy"): 8 * chunks,  # one copy per shard per other node
     }
     for t in g.tasks:
         if t.role == "nvlink":
-            assert len(t.writes) == 3  # to the 3 node peers
+            assert len(t.writes) == 1  # to one node peer
     for r in range(8):
         assert sum(t.flops for t in g.tasks_on(r)) == 2 * M * (N // 8) * K
     flat = mg.ops.allgather_gemm(**kw, hierarchical=False)
     assert flat.stats().by_role_kind() == {
         ("compute", "gemm"): 8 * (M // 4),
-        ("nvlink", "copy"): 8 * chunks * (1 + 3),  # owner push + one relay per remote GPU but one
+        # owner push (one copy per node peer) + one relay per remote GPU but one
+        ("nvlink", "copy"): 8 * chunks * (3 + 3),
         ("rdma", "copy"): 8 * chunks * 4,  # one copy per destination GPU
     }
 

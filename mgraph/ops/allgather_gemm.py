@@ -8,6 +8,7 @@ start as soon as the rows they read have arrived: each tile waits only for the n
 Hierarchical movement (default): a shard crosses the network once per destination node. The owner
 (n, l) pushes each chunk of its shard over NVLink to its node peers, and over RDMA to its rail
 peer (n', l) on every other node, which forwards the chunk over NVLink to its own node peers.
+Every NVLink push or forward is one copy task per (chunk, peer), starting with the next GPU.
 RDMA bytes sent per node = A (N-1)/N for A bytes of ``a``. A rank's own shard is read straight
 from its input buffer, never copied.
 
@@ -203,25 +204,32 @@ class _Gather:
         chunk: Rows,
         label: str,
     ) -> None:
-        """One NVLink copy on ``src``'s rank of a landed chunk into the ``to`` ranks' gathers."""
+        """One NVLink copy per ``to`` rank, on ``src``'s rank, of a landed chunk into that rank's
+        gather (see :meth:`node_push` for why per peer)."""
         b = self.b
         if not to:
             return
         dst_rows = self._global(shard, chunk)
-        task = b.task(
-            src.rank,
-            Role.NVLINK,
-            COPY,
-            [src.region(src_rows)],
-            [self.gathered[p].region(dst_rows) for p in to],
-            waits=b.after(src.rank, [via]),
-            name=f"{label} r{src.rank} shard {shard} rows {dst_rows[0]}:{dst_rows[1]}",
-        )
+        waits = b.after(src.rank, [via])
         for p in to:
-            self.landed[(p, shard, chunk)] = task
+            self.landed[(p, shard, chunk)] = b.task(
+                src.rank,
+                Role.NVLINK,
+                COPY,
+                [src.region(src_rows)],
+                [self.gathered[p].region(dst_rows)],
+                waits=waits,
+                name=f"{label} r{src.rank} shard {shard} rows {dst_rows[0]}:{dst_rows[1]}"
+                + _to(p, to),
+            )
 
     def node_push(self) -> None:
-        """Every owner pushes each chunk of its shard to its node peers (input: no wait)."""
+        """Every owner pushes each chunk of its shard to its node peers (input: no wait), one
+        NVLink copy per (chunk, peer). One copy into all G-1 peers was one worker moving G-1
+        chunks in a row (at 2x8 every NVLink task wrote 7 peers); per peer, the SM partition
+        and the controller can give the G-1 copies G-1 workers, and a peer's GEMM tile waits
+        only for the copy that lands its rows there (``b.after`` on that peer joins that copy
+        alone). Owner l starts with peer l+1, so a node's owners start on different peers."""
         b, topo = self.b, self.topo
         if topo.gpus_per_node == 1:
             return
@@ -230,16 +238,15 @@ class _Gather:
             peers = [topo.rank(node, g) for g in rotated(topo.gpus_per_node, local)[1:]]
             for c in self.chunks:
                 rows = self._global(s, c)
-                task = b.task(
-                    s,
-                    Role.NVLINK,
-                    COPY,
-                    [self.a[s].region(c)],
-                    [self.gathered[p].region(rows) for p in peers],
-                    name=f"node-push r{s} shard {s} rows {rows[0]}:{rows[1]}",
-                )
                 for p in peers:
-                    self.landed[(p, s, c)] = task
+                    self.landed[(p, s, c)] = b.task(
+                        s,
+                        Role.NVLINK,
+                        COPY,
+                        [self.a[s].region(c)],
+                        [self.gathered[p].region(rows)],
+                        name=f"node-push r{s} shard {s} rows {rows[0]}:{rows[1]}" + _to(p, peers),
+                    )
 
     def _send(self, s: int, c: Rows, dst: Buffer, dst_rows: Rows, why: str) -> Task:
         return self.b.task(
@@ -299,3 +306,10 @@ class _Gather:
             src = send.writes[0]
             peer = self.b.buffers[src.buffer]
             self._forward(peer, (src.row0, src.row1), send, [dest], s, c, "relay")
+
+
+def _to(peer: int, peers: list[int]) -> str:
+    """The destination named in a copy's name where the chunk goes to several peers; with one
+    peer (1x2) the name stays what the pinned single-node schedules hash
+    (tests/test_schedule_pin.py)."""
+    return f" -> r{peer}" if len(peers) > 1 else ""

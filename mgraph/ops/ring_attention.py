@@ -35,8 +35,8 @@ of the other nodes in ring order; each attn_block waits only on the arrival of t
 so compute starts at once and overlaps the transfers. The movement is hierarchical: the owner of a
 slice pushes it over NVLink to its node peers and over RDMA, in chunks of at least
 ``chunk_bytes``, to its rail peer on every other node, which forwards it over NVLink to its own
-node peers. Each slice thus crosses each node boundary exactly once: RDMA bytes sent per node =
-(N-1) x the node's KV bytes. A plain ring (r sends to r+1) cannot run on a rail-only network:
+node peers; every NVLink push or forward is one copy per (chunk, peer). Each slice thus crosses
+each node boundary exactly once: RDMA bytes sent per node = (N-1) x the node's KV bytes. A plain ring (r sends to r+1) cannot run on a rail-only network:
 its cross-node hop goes from local GPU G-1 of one node to local GPU 0 of the next, two different
 rails, which such a network does not connect; and even where they are connected, all the
 cross-node traffic would funnel through one NIC per node. Here every GPU sends its own slice on
@@ -429,7 +429,9 @@ class _Movement:
 
     The owner pushes each chunk of its k and v slices over NVLink to its node peers and over RDMA
     to its rail peer on every other node, which forwards it over NVLink to its node peers. A chunk
-    is whole blocks of rows, at least ``chunk_bytes`` (except a slice's last chunk).
+    is whole blocks of rows, at least ``chunk_bytes`` (except a slice's last chunk). Every NVLink
+    push or forward is one copy per (chunk, peer), so a receiver's attn_block waits only for the
+    two copies (k and v) that land its chunk there.
     """
 
     def __init__(
@@ -486,18 +488,19 @@ class _Movement:
         slot = (src * self.rows + rows[0], src * self.rows + rows[1])
         what = f"{name}[{rows[0]}:{rows[1]}] of r{src}"
         home = topo.node_of(src)
-        peers = [p for p in topo.node_ranks(home) if p != src]
-        if peers:
+        peers = _node_peers(topo, src)
+        for p in peers:
+            # one peer (1x2): the name single-node graphs had before the split
+            to = f"r{p}" if len(peers) > 1 else f"node{home}"
             push = b.task(
                 src,
                 Role.NVLINK,
                 COPY,
                 [inp.region(rows)],
-                [gather[p].region(slot) for p in peers],
-                name=f"push {what} -> node{home}",
+                [gather[p].region(slot)],
+                name=f"push {what} -> {to}",
             )
-            for p in peers:
-                self.arrivals.setdefault((p, src, chunk), []).append(push)
+            self.arrivals.setdefault((p, src, chunk), []).append(push)
         for hop in range(1, topo.nodes):  # the other nodes, in ring order from home
             node = (home + hop) % topo.nodes
             rail = topo.rail_peer(src, node)
@@ -510,17 +513,25 @@ class _Movement:
                 name=f"rail-send {what} -> r{rail}",
             )
             self.arrivals.setdefault((rail, src, chunk), []).append(send)
-            others = [p for p in topo.node_ranks(node) if p != rail]
-            if not others:
-                continue
-            forward = b.task(
-                rail,
-                Role.NVLINK,
-                COPY,
-                [gather[rail].region(slot)],
-                [gather[p].region(slot) for p in others],
-                waits=b.after(rail, [send]),
-                name=f"forward {what} at r{rail} -> node{node}",
-            )
+            waits = b.after(rail, [send])
+            others = _node_peers(topo, rail)
             for p in others:
+                to = f"r{p}" if len(others) > 1 else f"node{node}"
+                forward = b.task(
+                    rail,
+                    Role.NVLINK,
+                    COPY,
+                    [gather[rail].region(slot)],
+                    [gather[p].region(slot)],
+                    waits=waits,
+                    name=f"forward {what} at r{rail} -> {to}",
+                )
                 self.arrivals.setdefault((p, src, chunk), []).append(forward)
+
+
+def _node_peers(topo: Topology, rank: int) -> list[int]:
+    """The other GPUs of ``rank``'s node, from the next one on: one NVLink copy each (one copy
+    into all G-1 peers was one worker moving G-1 chunks in a row), and the G GPUs of a node
+    start their pushes on G different peers."""
+    G, node, local = topo.gpus_per_node, topo.node_of(rank), topo.local_of(rank)
+    return [topo.rank(node, (local + i) % G) for i in range(1, G)]
