@@ -302,8 +302,10 @@ def fuse_pointwise(og: OpGraph) -> OpGraph:
     ``ewise`` task per row tile; so does RoPE's ``q * cos + rotate_half(q) * sin``, which
     reads ``q`` (loaded plainly and rotated) and ``cos``/``sin`` as ``bcast:`` operands (a
     ``rotate_half`` step fuses only while it rotates an input of the chain, not a computed
-    value). The returned OpGraph shares ``og``'s values; ``og`` is left as traced (one node
-    per ATen op)."""
+    value). Then a relayout that one fused chain alone reads is folded into it
+    (:func:`_read_relayouts`): RoPE reads ``q`` from the q projection's output through the
+    head split's gather map, and the split is no task. The returned OpGraph shares ``og``'s
+    values; ``og`` is left as traced (one node per ATen op)."""
     from collections import Counter
     from dataclasses import replace
 
