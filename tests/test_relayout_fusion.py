@@ -95,6 +95,21 @@ def test_gather_tasks_read_the_source_box_they_need():
     assert boxes == [(b * S, b * S + S, h * D, h * D + D) for b in range(B) for h in range(4)]
 
 
+def test_gather_rows_wider_than_the_source():
+    """A view to rows twice the source's width ([B, S, 32] as [B, S/2, 64]): each output row
+    spans two source rows, so a task's region is whole source rows."""
+    form = gather_form([B, S, 32], [["view", [B, S // 2, 64]]], None)
+    g = mg.ops.elementwise(topology="1x2", rows=B * S // 2, cols=64, chain=[["exp", 0, -1, 0.0]],
+                           operands=[], shape=[B, S // 2, 64], layout=["shard", 1, False],
+                           tile_rows=4, x_form=form)
+    check_graph(g)
+    assert {(t.reads[0].col0, t.reads[0].col1) for t in g.tasks} == {(0, 32)}
+    assert {t.reads[0].row1 - t.reads[0].row0 for t in g.tasks} == {8}
+    x = random(B, S, 32, seed=10)
+    got = run_sequential(g, {"x": x.reshape(-1, 32)})["out"]
+    assert rel_err(got, x.exp().reshape(-1, 64)) < 1e-6
+
+
 def test_bad_gather_operands_are_named_errors():
     ew = mg.ops.elementwise
     steps = [["view", [B, S, 4, D]], *SPLIT]
@@ -257,6 +272,7 @@ INTERP_CASES = {
     "split-h2-d16-bfloat16": True,
     "split-h4-d12-bfloat16": False,
     "traced-neg-d16-float32": True,
+    "wide-rows-float32": True,
 }
 
 
@@ -309,6 +325,13 @@ def _interp_main() -> None:
         report(f"split-h{heads}-d{dim}-{str(dt).removeprefix('torch.')}", g,
                {"x": x.reshape(-1, heads * dim), "y": cos, "y2": sin},
                {"out": want.reshape(-1, dim)})
+
+    # output rows spanning two source rows (regions of whole source rows)
+    form = gather_form([B, S, 32], [["view", [B, S // 2, 64]]], None)
+    g = mg.ops.elementwise(topology="1x1", rows=B * S // 2, cols=64, chain=[["exp", 0, -1, 0.0]],
+                           operands=[], shape=[B, S // 2, 64], tile_rows=4, x_form=form)
+    x = random(B, S, 32, seed=10)
+    report("wide-rows-float32", g, {"x": x.reshape(-1, 32)}, {"out": x.exp().reshape(-1, 64)})
 
     # traced: a projection's head split read by a chain without rotation (LOAD only)
     class Neg(nn.Module):
