@@ -5,7 +5,8 @@ controller's rule (``controller.decide``, the ONE definition of it) applied to t
 estimates: window 0, nothing measured, no previous decision, so no damping and no stall.
 ``balance_workers`` is that call for float costs in seconds. Who else calls ``decide``: the
 simulator's adaptive mode and the CPU reference runtime with ``Settings(adaptive=True)``; the
-Triton megakernel keeps this static split for the whole launch (see controller.py).
+Triton megakernel keeps this static split for the whole launch unless `Settings(adaptive=True)`,
+when its programs re-read their role from the on-GPU controller (runtime/megakernel/control.py).
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ Contracts (DESIGN: synchronisation protocol):
   tables that do not change during a launch, and on ``load_uniform`` / ``now_uniform``, which
   reduce the threads' reads to one value through shared memory. ``now`` (per thread) is for
   trace stamps only. tests/cta_uniform.py checks the compiled kernel for such branches
-  (tests/test_adaptive_uniform.py). Not yet followed: hostfifo.push, the rdma path, whose
-  FIFO-full loop reads the proxy's tail and the abort flag per thread.
+  (tests/test_adaptive_uniform.py); hostfifo.push follows it too (one lane acquires the tail).
 """
 
 from __future__ import annotations
