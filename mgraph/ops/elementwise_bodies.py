@@ -151,6 +151,14 @@ if HAVE_TRITON:
         return rows
 
     @triton.jit
+    def _gather_at(params, tp, regions, bufaddr, index):
+        """A gather operand (region ``index``): its buffer's address (an int64: the map's
+        positions count from the buffer's start, not the region's) and the task's gather map
+        ``pp`` (base, then radix and stride per digit: relayout._digit_sum's layout)."""
+        s, _r0, _r1, _c0, _c1 = load_region(regions, index)
+        return tl.load(bufaddr + s), params + tl.load(tp + _PARAM0) + _P_G
+
+    @triton.jit
     def _gather_src(params, tp, regions, bufaddr, bufcols, index, DT: tl.constexpr):
         """A gather operand (region ``index``): (its buffer's address as an int64, the task's
         gather map ``pp`` for _digit_sum, ``vec``: relayout_tile's fast-path gate: the
@@ -159,8 +167,7 @@ if HAVE_TRITON:
         spans int32)."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         s, _r0, r1, _c0, _c1 = load_region(regions, index)
-        addr = tl.load(bufaddr + s)
-        pp = params + tl.load(tp + _PARAM0) + _P_G
+        addr, pp = _gather_at(params, tp, regions, bufaddr, index)
         odd = tl.load(pp) | tl.load(pp + 1 + 2 * _DIGITS)  # the base, the run's length
         for k in tl.static_range(_DIGITS):
             odd = odd | tl.load(pp + 2 + 2 * k)  # row strides
@@ -185,10 +192,10 @@ if HAVE_TRITON:
     def _gptrs(params, tp, regions, bufaddr, index, om, on, DT: tl.constexpr):
         """Pointers of a gather operand (region ``index``) at the tile's rows ``om`` and
         columns ``on``, in int64 (relayout._gather's arithmetic)."""
-        s, _r0, _r1, _c0, _c1 = load_region(regions, index)
+        addr, _pp = _gather_at(params, tp, regions, bufaddr, index)
         pos = param_i32(params, tp, _P_G).to(tl.int64) + _digits(params, tp, _P_G + 1, om)[
             :, None] + _digits(params, tp, _P_GC, on)[None, :]
-        return tl.load(bufaddr + s).to(tl.pointer_type(DT)) + pos
+        return addr.to(tl.pointer_type(DT)) + pos
 
     @triton.jit
     def _vread(params, tp, regions, bufaddr, bufcols, index, k, maps, row0, addr, pitch, om,
@@ -196,7 +203,7 @@ if HAVE_TRITON:
         """Fast-path operand ``k`` (region ``index``; row_operand's ``addr`` and ``pitch``) at
         the tile's rows ``om``, columns ``on``: through the gather map or a row map."""
         if (maps >> (2 * k)) & 3 == _GATHER:
-            ga, pp, _gv = _gather_src(params, tp, regions, bufaddr, bufcols, index, DT)
+            ga, pp = _gather_at(params, tp, regions, bufaddr, index)
             y = _gload(ga, pp, om, on, mask, DT)
         else:
             y = _vload(addr, pitch, _rows_of(params, tp, maps, k, row0, om), on, mask, DT)
