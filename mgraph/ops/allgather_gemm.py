@@ -22,7 +22,8 @@ and the rail peer forwards each copy to its destination over NVLink: G times the
 
 Tile order on rank r: its own shard first (no waiting), then its node peers' shards (NVLink,
 fast), then the remote shards by node (n+1, n+2, ...), the rail peer's shard first in each node
-(it lands on r directly, one hop earlier than the forwarded ones).
+(it lands on r directly, one hop earlier than the forwarded ones). Within a node the order runs
+down from r's local index l (l-1, l-2, ...): every GPU pushes and forwards to l+1 first.
 """
 
 from __future__ import annotations
@@ -157,11 +158,15 @@ def _lower(
 
 
 def gemm_shard_order(topo: Topology, rank: int) -> list[int]:
-    """The shards of ``a`` in the order rank ``rank`` consumes them: own, node-local, remote."""
-    node, local = topo.node_of(rank), topo.local_of(rank)
-    order = [topo.rank(node, g) for g in rotated(topo.gpus_per_node, local)]
+    """The shards of ``a`` in the order rank ``rank`` consumes them: own, node-local, remote;
+    within a node from local index l down (l-1, l-2, ...), the order the copies arrive in: the
+    scheduler's push rotation queues every GPU's copies to l+1 before those to l+2 (at 2x8
+    M=K=32768 folding upwards simulated at 22.7 ms, downwards at 20.0 ms)."""
+    node, local, G = topo.node_of(rank), topo.local_of(rank), topo.gpus_per_node
+    down = [(local - i) % G for i in range(G)]
+    order = [topo.rank(node, g) for g in down]
     for n in rotated(topo.nodes, node + 1)[:-1]:
-        order += [topo.rank(n, g) for g in rotated(topo.gpus_per_node, local)]
+        order += [topo.rank(n, g) for g in down]
     return order
 
 
