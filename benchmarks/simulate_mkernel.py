@@ -265,19 +265,23 @@ def what_if(case: Case, sched, graph, res, first_graph) -> dict[str, Any]:
         update={"nvlink_worker_gbps": PROBE_PUSH_GBPS, "nvlink_worker_push_gbps": PROBE_PUSH_GBPS}
     )
     both = push.model_copy(update={"proxy_command_us": PROXY_4_STREAMS_US})
-    return {
+    out = {
         "what": f"NVLink workers at the push probe's {PROBE_PUSH_GBPS:g} GB/s (measured "
         f"{PROFILE.nvlink_worker_gbps:g} pulling, {PROFILE.nvlink_worker_push_gbps:g} pushing) "
         f"and the proxy on 4 copy streams ({PROXY_4_STREAMS_US:g} us per command, measured; the "
         f"profile: {PROFILE.proxy_command_us:g})",
         "predicted_ms": simulate(sched, hardware=both, baselines=False).predicted_s * 1e3,
     }
+    if case.op == "allgather_gemm":  # the pushes and forwards are one copy per (chunk, peer)
+        ordered = mg.schedule(graph, PROFILE, policy=CHUNK_ORDER)
+        out["chunk_order_ms"] = simulate(ordered, baselines=False).predicted_s * 1e3
+    return out
 
 
 def _chunk_ordered(graph: mg.TaskGraph, facts, slots: bool) -> list[int]:
     """critical_path (network_first with ``slots``) with push_rotation's tie-break kept for
-    every task but the NVLink copies: gemm_allreduce's node broadcast is one copy per (chunk,
-    peer), all of equal path length, and push_rotation sorts ties by peer, so each rank queues
+    every task but the NVLink copies: gemm_allreduce's node broadcast (and allgather_gemm's
+    pushes and forwards) is one copy per (chunk, peer), all of equal path length, and push_rotation sorts ties by peer, so each rank queues
     every chunk's copy to its next GPU before any copy to the one after (a worker then waits on
     the last chunk's copy to GPU r+1 while earlier chunks' copies to r+2.. are ready). Without
     it ties fall back to task id: the lowering's order, piece by piece and rotated per owner."""
@@ -439,7 +443,16 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
             f" At {', '.join(gain)} the proxy and NVLink worker rates cost more than 10% (see "
             "the what-if column)." if gain else ""))  # fmt: skip
         if op == "allgather_gemm":
-            out[-1] += " " + _split_note("allgather_gemm._Gather.node_push and _forward")
+            order = ", ".join(
+                f"{_ms(r['what_if']['chunk_order_ms'])} ({r['label']})" for r in rows)  # fmt: skip
+            out[-1] += (
+                " " + _split_note("allgather_gemm._Gather.node_push and _forward") + " All those "
+                "copies of a size have paths of equal length (the copy, then GEMM tiles), and the "
+                "critical-path policy breaks that tie by push_rotation, i.e. by peer: each rank "
+                "queues every chunk's copy to its next GPU before any to the GPU after it. With "
+                "the copies left in lowering order, chunk by chunk (the what-if policy of GEMM + "
+                f"AllReduce above; a scheduler change, not built), the fused kernel takes {order}."
+            )
     hit = [r["label"] for r in rows if incast(r)]
     if hit:
         target, senders = incast(next(r for r in rows if incast(r)))
