@@ -714,8 +714,9 @@ def main() -> int:
         + (" --merge" if args.merge else "")
     )
     runs = [{"command": command, "seconds": elapsed, "commit": _commit(), "ops": args.ops}]
-    if old is not None:
-        runs = old["runs"] + runs
+    if old is not None:  # earlier runs whose every row this one replaces drop out
+        kept = [r for r in old["runs"] if r["ops"] is None or set(r["ops"]) - set(args.ops)]
+        runs = kept + runs
         order = list(TITLES)
         rows = sorted([r for r in old["rows"] if r["op"] not in args.ops] + rows,
                       key=lambda r: order.index(r["op"]))  # fmt: skip
