@@ -25,31 +25,67 @@ and writes the fp32 state once, so fewer, longer tasks pay that less often per k
 causal mask a KV block that straddles the diagonal is masked in the body (which hides the keys
 after each query; the Triton body skips the key chunks after the block's last query), and its
 cost counts only the pairs it shows; blocks wholly after a q block's last query are not emitted.
+
+Token-major tensors: option ``token_major`` names those of q, k, v and out held as
+``[B, S, heads * D]`` (the projections' layout: a head is the column range ``h*D .. h*D+D`` of
+every token row) rather than ``[B, heads, S, D]``; the others keep the head-major form. A task's
+region of a token-major tensor is that head's column range over its block's token rows, a
+strided 2-D tile the attn_block bodies read as they read any region (a TMA descriptor's row
+stride is the buffer's, heads * D), and attn_finalize writes out so, so no relayout splits
+heads before the op or merges them after it (mgraph/trace/attention_map.py chooses it).
+Heads sharded, a rank holds the column range of its heads; batches sharded, its token rows.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..builder import GraphBuilder, pick_tile
 from ..errors import ShapeError
+from ..graph import Region
 from ..kinds import Role, TaskKind
-from ..layout import Layout, as_dim_shard, check_layout, layout_pieces
+from ..layout import Box, Layout, as_dim_shard, check_layout, layout_pieces
 from ..topology import Topology
 from .attention_tiles import BIAS_ADD, BIAS_BOOL
 from .registry import OpDef
 from .ring_attention import default_kv_block, repeat_kv
 
-__all__ = ["attention"]
+__all__ = ["attention", "tm_layout"]
 
 OP = "attention"
 attention = OpDef(OP, dims=("B", "H", "S", "D"), inputs=("q", "k", "v", "mask"), outputs=("out",))
 ATTN_BLOCK, ATTN_FINALIZE = TaskKind.ATTN_BLOCK.value, TaskKind.ATTN_FINALIZE.value
 MASK_KINDS = {"additive": BIAS_ADD, "boolean": BIAS_BOOL}
+TENSORS = ("q", "k", "v", "out")  # the tensors ``token_major`` may name
+
+
+def _token_major(token_major: Sequence[str] | None) -> frozenset[str]:
+    """The tensors held token-major; ShapeError for a name that is not one of TENSORS."""
+    names = frozenset(token_major or ())
+    bad = sorted(names - set(TENSORS))
+    if bad:
+        raise ShapeError(
+            f"{OP}: token_major names {bad}, not among {list(TENSORS)}",
+            hint="token_major lists which of q, k, v, out are [B, S, heads * head_dim]",
+        )
+    return names
+
+
+def _shape_of(name: str, B: int, heads: int, S: int, D: int, tm: frozenset[str]) -> tuple:
+    """Tensor ``name``'s global shape: [B, S, heads * D] token-major, else [B, heads, S, D]."""
+    return (B, S, heads * D) if name in tm else (B, heads, S, D)
+
+
+def tm_layout(lay: Layout) -> Layout:
+    """The token-major ``[B, S, heads * D]`` form of a head-major batch or head shard: batches
+    are token rows (dim 0), heads are column ranges (dim 2)."""
+    if lay.kind != "shard":
+        return lay
+    return Layout("shard", 0 if lay.dim == 0 else 2)
 
 
 def _layout(shape: tuple[int, ...], layout: Sequence | None, world: int) -> Layout | None:
@@ -70,11 +106,15 @@ def _shapes(
     kv_heads: int | None = None,
     kv_block: int | None = None,
     mask_kind: str = "additive",
+    token_major: Sequence[str] | None = None,
     **_: object,
 ) -> dict[str, tuple]:
     shape = (B, H, S, D)
     kv = (B, _kv_heads(H, kv_heads), S, D)
-    out = {"q": shape, "k": kv, "v": kv, "out": shape}
+    tm = _token_major(token_major)
+    out = {
+        name: _shape_of(name, B, H if name in ("q", "out") else kv[1], S, D, tm) for name in TENSORS
+    }
     if mask_shape is not None:
         out["mask"] = _mask_shape(B, H, S, mask_shape)
     if mask_kind not in MASK_KINDS:
@@ -148,8 +188,16 @@ def _reference(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    token_major: Sequence[str] | None = None,
     **params: object,
 ) -> dict[str, torch.Tensor]:
+    tm = _token_major(token_major)
+    B, S, D = (int(params[d]) for d in ("B", "S", "D"))  # type: ignore[call-overload]
+
+    def heads_first(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x.reshape(B, S, -1, D).transpose(1, 2) if name in tm else x
+
+    q, k, v = heads_first(q, "q"), heads_first(k, "k"), heads_first(v, "v")
     bias = None
     if mask is not None:
         bias = mask.float().reshape(params["mask_shape"])
@@ -165,7 +213,45 @@ def _reference(
     out = F.scaled_dot_product_attention(
         q.float(), k, v, attn_mask=bias, is_causal=causal, scale=scale
     )
+    if "out" in tm:
+        out = out.transpose(1, 2).reshape(B, S, -1)
     return {"out": out.to(q.dtype)}
+
+
+def _operand(
+    b: GraphBuilder,
+    name: str,
+    rank: int,
+    lay: Layout,
+    shape: tuple[int, int, int, int],
+    own: Box,
+    token_major: bool,
+) -> Callable[[int, int, int, int], Region]:
+    """Tensor ``name`` (head-major ``shape``) bound on ``rank``, as a function of (batch,
+    head of its heads, first token, end token) -> the region holding those tokens of that
+    head: head-major, rows of the head's S; token-major, the batch's token rows and the head's
+    D columns. ``own``: the (batch, head) ranges the rank holds."""
+    B, heads, S, D = shape
+    role = "output" if name == "out" else "input"
+    if token_major:
+        held = layout_pieces((B, S, heads * D), tm_layout(lay), rank, b.world)
+        buf = b.bound_buffer(name, rank, name, held[0], cat_dim=held[1], role=role)
+
+        def token_rows(bi: int, hi: int, t0: int, t1: int) -> Region:
+            row = (bi - own[0][0]) * S
+            col = (hi - own[1][0]) * D
+            return buf.region((row + t0, row + t1), (col, col + D))
+
+        return token_rows
+    held = layout_pieces(shape, lay, rank, b.world)
+    buf = b.bound_buffer(name, rank, name, held[0], cat_dim=held[1], role=role)
+    per_batch = own[1][1] - own[1][0]
+
+    def head_rows(bi: int, hi: int, t0: int, t1: int) -> Region:
+        row = ((bi - own[0][0]) * per_batch + hi - own[1][0]) * S
+        return buf.region((row + t0, row + t1))
+
+    return head_rows
 
 
 @attention.lower
@@ -183,43 +269,39 @@ def _lower(
     kv_heads: int | None = None,
     kv_block: int | None = None,
     mask_kind: str = "additive",
+    token_major: list[str] | None = None,
 ) -> None:
     shape = (B, H, S, D)
     blk, kvb = _blocks(S, block, kv_block)
     Hkv = _kv_heads(H, kv_heads)
-    kv_shape = (B, Hkv, S, D)
+    tm = _token_major(token_major)
+    heads_of = {"q": H, "k": Hkv, "v": Hkv, "out": H}
     lay = _layout(shape, layout, b.world)
     assert lay is not None
-    b.global_input("q", shape)
-    b.global_input("k", kv_shape)
-    b.global_input("v", kv_shape)
+    for name in ("q", "k", "v"):
+        b.global_input(name, _shape_of(name, B, heads_of[name], S, D, tm))
     if mask_shape is not None:
         b.global_input("mask", _mask_shape(B, H, S, mask_shape))
-    b.global_output("out", shape)
+    b.global_output("out", _shape_of("out", B, H, S, D, tm))
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     for r in b.topo.ranks:
-        pieces, cat_dim = layout_pieces(shape, lay, r, b.world)
-        kv_pieces, _ = layout_pieces(kv_shape, lay, r, b.world)
-        q = b.bound_buffer("q", r, "q", pieces, cat_dim=cat_dim)
-        k, v = (b.bound_buffer(n, r, n, kv_pieces, cat_dim=cat_dim) for n in ("k", "v"))
-        box = pieces[0]  # batch and head ranges are whole boxes: no zigzag below dim 2
+        # batch and head ranges are whole boxes: no zigzag below dim 2
+        box = layout_pieces(shape, lay, r, b.world)[0][0]
         heads = [(bi, hi) for bi in range(*box[0]) for hi in range(*box[1])]
-        kv_box = kv_pieces[0]
-        kv_group = {
-            bh: i
-            for i, bh in enumerate((bi, hi) for bi in range(*kv_box[0]) for hi in range(*kv_box[1]))
-        }
+        kv_box = layout_pieces((B, Hkv, S, D), lay, r, b.world)[0][0]
+        boxes = {"q": box, "k": kv_box, "v": kv_box, "out": box}
+        q, k, v, out = (
+            _operand(b, n, r, lay, (B, heads_of[n], S, D), boxes[n], n in tm) for n in TENSORS
+        )
         bias = None
         if mask_shape is not None:
             rows = _mask_shape(B, H, S, mask_shape)[0]
             bias = b.bound_buffer("mask", r, "mask", [((0, rows), (0, S))])
-        out = b.bound_buffer("out", r, "out", pieces, cat_dim=cat_dim, role="output")
-        acc = b.buffer("attn_acc", r, q.rows, D, dtype="float32")
-        ml = b.buffer("attn_ml", r, q.rows, 2, dtype="float32")
-        for group in range(q.rows // S):  # one (batch, head) per S buffer rows
+        acc = b.buffer("attn_acc", r, len(heads) * S, D, dtype="float32")
+        ml = b.buffer("attn_ml", r, len(heads) * S, 2, dtype="float32")
+        for group, (bi, hi) in enumerate(heads):  # one (batch, head) per S state rows
             base = group * S
-            bi, hi = heads[group]
-            kv_base = kv_group[(bi, hi // (H // Hkv))] * S  # its KV head's rows in k and v
+            hk = hi // (H // Hkv)  # its KV head
             for q0 in range(0, S, blk):
                 rows = (base + q0, base + q0 + blk)
                 state = [acc.region(rows), ml.region(rows)]
@@ -231,8 +313,8 @@ def _lower(
                 for k0 in range(0, S, kvb):
                     if causal and k0 >= q0 + blk:
                         break  # every key follows every query of the block
-                    krows = (kv_base + k0, kv_base + k0 + kvb)
-                    reads = [q.region(rows), k.region(krows), v.region(krows)]
+                    reads = [q(bi, hi, q0, q0 + blk), k(bi, hk, k0, k0 + kvb)]
+                    reads.append(v(bi, hk, k0, k0 + kvb))
                     if chain is not None:
                         reads += state
                     if bias is not None:
@@ -259,7 +341,7 @@ def _lower(
                     Role.COMPUTE,
                     ATTN_FINALIZE,
                     state,
-                    [out.region(rows)],
+                    [out(bi, hi, q0, q0 + blk)],
                     waits=b.after(r, [chain]),
                     name=f"attn-final r{r} bh{group} q{q0}",
                 )

@@ -15,6 +15,13 @@ ContextParallel), with the forms model code writes:
   taken as an attention mask: the Program turns it into the additive form on the way in
   (``Value.encoding``; masks.py combines masks in that form), and no other op may read it.
 
+After tracing, :func:`token_major_attention` gives a local attention the projections' layout:
+a head split (``x.view(B, S, heads, D).transpose(1, 2)`` of a ``[B, S, heads * D]`` tensor) that
+it alone reads, and an output merge (``o.transpose(1, 2).reshape(B, S, H * D)``) that alone
+reads it, are taken out and the op reads and writes the token-major tensors in place (option
+``token_major``), where the rank holds the same elements either way. mg.compile does not call
+it yet (mgraph/program.py runs fuse_pointwise only).
+
 A query row whose every key is hidden (left padding) is 0, as SDPA returns it (the op's
 ``attn_finalize``); an eager mask that hides with the dtype's lowest value instead hides nothing
 in such a row (all its scores are equal), in eager torch as in the op.
@@ -30,15 +37,16 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..graph import torch_dtype
-from ..layout import REPLICATE, Layout, as_dim_shard
+from ..layout import REPLICATE, Layout, as_dim_shard, layout_runs
+from ..ops.attention import tm_layout
 from ..plans import ContextParallel
 from .capture import CNode
 from .fold import Folded
 from .mapping import handles
-from .opgraph import OpNode, Value
+from .opgraph import OpGraph, OpNode, Value
 from .tracer import Tracer
 
-__all__ = ["additive_mask"]
+__all__ = ["additive_mask", "token_major_attention"]
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -302,3 +310,89 @@ def _only_read_by(tr: Tracer, n: CNode, node: OpNode) -> bool:
 
     holders = [c for c, x in tr.env.items() if holds(x)]
     return bool(holders) and all(feeds_only_n(c) for c in holders)
+
+
+# -- token-major q, k, v and out ---------------------------------------------------------------
+def token_major_attention(og: OpGraph) -> OpGraph:
+    """``og`` with each local attention node reading the ``[B, S, heads * D]`` source of a head
+    split relayout (``view(B, S, heads, D)`` then ``permute(0, 2, 1, 3)``) read by that node
+    alone, in place of the split, and writing the ``[B, S, H * D]`` result of an output merge
+    relayout (``permute(0, 2, 1, 3)`` then ``view(B, S, H * D)``) that alone reads its output,
+    in place of the merge (option ``token_major``); the folded relayouts are dropped. A tensor
+    is folded only where each rank holds the same elements in both forms (heads or batches
+    sharded as the op's ``layout``), so no copy replaces the relayout; any other form keeps
+    its relayout. The returned OpGraph shares ``og``'s values; ``og`` is left as it was."""
+    from collections import Counter
+    from dataclasses import replace
+
+    reads: Counter[str] = Counter()
+    readers: dict[str, list[OpNode]] = {}
+    for node in og.nodes:
+        for v in node.inputs.values():
+            reads[v.root().name] += 1
+            readers.setdefault(v.name, []).append(node)
+    for v in og.outputs:
+        reads[v.root().name] += 2  # a program output is kept
+    made = {node.outputs["out"].name: node for node in og.nodes if node.op == "relayout"}
+    world = og.topology.world_size
+    dropped: set[str] = set()
+    swapped: dict[str, OpNode] = {}
+    for node in og.nodes:
+        if node.op != "attention" or node.params.get("token_major"):
+            continue
+        p = node.params
+        B, H, S, D = (int(p[d]) for d in ("B", "H", "S", "D"))
+        heads = {"q": H, "k": int(p.get("kv_heads", H)), "v": int(p.get("kv_heads", H)), "out": H}
+        lay = Layout.from_json(p.get("layout"))
+
+        inputs, token_major = dict(node.inputs), []
+        for name in ("q", "k", "v"):
+            x = node.inputs[name]
+            split = made.get(x.name)
+            if split is None or reads[x.name] != 1 or split.name in dropped:
+                continue
+            source = split.inputs["x"]
+            want = (B, S, heads[name] * D)
+            steps = [["view", [B, S, heads[name], D]], ["permute", [0, 2, 1, 3]]]
+            if (
+                tuple(split.params["in_shape"]) == want == tuple(source.shape)
+                and split.params["steps"] == steps
+                and _same_elements(source, want, lay, world)
+            ):
+                inputs[name] = source
+                token_major.append(name)
+                dropped.add(split.name)
+        outputs = dict(node.outputs)
+        out = node.outputs["out"]
+        merge = next(iter(readers.get(out.name, [])), None)
+        if (
+            merge is not None
+            and merge.op == "relayout"
+            and reads[out.name] == 1
+            and list(merge.params["in_shape"]) == [B, H, S, D]
+            and merge.params["steps"] == [["permute", [0, 2, 1, 3]], ["view", [B, S, H * D]]]
+            and _same_elements(merge.outputs["out"], (B, S, H * D), lay, world)
+        ):
+            outputs["out"] = merge.outputs["out"]
+            token_major.append("out")
+            dropped.add(merge.name)
+        if token_major:
+            params = {**p, "token_major": sorted(token_major)}
+            swapped[node.name] = replace(node, params=params, inputs=inputs, outputs=outputs)
+    if not swapped:
+        return og
+    nodes = [swapped.get(n.name, n) for n in og.nodes if n.name not in dropped]
+    return replace(og, nodes=nodes)
+
+
+def _same_elements(v: Value, shape: tuple[int, ...], lay: Layout, world: int) -> bool:
+    """Whether every rank holds the same elements of ``v`` as of the attention's token-major
+    tensor of ``shape`` under the op's (head-major) ``lay`` (a free value is bound as the op
+    asks)."""
+    if v.layout is None:
+        return True
+    tm = tm_layout(lay)
+    return all(
+        layout_runs(v.shape, v.layout, r, world) == layout_runs(shape, tm, r, world)
+        for r in range(world)
+    )
