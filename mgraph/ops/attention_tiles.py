@@ -61,7 +61,11 @@ interpreter (``USE_TIMER`` false) the dot operands are widened to float32 first:
 interpreter multiplies bf16 operands' raw bits.
 
 Grouped-query attention is a property of the lowering, not of these kinds: a q block of head h
-reads the KV rows of head h // (H / kv_heads), whichever rows its regions name.
+reads the KV rows of head h // (H / kv_heads), whichever rows its regions name. So is the token-
+major form (attention's ``token_major``): a region may be one head's D columns of a
+``[tokens, heads * D]`` buffer, and every load and store here (TMA descriptors included) takes
+the region's corner and its buffer's row stride, so the bodies and their compiled code are the
+same for both forms.
 """
 
 from __future__ import annotations
