@@ -451,7 +451,8 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
                 "critical-path policy breaks that tie by push_rotation, i.e. by peer: each rank "
                 "queues every chunk's copy to its next GPU before any to the GPU after it. With "
                 "the copies left in lowering order, chunk by chunk (the what-if policy of GEMM + "
-                f"AllReduce above; a scheduler change, not built), the fused kernel takes {order}."
+                f"AllReduce above; a scheduler change, not built), the fused kernel on each row's "
+                f"options takes {order}."
             )
     hit = [r["label"] for r in rows if incast(r)]
     if hit:
