@@ -198,6 +198,22 @@ run("mk-1x2-heads", g, _inputs(g, seed=42), False)
 g = mg.ops.attention(topology="1x1", causal=True, token_major=["q", "k", "v", "out"],
                      dtype=torch.bfloat16, **dims)
 run("chains-bf16-causal", g, _inputs(g, seed=43, dtype=torch.bfloat16), True, chains=True)
+
+# traced: the megakernel runs the projections' GEMMs on the token-major tensors it shares with
+# the attention (mg.compile with the fold, as test_traced_head_splits_... runs it)
+import mgraph.program
+from mgraph.trace.attention_map import token_major_attention
+from mgraph.trace.pointwise import fuse_pointwise
+from test_attention_token_major import PLAN, _Attention
+mgraph.program.fuse_pointwise = lambda og: token_major_attention(fuse_pointwise(og))
+torch.manual_seed(44)
+model, x = _Attention().eval(), torch.randn(1, 64, 128)
+prog = mg.compile(model, (x,), plan=PLAN, backend="triton", backend_options={{"interpret": True}})
+(att,) = [n for n in prog.lowered.nodes if n.op == "attention"]
+got, want = prog(x), model(x)
+print(json.dumps({{"case": "traced-1x1", "token_major": att.params["token_major"],
+                  "error_ref": ((got - want).norm() / want.norm()).item(), "error_sdpa": 0.0,
+                  "nans": int(got.isnan().sum()), "zero_rows": 0}}))
 """
 
 
@@ -211,7 +227,8 @@ def test_triton_bodies_on_token_major_tensors_under_the_interpreter():
         if line.startswith("{"):
             r = json.loads(line)
             rows[r["case"]] = r
-    assert set(rows) == {"mk-1x1-causal", "mk-1x2-heads", "chains-bf16-causal"}, rows
+    assert set(rows) == {"mk-1x1-causal", "mk-1x2-heads", "chains-bf16-causal", "traced-1x1"}
+    assert rows["traced-1x1"]["token_major"] == ["k", "out", "q", "v"]
     for case, r in rows.items():
         tol = 1.5e-2 if "bf16" in case else 1e-5
         assert r["error_ref"] < tol and r["error_sdpa"] < tol, (case, r)
