@@ -354,7 +354,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # The stages mg.compile runs, by the names mgraph.program calls them (validate as
 # ``validate_graph``: compile's flag is named ``validate``): the profile wraps them for the
 # duration of one compile, so it times the real call.
-COMPILE_STAGES = ("trace", "fuse_pointwise", "lower", "validate", "check_triton_bodies", "schedule")
+COMPILE_STAGES = (
+    "trace", "fuse_pointwise", "token_major_attention", "lower", "validate",
+    "check_triton_bodies", "schedule",
+)
 
 
 class StageTimes:

@@ -51,7 +51,7 @@ from .scheduler import Schedule, schedule
 from .settings import Settings
 from .topology import Topology
 from .trace import OpGraph, trace
-from .trace.attention_map import additive_mask
+from .trace.attention_map import additive_mask, token_major_attention
 from .trace.opgraph import Value
 from .trace.pointwise import fuse_pointwise
 from .validate import validate as validate_graph
@@ -73,7 +73,8 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     fuse: bool = True,
     backend_options: Mapping[str, Any] | None = None,
 ) -> Program:
-    """Trace ``module`` under ``plan``, fuse chains of pointwise ops (``fuse``), lower it to ONE
+    """Trace ``module`` under ``plan``, fuse chains of pointwise ops and fold head splits into
+    the attention (``fuse``), lower it to ONE
     TaskGraph on ``topology``, validate and schedule it; the Program runs it on ``backend``
     with ``backend_options`` (triton: ``interpret``, ``trace``, ``gemm_config``,
     ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords). On
@@ -81,7 +82,9 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     anything launches."""
     check_backend(backend)
     opgraph = trace(module, example_inputs, plan, topology)
-    lowered = fuse_pointwise(opgraph) if fuse else opgraph
+    # pointwise chains first (they may take in q's and k's head splits), then the attention
+    # reads what head splits and merges are left in the projections' layout
+    lowered = token_major_attention(fuse_pointwise(opgraph)) if fuse else opgraph
     with gc_paused():  # the graph is 10^6 small long-lived objects: mgraph.graph.gc_paused
         graph = lower(lowered)
         # validation's counter order is the one scheduling starts from: computed once

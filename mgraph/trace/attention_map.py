@@ -19,8 +19,8 @@ After tracing, :func:`token_major_attention` gives a local attention the project
 a head split (``x.view(B, S, heads, D).transpose(1, 2)`` of a ``[B, S, heads * D]`` tensor) that
 it alone reads, and an output merge (``o.transpose(1, 2).reshape(B, S, H * D)``) that alone
 reads it, are taken out and the op reads and writes the token-major tensors in place (option
-``token_major``), where the rank holds the same elements either way. mg.compile does not call
-it yet (mgraph/program.py runs fuse_pointwise only).
+``token_major``), where the rank holds the same elements either way. mg.compile runs it after
+fuse_pointwise (mgraph/program.py).
 
 A query row whose every key is hidden (left padding) is 0, as SDPA returns it (the op's
 ``attn_finalize``); an eager mask that hides with the dtype's lowest value instead hides nothing
