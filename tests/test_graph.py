@@ -340,15 +340,17 @@ def _compile_fingerprint(prog) -> list[str]:
 
 
 # Re-pinned on purpose (v9): the task hashes only, since a causal attn_block's Task.flops counts
-# the (query, key) pairs the mask shows (63a0b51); events and schedules are
-# the same as before.
+# the (query, key) pairs the mask shows (63a0b51). Re-pinned again to what the tree computes: the
+# graphs moved on purpose since (the RoPE and relayout fusions, token_major_attention in
+# mg.compile), and push_rotation ranking a rank's NVLink copies chunk by chunk moved the 2x4
+# schedule hash (with the old tie-break it is 95f1a9e89d685325; 1x2 and 2x2 do not depend on it).
 @pytest.mark.parametrize(("topology", "sizes", "shape", "want"), [
     ("1x2", dict(hidden=64, ffn=128), (1, 32, 64),
-     ["9a0efd2c7a18f6e9", "a72378125a458288", "9eda7dd90c533f71"]),
+     ["b0ff7119000a2096", "f9c7348e68e8bee6", "9bf034d7bbcaecd3"]),
     ("2x2", dict(hidden=128, heads=4, kv_heads=2, ffn=256), (1, 64, 128),
-     ["f283fe5f23c5a1f8", "ef69a0beead9b68c", "8ce85a0f4f8ca71d"]),
+     ["c19ff67a613ed81c", "e5fe9fecf09c92fa", "449f02587001716f"]),
     ("2x4", dict(hidden=256, heads=8, kv_heads=2, ffn=384), (1, 128, 256),
-     ["965c62d52aee1edb", "1e5c9d2d771fc65a", "121fa184e84da899"]),
+     ["e91f0c72fdbcbac3", "cd22f29422a706e7", "47dd99b5d999ec77"]),
 ])
 def test_compile_speedups_keep_graph_and_schedule(topology, sizes, shape, want):
     """Pinned to the output of the code before the compile-speed work of issue 16 item 5 (the

@@ -181,3 +181,25 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@pytest.mark.parametrize("policy", ["critical_path", "network_first", "remote_first"])
+def test_a_ranks_copies_are_queued_chunk_by_chunk_not_peer_by_peer(policy):
+    """The broadcast copies are sinks of equal path length; push_rotation ranks a rank's copies
+    into one peer by their count first, so at 2x4 each rank's NVLink queue holds one chunk's
+    3 copies (to GPU l+1, l+2, l+3 of its node) before the next chunk's. By peer alone it held
+    every chunk's copy to l+1 before any to l+2, and a worker waited on a late chunk's copy
+    while other chunks' copies were ready."""
+    g = mg.ops.gemm_allreduce(M=1024, N=256, K=256, topology="2x4")
+    s = mg.schedule(g, policy=policy)
+    for r in s.ranks:
+        queue = [g.tasks[t] for t in r.queues["nvlink"] if g.tasks[t].name.startswith("broadcast")]
+        local = r.rank % 4
+        peers = [4 * (r.rank // 4) + (local + i) % 4 for i in (1, 2, 3)]
+        assert len(queue) >= 6, r.rank  # at least two chunks
+        chunks = [queue[i : i + 3] for i in range(0, len(queue), 3)]
+        for chunk in chunks:
+            assert len({t.writes[0].row0 for t in chunk}) == 1, (r.rank, [t.name for t in chunk])
+            assert [out_rank(g, t.writes[0]) for t in chunk] == peers, r.rank
+        starts = [c[0].writes[0].row0 for c in chunks]
+        assert starts == sorted(set(starts)), r.rank

@@ -145,3 +145,38 @@ def test_traced_block_keeps_its_orders():
     block = mod.DecoderBlock(hidden=64, heads=4, kv_heads=2, ffn=128)
     prog = mg.compile(block, (torch.randn(1, 32, 64),), plan=mod.block_plan(), topology="2x2")
     check_same(prog.graph)
+
+
+def test_a_ranks_nvlink_copies_go_chunk_by_chunk_from_the_next_gpu():
+    """Each rank of a 1x4 node copies 3 chunks into every peer, emitted peer by peer from GPU 0
+    (every chunk's copy to one peer before any to the next), none waiting on anything: under the
+    path-length policies every copy ties, and push_rotation ranks a rank's copies into one peer
+    by their count first, so rank r's NVLink queue moves chunk by chunk, each chunk's copies
+    from GPU r+1 on (by peer alone it held all three chunks' copies to r+1 first; by id, the
+    program's peer order from GPU 0)."""
+    from mgraph.builder import GraphBuilder
+    from mgraph.kinds import Role
+
+    b = GraphBuilder("hand", mg.Topology.parse("1x4"), "float32", {})
+    src = [b.buffer("x", r, 96, 64) for r in range(4)]
+    dst = {(r, p): b.buffer(f"y{r}", p, 96, 64) for r in range(4) for p in range(4) if p != r}
+    for r in range(4):
+        for p in range(4):
+            for c in range(3):
+                if p != r:
+                    rows = (32 * c, 32 * c + 32)
+                    b.task(r, Role.NVLINK, "copy", [src[r].region(rows)],
+                           [dst[r, p].region(rows)])  # fmt: skip
+    g = b.finish().validate()
+
+    def queued(s, r):  # (chunk, peer) of each copy in rank r's NVLink queue
+        return [(g.tasks[t].writes[0].row0 // 32, g.buffers[g.tasks[t].writes[0].buffer].rank)
+                for t in s.ranks[r].queues["nvlink"]]  # fmt: skip
+
+    for policy in ("critical_path", "network_first", "remote_first"):
+        s = mg.schedule(g, policy=policy)
+        for r in range(4):
+            want = [(c, (r + i) % 4) for c in range(3) for i in (1, 2, 3)]
+            assert queued(s, r) == want, (policy, r)
+    s = mg.schedule(g, policy="topological")
+    assert queued(s, 1) == [(c, p) for p in (0, 2, 3) for c in range(3)]
