@@ -38,14 +38,6 @@ os.environ.setdefault("MGRAPH_MAX_BYTES", str(1 << 50))
 import mgraph as mg  # noqa: E402
 from mgraph.runtime.sim import collective_times, simulate, sweep_comm_sms
 from mgraph.runtime.sim.model import expected_fill
-from mgraph.scheduler.policies import (
-    POLICIES,
-    critical_path_lengths,
-    list_order,
-    network_slots,
-    push_rotation,
-    register_policy,
-)
 
 TOPOLOGY = "2x8"
 PROFILE = mg.H200.model_copy(
@@ -239,65 +231,34 @@ def what_if(case: Case, sched, graph, res, first_graph) -> dict[str, Any]:
         }  # fmt: skip
     proxy = PROFILE.model_copy(update={"proxy_command_us": PROXY_4_STREAMS_US})
     if case.op == "gemm_allreduce":
-        ordered = {
-            "critical_path": mg.schedule(graph, PROFILE, policy=CHUNK_ORDER),
-            NETWORK_FIRST: mg.schedule(first_graph, PROFILE, policy=CHUNK_ORDER_FIRST),
+        scheds = {
+            "critical_path": sched,
+            NETWORK_FIRST: mg.schedule(first_graph, PROFILE, policy=NETWORK_FIRST),
         }
-
-        def ms(s, hw) -> float:
-            return simulate(s, hardware=hw, baselines=False).predicted_s * 1e3
-
-        both = {policy: ms(s, proxy) for policy, s in ordered.items()}
+        both = {
+            policy: simulate(s, hardware=proxy, baselines=False).predicted_s * 1e3
+            for policy, s in scheds.items()
+        }
         policy = min(both, key=both.get)
         return {
             "what": f"the proxy on 4 copy streams ({PROXY_4_STREAMS_US:g} us per command, "
             f"measured; the profile: {PROFILE.proxy_command_us:g}; Settings.proxy_streams is 1 "
-            "by default) and the node broadcast's copies queued piece by piece instead of peer "
-            "by peer (push_rotation leaving NVLink copies in lowering order: a scheduler change, "
-            "not built), on the faster of the two policies (named per row)",
+            "by default), on the faster of the two policies (named per row)",
             "predicted_ms": both[policy],
             "policy": policy,
             "by_policy": both,
-            "proxy_4_streams_ms": ms(sched, proxy),
-            "chunk_order_ms": ms(ordered["critical_path"], PROFILE),
         }
     push = PROFILE.model_copy(
         update={"nvlink_worker_gbps": PROBE_PUSH_GBPS, "nvlink_worker_push_gbps": PROBE_PUSH_GBPS}
     )
     both = push.model_copy(update={"proxy_command_us": PROXY_4_STREAMS_US})
-    out = {
+    return {
         "what": f"NVLink workers at the push probe's {PROBE_PUSH_GBPS:g} GB/s (measured "
         f"{PROFILE.nvlink_worker_gbps:g} pulling, {PROFILE.nvlink_worker_push_gbps:g} pushing) "
         f"and the proxy on 4 copy streams ({PROXY_4_STREAMS_US:g} us per command, measured; the "
         f"profile: {PROFILE.proxy_command_us:g})",
         "predicted_ms": simulate(sched, hardware=both, baselines=False).predicted_s * 1e3,
     }
-    if case.op == "allgather_gemm":  # the pushes and forwards are one copy per (chunk, peer)
-        ordered = mg.schedule(graph, PROFILE, policy=CHUNK_ORDER)
-        out["chunk_order_ms"] = simulate(ordered, baselines=False).predicted_s * 1e3
-    return out
-
-
-def _chunk_ordered(graph: mg.TaskGraph, facts, slots: bool) -> list[int]:
-    """critical_path (network_first with ``slots``) with push_rotation's tie-break kept for
-    every task but the NVLink copies: gemm_allreduce's node broadcast (and allgather_gemm's
-    pushes and forwards) is one copy per (chunk, peer), all of equal path length, and push_rotation sorts ties by peer, so each rank queues
-    every chunk's copy to its next GPU before any copy to the one after (a worker then waits on
-    the last chunk's copy to GPU r+1 while earlier chunks' copies to r+2.. are ready). Without
-    it ties fall back to task id: the lowering's order, piece by piece and rotated per owner."""
-    length = critical_path_lengths(facts)
-    turn = [0 if t.role == "nvlink" else r
-            for t, r in zip(graph.tasks, push_rotation(graph), strict=True)]  # fmt: skip
-    if not slots:
-        return list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
-    slot = network_slots(graph, facts)
-    return list_order(graph, [(s, -x, r) for s, x, r in zip(slot, length, turn, strict=True)])
-
-
-CHUNK_ORDER, CHUNK_ORDER_FIRST = "what-if:chunk_order", "what-if:chunk_order_network_first"
-if CHUNK_ORDER not in POLICIES:  # a second import of this module
-    register_policy(CHUNK_ORDER)(lambda g, f: _chunk_ordered(g, f, slots=False))
-    register_policy(CHUNK_ORDER_FIRST)(lambda g, f: _chunk_ordered(g, f, slots=True))
 
 
 # -- calibration against GPU.md -----------------------------------------------------------------
@@ -403,12 +364,10 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
             "(gemm_allreduce.node_broadcast; a piece is the network chunk, or broadcast_bytes "
             "where the options say so), so a piece's 7 copies run on up to 7 workers, each at "
             f"the measured {PROFILE.nvlink_worker_push_gbps:g} GB/s per worker. All "
-            "copies are sinks with paths of equal length, and the critical-path policy breaks "
-            "that tie by push_rotation, i.e. by peer: each rank queues every chunk's copy to its "
-            "next GPU before any copy to the GPU after it, so workers holding late pieces' "
-            "copies wait while earlier pieces' copies to other peers are ready. The what-if "
-            "column queues the copies piece by piece (lowering order) and runs the proxy on 4 "
-            "copy streams; each row below gives the two apart."
+            "copies are sinks with paths of equal length; push_rotation ranks a rank's NVLink "
+            "copies into one peer by their count first, so each rank queues them piece by piece, "
+            "each piece's from its next GPU on, not every piece's copy to its next GPU before "
+            "any to the GPU after it. The what-if column runs the proxy on 4 copy streams."
         )
     elif op == "ring_attention":
         out.append(
@@ -443,16 +402,11 @@ def op_notes(op: str, rows: list[dict[str, Any]]) -> list[str]:
             f" At {', '.join(gain)} the proxy and NVLink worker rates cost more than 10% (see "
             "the what-if column)." if gain else ""))  # fmt: skip
         if op == "allgather_gemm":
-            order = ", ".join(
-                f"{_ms(r['what_if']['chunk_order_ms'])} ({r['label']})" for r in rows)  # fmt: skip
             out[-1] += (
                 " " + _split_note("allgather_gemm._Gather.node_push and _forward") + " All those "
-                "copies of a size have paths of equal length (the copy, then GEMM tiles), and the "
-                "critical-path policy breaks that tie by push_rotation, i.e. by peer: each rank "
-                "queues every chunk's copy to its next GPU before any to the GPU after it. With "
-                "the copies left in lowering order, chunk by chunk (the what-if policy of GEMM + "
-                f"AllReduce above; a scheduler change, not built), the fused kernel on each row's "
-                f"options takes {order}."
+                "copies of a size have paths of equal length (the copy, then GEMM tiles); "
+                "push_rotation ranks a rank's NVLink copies into one peer by their count first, so "
+                "each rank queues them chunk by chunk, not peer by peer."
             )
     hit = [r["label"] for r in rows if incast(r)]
     if hit:
@@ -529,23 +483,19 @@ def explain_row(r: dict[str, Any]) -> list[str]:
                  "NVLink floor above, while the baseline's NCCL ring spreads the same bytes "
                  "over 8 NICs and NVLink at the measured bus bandwidth.")  # fmt: skip
     if r["op"] == "gemm_allreduce":
-        text += (f" Proxy on 4 streams alone: {_ms(wi['proxy_4_streams_ms'])} "
-                 f"({base / wi['proxy_4_streams_ms']:.2f}x); the broadcast copies in piece "
-                 f"order alone: {_ms(wi['chunk_order_ms'])} "
-                 f"({base / wi['chunk_order_ms']:.2f}x). Each chunk crosses epilogue push "
-                 "-> node sum -> RDMA -> rail sum -> RDMA -> 7 NVLink copies per piece, one per "
-                 "peer.")  # fmt: skip
-        best = min(wi["proxy_4_streams_ms"], wi["chunk_order_ms"], wi["predicted_ms"])
-        if best >= r["predicted_ms"] * 0.97:
-            text += (" Neither change helps here: the GEMM with its epilogue pushes (the node "
-                     "reduce-scatter through the push port) and the NVLink workers beside it set "
-                     "the time; what mKernel gains over this needs faster SM pushes (the floor "
-                     "above), not a cheaper proxy.")  # fmt: skip
+        alone = wi["by_policy"]["critical_path"]
+        text += (f" The faster proxy on the critical_path queues alone: {_ms(alone)} "
+                 f"({base / alone:.2f}x). Each chunk crosses epilogue push -> node sum -> RDMA "
+                 "-> rail sum -> RDMA -> 7 NVLink copies per piece, one per peer.")  # fmt: skip
+        if alone >= r["predicted_ms"] * 0.97:
+            text += (" The faster proxy does not help these queues: the GEMM with its epilogue "
+                     "pushes (the node reduce-scatter through the push port) and the NVLink "
+                     "workers beside it set the time; what mKernel gains over this needs faster "
+                     "SM pushes (the floor above), not a cheaper proxy.")  # fmt: skip
         else:
-            text += (" The larger of the two gains names the stage that sets the time; what is "
-                     "left after both is the NVLink SM work (floor above), the per-worker NVLink "
-                     "rate (one worker moves each copy), the NVLink worker cap and the fixed "
-                     "costs.")  # fmt: skip
+            text += (" What is left after it is the NVLink SM work (floor above), the "
+                     "per-worker NVLink rate (one worker moves each copy), the NVLink worker cap "
+                     "and the fixed costs.")  # fmt: skip
     if r["op"] == "ring_attention" and r["diff"] < 0:
         text += (" mKernel's gain grows with S, i.e. with the share of attention math: its "
                  "attention tiles are faster than FA2 (GPU.md's cuDNN reaches 617 TF/s), while "
