@@ -4,7 +4,9 @@
 
 What mgraph does with it: the rotary tables and the mask depend on no input, so they are computed
 once at trace time (the triu mask is recognised as causal: attention skips the blocks above the
-diagonal); ``cos``/``sin`` of shape ``[B, 1, S, D]`` broadcast over the heads of ``[B, H, S, D]``;
+diagonal); ``q * cos + rotate_half(q) * sin`` is one elementwise task per tile, reading
+``cos``/``sin`` (``[B, 1, S, D]``, broadcast over the heads) through a row map and q's head split
+in place; the attention reads v's head split and writes its output merge in place;
 ``repeat_kv`` is undone: the attention shares each KV head among its query heads;
 the norms run on token shards (SequenceParallel), so the column-parallel projections become
 AllGather+GEMM and the row-parallel ones GEMM+ReduceScatter. One TaskGraph holds the whole block.

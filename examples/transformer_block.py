@@ -4,8 +4,9 @@ and sequence parallelism.
 Plan: the norms run on a shard of the tokens (SequenceParallel); every column-parallel linear
 meets a token-sharded input, so it becomes the fused AllGather+GEMM; every row-parallel linear
 feeds a sequence-parallel region, so it becomes the fused GEMM+ReduceScatter. Attention runs on
-each rank's heads (the q/k/v projections shard them); the head split and merge are local
-relayouts; the residual adds stay token-sharded. One TaskGraph holds the whole block, so the
+each rank's heads (the q/k/v projections shard them) and reads the head split and writes the
+merge in place, in the projections' [tokens, heads x head_dim] layout (no relayout task); the
+residual adds stay token-sharded. One TaskGraph holds the whole block, so the
 next op's tiles start while the previous op's collective is still moving data.
 
     python examples/transformer_block.py
