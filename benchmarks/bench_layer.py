@@ -43,10 +43,11 @@ faster). ``error`` is the relative error (max over ranks and calls) against the 
 (eager torch, unsharded, on the same bf16 weights and input); a row above 2e-2 is a failure. A
 failure of one implementation is a row with its status and message; the others still run.
 
-Time: mg.compile of the default layer (1x2, 39744 tasks, trace + lower + schedule) took 12.8 s
-cold (6.4 s CPU) and 3.8 s warm on the project's 2-core CPU machine (2026-11-30); with the warm
-compile, two megakernel builds and torch.compile (inductor), the run is expected to stay under
-~6 minutes on 2 H200 (not yet run there). ``--no-warm`` and ``--no-torch-compile`` drop those
+Time: mg.compile of the default layer (1x2, 13088 tasks: no relayout left since the RoPE and
+head-split fusions, NOTES v10; trace + fuse + lower + validate + schedule) took 1.9 s cold (the
+first in a process) and 0.5 s warm on the project's 2-core CPU machine (2026-11-30, reference
+backend, timed around mg.compile). The v9 run on 2 H200 (`--no-warm --rounds 1 --reps 10`, at
+39744 tasks) took 85 s in all; the warm compile and more rounds add to that. ``--no-warm`` and ``--no-torch-compile`` drop those
 steps. MGRAPH_WATCHDOG_S defaults to 60 here (mgraph's default is 5 s): a rank whose first call
 builds the megakernel later than its peer's waits at the kernel's entry barrier meanwhile.
 
