@@ -47,8 +47,8 @@ Time: mg.compile of the default layer (1x2, 13088 tasks: no relayout left since 
 head-split fusions, NOTES v10; trace + fuse + lower + validate + schedule) took 1.9 s cold (the
 first in a process) and 0.5 s warm on the project's 2-core CPU machine (2026-11-30, reference
 backend, timed around mg.compile). The v9 run on 2 H200 (`--no-warm --rounds 1 --reps 10`, at
-39744 tasks) took 85 s in all; the warm compile and more rounds add to that. ``--no-warm`` and ``--no-torch-compile`` drop those
-steps. MGRAPH_WATCHDOG_S defaults to 60 here (mgraph's default is 5 s): a rank whose first call
+39744 tasks) took 85 s in all; the warm compile and more rounds add to that. ``--no-warm`` and
+``--no-torch-compile`` drop those steps. MGRAPH_WATCHDOG_S defaults to 60 here (mgraph's default is 5 s): a rank whose first call
 builds the megakernel later than its peer's waits at the kernel's entry barrier meanwhile.
 
 --smoke: tiny sizes on the CPU, gloo; mgraph on backend="reference" (a single-controller
