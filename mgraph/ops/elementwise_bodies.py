@@ -183,8 +183,8 @@ if HAVE_TRITON:
         runs of VEC from multiples of VEC): the map's positions in int32, each run one
         16-byte vector (_gather_src's ``vec`` checked)."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
-        rpos = tl.multiple_of(tl.load(pp) + _digit_sum(om, pp + 1), VEC)
-        cpos = tl.max_contiguous(tl.multiple_of(_digit_sum(on, pp + 1 + 2 * _DIGITS), VEC), VEC)
+        rpos = tl.multiple_of(tl.load(pp) + _digit_sum(om, pp + 1, VEC, 1), VEC)
+        cpos = _digit_sum(on, pp + 1 + 2 * _DIGITS, VEC, VEC)  # runs of VEC from multiples of VEC
         p = vec_ptr(addr, DT) + rpos[:, None] + cpos[None, :]
         return tl.load(p, mask=mask, other=1.0)
 

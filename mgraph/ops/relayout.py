@@ -631,16 +631,20 @@ if HAVE_TRITON:
         return out
 
     @triton.jit
-    def _digit_sum(i, pp):
+    def _digit_sum(i, pp, MULT: tl.constexpr, RUN: tl.constexpr):
         """_digits in int32 on the task's params row ``pp`` (radix, stride per digit, innermost
-        first): i // (n0 * n1) is i // n0 // n1. Four digits: DIGITS."""
+        first): i // (n0 * n1) is i // n0 // n1. Four digits: DIGITS. The caller vouches that
+        every sum is a multiple of MULT and that they come in runs of RUN consecutive values;
+        the hints go on the last add here, not on the call's result outside: Triton 3.6
+        drops a hint put on a call's result when it inlines the call (3.9 keeps it)."""
         out = (i % tl.load(pp)) * tl.load(pp + 1)
         i = i // tl.load(pp)
         out += (i % tl.load(pp + 2)) * tl.load(pp + 3)
         i = i // tl.load(pp + 2)
         out += (i % tl.load(pp + 4)) * tl.load(pp + 5)
         i = i // tl.load(pp + 4)
-        return out + (i % tl.load(pp + 6)) * tl.load(pp + 7)
+        out = out + (i % tl.load(pp + 6)) * tl.load(pp + 7)
+        return tl.max_contiguous(tl.multiple_of(out, MULT), RUN)
 
     @triton.jit
     def _copy_runs(pp, src, dst, pitch, dm0, dn0, m, n, VEC: tl.constexpr, BLK_M: tl.constexpr,
@@ -654,11 +658,11 @@ if HAVE_TRITON:
         base = tl.load(pp)
         for i in range(0, m, BLK_M):
             om = i + tl.arange(0, BLK_M)
-            rpos = tl.multiple_of(base + _digit_sum(om, pp + 1), VEC)
+            rpos = tl.multiple_of(base + _digit_sum(om, pp + 1, VEC, 1), VEC)
             drow = tl.multiple_of((dm0 + om) * pitch + dn0, VEC)
             for j in range(0, n, BLK_N):
                 oc = tl.multiple_of(j + tl.arange(0, NCH) * VEC, VEC)
-                cpos = tl.multiple_of(_digit_sum(oc, pp + 1 + 2 * _DIGITS), VEC)
+                cpos = _digit_sum(oc, pp + 1 + 2 * _DIGITS, VEC, 1)
                 mask = (om < m)[:, None, None] & (oc < n)[None, :, None]
                 x = tl.load(src + (rpos[:, None, None] + cpos[None, :, None] + lane), mask=mask)
                 tl.store(dst + (drow[:, None, None] + oc[None, :, None] + lane), x, mask=mask)
