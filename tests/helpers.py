@@ -77,3 +77,25 @@ def interpreter_rows(script: str, timeout: int = 300) -> dict[str, dict]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {r["case"]: r for r in out}
+
+
+def row_vec(graph: TaskGraph, region, dtype: torch.dtype) -> bool:
+    """tilewise.row_operand's ``vec`` on the host (buffers 256-byte aligned, small): the region's
+    corner, pitch and width are whole 16-byte vectors."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    cols = graph.buffers[region.buffer].cols
+    width = region.col1 - region.col0
+    pitch = cols if region.row1 - region.row0 > 1 else 0
+    return width > 1 and all(w % vec == 0 for w in (region.row0 * cols + region.col0, pitch, width))
+
+
+def check_interpreter_cases(script: str, cases: dict[str, bool]) -> None:
+    """Run ``script``'s megakernel cases under the interpreter (interpreter_rows): exactly
+    ``cases`` ran, each within its dtype's tolerance (one bf16 ulp, as test_triton_bodies.py), and
+    the fast path took every ewise task of a case marked True and none of one marked False."""
+    rows = interpreter_rows(script)
+    tol = {"float32": 2e-6, "bfloat16": 1e-2}
+    assert sorted(rows) == sorted(cases), sorted(rows)
+    for case, r in rows.items():
+        assert r["error"] < tol[r["dtype"]], r
+        assert r["fast"] == (r["tasks"] if cases[case] else 0), r

@@ -15,6 +15,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 import torch  # noqa: E402
 
 import mgraph as mg  # noqa: E402
+from helpers import row_vec  # noqa: E402 - tilewise.row_operand's gate on the host
 from mgraph.graph import torch_dtype  # noqa: E402
 from mgraph.ops.relayout import DIGITS  # noqa: E402
 from mgraph.runtime.megakernel import TritonRuntime  # noqa: E402
@@ -77,15 +78,6 @@ def relayout_cases() -> None:
                                 steps=steps, tile_rows=8, dtype=dt)
             assert all("base" in t.params for t in g.tasks), name  # every tile's map fits
             compare(f"relayout-{name}", g, relayout_fast, seed=21)
-
-
-def row_vec(graph, region, dtype: torch.dtype) -> bool:
-    """tilewise.row_operand's ``vec`` on the host (buffers 256-byte aligned, small)."""
-    cols = graph.buffers[region.buffer].cols
-    width = region.col1 - region.col0
-    pitch = cols if region.row1 - region.row0 > 1 else 0
-    return width > 1 and all(w % vec(dtype) == 0
-                             for w in (region.row0 * cols + region.col0, pitch, width))
 
 
 def rows_fast(graph, task, dtype: torch.dtype) -> bool:

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mgraph as mg
-from helpers import check_graph, interpreter_rows, rel_err
+from helpers import check_graph, check_interpreter_cases, rel_err, row_vec
 from mgraph.ops.elementwise import bcast_form, gather_fits, gather_form
 from mgraph.runtime import run_sequential
 
@@ -257,12 +257,7 @@ def test_token_sharded_split_is_read_in_place():
 # -- the megakernel under TRITON_INTERPRET=1 ---------------------------------------------------
 def test_gather_operands_in_the_megakernel():
     pytest.importorskip("triton")
-    rows = interpreter_rows("test_relayout_fusion.py")
-    tol = {"float32": 2e-6, "bfloat16": 1e-2}  # as test_triton_bodies.py: one bf16 ulp
-    assert sorted(rows) == sorted(INTERP_CASES), sorted(rows)
-    for case, r in rows.items():
-        assert r["error"] < tol[r["dtype"]], r
-        assert r["fast"] == (r["tasks"] if INTERP_CASES[case] else 0), r
+    check_interpreter_cases("test_relayout_fusion.py", INTERP_CASES)
 
 
 # case -> whether every ewise task passes the fast path's gate (else none): a head of 16
@@ -283,19 +278,12 @@ def _fast(graph, task, dtype) -> bool:
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     p = task.params
 
-    def ok(region) -> bool:
-        cols = graph.buffers[region.buffer].cols
-        pitch = cols if region.row1 - region.row0 > 1 else 0
-        width = region.col1 - region.col0
-        corner = region.row0 * cols + region.col0
-        return width > 1 and all(w % vec == 0 for w in (corner, pitch, width))
-
     gathered = [k for k in range(len(task.reads)) if (p.get("maps", 0) >> (2 * k)) & 3 == 3]
     others = [r for k, r in enumerate(task.reads) if k not in gathered]
     strides = [p["g_base"], p["g_c0n"], *(p[f"g_r{k}s"] for k in range(4)),
                *(p[f"g_c{k}s"] for k in range(1, 4))]
     gate = p["g_c0s"] == 1 and all(s % vec == 0 for s in strides)
-    return (all(ok(r) for r in (*others, *task.writes)) and p.get("half", 0) % vec == 0
+    return (all(row_vec(graph, r, dtype) for r in (*others, *task.writes)) and p.get("half", 0) % vec == 0
             and (not gathered or gate))
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 import mgraph as mg
-from helpers import check_graph, interpreter_rows, rel_err
+from helpers import check_graph, check_interpreter_cases, rel_err, row_vec
 from mgraph.ops.elementwise import bcast_form
 from mgraph.runtime import run_sequential
 
@@ -263,12 +263,7 @@ def test_gpu_rope_program_matches_eager(table):
 # -- the megakernel under TRITON_INTERPRET=1 ---------------------------------------------------
 def test_rope_in_the_megakernel():
     pytest.importorskip("triton")
-    rows = interpreter_rows("test_rope_fusion.py")
-    tol = {"float32": 2e-6, "bfloat16": 1e-2}  # as test_triton_bodies.py: one bf16 ulp
-    assert sorted(rows) == sorted(INTERP_CASES), sorted(rows)
-    for case, r in rows.items():
-        assert r["error"] < tol[r["dtype"]], r
-        assert r["fast"] == (r["tasks"] if INTERP_CASES[case] else 0), r
+    check_interpreter_cases("test_rope_fusion.py", INTERP_CASES)
 
 
 # case -> whether the fast path takes every ewise task (else none): 16-byte rows and a half
@@ -286,15 +281,8 @@ def _fast(graph, task, dtype) -> bool:
     the rotation's half is a whole number of them."""
     vec = 16 // torch.empty((), dtype=dtype).element_size()
 
-    def ok(region) -> bool:
-        cols = graph.buffers[region.buffer].cols
-        pitch = cols if region.row1 - region.row0 > 1 else 0
-        width = region.col1 - region.col0
-        corner = region.row0 * cols + region.col0
-        return width > 1 and all(w % vec == 0 for w in (corner, pitch, width))
-
     regions = (*task.reads, *task.writes)
-    return all(ok(r) for r in regions) and task.params.get("half", 0) % vec == 0
+    return all(row_vec(graph, r, dtype) for r in regions) and task.params.get("half", 0) % vec == 0
 
 
 def _interp_main() -> None:
