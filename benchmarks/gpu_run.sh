@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_run.sh moe              # bench_moe.py (baseline + mgraph, 2 GPUs)
 #   bash benchmarks/gpu_run.sh calibrate        # calibrate.py: the hardware profile JSON
 #   bash benchmarks/gpu_run.sh proxy            # bench_proxy.py, 1 and 4 copy streams
-# The GPU tests need about 400 s for all 24 (TEST_LIMIT); pytest arguments after "tests" select.
+# The GPU tests need about 400 s for all 24 (TEST_LIMIT); pytest arguments after "tests" select;
+# PYTEST_X= (empty) runs past the first failure.
 set -u
 export PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 \
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -28,7 +29,7 @@ step=${1:-tests}
 shift || true
 case "$step" in
 tests)
-    timeout "${TEST_LIMIT:-300}" python3 -m pytest -q -x -m "gpu or multi_gpu" \
+    timeout "${TEST_LIMIT:-300}" python3 -m pytest -q ${PYTEST_X--x} -m "gpu or multi_gpu" \
         tests/test_megakernel_gpu.py "$@" 2>&1 | tee "$OUT/tests.log" | tail -25
     ;;
 bench)
