@@ -35,8 +35,10 @@ correctness rests on:
 
 Knobs: the environment variable ``FAKE_CUDA_DELAY_US`` (read when the runtime loads) makes every
 operation wait that long before it executes, so the worker lags behind the caller. Through
-``FakeCuda``: ``set_delay_us``, ``hold`` (no worker executes anything until released),
-``poison`` (operations touching a range fail when called, or when executed), ``fail`` (a named
+``FakeCuda``: ``set_delay_us``, ``set_call_us`` (each copy-queueing call spins that long in
+its caller, as a real one costs host time; a batch call costs it once), ``hold`` (no worker
+executes anything until released), ``poison`` (operations touching a range fail when called, or
+when executed), ``fail`` (a named
 entry point returns a status), two deliberate bugs for negative controls (``events_never_wait``:
 cudaEventSynchronize returns at once; ``unordered_stores``: cuStreamWriteValue32 stores when
 called, ahead of the stream), ``start_trace``/``trace`` (every executed operation, in order) and
@@ -112,6 +114,11 @@ class FakeCuda:
 
     def set_delay_us(self, us: int) -> None:
         self.lib.fakecuda_set_delay_us(us)
+
+    def set_call_us(self, us: int) -> None:
+        """Host time each cudaMemcpyAsync / cudaMemcpy2DAsync / cudaMemcpyBatchAsync call
+        spins in its caller before queuing (reset: 0)."""
+        self.lib.fakecuda_set_call_us(us)
 
     def hold(self, on: bool) -> None:
         self.lib.fakecuda_hold(int(on))

@@ -95,6 +95,7 @@ EXPORT int64_t fakecuda_stat(const char* name) {
 static int device_count = 2;
 static int delay_us_at_load = 0;
 static int delay_us = 0;
+static int call_us = 0;  // host time every copy-queueing call takes (the caller spins)
 static int hold = 0;
 static int events_never_wait = 0;
 static int unordered_stores = 0;
@@ -136,6 +137,10 @@ __attribute__((constructor)) static void fakecuda_load(void) {
 EXPORT int fakecuda_delay_us(void) { return __atomic_load_n(&delay_us, __ATOMIC_RELAXED); }
 
 EXPORT void fakecuda_set_delay_us(int us) { __atomic_store_n(&delay_us, us, __ATOMIC_RELAXED); }
+
+// A real cudaMemcpyAsync costs its caller microseconds of host time (H200: ~10 us into a peer),
+// which a loop that paces itself must not add to the link's time (mover.cpp, pace).
+EXPORT void fakecuda_set_call_us(int us) { __atomic_store_n(&call_us, us, __ATOMIC_RELAXED); }
 
 EXPORT void fakecuda_hold(int on) {
   pthread_mutex_lock(&hold_mu);
@@ -246,6 +251,7 @@ EXPORT void fakecuda_reset(void) {
   fakecuda_events_never_wait(0);
   fakecuda_unordered_stores(0);
   fakecuda_set_delay_us(delay_us_at_load);
+  fakecuda_set_call_us(0);
   fakecuda_set_runtime_version(kDefaultRuntimeVersion);
   fakecuda_trace(0);
   pthread_mutex_lock(&peer_mu);
@@ -308,8 +314,7 @@ typedef struct FakeEvent {
   uint64_t completed;   // generation of the last marker the stream executed
 } FakeEvent;
 
-static void wait_delay(void) {
-  const int us = __atomic_load_n(&delay_us, __ATOMIC_RELAXED);
+static void spin_for(int us) {
   if (us <= 0) return;
   struct timespec now, until;
   clock_gettime(CLOCK_MONOTONIC, &until);
@@ -326,6 +331,10 @@ static void wait_delay(void) {
   } while (now.tv_sec < until.tv_sec ||
            (now.tv_sec == until.tv_sec && now.tv_nsec < until.tv_nsec));
 }
+
+static void wait_delay(void) { spin_for(__atomic_load_n(&delay_us, __ATOMIC_RELAXED)); }
+
+static void call_cost(void) { spin_for(__atomic_load_n(&call_us, __ATOMIC_RELAXED)); }
 
 static void wait_while_held(void) {
   if (!__atomic_load_n(&hold, __ATOMIC_ACQUIRE)) return;
@@ -696,12 +705,14 @@ static int queue_copy(void* dst, size_t dpitch, const void* src, size_t spitch, 
 
 EXPORT int cudaMemcpyAsync(void* dst, const void* src, size_t count, int kind, void* stream) {
   FAIL_POINT("cudaMemcpyAsync");
+  call_cost();
   return queue_copy(dst, count, src, count, count, 1, kind, stream, kCopy);
 }
 
 EXPORT int cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
                              size_t width, size_t height, int kind, void* stream) {
   FAIL_POINT("cudaMemcpy2DAsync");
+  call_cost();
   return queue_copy(dst, dpitch, src, spitch, width, height, kind, stream, kCopy2D);
 }
 
@@ -735,6 +746,7 @@ EXPORT int cudaMemcpyBatchAsync(void** dsts, void** srcs, size_t* sizes, size_t 
                                 FakeMemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
                                 size_t* fail_idx, void* stream) {
   FAIL_POINT("cudaMemcpyBatchAsync");
+  call_cost();  // once per call, whatever the count: what batching saves
   if (__atomic_load_n(&runtime_version, __ATOMIC_RELAXED) >= 13000) {
     stream = (void*)fail_idx;
     fail_idx = NULL;

@@ -196,6 +196,8 @@ void Drain::run() {
 
 int Drain::peek() {
   const int64_t tail = __atomic_load_n(tail_, __ATOMIC_RELAXED);  // only this thread writes it
+  backlog_ = last_full_;
+  last_full_ = false;
   int n = 0;
   for (; n < batch_; ++n) {
     const int64_t ticket = tail + n;
@@ -213,6 +215,7 @@ int Drain::peek() {
     }
     cmds_[static_cast<size_t>(n)] = c;
   }
+  last_full_ = n == batch_;
   if (n > 0) {
     batches.fetch_add(1, std::memory_order_relaxed);
     int64_t best = max_batch.load(std::memory_order_relaxed);
@@ -261,7 +264,7 @@ void Drain::send(const Group& g) {
 }
 
 void Drain::execute(int n) {
-  mover.begin_batch(cmds_, n);
+  mover.begin_batch(cmds_, n, backlog_);
   Group group;
   bool open = false;
   for (int i = 0; i < n; ++i) {

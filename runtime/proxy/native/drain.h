@@ -66,6 +66,8 @@ class Drain {
   int64_t* tail_;
   int64_t capacity_, mask_;
   int batch_;
+  // The previous read filled a whole batch: the next one's commands may have been waiting.
+  bool last_full_ = false, backlog_ = false;
   bool coalesce_;
   double timeout_s_;
   std::vector<Command> cmds_;

@@ -157,7 +157,11 @@ void Mover::start_thread() {
   }
 }
 
-void Mover::begin_batch(const std::vector<Command>& cmds, int n) {
+void Mover::begin_batch(const std::vector<Command>& cmds, int n, bool backlog) {
+  // Seen now, unless the ring held a backlog: then they were queued behind the link's previous
+  // transfer, which a real NIC (posted to in a microsecond, not in this loop's time per
+  // command) would have started back to back.
+  if (!backlog || seen_at_ == 0) seen_at_ = now_s();
   last_use_.clear();
   for (int i = 0; i < n; ++i) {
     const Command& c = cmds[static_cast<size_t>(i)];
@@ -269,14 +273,46 @@ void Mover::raise_now(const EventKey& key, int64_t count) {
 
 void Mover::pace(int64_t nbytes) {
   if (bytes_per_s <= 0) return;
-  // A NIC finishes a transfer nbytes / bandwidth after the previous one ends: hold the copy
-  // until then, so the destination sees data no earlier than the emulated link would deliver.
-  const double start = std::max(now_s(), busy_until_);
+  // A NIC starts a transfer once the command is posted and its previous transfer ended, and
+  // finishes it nbytes / bandwidth later: the copy is held until then, so the destination sees
+  // data no earlier than the emulated link would deliver it. The link's clock runs from when
+  // the batch was seen, not from when this loop reached the command: the loop's own cost per
+  // command (a copy call, ~10 us on the GPU) must not add to the link's time, or the paced
+  // rate falls to nbytes / (nbytes / bandwidth + that cost) (measured: 15 GB/s at a 50 GB/s
+  // cap with 4 streams and 256 KiB copies, benchmarks/NOTES.md).
+  const double start = std::max(seen_at_ > 0 ? seen_at_ : now_s(), busy_until_);
   busy_until_ = start + static_cast<double>(nbytes) / bytes_per_s;
-  while (now_s() < busy_until_) {
+  double left = busy_until_ - now_s();
+  if (left <= 0) return;  // the loop is behind the link: this copy is due already
+  // Several streams: copies collected so far are due; submit them before idling (and, while
+  // the wait still hides it, the flags that follow them), instead of at the batch's end.
+  if (multi()) flush_early();
+  while ((left = busy_until_ - now_s()) > 0) {
     if (abort != nullptr && abort->load(std::memory_order_relaxed)) fail("aborted");
-    const double left = busy_until_ - now_s();
     if (left > 50e-6) std::this_thread::sleep_for(std::chrono::duration<double>(left - 20e-6));
+  }
+}
+
+void Mover::flush_early() {
+  // Data first on every stream (it is due), then flags one stream at a time while the link's
+  // transfer has at least kEarlyRaiseS left: idle time only, never the link's.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (StreamState& st : streams_) {
+      if (pass == 1 && (st.raises.empty() || busy_until_ - now_s() < kEarlyRaiseS)) continue;
+      try {
+        if (pass == 0) {
+          flush_data(st);
+        } else {
+          flush_raises(st);
+        }
+      } catch (const Failure& f) {  // kept for end_batch (cf. its handling of the same)
+        st.data.clear();
+        st.raises.clear();
+        st.raise_at.clear();
+        if (!early_failed_ || f.index < early_failure_.index) early_failure_ = f;
+        early_failed_ = true;
+      }
+    }
   }
 }
 
@@ -304,9 +340,10 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
     StreamState& st = streams_.at(static_cast<size_t>(si));
     uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
     const bool flat = src.rows() == 1 || (width == s.row_bytes && width == d.row_bytes);
-    if (flat && bytes_per_s <= 0) {
-      // Collected for one submission at the end of the batch. Copies of one submission run in
-      // no promised order, so one that overlaps an earlier destination goes after them.
+    if (flat) {
+      // Collected for one submission at the end of the batch (paced: at the next wait, see
+      // pace). Copies of one submission run in no promised order, so one that overlaps an
+      // earlier destination goes after them.
       const auto lo = reinterpret_cast<uintptr_t>(to), hi = lo + static_cast<uintptr_t>(nbytes);
       for (const Copy1D& c : st.data) {
         const auto clo = reinterpret_cast<uintptr_t>(c.dst);
@@ -317,8 +354,7 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
       }
       st.data.push_back(Copy1D{to, from, static_cast<size_t>(nbytes), index, ""});
     } else {
-      // Strided, or paced like a NIC (a paced copy leaves when the link would start it): now,
-      // after what the stream already holds.
+      // Strided: now, after what the stream already holds.
       flush_data(st);
       cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
                    static_cast<size_t>(width), static_cast<size_t>(src.rows()), st.stream);
@@ -492,8 +528,9 @@ void Mover::end_batch() {
   if (multi()) {
     // Every stream, even after one failed (commands before the failing one are reported done);
     // the failure of the earliest command is the one thrown.
-    bool failed = false;
-    Failure first{0, ""};
+    bool failed = early_failed_;
+    Failure first = early_failure_;
+    early_failed_ = false;
     for (StreamState& st : streams_) {
       try {
         flush_data(st);

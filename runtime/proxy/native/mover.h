@@ -34,8 +34,11 @@
 // together: each word once with the batch's total, words that are neighbours in one rank's flag
 // array in ONE staged copy. So a stream's flags always follow all of its data of the batch
 // (stream order: data before flags, the property every waiter rests on), while flags of one
-// batch go out in no particular order among themselves. With one stream the single-stream path
-// above is kept exactly (words raised as soon as their last command executed).
+// batch go out in no particular order among themselves. Paced (``bytes_per_s``), what was
+// collected also goes out whenever the loop is about to wait for the emulated link, data first,
+// then the flags of as many streams as the wait leaves time for (see pace): the same order per
+// stream, a word raised more than once per batch. With one stream the single-stream path above
+// is kept exactly (words raised as soon as their last command executed).
 #pragma once
 
 #include <atomic>
@@ -136,7 +139,9 @@ class Mover {
   void check_lane(const Command& c);
 
   // The batch's commands ``cmds[0..n)``, before any executes: where each word is last raised.
-  void begin_batch(const std::vector<Command>& cmds, int n);
+  // ``backlog``: the read before this one filled a whole batch, so these commands may have
+  // been waiting in the ring while the previous batch executed (see pace).
+  void begin_batch(const std::vector<Command>& cmds, int n, bool backlog = false);
   // ``lane`` picks the stream; ``index`` (the command's place in the batch) names it when a
   // copy or flag queued for the end of the batch fails there.
   void write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rect& dst,
@@ -163,12 +168,22 @@ class Mover {
   // flag_copy: a ring of pinned staging words; a word is reused only after the event recorded
   // behind its region's last copy (one lap ago) completed, so no copy reads a newer count.
   static constexpr size_t kStageWords = 1 << 16, kRegionWords = 1 << 10;
+  // Several streams, paced: while at least this much of a wait is left, the flags collected so
+  // far are raised early, one stream at a time (a copy call costs ~10 us of host time).
+  static constexpr double kEarlyRaiseS = 10e-6;
   uint32_t* stage_ = nullptr;
   size_t stage_next_ = 0;
   std::vector<void*> marks_;
   std::vector<bool> marked_;
   bool rang_ = false;
+  // The emulated NIC (pace): when its current transfer ends, and since when the commands of
+  // this batch are known to be waiting for it.
   double busy_until_ = 0;
+  double seen_at_ = 0;
+  // Several streams: a failure of copies or flags submitted early (while pacing waited),
+  // thrown by end_batch like its own (the drain reports the command and releases nothing).
+  bool early_failed_ = false;
+  Failure early_failure_{0, ""};
   // This batch's raises, in the order each word was first raised; [0, emitted_) are done.
   std::vector<PendingRaise> pending_;
   size_t emitted_ = 0;
@@ -209,6 +224,7 @@ class Mover {
   void flush_raises(StreamState& st);
   void raise_now(const EventKey& key, int64_t count);
   void pace(int64_t nbytes);
+  void flush_early();
   void write_verbs(int64_t src_rank, const Buffer& s, const Rect& src, int64_t dst_rank,
                    const Buffer& d, const Rect& dst, const std::vector<int64_t>& events,
                    const std::vector<int64_t>& done);
