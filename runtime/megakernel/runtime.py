@@ -455,7 +455,22 @@ class TritonRuntime:
                 self.views[buf.id].zero_()
         if self._args is None:
             self._args = self._kernel_args()
+            self._compile_and_meet()
         self.compiled = self._kernel[(self.tables.programs,)](**self._args)
+
+    def _compile_and_meet(self) -> None:
+        """One process per rank: compile the kernel, then wait on the host until every rank has
+        built its runtime and compiled, before the first launch. Triton compiles at the first
+        call, for seconds, and ranks compile different kernels (their tables and ``rank`` are
+        specialised), so one rank may hit a cache another misses; without this, the ranks that
+        launched first spent their entry barrier's watchdog on a peer still compiling (issue 15:
+        "the entry barrier ... after 5 s" on the first configuration of each process only)."""
+        if self.world == 1 or self.shared is not None or self.interpret:
+            return  # one process holds every rank (or only one): nobody to wait for
+        import torch.distributed as dist
+
+        self._kernel.warmup(grid=(self.tables.programs,), **self._args)
+        dist.barrier()
 
     def _kernel_args(self) -> dict:
         """Every kernel argument by its name in kernel.megakernel's signature (nothing
@@ -580,7 +595,7 @@ class TritonRuntime:
                 f"watchdog (triton): {who(rank)}, program {pid}: {self._what(task, slot)}: "
                 f"value {value}, target {target}, epoch {epoch}, after "
                 f"{self.settings.watchdog_s:g} s",
-                hint="a signal is missing or a peer never launched; rebuild the runtime to retry",
+                hint=_watchdog_hint(task, slot),
             )
             raise self.failed
 
@@ -691,6 +706,17 @@ def run_in_process(
         rt.close()
     assert result is not None
     return result.outputs
+
+
+def _watchdog_hint(task: int, slot: int) -> str:
+    """What to check after a watchdog record (codes as in TritonRuntime._what)."""
+    if task in (-1, -3) and slot != -2:  # the entry barrier: a peer's start never came
+        return ("a peer did not start this launch within the watchdog: it failed or stopped "
+                "before launching (see its own error), or it was held up on its host (every "
+                "rank must launch every time); MGRAPH_WATCHDOG_S raises the bound; rebuild the "
+                "runtime to retry")
+    return ("a signal is missing, or a peer never launched or stopped on an error of its own "
+            "(a peer's error is the cause: read every rank's); rebuild the runtime to retry")
 
 
 def who(rank: int) -> str:
