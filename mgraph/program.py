@@ -28,12 +28,23 @@ A Program runs on the backend it was compiled for:
     comes back whole.
 
 The parameters are read from the module at every call (so updated weights are used), laid out
-as the ops read them.
+as the ops read them. On ``triton`` a parameter is copied into the megakernel's buffers at the
+first call and again only when its module tensor changed since: another tensor object or
+storage (a new ``nn.Parameter``, ``w.data = t``), another shape or layout, or an in-place write
+that torch counts in ``w._version`` (``with torch.no_grad(): w.copy_(t)``, ``w.mul_(2)``).
+Writes that torch does not count, through ``w.data`` (``w.data.copy_(t)``) or by code outside
+torch into its memory, are not seen: call ``prog.reload_parameters()`` after them. Tensors
+created under ``torch.inference_mode`` have no version counter; they are copied at every call.
+The module's inputs are copied at every call; each output is one copy of the kernel's buffer.
+Scratch and output buffers are NaN-filled before the first launch of a Program's kernel only
+(``backend_options={"poison": True}``: before every launch, with no CUDA graph replay), so a
+task that reads an element no task wrote shows as NaN in the first call's result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +88,8 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     the attention (``fuse``), lower it to ONE
     TaskGraph on ``topology``, validate and schedule it; the Program runs it on ``backend``
     with ``backend_options`` (triton: ``interpret``, ``trace``, ``gemm_config``,
-    ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords). On
+    ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords; ``poison``: NaN-fill
+    the kernel's scratch and output buffers before every launch, not only the first). On
     ``backend="triton"`` a kind with no Triton body is a RegistrationError here, before
     anything launches."""
     check_backend(backend)
@@ -163,6 +175,8 @@ class Program:
         self.last_result: Any = None
         self._runtime: Any = None  # the TritonRuntime of this process's rank (built once)
         self._chunk_ok: dict[tuple[str, int, int], bool] = {}
+        # parameter name -> its module tensors as the runtime's buffers hold them (triton)
+        self._loaded: dict[str, tuple[_Seen | None, ...]] = {}
 
     @property
     def graph(self) -> TaskGraph:
@@ -213,22 +227,51 @@ class Program:
                 hint="pass the same positional inputs as the example inputs",
             )
 
-    def _params(self, out: dict[str, torch.Tensor]) -> None:
-        """The parameters the graph reads, built from the module now (global, flat 2-D)."""
+    def _params(
+        self,
+        out: dict[str, torch.Tensor],
+        loaded: Mapping[str, tuple[_Seen | None, ...]] | None = None,
+    ) -> dict[str, tuple[_Seen | None, ...]]:
+        """The parameters the graph reads, built from the module now (global, flat 2-D) into
+        ``out``; with ``loaded`` (what the runtime's buffers hold, by parameter name) only the
+        parameters whose module tensors changed since. Returns what every wanted parameter is
+        built from now."""
         og, wanted = self.opgraph, self.graph.inputs
         dtype = torch_dtype(og.dtype)
         tensors = dict(self.module.named_parameters(remove_duplicate=False))
         tensors.update(self.module.named_buffers(remove_duplicate=False))
         tensors.update(og.constants)
+        now: dict[str, tuple[_Seen | None, ...]] = {}
         for value in og.params:
             if value.name in wanted:
                 assert value.source is not None
+                if loaded is not None:
+                    held = loaded.get(value.name)
+                    sources = [tensors[f] for f in value.source.fqns]
+                    if held is not None and all(
+                        s is not None and s.matches(t) for s, t in zip(held, sources, strict=True)
+                    ):
+                        now[value.name] = held
+                        continue
+                    now[value.name] = tuple(_Seen.of(t) for t in sources)
                 t = value.source.build(tensors).to(dtype)
                 out[value.name] = t.reshape(flat_shape(value.shape))
+        return now
+
+    def reload_parameters(self) -> None:
+        """Copy every parameter into the kernel's buffers again at the next call (backend
+        "triton"): for writes to a parameter that torch's version counter does not see, such
+        as ``w.data.copy_(t)`` (the module docstring says which writes are seen)."""
+        self._loaded = {}
 
     def inputs(self, *args: torch.Tensor) -> dict[str, torch.Tensor]:
         """The graph's global inputs for module inputs ``args``: the arguments and parameters,
         each flattened to the 2-D view its buffers use."""
+        out = self._module_inputs(args)
+        self._params(out)
+        return out
+
+    def _module_inputs(self, args: Sequence[Any]) -> dict[str, torch.Tensor]:
         self._check_count(args)
         wanted = self.graph.inputs
         out: dict[str, torch.Tensor] = {}
@@ -236,7 +279,6 @@ class Program:
             arg = self._arg(value, arg, [value.shape])
             if value.name in wanted:
                 out[value.name] = arg.reshape(flat_shape(value.shape))
-        self._params(out)
         return out
 
     # -- running ------------------------------------------------------------------------------
@@ -266,26 +308,53 @@ class Program:
         from .runtime.megakernel import TritonRuntime, run_in_process
         from .runtime.reference import RunResult
 
+        poison = opts.pop("poison", None)
         interpret = bool(opts.get("interpret"))
         if not interpret:
             _triton_available()
         world = self.topology.world_size
         if world > 1 and not interpret:
-            return self._run_spmd(args, settings, opts)
-        inputs = self.inputs(*args)
+            return self._run_spmd(args, settings, opts, poison)
         if world > 1:  # the interpreter: every rank in one program of this process
-            outputs = run_in_process(self.schedule, inputs, settings=settings)
+            outputs = run_in_process(self.schedule, self.inputs(*args), settings=settings)
             result = RunResult(outputs, None, 0.0, 1, {})
         else:
+            inputs = self._module_inputs(args)
             if self._runtime is None:
                 self._runtime = TritonRuntime(self.schedule, settings=settings, **opts)
-            result = self._runtime.run(inputs)
+            result = self._launch(inputs, lambda ins: ins, poison)
         for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
             result.outputs[name] = result.outputs[name].reshape(value.shape)
         return result
 
+    def _launch(
+        self,
+        inputs: dict[str, torch.Tensor],
+        local: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+        poison: bool | None,
+    ) -> Any:
+        """One run of this process's runtime on the module inputs ``inputs`` (global) and the
+        parameters that changed since its buffers were loaded (``local``: the global tensors
+        as the runtime takes them). The kernel's buffers are poisoned at its first launch, or
+        at every launch with ``poison``."""
+        runtime = self._runtime
+        held = runtime.loaded_inputs()  # what the runtime can keep: never a buffer a task writes
+        now = self._params(inputs, {n: s for n, s in self._loaded.items() if n in held})
+        resident = [name for name in now if name not in inputs]
+        # a run that fails part-way leaves the buffers in no known state: reload them all next
+        self._loaded = {}
+        result = runtime.run(
+            local(inputs),
+            poison=runtime.epoch == 0 if poison is None else bool(poison),
+            resident=resident,
+        )
+        self._loaded = now
+        return result
+
     # -- SPMD (torchrun) ----------------------------------------------------------------------
-    def _run_spmd(self, args: Sequence[torch.Tensor], settings: Settings, opts: dict) -> Any:
+    def _run_spmd(
+        self, args: Sequence[torch.Tensor], settings: Settings, opts: dict, poison: bool | None
+    ) -> Any:
         import torch.distributed as dist
 
         from .runtime.megakernel import TritonRuntime, local_shards
@@ -306,10 +375,9 @@ class Program:
         for value, arg in zip(self.opgraph.inputs, args, strict=True):
             if value.name in self.graph.inputs:
                 globals_[value.name] = self._spmd_input(value, arg, rank, world)
-        self._params(globals_)
         if self._runtime is None:
             self._runtime = TritonRuntime(self.schedule, rank=rank, settings=settings, **opts)
-        result = self._runtime.run(local_shards(self.graph, rank, globals_))
+        result = self._launch(globals_, lambda ins: local_shards(self.graph, rank, ins), poison)
         for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
             local = assemble_local(self.graph, rank, name, result.outputs[name])
             result.outputs[name] = self._spmd_output(name, value, local, rank, world)
@@ -424,4 +492,34 @@ class Program:
         return (
             f"Program({self.opgraph.name}, topology={self.topology}, backend={self.backend!r}, "
             f"ops={len(self.lowered.nodes)}, tasks={len(g.tasks)})"
+        )
+
+
+class _Seen:
+    """A module tensor as it was when a Program copied it into the kernel's buffers: the same
+    object (held weakly: a freed tensor's id and address can be reused), storage, layout and
+    in-place version (torch bumps ``_version`` at every in-place write it runs)."""
+
+    __slots__ = ("ref", "ptr", "shape", "stride", "dtype", "device", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
+        self.ptr, self.shape, self.stride = t.data_ptr(), t.shape, t.stride()
+        self.dtype, self.device, self.version = t.dtype, t.device, t._version
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Seen | None:
+        """None for a tensor that has no version counter (made under torch.inference_mode):
+        it matches nothing, so it is copied at every call."""
+        return None if t.is_inference() else _Seen(t)
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return (
+            self.ref() is t
+            and t._version == self.version
+            and t.data_ptr() == self.ptr
+            and t.shape == self.shape
+            and t.stride() == self.stride
+            and t.dtype == self.dtype
+            and t.device == self.device
         )

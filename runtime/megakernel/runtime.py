@@ -19,17 +19,19 @@ until ``close()``. The flag array then holds the proxies' net words after the ev
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from mgraph.errors import DTypeError, InputError, MgraphError, ScheduleError, WatchdogTimeout
-from mgraph.graph import ITEMSIZE, TaskGraph, torch_dtype
+from mgraph.graph import ITEMSIZE, Buffer, TaskGraph, torch_dtype
 from mgraph.kinds import KINDS, ROLES, TaskKind
 from mgraph.ops.abi import POS_FIELDS, Q_WORKERS, S_K0, S_K1, S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
-from ..memory import check_inputs, gather_outputs
+from ..memory import check_inputs, check_outputs_written, gather_outputs
 from ..trace import TaskRecord, Trace
 from .dispatch import PUSH_KIND, body_constexprs, body_params, has_body, megakernel_for
 from .encode import (
@@ -140,9 +142,10 @@ def buffer_shard(buf, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def local_shards(graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor]) -> dict:
-    """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs. A
-    rank with two buffers of one input (a chunk and the whole, say) cannot be fed one tensor
-    per name: a named error (single-process runs fill each buffer from the global input)."""
+    """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs; a
+    name missing from ``inputs`` is missing from the result too. A rank with two buffers of one
+    input (a chunk and the whole, say) cannot be fed one tensor per name: a named error
+    (single-process runs fill each buffer from the global input)."""
     out, seen = {}, {}
     for buf in graph.buffers.values():
         if buf.rank == rank and buf.role == "input" and buf.binding is not None:
@@ -155,7 +158,8 @@ def local_shards(graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor]) -
                     "which fills each buffer from the global tensor",
                 )
             seen[name] = buf.binding.pieces
-            out[name] = buffer_shard(buf, inputs)
+            if name in inputs:  # one left out stays out (a resident input, see load_inputs)
+                out[name] = buffer_shard(buf, inputs)
     return out
 
 
@@ -174,6 +178,8 @@ def assemble_local(graph: TaskGraph, rank: int, name: str, data: torch.Tensor) -
 
 class TritonRuntime:
     """One rank's compiled schedule: tables on the GPU, arena, flags; ``run`` launches it."""
+
+    _plan: _CallPlan | None = None  # the per-call bookkeeping, built at the first load
 
     def __init__(
         self,
@@ -394,29 +400,67 @@ class TritonRuntime:
         self.bm, self.bn = gemm_block(gemms) if gemms else (16, 16)
 
     # -- launches -----------------------------------------------------------------------------
-    def load_inputs(self, inputs: dict[str, torch.Tensor]) -> None:
+    def load_inputs(
+        self, inputs: dict[str, torch.Tensor], resident: Collection[str] = ()
+    ) -> None:
+        """Copy ``inputs`` into their buffers: GLOBAL tensors on one rank (or every rank in one
+        process), the rank's local shards under SPMD. ``resident`` names inputs left out because
+        their buffers still hold what an earlier load put there (a Program's unchanged weights):
+        nothing is copied for them. Only an input that was loaded before and that no task writes
+        can be resident: anything else is an InputError, never a stale value."""
+        plan = self._call_plan()
         graph = self.graph
+        skip = [n for n in resident if n not in inputs]
+        if skip:
+            never = sorted(n for n in skip if n not in plan.loaded)
+            if never:
+                raise InputError(
+                    f"{graph.op}: inputs {never} were passed as resident, but their buffers do "
+                    "not hold them (never loaded, or the graph writes those buffers)",
+                    hint="pass these inputs",
+                )
         if self.world == 1 or self.rank is None:
-            check_inputs(graph, inputs)
-            for buf in graph.buffers.values():
-                if buf.role == "input":
+            # resident inputs are checked as the placeholders of what was loaded
+            check_inputs(graph, {**{n: plan.placeholders[n] for n in skip}, **inputs})
+            for name, bufs in plan.inputs.items():
+                if name not in inputs:
+                    continue
+                plan.loaded.discard(name)  # until every buffer of it holds the new value
+                for buf in bufs:
                     self.views[buf.id].copy_(buffer_shard(buf, inputs).reshape(buf.rows, buf.cols))
+                if name not in plan.volatile:
+                    plan.loaded.add(name)
             return
-        for buf in graph.buffers.values():
-            if buf.rank != self.rank or buf.role != "input":
+        for name, bufs in plan.inputs.items():
+            if name in skip:
                 continue
-            name = buf.binding.tensor
             if name not in inputs:
                 raise InputError(f"{graph.op}: rank {self.rank} got no local input {name!r}")
             x = inputs[name]
-            if x.numel() != buf.rows * buf.cols or x.dtype != torch_dtype(buf.dtype):
-                raise InputError(
-                    f"{graph.op}: rank {self.rank} input {name!r} is {tuple(x.shape)} {x.dtype}; "
-                    f"its local shard is {buf.rows * buf.cols} elements of {buf.dtype}",
-                    hint="under torchrun each rank passes its own shard (mgraph.runtime."
-                    "megakernel.local_shards cuts them from global tensors)",
-                )
-            self.views[buf.id].copy_(x.reshape(buf.rows, buf.cols))
+            plan.loaded.discard(name)
+            for buf in bufs:
+                if x.numel() != buf.rows * buf.cols or x.dtype != torch_dtype(buf.dtype):
+                    raise InputError(
+                        f"{graph.op}: rank {self.rank} input {name!r} is {tuple(x.shape)} "
+                        f"{x.dtype}; its local shard is {buf.rows * buf.cols} elements of "
+                        f"{buf.dtype}",
+                        hint="under torchrun each rank passes its own shard (mgraph.runtime."
+                        "megakernel.local_shards cuts them from global tensors)",
+                    )
+                self.views[buf.id].copy_(x.reshape(buf.rows, buf.cols))
+            if name not in plan.volatile:
+                plan.loaded.add(name)
+
+    def loaded_inputs(self) -> set[str]:
+        """The inputs that may be passed as ``resident`` to the next run: loaded before, and
+        in buffers no task writes."""
+        return set(self._call_plan().loaded)
+
+    def _call_plan(self) -> _CallPlan:
+        """The graph's per-call bookkeeping, worked out at the first load and kept."""
+        if self._plan is None:
+            self._plan = _CallPlan.of(self.graph, self.mine)
+        return self._plan
 
     def launch(self, poison: bool = False) -> None:
         """One launch of the persistent kernel (no host sync).
@@ -641,17 +685,34 @@ class TritonRuntime:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, inputs: dict[str, torch.Tensor], *, poison: bool = True):
+    def run(
+        self,
+        inputs: dict[str, torch.Tensor],
+        *,
+        poison: bool = True,
+        resident: Collection[str] = (),
+    ):
+        """Load ``inputs`` (``resident``: see load_inputs), launch once (``poison``: NaN-fill
+        the scratch and output buffers first, see launch), wait for the kernel and check its
+        watchdog record. The outputs are fresh tensors: GLOBAL on one rank or every rank in
+        one process, the rank's local shards under SPMD (views of its buffers, valid until the
+        next launch). ``wall_s`` runs from the launch to the kernel's end (with a copied
+        output's copy, which is queued behind the kernel)."""
         from mgraph.runtime.reference import RunResult
 
-        self.load_inputs(inputs)
+        self.load_inputs(inputs, resident)
         start = time.perf_counter()
         self.launch(poison=poison)
+        # queued before the host waits: the GPU runs it right after the kernel, not after a
+        # round trip to the host
+        whole = self._whole_outputs()
         if not self.interpret:
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - start
-        self.check()
-        if self.world == 1 or self.rank is None:
+        self.check()  # before reading anything else: a timeout is the root cause
+        if whole is not None:
+            outputs = whole
+        elif self.world == 1 or self.rank is None:
             outputs = gather_outputs(self.graph, self.views)
         else:
             outputs = {
@@ -661,6 +722,19 @@ class TritonRuntime:
                 if buf.rank == self.rank and buf.role == "output"
             }
         return RunResult(outputs, self.trace(), wall, self.epoch, {})
+
+    def _whole_outputs(self) -> dict[str, torch.Tensor] | None:
+        """Each output as a copy of the one buffer that holds all of it, when every output has
+        such a buffer (one rank, or every rank in one process with unreplicated outputs);
+        otherwise None (gather_outputs assembles them)."""
+        plan = self._call_plan()
+        if plan.whole is None or not (self.world == 1 or self.rank is None):
+            return None
+        check_outputs_written(self.graph)  # once per graph (memory.py caches it)
+        return {
+            name: self.views[bid].reshape(self.graph.outputs[name].shape).clone()
+            for name, bid in plan.whole.items()
+        }
 
     def trace(self) -> Trace:
         """Per-task records of the last launch (when built with trace=True)."""
@@ -677,6 +751,56 @@ class TritonRuntime:
                                       roles.index(roles[pid]), (s - t0) / 1e9, (e - t0) / 1e9,
                                       (ready - t0) / 1e9))
         return Trace(records, backend="triton")
+
+
+@dataclass
+class _CallPlan:
+    """What every run reads of the graph, worked out once per runtime.
+
+    ``inputs``: each input's buffers on the ranks this runtime runs. ``volatile``: inputs with a
+    buffer that a task writes or that is zeroed before each launch; they are never resident
+    (reloaded at every run). ``loaded``: inputs whose buffers hold what the last load copied.
+    ``placeholders``: meta tensors of the inputs' global shapes and dtypes (a resident input's
+    stand-in for check_inputs). ``whole``: output name -> the id of the one buffer that holds
+    the whole output in one piece, or None when some output has no such buffer.
+    """
+
+    inputs: dict[str, list[Buffer]]
+    volatile: set[str]
+    placeholders: dict[str, torch.Tensor]
+    whole: dict[str, str] | None
+    loaded: set[str] = field(default_factory=set)
+
+    @staticmethod
+    def of(graph: TaskGraph, ranks: set[int]) -> _CallPlan:
+        inputs: dict[str, list[Buffer]] = {}
+        for buf in graph.buffers.values():
+            if buf.rank in ranks and buf.role == "input" and buf.binding is not None:
+                inputs.setdefault(buf.binding.tensor, []).append(buf)
+        written = {w.buffer for t in graph.tasks for w in t.writes}
+        volatile = {
+            name for name, bufs in inputs.items()
+            if any(b.zeroed or b.id in written for b in bufs)
+        }
+        placeholders = {
+            name: torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device="meta")
+            for name, spec in graph.inputs.items()
+        }
+        holders: dict[str, list[Buffer]] = {}
+        for buf in graph.buffers.values():
+            if buf.rank in ranks and buf.role == "output" and buf.binding is not None:
+                holders.setdefault(buf.binding.tensor, []).append(buf)
+        whole: dict[str, str] | None = {}
+        for name, spec in graph.outputs.items():
+            bufs = holders.get(name, [])
+            everything = tuple((0, n) for n in spec.shape)
+            if len(bufs) != 1 or [tuple(map(tuple, p)) for p in bufs[0].binding.pieces] != [
+                everything
+            ]:
+                whole = None
+                break
+            whole[name] = bufs[0].id
+        return _CallPlan(inputs, volatile, placeholders, whole)
 
 
 class _SharedMemory:
