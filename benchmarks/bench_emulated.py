@@ -165,6 +165,8 @@ def table(rows: list[dict]) -> str:
         for r in mine:
             ms = r["ms"]
             notes = [f"FAILED: {r['error']}"] if "error" in r else []
+            others = {k: e for k, e in (r.get("errors") or {}).items() if e != r.get("error")}
+            notes += [f"rank {k}: {e}" for k, e in others.items()]
             for field, text in [("baseline", "vs {}"), ("fraction_hidden", "hides {:.2f} of net"),
                                 ("gbps", "{:.1f} GB/s"), ("rel_err", "rel err {:.1e}")]:  # fmt: skip
                 if r.get(field) is not None:
@@ -294,11 +296,17 @@ class Bench:
 
     def failed(self, op: str, shape: Shape, cap: float, impl: str, error: str | None,
                **extra: object) -> bool:  # fmt: skip
-        """Whether ``impl`` failed on any rank; if so, its row records the error (no number)."""
+        """Whether ``impl`` failed on any rank; if so, its row records the error (no number):
+        this rank's, and every rank's in ``errors`` (the first rank to fail is often the cause:
+        a rank whose watchdog fired stops, and its peers then time out waiting for it)."""
         # Every rank takes the same branch (a lone rank in a collective would hang).
-        if max_over_ranks(float(error is not None)) == 0:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        if all(e is None for e in errors):
             return False
-        self.add(op, shape, cap, impl, None, error=error or "failed on the other rank", **extra)
+        self.add(op, shape, cap, impl, None, error=error or "failed on the other rank",
+                 errors={str(r): e for r, e in enumerate(errors) if e is not None},
+                 **extra)  # fmt: skip
         return True
 
     def case(self, op: str, shape: Shape) -> None:
