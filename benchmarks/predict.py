@@ -1,7 +1,8 @@
 """Predict every committed GPU measurement with the simulator and the calibrated profile.
 
-Reads benchmarks/results/bench_tp_v7.json and v8/bench_tp_8192.json (2x H200, bench_tp.py; v8
-is the session calibrate.py ran in, on its kernel) and the bench_emulated.py runs
+Reads benchmarks/results/bench_tp_v7.json, v8/bench_tp_8192.json and v11/bench_tp_v11.json (2x
+H200, bench_tp.py; v8 is the session calibrate.py ran in, on its kernel; v11 the five shapes of
+issue 12 on the v10 kernel) and the bench_emulated.py runs
 (benchmarks/results/bench_emulated_{256k,1m}.json: 2 GPUs of one host as 2 nodes of 1 GPU),
 simulates each row's configuration with mgraph/profiles/h200.json (or --profile), and writes
 benchmarks/results/predictions.json: per row the measurement, the prediction, the error and
@@ -39,7 +40,7 @@ from mgraph.runtime.sim.baselines import math_tiles, on_sms
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCES = (
     "bench_tp_v7.json", "v8/bench_tp_8192.json", "bench_emulated_256k.json",
-    "bench_emulated_1m.json",
+    "bench_emulated_1m.json", "v11/bench_tp_v11.json",
 )  # fmt: skip
 CALIBRATION = RESULTS / "calibration_h200.json"
 CALIBRATION_TILE = (128, 256, 8192, 8192, 4096)  # calibrate.py's tile and GEMM (per rank)
@@ -58,6 +59,8 @@ UNMODELLED_CONFIG = {
     "stages=2": "GEMM loop configuration (pipeline stages) is not in the model",
     "gemm flatten=False": "GEMM loop configuration (flatten) is not in the model",
     "gemm stages=2": "GEMM loop configuration (pipeline stages) is not in the model",
+    "adaptive": "Settings(adaptive=True): this predictor simulates static partitions only (the "
+    "simulator's controller is not wired into it)",
     "gather=peer": "the model costs GEMM tiles by their flops, not their operand loads: TMA "
     "loads over NVLink are not in it",
 }
@@ -123,7 +126,7 @@ class Predictor:
         graph = self.graph("gemm", "1x1", dict(M=M, N=N, K=K), {})
         return (on_sms(math_tiles(graph, self.hw), self.hw.sms) + self.hw.launch_us * 1e-6) * 1e3
 
-    def bench_tp(self, r: dict[str, Any]) -> tuple[float | None, str]:
+    def bench_tp(self, r: dict[str, Any], source: str = "") -> tuple[float | None, str]:
         op, impl, config = r["op"], r["impl"], r.get("config", "default")
         M, N, K, w = r["M"], r["N"], r["K"], r["world"]
         if impl in UNMODELLED_IMPL:
@@ -143,8 +146,10 @@ class Predictor:
             return seq.time_s * 1e3, "sequential baseline (GEMM + NCCL-like collective)"
         opts, nvlink = options_of(config)
         if op == "allgather_gemm" and opts.get("gather", "copy") == "copy":
-            # the rows ran AG's default chunk of their day: 256 KiB before v9 (1 MiB since)
-            opts.setdefault("chunk_bytes", r.get("chunk_bytes", AG_CHUNK_BEFORE_V9))
+            # the rows ran AG's default chunk of their day: 256 KiB before v9 (1 MiB since,
+            # the lowering's default now)
+            if not source.startswith("v11/"):
+                opts.setdefault("chunk_bytes", r.get("chunk_bytes", AG_CHUNK_BEFORE_V9))
         if impl in ("mgraph", "mgraph_sweep") and r.get("nvlink_workers"):
             nvlink = r["nvlink_workers"]
         graph = self.graph(op, f"1x{w}", dims, opts)
@@ -241,7 +246,7 @@ def predict(
                 kib = base["chunk_kib"] = 1024 if name.endswith("_1m.json") else 256
                 pred, model = p.emulated(r, kib)
             else:
-                pred, model = p.bench_tp(r)
+                pred, model = p.bench_tp(r, name)
             row = {**base, "predicted_ms": pred, "model": model}
             if pred is not None:
                 row["error"] = pred / ms - 1
