@@ -12,14 +12,17 @@ does not fit is recorded as skipped, never silently dropped):
    crash on the device: ``--warmup 0`` (no launch follows another without a host sync: the
    tests never launch back to back, the bench's warm-up does), ``MGRAPH_PROXY_BATCH=1`` (no
    merged WRITEs or raises) and ``MGRAPH_GPU_FLAGS=memop`` (no pinned staging words);
-4. ``pytest -m multi_gpu -k emulated tests/test_megakernel_gpu.py``;
+4. ``pytest -m multi_gpu tests/test_first_launch_meet.py`` (a rank held on its host past the
+   watchdog before its first launch: the runtime's compile-and-meet), then ``pytest -m multi_gpu
+   -k emulated tests/test_megakernel_gpu.py``;
 5. proxy copy streams, 1 vs 4 (``Settings.proxy_streams``; step 2 is the 1-stream run): the
    fused GEMM+AR bench at 1 MiB (caps 50 and 0) with ``MGRAPH_PROXY_STREAMS=4``, then
    ``bench_proxy.py --quick --gpu-flags copy --streams 1 4`` (drains, latency, and bandwidth at
    256 KiB uncapped and capped, each with 1 and 4 streams);
 6. the bench at 256 KiB and 4 MiB (cap 50), then GEMM+RS and AG+GEMM at 1 MiB (cap 50).
 JSON: ``$OUT/gpu_check_net.json`` (OUT defaults to benchmarks/results), each bench's rows under
-``$OUT/emulated_<kib>k*/``; the summary table is printed last.
+``$OUT/emulated_<kib>k*/``; the summary table is printed last (a failed fused row with every
+rank's error: the first rank to fail is usually the cause).
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ def summary(steps: list[dict]) -> str:
             continue
         for r in heads:
             nic = f"{r['nic_gbps']:g}" if r["nic_gbps"] else "uncapped"
+            if r.get("error"):  # every rank's, shortened: which one failed first matters
+                errs = r.get("errors") or {"?": r["error"]}
+                r = {**r, "ms": "; ".join(f"rank {k}: {e[:160]}" for k, e in errs.items())}
             lines.append(
                 f"| {s['step']} | {s['status']} | {s.get('seconds', '-')} | {r['op']} | "
                 f"{r.get('chunk_kib', '-')} KiB | {nic} | {r.get('ms')} | {r.get('ce_paced_ms')} | "
@@ -137,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             run.run(name, bench_cmd(1024, out / f"emulated_1024k_{name}", "--ops",
                                     "gemm_allreduce", "--nic-gbps", "50", *extra),
                     55, env, rows=out / f"emulated_1024k_{name}")
+    run.run("tests_first_launch", [sys.executable, "-m", "pytest", "-q", "-x", "-m", "multi_gpu",
+                                   "tests/test_first_launch_meet.py"], 90)
     run.run("tests_emulated", [sys.executable, "-m", "pytest", "-q", "-x", "-m", "multi_gpu",
                                "-k", "emulated", "tests/test_megakernel_gpu.py"], 100)
     run.run("ar_1m_streams4", bench_cmd(1024, out / "emulated_1024k_streams4", "--ops",
