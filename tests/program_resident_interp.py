@@ -82,7 +82,6 @@ def main() -> None:
 
     call("first", x)
     call("new-input", torch.randn(1, 32, 64))
-    call("same-input-again", x)
     with torch.no_grad():
         model.mlp.up_proj.weight.mul_(-0.5)  # in place: torch bumps its version
     call("in-place-linear", x)

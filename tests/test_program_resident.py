@@ -33,8 +33,7 @@ def rows() -> dict[str, dict]:
 # case -> (the weights that call must copy besides x, whether its result matches eager)
 CASES = {
     "first": (WEIGHTS, True),
-    "new-input": (set(), True),
-    "same-input-again": (set(), True),  # the input is copied at every call, weights are not
+    "new-input": (set(), True),  # the input is copied at every call, weights are not
     "in-place-linear": ({"mlp.up_proj.weight.T"}, True),
     "in-place-norm": ({"norm.weight"}, True),
     "new-parameter": ({"mlp.down_proj.weight.T"}, True),
@@ -130,3 +129,21 @@ def test_resident_inputs_on_a_rank_of_an_spmd_graph():
     assert torch.equal(rt.views["x@1"], x2) and torch.equal(rt.views["w@1"], w[8:16])
     with pytest.raises(mg.InputError, match="got no local input 'w'"):
         rt.load_inputs(mine)
+
+
+@pytest.mark.multi_gpu(2)
+def test_gpu_program_weights_under_torchrun(tmp_path):
+    """The same on 2 H200 (tests/gpu_program_weights.py): 1 GPU and SPMD on 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONUNBUFFERED="1")
+    script = Path(__file__).parent / "gpu_program_weights.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAIL" not in proc.stdout, proc.stdout[-3000:]
