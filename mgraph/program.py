@@ -28,15 +28,17 @@ A Program runs on the backend it was compiled for:
     comes back whole.
 
 The parameters are read from the module at every call (so updated weights are used), laid out
-as the ops read them. On ``triton`` a parameter is copied into the megakernel's buffers at the
-first call and again only when its module tensor changed since: another tensor object or
-storage (a new ``nn.Parameter``, ``w.data = t``), another shape or layout, or an in-place write
-that torch counts in ``w._version`` (``with torch.no_grad(): w.copy_(t)``, ``w.mul_(2)``).
-Writes that torch does not count, through ``w.data`` (``w.data.copy_(t)``) or by code outside
-torch into its memory, are not seen: call ``prog.reload_parameters()`` after them. Tensors
-created under ``torch.inference_mode`` have no version counter; they are copied at every call.
-The module's inputs are copied at every call; each output is one copy of the kernel's buffer.
-Scratch and output buffers are NaN-filled before the first launch of a Program's kernel only
+as the ops read them. On ``triton`` with one runtime per process (one rank, or SPMD under
+torchrun; the interpreter's multi-rank runs build every rank's runtime afresh at each call), a
+parameter is copied into the megakernel's buffers at the first call and again only when its
+module tensor changed since: another tensor object or storage (a new ``nn.Parameter``,
+``w.data = t``), another shape or layout, or an in-place write that torch counts in
+``w._version`` (``with torch.no_grad(): w.copy_(t)``, ``w.mul_(2)``). Writes that torch does
+not count, through ``w.data`` (``w.data.copy_(t)``) or by code outside torch into its memory,
+are not seen: call ``prog.reload_parameters()`` after them. Tensors created under
+``torch.inference_mode`` have no version counter; they are copied at every call. The module's
+inputs are copied at every call, and an output that one buffer holds whole comes back as one
+copy of it. That runtime NaN-fills its scratch and output buffers before its first launch only
 (``backend_options={"poison": True}``: before every launch, with no CUDA graph replay), so a
 task that reads an element no task wrote shows as NaN in the first call's result.
 """
