@@ -116,7 +116,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import load_region
-    from .tilewise import row_operand, tile_ptrs, vec_cols, vec_ptr
+    from .tilewise import copy_vec, row_operand, tile_ptrs
 
     _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
 
@@ -134,32 +134,13 @@ if HAVE_TRITON:
                 tl.store(tile_ptrs(regions, bufaddr, bufcols, dst, om, col0 + on, DT), x,
                          mask=mask)
 
-    @triton.jit
-    def _copy_vec(sa, spitch, da, dpitch, m, n, DT: tl.constexpr, BLK_M: tl.constexpr,
-                  BLK_N: tl.constexpr):
-        """The fast path of _copy_into: both regions take 16-byte vectors (row_operand's
-        ``vec``; ``da`` already at the destination column), int32 offsets."""
-        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
-        src = vec_ptr(sa, DT)
-        dst = vec_ptr(da, DT)
-        spitch = spitch // VEC * VEC  # as they are here, provably multiples of VEC
-        dpitch = dpitch // VEC * VEC
-        n = n // VEC * VEC
-        for i in range(0, m, BLK_M):
-            om = i + tl.arange(0, BLK_M)
-            for j in range(0, n, BLK_N):
-                on = vec_cols(j, BLK_N, VEC)
-                mask = (om < m)[:, None] & (on < n)[None, :]
-                x = tl.load(src + (om * spitch)[:, None] + on[None, :], mask=mask)
-                tl.store(dst + (om * dpitch)[:, None] + on[None, :], x, mask=mask)
-
     @CONCAT.triton
     @triton.jit
     def concat_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
                     RB_N: tl.constexpr):
         """out = [x | y] for the task's rows: x's columns, then y's after them (a plain copy,
         no rounding). When x, y and out all take 16-byte vectors (tilewise.row_operand; y's
-        destination column, x's width, is then a multiple of 16 bytes too), _copy_vec, in
+        destination column, x's width, is then a multiple of 16 bytes too), copy_vec, in
         blocks four times taller for operands of at most RB_N / 4 columns (RoPE's halves);
         otherwise _copy_into, element by element."""
         r0 = tl.load(tp + _READ0)
@@ -173,11 +154,11 @@ if HAVE_TRITON:
         if xvec & yvec & ovec:
             ya_out = oa + (xn1 - xn0).to(tl.int64) * (DT.primitive_bitwidth // 8)
             if tl.maximum(xn1 - xn0, yn1 - yn0) <= RB_N // 4:
-                _copy_vec(xa, xpitch, oa, opitch, m, xn1 - xn0, DT, 4 * RB_M, RB_N // 4)
-                _copy_vec(ya, ypitch, ya_out, opitch, m, yn1 - yn0, DT, 4 * RB_M, RB_N // 4)
+                copy_vec(xa, xpitch, oa, opitch, m, xn1 - xn0, DT, 4 * RB_M, RB_N // 4)
+                copy_vec(ya, ypitch, ya_out, opitch, m, yn1 - yn0, DT, 4 * RB_M, RB_N // 4)
             else:
-                _copy_vec(xa, xpitch, oa, opitch, m, xn1 - xn0, DT, RB_M, RB_N)
-                _copy_vec(ya, ypitch, ya_out, opitch, m, yn1 - yn0, DT, RB_M, RB_N)
+                copy_vec(xa, xpitch, oa, opitch, m, xn1 - xn0, DT, RB_M, RB_N)
+                copy_vec(ya, ypitch, ya_out, opitch, m, yn1 - yn0, DT, RB_M, RB_N)
         else:
             # blocks of a quarter of the rows and half the columns: the int64 pointer tensors
             # of a full block spilled (255 registers, sm_90)

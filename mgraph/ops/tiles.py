@@ -18,6 +18,7 @@ from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
 
 if HAVE_TRITON:
     from .abi import buffer_base, load_region, param_i32
+    from .tilewise import copy_vec, row_operand, vec_cols, vec_ptr
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
     """The meaning of every GEMM-based fused op on GLOBAL tensors: out = a @ b, fp32 accumulate."""
@@ -164,16 +165,64 @@ if HAVE_TRITON:
     @triton.jit
     def reduce_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
                     RB_N: tl.constexpr):
+        """write 0 (and the peers' copies after it) = the sum of the reads, in fp32. When every
+        region takes 16-byte vectors (tilewise.row_operand), _reduce_vec; otherwise element by
+        element through int64 pointers (2-byte loads and stores on sm_90)."""
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)
-        w_slot, wm0, wm1, wn0, wn1 = load_region(regions, w0)
-        for i in range(0, wm1 - wm0, RB_M):
-            for j in range(0, wn1 - wn0, RB_N):
+        _w, wm0, wm1, wn0, wn1 = load_region(regions, w0)
+        fast = wm1 > wm0  # a tensor, as the loop's ANDs make it (a non-empty region: true)
+        for q in range(nread):
+            _a, _p, v = row_operand(regions, bufaddr, bufcols, r0 + q, DT)
+            fast = fast & v
+        for q in range(nwrite):
+            _a, _p, v = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
+            fast = fast & v
+        if fast:
+            _reduce_vec(regions, bufaddr, bufcols, r0, nread, w0, nwrite, wm1 - wm0, wn1 - wn0,
+                        DT, RB_M, RB_N)
+        else:
+            _reduce_general(regions, bufaddr, bufcols, r0, nread, w0, nwrite, wm1 - wm0,
+                            wn1 - wn0, DT, RB_M // 4, RB_N // 2)
+
+    @triton.jit
+    def _reduce_vec(regions, bufaddr, bufcols, r0, nread, w0, nwrite, m, n, DT: tl.constexpr,
+                    BLK_M: tl.constexpr, BLK_N: tl.constexpr):
+        """The sum stored into write 0, then copied from there into the others (the peers'
+        copies): the destination pointer made once, before the loops. Made per destination
+        inside them, Triton 3.6 lost its alignment and stored the sum 2 bytes at a time."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        n = n // VEC * VEC  # as it is here: provably whole vectors, so masks hold per vector
+        da, dp, _v = row_operand(regions, bufaddr, bufcols, w0, DT)
+        dst = vec_ptr(da, DT)
+        dpitch = dp // VEC * VEC
+        for i in range(0, m, BLK_M):
+            om = i + tl.arange(0, BLK_M)
+            for j in range(0, n, BLK_N):
+                on = vec_cols(j, BLK_N, VEC)
+                mask = (om < m)[:, None] & (on < n)[None, :]
+                acc = tl.zeros((BLK_M, BLK_N), dtype=tl.float32)
+                for q in range(nread):
+                    sa, sp, _v = row_operand(regions, bufaddr, bufcols, r0 + q, DT)
+                    src = vec_ptr(sa, DT) + (om * (sp // VEC * VEC))[:, None] + on[None, :]
+                    acc += tl.load(src, mask=mask).to(tl.float32)
+                tl.store(dst + (om * dpitch)[:, None] + on[None, :], acc.to(DT), mask=mask)
+        if nwrite > 1:
+            tl.debug_barrier()  # every thread's stores into write 0 before any thread reads them
+            for q in range(1, nwrite):
+                qa, qp, _v = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
+                copy_vec(da, dp, qa, qp, m, n, DT, BLK_M, BLK_N)
+
+    @triton.jit
+    def _reduce_general(regions, bufaddr, bufcols, r0, nread, w0, nwrite, m, n,
+                        DT: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+        for i in range(0, m, RB_M):
+            for j in range(0, n, RB_N):
                 om = i + tl.arange(0, RB_M)
                 on = j + tl.arange(0, RB_N)
-                mask = (om < wm1 - wm0)[:, None] & (on < wn1 - wn0)[None, :]
+                mask = (om < m)[:, None] & (on < n)[None, :]
                 acc = tl.zeros((RB_M, RB_N), dtype=tl.float32)
                 for q in range(nread):
                     s, sm0, sm1, sn0, sn1 = load_region(regions, r0 + q)
@@ -182,7 +231,7 @@ if HAVE_TRITON:
                     ptrs = src + (sm0 + om)[:, None].to(tl.int64) * s_cols + (sn0 + on)[None, :]
                     acc += tl.load(ptrs, mask=mask).to(tl.float32)
                 out = acc.to(DT)
-                for q in range(nwrite):  # write 0, then the sum stored into peers' buffers
+                for q in range(nwrite):
                     d, dm0, dm1, dn0, dn1 = load_region(regions, w0 + q)
                     dst = buffer_base(bufaddr, d, DT)
                     d_cols = tl.load(bufcols + d).to(tl.int64)
@@ -203,11 +252,35 @@ if HAVE_TRITON:
     @triton.jit
     def _copy_regions(tp, regions, bufaddr, bufcols, DT: tl.constexpr, RB_M: tl.constexpr,
                       RB_N: tl.constexpr):
-        s, sm0, sm1, sn0, sn1 = load_region(regions, tl.load(tp + _READ0))
+        """The read region into each write region. Where both take 16-byte vectors (whole
+        rows of a shard, a chunk of a tile row: every NVLink copy of the lowerings), copy_vec:
+        the general path's int64 per-element pointers compile to 2-byte loads and stores,
+        which held an NVLink worker to 7-9 GB/s (calibrate.py). The source is re-read per
+        destination: local HBM, cheap beside the NVLink store, and most copies have one."""
+        r0 = tl.load(tp + _READ0)
+        s, sm0, sm1, sn0, sn1 = load_region(regions, r0)
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)
+        sa, spitch, svec = row_operand(regions, bufaddr, bufcols, r0, DT)
+        for q in range(nwrite):
+            da, dpitch, dvec = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
+            if svec & dvec:
+                copy_vec(sa, spitch, da, dpitch, sm1 - sm0, sn1 - sn0, DT, RB_M, RB_N)
+            else:
+                _copy_general(regions, bufaddr, bufcols, s, sm0, sm1, sn0, sn1, w0 + q, DT,
+                              RB_M // 4, RB_N // 2)
+
+    @triton.jit
+    def _copy_general(regions, bufaddr, bufcols, s, sm0, sm1, sn0, sn1, dst_index,
+                      DT: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """Element by element, int64 offsets (regions off 16-byte boundaries; blocks a quarter
+        as tall and half as wide as the fast path's, as concat's: full blocks of int64 pointer
+        tensors spill)."""
         src = buffer_base(bufaddr, s, DT)
         s_cols = tl.load(bufcols + s).to(tl.int64)
+        d, dm0, dm1, dn0, dn1 = load_region(regions, dst_index)
+        dst = buffer_base(bufaddr, d, DT)
+        d_cols = tl.load(bufcols + d).to(tl.int64)
         for i in range(0, sm1 - sm0, RB_M):
             for j in range(0, sn1 - sn0, RB_N):
                 om = i + tl.arange(0, RB_M)
@@ -215,9 +288,5 @@ if HAVE_TRITON:
                 mask = (om < sm1 - sm0)[:, None] & (on < sn1 - sn0)[None, :]
                 x = tl.load(src + (sm0 + om)[:, None].to(tl.int64) * s_cols + (sn0 + on)[None, :],
                             mask=mask)
-                for q in range(nwrite):
-                    d, dm0, dm1, dn0, dn1 = load_region(regions, w0 + q)
-                    dst = buffer_base(bufaddr, d, DT)
-                    d_cols = tl.load(bufcols + d).to(tl.int64)
-                    tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * d_cols + (dn0 + on)[None, :],
-                             x, mask=mask)
+                tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * d_cols + (dn0 + on)[None, :],
+                         x, mask=mask)

@@ -215,4 +215,26 @@ if HAVE_TRITON:
             n = n // VEC * VEC
         return n
 
-    __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols", "block_ptrs", "vec_width"]
+    @triton.jit
+    def copy_vec(sa, spitch, da, dpitch, m, n, DT: tl.constexpr, BLK_M: tl.constexpr,
+                 BLK_N: tl.constexpr):
+        """``m`` x ``n`` elements from ``sa`` to ``da`` (row_operand addresses, pitches in
+        elements) when both regions take 16-byte vectors (row_operand's ``vec``; ``da`` already at the
+        destination column): int32 offsets, 16-byte loads and stores. The fast path of concat
+        and of the NVLink copies (tiles.copy_tile)."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        src = vec_ptr(sa, DT)
+        dst = vec_ptr(da, DT)
+        spitch = spitch // VEC * VEC  # as they are here, provably multiples of VEC
+        dpitch = dpitch // VEC * VEC
+        n = n // VEC * VEC
+        for i in range(0, m, BLK_M):
+            om = i + tl.arange(0, BLK_M)
+            for j in range(0, n, BLK_N):
+                on = vec_cols(j, BLK_N, VEC)
+                mask = (om < m)[:, None] & (on < n)[None, :]
+                x = tl.load(src + (om * spitch)[:, None] + on[None, :], mask=mask)
+                tl.store(dst + (om * dpitch)[:, None] + on[None, :], x, mask=mask)
+
+    __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols", "block_ptrs", "vec_width",
+                "copy_vec"]
