@@ -289,7 +289,8 @@ class Program:
         in their traced shapes (under SPMD: this rank's part, see the module docstring)."""
         opts = {**self.backend_options, **options}
         if self.backend == "triton":
-            result = self._run_triton(args, settings or Settings.from_env(), opts)
+            # settings=None: the runtime reads the environment when it is built, not per call
+            result = self._run_triton(args, settings, opts)
         else:
             result = run(
                 self.schedule, self.inputs(*args), backend=self.backend, settings=settings, **opts
@@ -305,7 +306,9 @@ class Program:
         values = [outputs[name] for name in self.opgraph.output_names]
         return values[0] if self.opgraph.single_output else tuple(values)
 
-    def _run_triton(self, args: Sequence[torch.Tensor], settings: Settings, opts: dict) -> Any:
+    def _run_triton(
+        self, args: Sequence[torch.Tensor], settings: Settings | None, opts: dict
+    ) -> Any:
         from .api import _triton_available
         from .runtime.megakernel import TritonRuntime, run_in_process
         from .runtime.reference import RunResult
@@ -355,7 +358,11 @@ class Program:
 
     # -- SPMD (torchrun) ----------------------------------------------------------------------
     def _run_spmd(
-        self, args: Sequence[torch.Tensor], settings: Settings, opts: dict, poison: bool | None
+        self,
+        args: Sequence[torch.Tensor],
+        settings: Settings | None,
+        opts: dict,
+        poison: bool | None,
     ) -> Any:
         import torch.distributed as dist
 
