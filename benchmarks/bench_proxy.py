@@ -298,6 +298,14 @@ def run_case(case: Case, rig: Rig) -> dict:
         errors.append(f"proxy executed {proxy.stats.commands} of {n} commands")
     wall_ms = None if wall is None else round(wall * 1e3, 3)
     row.update(wall_ms=wall_ms, batches=proxy.stats.batches, n_watch=n_watch)
+    # The proxy's host share (loop_stats): per batch, from reading it to its end, less pacing;
+    # and the CUDA queueing calls in it. With one command in flight (latency) a batch is one
+    # command, so push->flag minus proxy_us is the GPU's part (push visible to the host, copy
+    # engine, flag visible to the consumer).
+    ls, nb = proxy.loop_stats(), max(proxy.stats.batches, 1)
+    row.update(proxy_us=round((ls["busy_ns"] - ls["paced_ns"]) / nb / 1e3, 2),
+               cuda_calls_per_batch=round(ls["cuda_calls"] / nb, 2),
+               cuda_call_us=round(ls["cuda_call_ns"] / max(ls["cuda_calls"], 1) / 1e3, 2))  # fmt: skip
     if errors:
         return {**row, "error": "; ".join(errors)}
     push_t, arrive_t = push_ns.cpu(), arrive_ns.cpu()
@@ -396,19 +404,22 @@ def target(row: dict, cpu: bool) -> str:
 
 def table(rows: list[dict], cpu: bool) -> str:
     lines = ["| bench | kind | flags | streams | path | chunk | cap GB/s | cmds | ms | k cmd/s | "
-             "GB/s | lat p10 / med / p90 us | target |", "|---" * 13 + "|"]  # fmt: skip
+             "GB/s | lat p10 / med / p90 us | proxy us/batch (CUDA calls x us) | target |",
+             "|---" * 14 + "|"]  # fmt: skip
     for r in rows:
         flags = r["flags"] if r["kind"] != "nop" else "-"
         head = f"| {r['bench']} | {r['kind']} | {flags} | {r.get('streams', 1)} | {r['path']} | " \
                f"{r['chunk_bytes']} | " \
                f"{r['cap_gbps'] or '-'} | {r['commands']} |"  # fmt: skip
         if not r["ok"]:
-            lines.append(f"{head} ERROR: {r['error']} | | | | |")
+            lines.append(f"{head} ERROR: {r['error']} | | | | | |")
             continue
         lat = "-" if r["latency_us_median"] is None else \
             f"{r['latency_us_p10']} / {r['latency_us_median']} / {r['latency_us_p90']}"  # fmt: skip
+        host = "-" if r.get("proxy_us") is None else \
+            f"{r['proxy_us']} ({r['cuda_calls_per_batch']} x {r['cuda_call_us']})"  # fmt: skip
         lines.append(f"{head} {r['ms']} | {r['commands_per_s'] / 1e3:.1f} | {r['gb_per_s']} | "
-                     f"{lat} | {target(r, cpu)} |")  # fmt: skip
+                     f"{lat} | {host} | {target(r, cpu)} |")  # fmt: skip
     note = "\nTimings are meaningless: Triton interpreter on the CPU (protocol check only).\n"
     return "\n".join(lines) + "\n" + (note if cpu else "")
 

@@ -74,6 +74,13 @@ def paced_seconds(fake: FakeCuda, *, streams: int, call_us: int) -> tuple[float,
     fake.set_call_us(0)
     check_final(SimpleNamespace(transport=transport), plan)  # every word at exactly its raises
     assert proxy.stats.commands == N_ROWS
+    # The loop's own accounting (bench_proxy splits latency with it): each copy call spun
+    # call_us inside the timed calls, and the pacing waits are part of the busy time.
+    ls = proxy.loop_stats()
+    assert ls["cuda_calls"] >= ls["batch_calls"] > 0
+    assert ls["cuda_call_ns"] >= ls["cuda_calls"] * call_us * 1000
+    assert ls["busy_ns"] >= ls["paced_ns"] > 0
+    assert ls["busy_ns"] <= seconds * 1e9
     return seconds, transport
 
 

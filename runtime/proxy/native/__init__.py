@@ -260,7 +260,10 @@ class NativeProxy:
         commands asked for on this process's ranks), ``raises`` (word updates made for them
         once repeats within a batch were merged; ``raises <= events``), ``streams``, and with
         several streams ``data_copies``/``flag_copies`` (copy operations queued; a staged run of
-        neighbouring flag words is one) and ``batch_calls`` (cudaMemcpyBatchAsync calls)."""
+        neighbouring flag words is one) and ``batch_calls`` (cudaMemcpyBatchAsync calls);
+        ``busy_ns`` (host time from reading each batch to its end, summed), ``paced_ns`` (the
+        part of it spent holding copies for the emulated NIC), ``cuda_calls`` and
+        ``cuda_call_ns`` (the calls queueing copies or flag writes, and their host time)."""
         return dict(self._drain.stats())
 
     @property

@@ -3,10 +3,28 @@
 
 #include <dlfcn.h>
 
+#include <chrono>
+
 #include "command.h"
 
 namespace mgraph {
 namespace {
+
+// Adds the host time of one queueing call to CudaApi::call_ns (also when the call throws).
+class CallTimer {
+ public:
+  explicit CallTimer(const CudaApi& api) : api_(api), start_(std::chrono::steady_clock::now()) {}
+  ~CallTimer() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now() - start_).count();
+    api_.call_ns.fetch_add(static_cast<int64_t>(ns), std::memory_order_relaxed);
+    api_.calls.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  const CudaApi& api_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 void* open_first(const std::vector<std::string>& names, std::string& tried) {
   for (const auto& name : names) {
@@ -111,6 +129,7 @@ void CudaApi::synchronize(void* stream) const {
 
 void CudaApi::copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                       size_t height, void* stream) const {
+  const CallTimer timer(*this);
   if (height == 1 || (width == spitch && width == dpitch)) {
     check(memcpy_async_(dst, src, width * height, kMemcpyDefault, stream), "cudaMemcpyAsync");
   } else {
@@ -120,6 +139,7 @@ void CudaApi::copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, 
 }
 
 void CudaApi::write_value32(void* stream, unsigned long long address, unsigned value) const {
+  const CallTimer timer(*this);
   check_driver(stream_write_value32_(stream, address, value, 0), "cuStreamWriteValue32");
 }
 
@@ -154,6 +174,7 @@ void CudaApi::wait_event(void* event) const {
 }
 
 void CudaApi::copy(void* dst, const void* src, size_t bytes, void* stream) const {
+  const CallTimer timer(*this);
   check(memcpy_async_(dst, src, bytes, kMemcpyDefault, stream), "cudaMemcpyAsync");
 }
 
@@ -170,6 +191,7 @@ constexpr int kSrcAccessOrderStream = 1;  // read the source in stream order: st
 
 void CudaApi::copy_batch(void* const* dsts, void* const* srcs, const size_t* sizes, size_t n,
                          void* stream, size_t& failed) const {
+  const CallTimer timer(*this);
   MemcpyAttributes attrs{kSrcAccessOrderStream, 0, 0, 0, 0, 0};  // location hints: none
   size_t first = 0;
   failed = n;

@@ -6,7 +6,9 @@
 // cuda_ipc transport is attached. Signatures are the public, stable C ABI of CUDA 12.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,10 @@ class CudaApi {
   // A dma-buf fd for [ptr, ptr + bytes) (page-aligned) in ``fd``; "" or why there is none.
   std::string dmabuf_fd(unsigned long long ptr, size_t bytes, int& fd) const;
   int runtime_version() const { return runtime_version_; }
+  // Host time spent inside the calls that queue copies or flag writes (copy, copy_2d,
+  // copy_batch, write_value32) and how many there were: the proxy's own share of a command's
+  // latency (bench_proxy reports it per batch). Written by the drain thread, read by any.
+  mutable std::atomic<int64_t> call_ns{0}, calls{0};
 
   // Each throws Failure{-1, ...} naming the call when CUDA reports an error.
   void set_device(int device) const;

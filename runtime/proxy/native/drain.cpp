@@ -140,6 +140,7 @@ void Drain::run() {
         break;
       }
       int n = 0;
+      const double read_at = now_s();
       try {
         n = peek();
         if (n > 0) execute(n);
@@ -170,6 +171,8 @@ void Drain::run() {
         }
         release(n);
         commands.fetch_add(n);
+        busy_ns.fetch_add(static_cast<int64_t>((now_s() - read_at) * 1e9),
+                          std::memory_order_relaxed);
         backoff.reset();
         continue;
       }

@@ -51,6 +51,10 @@ class Drain {
   DrainError error() const;
 
   std::atomic<int64_t> commands{0}, batches{0}, max_batch{0}, coalesced{0};
+  // Host time from reading a batch to its end (events raised, copies queued), summed, and the
+  // part of it spent waiting for an emulated NIC (Mover::paced_ns): per batch, the proxy's own
+  // share of a command's push-to-flag latency.
+  std::atomic<int64_t> busy_ns{0};
 
  private:
   struct Group {

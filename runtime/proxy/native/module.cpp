@@ -322,6 +322,10 @@ PYBIND11_MODULE(_drain, m) {
         s["data_copies"] = d.mover.stats.data_copies.load();
         s["flag_copies"] = d.mover.stats.flag_copies.load();
         s["batch_calls"] = d.mover.stats.batch_calls.load();
+        s["busy_ns"] = d.busy_ns.load();
+        s["paced_ns"] = d.mover.stats.paced_ns.load();
+        s["cuda_call_ns"] = d.mover.cuda.call_ns.load();
+        s["cuda_calls"] = d.mover.cuda.calls.load();
         return s;
       })
       .def("sent_to", [](const Drain& d) {

@@ -287,10 +287,13 @@ void Mover::pace(int64_t nbytes) {
   // Several streams: copies collected so far are due; submit them before idling (and, while
   // the wait still hides it, the flags that follow them), instead of at the batch's end.
   if (multi()) flush_early();
+  const double waited_from = now_s();
   while ((left = busy_until_ - now_s()) > 0) {
     if (abort != nullptr && abort->load(std::memory_order_relaxed)) fail("aborted");
     if (left > 50e-6) std::this_thread::sleep_for(std::chrono::duration<double>(left - 20e-6));
   }
+  stats.paced_ns.fetch_add(static_cast<int64_t>((now_s() - waited_from) * 1e9),
+                           std::memory_order_relaxed);
 }
 
 void Mover::flush_early() {

@@ -87,6 +87,8 @@ struct MoverStats {
   // Several streams only: copy operations queued for data and for flags (a staged run of
   // neighbouring words is one), and cudaMemcpyBatchAsync calls (each counts its copies above).
   std::atomic<int64_t> data_copies{0}, flag_copies{0}, batch_calls{0};
+  // Host time pace() held commands for the emulated NIC.
+  std::atomic<int64_t> paced_ns{0};
 };
 
 struct EventKey {
