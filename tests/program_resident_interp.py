@@ -70,7 +70,7 @@ def main() -> None:
     prog = mg.compile(model, (x,), backend="triton", backend_options={"interpret": True})
     count_copies()
 
-    def call(case: str, x: torch.Tensor, **options) -> None:
+    def call(case: str, x: torch.Tensor, **options) -> torch.Tensor:
         COPIES.clear()
         POISONED.clear()
         with torch.no_grad():
@@ -79,8 +79,10 @@ def main() -> None:
         error = ((got - want).norm() / want.norm()).item()
         row = {"case": case, "error": error, "copies": dict(COPIES), "poisoned": POISONED == [True]}
         print(json.dumps(row), flush=True)
+        return got
 
-    call("first", x)
+    first = call("first", x)
+    kept = first.clone()
     call("new-input", torch.randn(1, 32, 64))
     with torch.no_grad():
         model.mlp.up_proj.weight.mul_(-0.5)  # in place: torch bumps its version
@@ -115,6 +117,9 @@ def main() -> None:
     with torch.no_grad():
         model.mlp.down_proj.weight.add_(0.0)
     call("stale-buffer-refreshed", x)
+    # an output is the caller's own tensor: later launches never write into it
+    changed = (first - kept).abs().max().item()
+    print(json.dumps({"case": "outputs-are-copies", "error": changed}), flush=True)
 
 
 if __name__ == "__main__":

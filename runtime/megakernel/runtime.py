@@ -762,7 +762,8 @@ class _CallPlan:
     (reloaded at every run). ``loaded``: inputs whose buffers hold what the last load copied.
     ``placeholders``: meta tensors of the inputs' global shapes and dtypes (a resident input's
     stand-in for check_inputs). ``whole``: output name -> the id of the one buffer that holds
-    the whole output in one piece, or None when some output has no such buffer.
+    the whole output in one piece and in its dtype, or None when some output has no such
+    buffer.
     """
 
     inputs: dict[str, list[Buffer]]
@@ -794,9 +795,11 @@ class _CallPlan:
         for name, spec in graph.outputs.items():
             bufs = holders.get(name, [])
             everything = tuple((0, n) for n in spec.shape)
-            if len(bufs) != 1 or [tuple(map(tuple, p)) for p in bufs[0].binding.pieces] != [
-                everything
-            ]:
+            if (
+                len(bufs) != 1
+                or bufs[0].dtype != spec.dtype
+                or [tuple(map(tuple, p)) for p in bufs[0].binding.pieces] != [everything]
+            ):
                 whole = None
                 break
             whole[name] = bufs[0].id
