@@ -694,8 +694,8 @@ class TritonRuntime:
     ):
         """Load ``inputs`` (``resident``: see load_inputs), launch once (``poison``: NaN-fill
         the scratch and output buffers first, see launch), wait for the kernel and check its
-        watchdog record. The outputs are fresh tensors: GLOBAL on one rank or every rank in
-        one process, the rank's local shards under SPMD (views of its buffers, valid until the
+        watchdog record. The outputs: GLOBAL tensors of their own on one rank or every rank in
+        one process; under SPMD the rank's local shards, views of its buffers (valid until the
         next launch). ``wall_s`` runs from the launch to the kernel's end (with a copied
         output's copy, which is queued behind the kernel)."""
         from mgraph.runtime.reference import RunResult
