@@ -334,15 +334,19 @@ if HAVE_TRITON:
     @triton.jit
     def _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp, d_stride,
                     yp, y_stride, hp, h_stride, DT: tl.constexpr, EM: tl.constexpr,
-                    EF: tl.constexpr, EN: tl.constexpr, USE_TIMER: tl.constexpr):  # fmt: skip
+                    EF: tl.constexpr, EN: tl.constexpr, ES: tl.constexpr,
+                    USE_TIMER: tl.constexpr):  # fmt: skip
         """The expert body's fast path: every operand through a TMA descriptor over its region
         (rows past ``n`` and columns past a block's edge read as zeros, and stores stop at the
         region's edge), so the K loops hold no pointer tensor and Triton's pipeliner prefetches
         the next blocks; the dots are wgmma on EM-row tiles. Pass 1 stores each hidden block
         by TMA; pass 2 reads them back by TMA after the stores completed (bulk_store_fence)
-        and every thread's have (a barrier). The row blocks are the inner loop of each pass:
-        a block of weight columns is read from memory for the first row block and found in L2
-        by the next ones, so a tile of several row blocks streams its expert's weights once."""
+        and every thread's have (a barrier). The row blocks are the inner loop of each pass,
+        so a later row block reads a block of weight columns again one K loop after the first:
+        from L2 only while it is still there (at H = 7168 a program streams 3.7 MB of gate and
+        up columns, x and down rows aside, between the two reads, so with 100 programs streaming
+        into a 50 MB L2 expect HBM). The K loops are software-pipelined by Triton, ES stages
+        (tl.range): the loads of ES - 1 steps in flight while a step's wgmma run."""
         n32 = n.to(tl.int32)
         xd = tl.make_tensor_descriptor(xp, [n32, H], [x_stride, 1], [EM, _EK])
         gd = tl.make_tensor_descriptor(gp, [H, F], [g_stride, 1], [_EK, EF])
@@ -357,7 +361,7 @@ if HAVE_TRITON:
                 i0 = i * EM
                 g = tl.zeros((EM, EF), dtype=tl.float32)
                 u = tl.zeros((EM, EF), dtype=tl.float32)
-                for k in range(0, tl.cdiv(H, _EK)):
+                for k in tl.range(0, tl.cdiv(H, _EK), num_stages=ES):
                     k0 = k * _EK
                     x = xd.load([i0, k0])
                     g = _dot(x, gd.load([k0, f0]), g, USE_TIMER)
@@ -370,7 +374,7 @@ if HAVE_TRITON:
             for i in range(0, tl.cdiv(n32, EM)):
                 i0 = i * EM
                 acc = tl.zeros((EM, EN), dtype=tl.float32)
-                for k in range(0, tl.cdiv(F, _EK)):
+                for k in tl.range(0, tl.cdiv(F, _EK), num_stages=ES):
                     k0 = k * _EK
                     acc = _dot(hd.load([i0, k0]), dd.load([k0, c0]), acc, USE_TIMER)
                 yd.store([i0, c0], acc.to(DT))
@@ -475,23 +479,30 @@ if HAVE_TRITON:
                 & _fits16(hp, h_stride, F, DT)
             )
             if tma:
-                # Tiles of (rows, hidden columns, output columns) with the same accumulators
-                # (64 fp32 registers a thread) and the same wgmma per warpgroup (64 x 64 and
-                # 64 x 128): 128-row blocks where they pad the filled rows no more than 64-row
-                # ones would (n past 64 and n % 128 zero or past 64): fewer, larger blocks
-                # load each weight block into shared memory half as often per row.
+                # Tiles of (rows, hidden columns, output columns, K-loop stages). With 2.1
+                # MFLOP steps (128 x 64 gate and up, 128 x 128 down; or 64 x 128, 64 x 256) at 3
+                # stages the body ran at half the GEMM segment's rate per program (v11), its
+                # compiled K loops otherwise like the GEMM's (one wgmma wait a step, no spill):
+                # half the work per step and per step of loads in flight. So the 128-row tile
+                # does the GEMM segment's step (kernel.py's 128 x 256 x 64 at 3 stages: 4.2
+                # MFLOP for 48 KB; gate and up 128 columns each). The 64-row tile (at most 64
+                # filled rows) does half that work for 40 KB, bound by its weights' bytes; it
+                # keeps one more step of loads in flight (4 stages; 192 KB of shared memory in
+                # pass 2). tests/test_moe_expert_pipeline.py pins both. 128-row blocks where
+                # they pad the filled rows no more than 64-row ones would (n past 64 and
+                # n % 128 zero or past 64).
                 if DT.primitive_bitwidth == 16:
                     if tl.cdiv(n, 128) * 128 == tl.cdiv(n, 64) * 64:
                         _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F,
-                                    dp, d_stride, yp, y_stride, hp, h_stride, DT, 128, 64, 128,
-                                    USE_TIMER)  # fmt: skip
+                                    dp, d_stride, yp, y_stride, hp, h_stride, DT, 128, 128, 256,
+                                    3, USE_TIMER)  # fmt: skip
                     else:
                         _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F,
                                     dp, d_stride, yp, y_stride, hp, h_stride, DT, 64, 128, 256,
-                                    USE_TIMER)  # fmt: skip
+                                    4, USE_TIMER)  # fmt: skip
                 else:  # float32: half the columns, to stay in an H200 block's shared memory
                     _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp,
-                                d_stride, yp, y_stride, hp, h_stride, DT, 64, 64, 128,
+                                d_stride, yp, y_stride, hp, h_stride, DT, 64, 64, 128, 3,
                                 USE_TIMER)  # fmt: skip
             else:
                 _expert_pointer(
