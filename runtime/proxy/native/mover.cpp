@@ -278,8 +278,8 @@ void Mover::pace(int64_t nbytes) {
   // data no earlier than the emulated link would deliver it. The link's clock runs from when
   // the batch was seen, not from when this loop reached the command: the loop's own cost per
   // command (a copy call, ~10 us on the GPU) must not add to the link's time, or the paced
-  // rate falls to nbytes / (nbytes / bandwidth + that cost) (measured: 15 GB/s at a 50 GB/s
-  // cap with 4 streams and 256 KiB copies, benchmarks/NOTES.md).
+  // rate falls to nbytes / (nbytes / bandwidth + that cost) (issue 15, 2 H200: 15 GB/s at a
+  // 50 GB/s cap with 4 streams and 256 KiB copies, 75 GB/s uncapped).
   const double start = std::max(seen_at_ > 0 ? seen_at_ : now_s(), busy_until_);
   busy_until_ = start + static_cast<double>(nbytes) / bytes_per_s;
   double left = busy_until_ - now_s();
