@@ -503,17 +503,30 @@ class TritonRuntime:
         self.compiled = self._kernel[(self.tables.programs,)](**self._args)
 
     def _compile_and_meet(self) -> None:
-        """One process per rank: compile the kernel, then wait on the host until every rank has
-        built its runtime and compiled, before the first launch. Triton compiles at the first
-        call, for seconds, and ranks compile different kernels (their tables and ``rank`` are
-        specialised), so one rank may hit a cache another misses; without this, the ranks that
-        launched first spent their entry barrier's watchdog on a peer still compiling (issue 15:
-        "the entry barrier ... after 5 s" on the first configuration of each process only)."""
+        """One process per rank: compile the kernel, load it and allocate its scratch, then
+        wait on the host until every rank has done so, before the first launch. Triton compiles
+        at the first call, for seconds, and ranks compile different kernels (their tables and
+        ``rank`` are specialised), so one rank may hit a cache another misses; and GPU.md
+        records a first launch whose module load waited for a spinning kernel to finish, so the
+        load happens here too. Without this, the ranks that launched first spent their entry
+        barrier's watchdog on a peer still compiling or loading (issue 15: "the entry barrier
+        ... after 5 s" on the first configuration of each process only)."""
         if self.world == 1 or self.shared is not None or self.interpret:
             return  # one process holds every rank (or only one): nobody to wait for
         import torch.distributed as dist
 
-        self._kernel.warmup(grid=(self.tables.programs,), **self._args)
+        programs = self.tables.programs
+        compiled = self._kernel.warmup(grid=(programs,), **self._args)
+        # Private Triton API, hence getattr: load the module now, and size the scratch the
+        # launcher would allocate (programs x CTAs x bytes per program, its formula).
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        meta = getattr(compiled, "metadata", None)
+        per_program = getattr(meta, "global_scratch_size", 0) or 0
+        if per_program > 0:
+            self._scratch(programs * getattr(meta, "num_ctas", 1) * per_program, 128, None)
+        torch.cuda.synchronize(self.device)
         dist.barrier()
 
     def _kernel_args(self) -> dict:
