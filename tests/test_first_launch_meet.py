@@ -7,8 +7,8 @@ barrier: start 1 (a remote peer's start): value 0, target 1, after 5 s", or, whe
 rank launched first and gave up, with a local event stuck at 1 of 2 (the peer's half), while
 the same process's second configuration, same kernel, ran. Triton compiles at the first call and
 the ranks compile different specialisations, so the rank that finished compiling first spent its
-5 s entry barrier on a peer still compiling. The CPU tests check the order of compile, host
-barrier and launch with a recording kernel; the multi_gpu test holds rank 1 on its host for
+5 s entry barrier on a peer still compiling. The CPU tests check the order of compile, module
+load, scratch, host barrier and launch with a recording kernel; the multi_gpu test holds rank 1 on its host for
 longer than the watchdog before its first launch (it failed before the change).
 """
 
@@ -18,17 +18,31 @@ import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mgraph.runtime.megakernel.runtime import TritonRuntime, _watchdog_hint
+
+
+class Compiled:
+    """What Triton's warmup returns: its module loads at ``_init_handles``; the launcher
+    allocates programs x CTAs x ``global_scratch_size`` bytes of scratch."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.metadata = SimpleNamespace(global_scratch_size=64, num_ctas=1)
+
+    def _init_handles(self) -> None:
+        self.log.append("load")
 
 
 class RecordingKernel:
     def __init__(self, log: list[str]) -> None:
         self.log = log
 
-    def warmup(self, *, grid: tuple, **kwargs: object) -> None:
-        assert kwargs == {"x": 1}, kwargs
+    def warmup(self, *, grid: tuple, **kwargs: object) -> Compiled:
+        assert grid == (4,) and kwargs == {"x": 1}, (grid, kwargs)
         self.log.append("compile")
+        return Compiled(self.log)
 
     def __getitem__(self, grid: tuple):
         def launch(**kwargs: object) -> str:
@@ -48,6 +62,8 @@ def bare_runtime(log: list[str], *, world: int, shared: object = None,
     rt._args = None
     rt._kernel = RecordingKernel(log)
     rt._kernel_args = lambda: {"x": 1}
+    rt._scratch = lambda size, align, stream: log.append(f"scratch {size}")
+    rt.device = "cuda:0"
     return rt
 
 
@@ -58,11 +74,13 @@ def test_first_launch_compiles_then_meets_every_rank_then_launches(
 
     log: list[str] = []
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: log.append("barrier"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: log.append("sync"))
     rt = bare_runtime(log, world=2)
     rt._zero_and_launch()
-    assert log == ["compile", "barrier", "launch"]
+    first = ["compile", "load", "scratch 256", "sync", "barrier", "launch"]
+    assert log == first
     rt._zero_and_launch()  # later launches: compiled, and the ranks already met
-    assert log == ["compile", "barrier", "launch", "launch"]
+    assert log == [*first, "launch"]
 
 
 @pytest.mark.parametrize("case", ["one rank", "one process, every rank", "interpreter"])
