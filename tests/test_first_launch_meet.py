@@ -8,8 +8,8 @@ rank launched first and gave up, with a local event stuck at 1 of 2 (the peer's 
 the same process's second configuration, same kernel, ran. Triton compiles at the first call and
 the ranks compile different specialisations, so the rank that finished compiling first spent its
 5 s entry barrier on a peer still compiling. The CPU tests check the order of compile, module
-load, scratch, host barrier and launch with a recording kernel; the multi_gpu test holds rank 1 on its host for
-longer than the watchdog before its first launch (it failed before the change).
+load, scratch, host barrier and launch with a recording kernel; the multi_gpu test holds rank 1
+on its host for longer than the watchdog before its first launch (it fails without the change).
 """
 
 from __future__ import annotations
