@@ -9,7 +9,8 @@ the same process's second configuration, same kernel, ran. Triton compiles at th
 the ranks compile different specialisations, so the rank that finished compiling first spent its
 5 s entry barrier on a peer still compiling. The CPU tests check the order of compile, module
 load, scratch, host barrier and launch with a recording kernel; the multi_gpu test holds rank 1
-on its host for longer than the watchdog before its first launch (it fails without the change).
+on its host for longer than the watchdog before its first launch (without the host barrier,
+rank 0's 2 s entry barrier would expire while rank 1 sleeps; not yet run on a GPU).
 """
 
 from __future__ import annotations
