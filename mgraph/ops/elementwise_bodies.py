@@ -216,14 +216,6 @@ if HAVE_TRITON:
         return tl.where(on < half, on + half, on - half)
 
     @triton.jit
-    def _vblock(blk, nbj, m, n, VEC: tl.constexpr):
-        """Rows, columns and mask of block ``blk`` (row-major over ``nbj`` column blocks); a
-        block past the last one is all masked."""
-        om = (blk // nbj) * _EW_M + tl.arange(0, _EW_M)
-        on = vec_cols((blk % nbj) * _EW_N, _EW_N, VEC)
-        return om, on, (om < m)[:, None] & (on < n)[None, :]
-
-    @triton.jit
     def _vload(addr, pitch, om, on, mask, DT: tl.constexpr):
         """A fast-path operand's [_EW_M, _EW_N] block at rows ``om``, in DT (row_operand's
         address and pitch, its ``vec`` checked: 16-byte vectors, int32 offsets; ``on`` in runs
@@ -233,102 +225,153 @@ if HAVE_TRITON:
         return tl.load(p, mask=mask, other=1.0)  # 1: masked lanes finite through log, 1/x
 
     @triton.jit
+    def _pick4(i, v0, v1, v2, v3):
+        """Value ``i`` of four (a uniform branch, as _pick)."""
+        v = v0
+        if i == 1:
+            v = v1
+        elif i == 2:
+            v = v2
+        elif i == 3:
+            v = v3
+        return v
+
+    @triton.jit
+    def _slot(q, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+        """Slot ``q`` of a batch (two levels of _pick4: a uniform branch)."""
+        v = x0
+        if q < 4:
+            v = _pick4(q, x0, x1, x2, x3)
+        elif q < 8:
+            v = _pick4(q - 4, x4, x5, x6, x7)
+        elif q < 12:
+            v = _pick4(q - 8, x8, x9, x10, x11)
+        else:
+            v = _pick4(q - 12, x12, x13, x14, x15)
+        return v
+
+    @triton.jit
+    def _vslot(S: tl.constexpr, K: tl.constexpr, nread, i, on, m, n, params, tp, regions,
+               bufaddr, bufcols, r0, maps, row0, addr, pitch, DT: tl.constexpr):
+        """Block S of the batch at row ``i`` (rows ``i + S * _EW_M``), columns ``on``, of
+        operand K (row_operand's ``addr`` and ``pitch``), loaded and not waited for. A task
+        without operand K: all masked, its region index kept in range (not a branch around the
+        load: Triton 3.9 merged such a branch with a copy that waits for the load)."""
+        om = i + S * _EW_M + tl.arange(0, _EW_M)
+        mask = (om < tl.where(nread > K, m, 0))[:, None] & (on < n)[None, :]
+        index = tl.minimum(r0 + K, r0 + nread - 1)
+        return _vread(params, tp, regions, bufaddr, bufcols, index, K, maps, row0, addr, pitch,
+                      om, on, mask, DT)
+
+    @triton.jit
     def _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, m, n, DT: tl.constexpr):
         """The fast path: every operand and the output take 16-byte vectors (and half of a
-        rotation is a multiple of them, so its columns move in whole vectors). The first four
-        operands of block b + 1 are loaded before block b's bytecode runs (in flight together
-        and behind its math, where the interpreter's LOADs waited one after another); a LOAD
-        of a later operand, or a ROT, reads it then. Region lookups are hoisted out of the
-        block loop."""
+        rotation is a multiple of them, so its columns move in whole vectors).
+
+        The tile goes in batches of SUB blocks of _EW_M x _EW_N stacked in rows. A batch
+        first loads the SUB blocks of operands 0 and 1 (the two of SwiGLU and of a residual
+        add, most of the bytes a layer's chains move) into 2 x SUB slots, all in flight
+        together: 32 KiB a program in either dtype; then the bytecode runs block by block
+        over them (a LOAD of a later operand, or a ROT, reads its block then) and stores
+        each block. The loop this replaces loaded one block ahead (4 KiB an operand) and
+        waited for it at the next iteration's head, as the copy that carried it there waits
+        for the load: latency-bound. No load result is carried from one iteration to the
+        next here. Region lookups are hoisted out of the loops."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        # 2 x SUB slots of one block: 64 registers a thread in either dtype
+        SUB: tl.constexpr = 8 if DT.primitive_bitwidth <= 16 else 4
         nops = param_i32(params, tp, 0)
         result = param_i32(params, tp, 1)
         half = param_i32(params, tp, _P_HALF)
         maps = param_i32(params, tp, _P_HALF + 1)
         row0 = param_i32(params, tp, _P_HALF + 2)
-        last = r0 + nread - 1  # operand k of a task with fewer reads: not loaded (the index
-        a0, p0, _v0 = row_operand(regions, bufaddr, bufcols, r0, DT)  # only stays in range)
-        a1, p1, _v1 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 1, last), DT)
-        a2, p2, _v2 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 2, last), DT)
-        a3, p3, _v3 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 3, last), DT)
+        # operand 1 of a task with one read: not loaded (the index only stays in range)
+        a0, p0, _v0 = row_operand(regions, bufaddr, bufcols, r0, DT)
+        a1, p1, _v1 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 1, r0 + nread - 1),
+                                  DT)
         oa, opitch, _vo = row_operand(regions, bufaddr, bufcols, w0, DT)
         out_p = vec_ptr(oa, DT)
         opitch = opitch // VEC * VEC
         n = n // VEC * VEC
         half = half // VEC * VEC  # a multiple of VEC here (ewise_tile checked it)
-        nbj = tl.cdiv(n, _EW_N)
         raw = tl.zeros((_EW_M, _EW_N), dtype=DT)
-        om, on, mask = _vblock(0, nbj, m, n, VEC)
-        t0 = _vread(params, tp, regions, bufaddr, bufcols, r0, 0, maps, row0, a0, p0, om, on,
-                    mask, DT)
-        t1 = raw
-        t2 = raw
-        t3 = raw
-        if nread > 1:
-            t1 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 1, 1, maps, row0, a1, p1, om,
-                        on, mask, DT)
-        if nread > 2:
-            t2 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 2, 2, maps, row0, a2, p2, om,
-                        on, mask, DT)
-        if nread > 3:
-            t3 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 3, 3, maps, row0, a3, p3, om,
-                        on, mask, DT)
-        for blk in range(0, tl.cdiv(m, _EW_M) * nbj):
-            nm, nn, nmask = _vblock(blk + 1, nbj, m, n, VEC)
-            u0 = _vread(params, tp, regions, bufaddr, bufcols, r0, 0, maps, row0, a0, p0, nm, nn,
-                        nmask, DT)
-            u1 = raw
-            u2 = raw
-            u3 = raw
-            if nread > 1:
-                u1 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 1, 1, maps, row0, a1, p1,
-                            nm, nn, nmask, DT)
-            if nread > 2:
-                u2 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 2, 2, maps, row0, a2, p2,
-                            nm, nn, nmask, DT)
-            if nread > 3:
-                u3 = _vread(params, tp, regions, bufaddr, bufcols, r0 + 3, 3, maps, row0, a3, p3,
-                            nm, nn, nmask, DT)
-            om, on, mask = _vblock(blk, nbj, m, n, VEC)
-            zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
-            v0 = zero
-            v1 = zero
-            v2 = zero
-            v3 = zero
-            v4 = zero
-            v5 = zero
-            for k in range(0, nops):
-                op = param_i32(params, tp, 2 + 4 * k)
-                dst = param_i32(params, tp, 3 + 4 * k)
-                a = param_i32(params, tp, 4 + 4 * k)
-                b = param_i32(params, tp, 5 + 4 * k)
-                if op == _LOAD:
-                    if a < 4:
-                        y = _pick(a, t0, t1, t2, t3, t3, t3).to(tl.float32)
-                    else:
-                        ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                        y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps, row0,
-                                   ak, pk, om, on, mask, DT).to(tl.float32)
-                elif op == _ROT:
-                    ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                    # runs of VEC columns stay runs: half is a multiple of VEC
-                    cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)
-                    y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps, row0, ak,
-                               pk, om, cols, mask, DT).to(tl.float32)
-                    y = tl.where((on < half)[None, :], -y, y)
-                elif op == _CONST:
-                    y = zero + b.to(tl.float32, bitcast=True)
-                else:
-                    xa = _pick(a, v0, v1, v2, v3, v4, v5)
-                    xb = _pick(b, v0, v1, v2, v3, v4, v5)
-                    y = _ewise_math(op, xa, xa, xb)
-                v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
-            out = _pick(result, v0, v1, v2, v3, v4, v5)
-            tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
-            t0 = u0
-            t1 = u1
-            t2 = u2
-            t3 = u3
+        for i in range(0, m, SUB * _EW_M):
+            for j in range(0, n, _EW_N):
+                on = vec_cols(j, _EW_N, VEC)
+                x0 = _vslot(0, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a0, p0, DT)
+                x1 = _vslot(0, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a1, p1, DT)
+                x2 = _vslot(1, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a0, p0, DT)
+                x3 = _vslot(1, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a1, p1, DT)
+                x4 = _vslot(2, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a0, p0, DT)
+                x5 = _vslot(2, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a1, p1, DT)
+                x6 = _vslot(3, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a0, p0, DT)
+                x7 = _vslot(3, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                             bufcols, r0, maps, row0, a1, p1, DT)
+                x8, x9, x10, x11 = raw, raw, raw, raw
+                x12, x13, x14, x15 = raw, raw, raw, raw
+                if SUB > 4:
+                    x8 = _vslot(4, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a0, p0, DT)
+                    x9 = _vslot(4, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a1, p1, DT)
+                    x10 = _vslot(5, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a0, p0, DT)
+                    x11 = _vslot(5, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a1, p1, DT)
+                    x12 = _vslot(6, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a0, p0, DT)
+                    x13 = _vslot(6, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a1, p1, DT)
+                    x14 = _vslot(7, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a0, p0, DT)
+                    x15 = _vslot(7, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                                 bufcols, r0, maps, row0, a1, p1, DT)
+                for s in range(0, tl.minimum(SUB, tl.cdiv(m - i, _EW_M))):
+                    om = i + s * _EW_M + tl.arange(0, _EW_M)
+                    mask = (om < m)[:, None] & (on < n)[None, :]
+                    zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
+                    v0 = zero
+                    v1 = zero
+                    v2 = zero
+                    v3 = zero
+                    v4 = zero
+                    v5 = zero
+                    for k in range(0, nops):
+                        op = param_i32(params, tp, 2 + 4 * k)
+                        dst = param_i32(params, tp, 3 + 4 * k)
+                        a = param_i32(params, tp, 4 + 4 * k)
+                        b = param_i32(params, tp, 5 + 4 * k)
+                        if op == _LOAD:
+                            if a < 2:
+                                y = _slot(2 * s + a, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10,
+                                          x11, x12, x13, x14, x15).to(tl.float32)
+                            else:
+                                ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                                y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
+                                           row0, ak, pk, om, on, mask, DT).to(tl.float32)
+                        elif op == _ROT:
+                            ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                            # runs of VEC columns stay runs: half is a multiple of VEC
+                            cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)
+                            y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
+                                       row0, ak, pk, om, cols, mask, DT).to(tl.float32)
+                            y = tl.where((on < half)[None, :], -y, y)
+                        elif op == _CONST:
+                            y = zero + b.to(tl.float32, bitcast=True)
+                        else:
+                            xa = _pick(a, v0, v1, v2, v3, v4, v5)
+                            xb = _pick(b, v0, v1, v2, v3, v4, v5)
+                            y = _ewise_math(op, xa, xa, xb)
+                        v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
+                    out = _pick(result, v0, v1, v2, v3, v4, v5)
+                    tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
 
     @triton.jit
     def _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT: tl.constexpr):
