@@ -35,6 +35,7 @@ from ..kinds import Role, TaskKind
 from ..topology import Topology
 from .collectives import (
     check_options,
+    grouped,
     rotated,
     row_chunks,
     tile_grid,
@@ -132,6 +133,11 @@ def _lower(
     else:
         mover.rail_flat()
     shard_tiles = tile_grid(rows, cols, bm, bn)  # one shard's rows x one rank's columns
+    # The node's shards in L2-friendly bands of tile rows (collectives.grouped, gemm's order):
+    # row-major, the tiles running at once spanned every B column block, which no longer fit
+    # in L2 at large K (v11: AG+GEMM 8192x8192x14336, 0.86x). Other nodes' shards stay
+    # row-major: they arrive chunk by chunk over the network, and a band would wait for 8.
+    banded = grouped(shard_tiles)
     for r in topo.ranks:
         for s in gemm_shard_order(topo, r):
             # gather="peer": a node peer's shard is read where it lies (its input buffer,
@@ -139,7 +145,7 @@ def _lower(
             direct = s == r or (gather == "peer" and topo.node_of(s) == topo.node_of(r))
             src = a[s] if direct else gathered[r]
             offset = 0 if direct else s * rows
-            for t in shard_tiles:
+            for t in banded if topo.node_of(s) == topo.node_of(r) else shard_tiles:
                 waits = []
                 if not direct:
                     waits = b.after(r, unique_tasks(mover.arrivals(r, s, (t[0], t[1]))))
