@@ -25,8 +25,8 @@ Rows (``bench_layer.json``, and ``bench_layer.md`` as a table, under --out):
 - ``mgraph``: ``mg.compile(layer, plan, backend="triton")`` with the same sharding written in
   mgraph's vocabulary (no ``PrepareModuleInput`` and no ``output_layouts``: mgraph infers the
   gathers and the reduce-scatters from the SequenceParallel norms); timed around ``prog(x)``,
-  which also rebuilds the parameters from the module, copies them into the kernel's buffers,
-  NaN-poisons its intermediates and reads the watchdog record on every call. Its compile time:
+  which copies x into the kernel's buffers, re-copies only parameters torch saw change,
+  replays the kernel, copies the output out and reads the watchdog record. Its compile time:
   ``trace_s``, ``lower_s`` (pointwise fusion, lowering, validation, the body check),
   ``schedule_s``, from the per-stage timer ``mgraph compile --profile`` uses
   (mgraph.cli.StageTimes), and ``first_call_s`` (runtime build, megakernel JIT and one run:
