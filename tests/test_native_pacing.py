@@ -3,12 +3,13 @@ CUDA libraries of tests/fake_cuda with a host cost per copy call (``set_call_us`
 
 Issue 15: on 2 H200 with 4 copy streams, 256 KiB WRITEs paced at 50 GB/s moved 15 GB/s while
 the same proxy unpaced moved 75: the loop held each copy until the link's transfer ended,
-counting the link from when the loop got there, then paid the copy call (~10 us) on top, so
-every command cost the link's time plus the call's. Here a call costs ten transfers: the old loop
-took at least rows x (transfer + call); a paced proxy runs the link's clock from when the
-commands were seen and sends the copies already due together (one batch call per stream) while
-it waits, so it takes about rows x transfer, and never less. (Wall-clock bounds a factor of
-several apart, so that a loaded CI machine does not decide the outcome.)
+counting the link from when the loop got there, then paid the copy call on top (17.5 us per
+command = 5.2 on the link + ~12 in the loop). Here a call costs ten transfers: the old loop took
+at least rows x (transfer + call), 70 ms (measured 81-84); a paced proxy runs the link's clock
+from when the commands were seen and sends the copies already due together (one batch call per
+stream) while it waits, so it takes rows x transfer plus a few calls (measured 12-18 ms, also
+with a CPU burner beside it), and never less than rows x transfer. The bound, half the old
+loop's floor, sits well apart from both, so a loaded CI machine does not decide the outcome.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from mgraph.runtime.proxy.native import NativeProxy
 ROW_BYTES = COLS * 4
 LINK_US = 100  # one row on the emulated link
 CALL_US = 1000  # one copy call's host time
-N_ROWS = 64  # two batches of 32
+N_ROWS = 64
+BATCH = 64  # one batch: its end costs a data and a flag call per stream
+STREAMS = 2
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +49,8 @@ def fake(fake_lib: FakeCuda) -> Iterator[FakeCuda]:
 
 
 def row_plan() -> Plan:
-    """One WRITE per row (contiguous: collected for a batch call), rows on lanes 0..3 (four
-    streams), each raising its stream's arrival word on rank 1 and "sent" word on rank 0."""
+    """One WRITE per row (contiguous: collected for a batch call), rows on lanes 0..3 (streams
+    lane mod STREAMS), each raising its lane's arrival word on rank 1 and "sent" word on rank 0."""
     plan = Plan([], 0)
     for i, tile in enumerate(row_tiles(N_ROWS)):
         lane = i % 4
@@ -60,7 +63,7 @@ def row_plan() -> Plan:
 def paced_seconds(fake: FakeCuda, *, streams: int, call_us: int) -> tuple[float, FakeCudaTransport]:
     transport = FakeCudaTransport(fake)
     fifo = CommandFifo(256)
-    proxy = NativeProxy(fifo, transport, 32, rank=0, name="paced", coalesce=False,
+    proxy = NativeProxy(fifo, transport, BATCH, rank=0, name="paced", coalesce=False,
                         flag_copy=True, timeout=10.0, streams=streams, idle_sleep_us=0,
                         bandwidth=ROW_BYTES / (LINK_US * 1e-6))  # fmt: skip
     plan = row_plan()
@@ -89,7 +92,7 @@ def test_paced_streams_keep_the_link_busy_when_copy_calls_cost_host_time(fake: F
     old_floor = N_ROWS * (LINK_US + CALL_US) * 1e-6  # the loop before the fix, at best
     runs = []
     for _ in range(3):  # the best of three: a stalled CI core must not fail it
-        seconds, transport = paced_seconds(fake, streams=4, call_us=CALL_US)
+        seconds, transport = paced_seconds(fake, streams=STREAMS, call_us=CALL_US)
         assert torch.equal(transport.dst[:N_ROWS], transport.src[:N_ROWS])
         # Never faster than the link: the last row cannot leave before the link delivered it.
         assert seconds >= link, (seconds, link)
