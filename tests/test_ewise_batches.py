@@ -6,9 +6,9 @@ for ~0.7 GB; benchmarks/results/v11/bench_layer_kinds.json). Every one of them t
 path (the first test); its loop loaded one 16 x 128 block ahead, one 16-byte vector a thread
 an operand, and the copy that carried those loads to the next iteration waited for them at
 the loop's head, before that iteration's loads went out: one memory round trip a block, 8 KiB
-a program in flight for SwiGLU. The batches load 16 blocks of operands 0 and 1 before the
-bytecode runs over any; the AOT test fails on the old form (8 loads an iteration, a copy of a
-load's result at the loop's head) and on local memory.
+a program in flight for SwiGLU. A batch loads operands 0 and 1 of 8 blocks (16 slots, 64 KiB a
+program) before the bytecode runs over any; the AOT test fails on the old form (8 loads an
+iteration, a copy of a load's result at the loop's head) and on local memory.
 
 - CPU: the layer's tasks and the body's gate, mirrored on the host (test_rope_fusion._fast,
   plus the gather map's gate of _gather_src).
@@ -67,8 +67,8 @@ def ewise_path(graph, task, dtype: torch.dtype) -> str:
 def test_llama_layer_ewise_tasks_take_the_fast_path():
     """bench_layer.py's layer at head dim 128 and tile_rows 64, as on the H200 (smaller hidden,
     FFN and sequence: the same chains and the same alignments): RoPE's chains (a gather
-    operand, two broadcast ones, a rotation), SwiGLU and the residual adds all take _ewise_vec,
-    and their operands 0 and 1 (the batch's) are the ones the chain reads most."""
+    operand, two broadcast ones, a rotation), SwiGLU and the residual adds all take _ewise_vec;
+    the batch's operands 0 and 1 are SwiGLU's and the adds' two, RoPE's x and cos."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_layer", ROOT / "benchmarks/bench_layer.py")
@@ -96,8 +96,9 @@ def test_llama_layer_ewise_tasks_take_the_fast_path():
 
 
 # -- the batches under the interpreter -----------------------------------------------------------
-# rows 300 in tiles of 150: bf16 batches of 128 rows (then 22), fp32 of 64 (64, 22); 272
-# columns: two 128-column blocks and a masked one
+# rows 300 in tiles of 150 (10 block rows, the last one of 6 rows), 272 columns (two 128-column
+# blocks and a masked one): 30 blocks a tile, batches of 8 in bf16 (8, 8, 8, 6), of 4 in fp32,
+# straddling block rows
 CHAINS = {
     "unary": ([["silu", 0, -1, 0.0]], []),
     "swiglu": ([["silu", 0, -1, 0.0], ["mul", 2, 1, 0.0]], ["full"]),

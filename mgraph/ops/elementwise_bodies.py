@@ -251,13 +251,16 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _vslot(S: tl.constexpr, K: tl.constexpr, nread, i, on, m, n, params, tp, regions,
+    def _vslot(S: tl.constexpr, K: tl.constexpr, nread, blk0, nbj, m, n, params, tp, regions,
                bufaddr, bufcols, r0, maps, row0, addr, pitch, DT: tl.constexpr):
-        """Block S of the batch at row ``i`` (rows ``i + S * _EW_M``), columns ``on``, of
-        operand K (row_operand's ``addr`` and ``pitch``), loaded and not waited for. A task
-        without operand K: all masked, its region index kept in range (not a branch around the
-        load: Triton 3.9 merged such a branch with a copy that waits for the load)."""
-        om = i + S * _EW_M + tl.arange(0, _EW_M)
+        """Operand K (row_operand's ``addr`` and ``pitch``) of block ``blk0 + S`` (row-major over
+        ``nbj`` column blocks), loaded and not waited for. A block past the tile, or a task
+        without operand K: all masked, the region index kept in range (not a branch around
+        the load: Triton 3.9 merged such a branch with a copy that waits for the load)."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        blk = blk0 + S
+        om = blk // nbj * _EW_M + tl.arange(0, _EW_M)
+        on = vec_cols(blk % nbj * _EW_N, _EW_N, VEC)
         mask = (om < tl.where(nread > K, m, 0))[:, None] & (on < n)[None, :]
         index = tl.minimum(r0 + K, r0 + nread - 1)
         return _vread(params, tp, regions, bufaddr, bufcols, index, K, maps, row0, addr, pitch,
@@ -268,15 +271,15 @@ if HAVE_TRITON:
         """The fast path: every operand and the output take 16-byte vectors (and half of a
         rotation is a multiple of them, so its columns move in whole vectors).
 
-        The tile goes in batches of SUB blocks of _EW_M x _EW_N stacked in rows. A batch
-        first loads the SUB blocks of operands 0 and 1 (the two of SwiGLU and of a residual
-        add, most of the bytes a layer's chains move) into 2 x SUB slots, all in flight
-        together: 32 KiB a program in either dtype; then the bytecode runs block by block
-        over them (a LOAD of a later operand, or a ROT, reads its block then) and stores
-        each block. The loop this replaces loaded one block ahead (4 KiB an operand) and
-        waited for it at the next iteration's head, as the copy that carried it there waits
-        for the load: latency-bound. No load result is carried from one iteration to the
-        next here. Region lookups are hoisted out of the loops."""
+        The tile's _EW_M x _EW_N blocks (row-major over its column blocks) go in batches of
+        SUB consecutive ones: a batch first loads operands 0 and 1 of its blocks (the two of
+        SwiGLU and of a residual add, most of the bytes a layer's chains move) into 2 x SUB
+        slots, all in flight together: 64 KiB a program in either dtype; then the bytecode
+        runs block by block over them (a LOAD of a later operand, or a ROT, reads its block
+        then) and stores each block. The loop this replaces loaded one block ahead (4 KiB an
+        operand) and waited for it at the next iteration's head, as the copy that carried it
+        there waits for the load: latency-bound. No load result is carried from one
+        iteration to the next here. Region lookups are hoisted out of the loops."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         # 2 x SUB slots of one block: 64 registers a thread in either dtype
         SUB: tl.constexpr = 8 if DT.primitive_bitwidth <= 16 else 4
@@ -295,83 +298,84 @@ if HAVE_TRITON:
         n = n // VEC * VEC
         half = half // VEC * VEC  # a multiple of VEC here (ewise_tile checked it)
         raw = tl.zeros((_EW_M, _EW_N), dtype=DT)
-        for i in range(0, m, SUB * _EW_M):
-            for j in range(0, n, _EW_N):
-                on = vec_cols(j, _EW_N, VEC)
-                x0 = _vslot(0, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+        nbj = tl.cdiv(n, _EW_N)
+        nblk = tl.cdiv(m, _EW_M) * nbj
+        for blk0 in range(0, nblk, SUB):
+            x0 = _vslot(0, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a0, p0, DT)
+            x1 = _vslot(0, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a1, p1, DT)
+            x2 = _vslot(1, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a0, p0, DT)
+            x3 = _vslot(1, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a1, p1, DT)
+            x4 = _vslot(2, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a0, p0, DT)
+            x5 = _vslot(2, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a1, p1, DT)
+            x6 = _vslot(3, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a0, p0, DT)
+            x7 = _vslot(3, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                        bufcols, r0, maps, row0, a1, p1, DT)
+            x8, x9, x10, x11 = raw, raw, raw, raw
+            x12, x13, x14, x15 = raw, raw, raw, raw
+            if SUB > 4:
+                x8 = _vslot(4, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                            bufcols, r0, maps, row0, a0, p0, DT)
+                x9 = _vslot(4, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
+                            bufcols, r0, maps, row0, a1, p1, DT)
+                x10 = _vslot(5, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                              bufcols, r0, maps, row0, a0, p0, DT)
-                x1 = _vslot(0, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                x11 = _vslot(5, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                              bufcols, r0, maps, row0, a1, p1, DT)
-                x2 = _vslot(1, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                x12 = _vslot(6, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                              bufcols, r0, maps, row0, a0, p0, DT)
-                x3 = _vslot(1, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                x13 = _vslot(6, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                              bufcols, r0, maps, row0, a1, p1, DT)
-                x4 = _vslot(2, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
+                x14 = _vslot(7, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                              bufcols, r0, maps, row0, a0, p0, DT)
-                x5 = _vslot(2, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
+                x15 = _vslot(7, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                              bufcols, r0, maps, row0, a1, p1, DT)
-                x6 = _vslot(3, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a0, p0, DT)
-                x7 = _vslot(3, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a1, p1, DT)
-                x8, x9, x10, x11 = raw, raw, raw, raw
-                x12, x13, x14, x15 = raw, raw, raw, raw
-                if SUB > 4:
-                    x8 = _vslot(4, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a0, p0, DT)
-                    x9 = _vslot(4, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a1, p1, DT)
-                    x10 = _vslot(5, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a0, p0, DT)
-                    x11 = _vslot(5, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a1, p1, DT)
-                    x12 = _vslot(6, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a0, p0, DT)
-                    x13 = _vslot(6, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a1, p1, DT)
-                    x14 = _vslot(7, 0, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a0, p0, DT)
-                    x15 = _vslot(7, 1, nread, i, on, m, n, params, tp, regions, bufaddr,
-                                 bufcols, r0, maps, row0, a1, p1, DT)
-                for s in range(0, tl.minimum(SUB, tl.cdiv(m - i, _EW_M))):
-                    om = i + s * _EW_M + tl.arange(0, _EW_M)
-                    mask = (om < m)[:, None] & (on < n)[None, :]
-                    zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
-                    v0 = zero
-                    v1 = zero
-                    v2 = zero
-                    v3 = zero
-                    v4 = zero
-                    v5 = zero
-                    for k in range(0, nops):
-                        op = param_i32(params, tp, 2 + 4 * k)
-                        dst = param_i32(params, tp, 3 + 4 * k)
-                        a = param_i32(params, tp, 4 + 4 * k)
-                        b = param_i32(params, tp, 5 + 4 * k)
-                        if op == _LOAD:
-                            if a < 2:
-                                y = _slot(2 * s + a, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10,
-                                          x11, x12, x13, x14, x15).to(tl.float32)
-                            else:
-                                ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                                y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
-                                           row0, ak, pk, om, on, mask, DT).to(tl.float32)
-                        elif op == _ROT:
-                            ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                            # runs of VEC columns stay runs: half is a multiple of VEC
-                            cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)
-                            y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
-                                       row0, ak, pk, om, cols, mask, DT).to(tl.float32)
-                            y = tl.where((on < half)[None, :], -y, y)
-                        elif op == _CONST:
-                            y = zero + b.to(tl.float32, bitcast=True)
+            for s in range(0, tl.minimum(SUB, nblk - blk0)):
+                om = (blk0 + s) // nbj * _EW_M + tl.arange(0, _EW_M)
+                on = vec_cols((blk0 + s) % nbj * _EW_N, _EW_N, VEC)
+                mask = (om < m)[:, None] & (on < n)[None, :]
+                zero = tl.zeros((_EW_M, _EW_N), dtype=tl.float32)
+                v0 = zero
+                v1 = zero
+                v2 = zero
+                v3 = zero
+                v4 = zero
+                v5 = zero
+                for k in range(0, nops):
+                    op = param_i32(params, tp, 2 + 4 * k)
+                    dst = param_i32(params, tp, 3 + 4 * k)
+                    a = param_i32(params, tp, 4 + 4 * k)
+                    b = param_i32(params, tp, 5 + 4 * k)
+                    if op == _LOAD:
+                        if a < 2:
+                            y = _slot(2 * s + a, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10,
+                                      x11, x12, x13, x14, x15).to(tl.float32)
                         else:
-                            xa = _pick(a, v0, v1, v2, v3, v4, v5)
-                            xb = _pick(b, v0, v1, v2, v3, v4, v5)
-                            y = _ewise_math(op, xa, xa, xb)
-                        v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
-                    out = _pick(result, v0, v1, v2, v3, v4, v5)
-                    tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
+                            ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                            y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
+                                       row0, ak, pk, om, on, mask, DT).to(tl.float32)
+                    elif op == _ROT:
+                        ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                        # runs of VEC columns stay runs: half is a multiple of VEC
+                        cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)
+                        y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
+                                   row0, ak, pk, om, cols, mask, DT).to(tl.float32)
+                        y = tl.where((on < half)[None, :], -y, y)
+                    elif op == _CONST:
+                        y = zero + b.to(tl.float32, bitcast=True)
+                    else:
+                        xa = _pick(a, v0, v1, v2, v3, v4, v5)
+                        xb = _pick(b, v0, v1, v2, v3, v4, v5)
+                        y = _ewise_math(op, xa, xa, xb)
+                    v0, v1, v2, v3, v4, v5 = _put(dst, y, v0, v1, v2, v3, v4, v5)
+                out = _pick(result, v0, v1, v2, v3, v4, v5)
+                tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
 
     @triton.jit
     def _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT: tl.constexpr):
