@@ -1,16 +1,17 @@
-"""The MoE expert body's K loops keep as much work in flight as the megakernel's GEMM segment
-(sm_90, ahead of time on the CPU: the body alone, compiled to TTGIR, where Triton's pipeliner has
-laid out each loop's ring of shared-memory stages).
+"""The MoE expert body's K loops keep as many loads in flight as the megakernel's GEMM segment,
+and its 128-row tile as much work (sm_90, ahead of time on the CPU: the body alone, compiled to
+TTGIR, where Triton's pipeliner has laid out each loop's ring of shared-memory stages).
 
 Why (v11, benchmarks/results/v11/bench_moe.json, 2 H200): moe_expert ran at 2.0-2.3 TF/s per
-program where the GEMM segment of the same megakernel reaches 5.0. Compiled for sm_90 (Triton
-3.6, ptxas 12.8) both kinds of loop had the same skeleton per K step: TMA loads 2 steps ahead
-(3 stages), one mbarrier wait per operand, wgmma with one WARPGROUP.DEPBAR (not serialised), no
-spill, 4 CTA barriers. What differed was the work per step: the GEMM's 128 x 256 x 64 tile
-(4.2 MFLOP, 48 KB loaded) against the expert's 2.1 MFLOP steps (128 x 64 gate and up, 128 x 128
-down; or 64 x 128 and 64 x 256), so at the same depth and latency a program had half the work
-in flight. The test pins what replaced them: every bf16 K loop keeps at least the GEMM's
-2 x 4.2 MFLOP in flight ((stages - 1) x its dots' work per step)."""
+program where the megakernel's GEMM segment reaches 5.0 (bench_layer's gemm row). Compiled for
+sm_90 (Triton 3.6, ptxas 12.8) both loops had the same skeleton per K step: TMA loads 2 steps
+ahead (3 stages), mbarrier waits, wgmma with one WARPGROUP.DEPBAR (not serialised), no spill, 4
+CTA barriers. What differed was the work per step: the GEMM's 128 x 256 x 64 tile (4.2 MFLOP,
+48 KB loaded) against the expert's 2.1 MFLOP steps (128 x 64 gate and up for 32 KB, 128 x 128
+down; or 64 x 128 and 64 x 256 for 40 KB), so at the same depth and latency a program had half
+the work and 2/3 to 5/6 of the bytes in flight. The test pins what replaced them: every bf16 K
+loop has at least the GEMM's 2 x 48 KB of loads in flight ((stages - 1) x one slot of each
+ring), and the 128-row tile's step is the GEMM's."""
 
 from __future__ import annotations
 
