@@ -105,7 +105,12 @@ CHAINS = {
     "rope3": ([["mul", 0, 1, 0.0], ["rotate_half", 0, -1, 0.0], ["mul", 4, 2, 0.0],
                ["add", 3, 5, 0.0]], ["row", "full"]),
 }
-INTERP_CASES = {f"{name}-{dt}": True for name in CHAINS for dt in ("float32", "bfloat16")}
+# (rows, cols, tile_rows): several batches a tile; and "wide" tiles of at most half a batch
+# (2 blocks and 1: RoPE's 64 x 128 tiles in bf16 are 4), whose upper slots hold operand 2 and
+# operand 0 rotated
+SHAPES = {"": (300, 272, 150), "-wide": (48, 128, 32)}
+CASES = {"unary": "", "swiglu": "", "rope3": "", "rope3-wide": "-wide"}
+INTERP_CASES = {f"{name}-{dt}": True for name in CASES for dt in ("float32", "bfloat16")}
 
 
 def test_ewise_batches_in_the_megakernel():
@@ -118,10 +123,12 @@ def _interp_main() -> None:
 
     from mgraph.runtime.megakernel import TritonRuntime
 
-    for name, (chain, operands) in CHAINS.items():
+    for name, shape in CASES.items():
+        chain, operands = CHAINS[name.removesuffix(shape)]
+        rows, cols, tile_rows = SHAPES[shape]
         for dt in (F32, BF16):
-            g = mg.ops.elementwise(topology="1x1", rows=300, cols=272, chain=chain,
-                                   operands=operands, tile_rows=150, dtype=dt)
+            g = mg.ops.elementwise(topology="1x1", rows=rows, cols=cols, chain=chain,
+                                   operands=operands, tile_rows=tile_rows, dtype=dt)
             gen = torch.Generator().manual_seed(31)
             inputs = {n: torch.randn(s.shape, generator=gen).to(dt) for n, s in g.inputs.items()}
             sched = mg.schedule(g)

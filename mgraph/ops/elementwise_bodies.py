@@ -267,6 +267,39 @@ if HAVE_TRITON:
                       om, on, mask, DT)
 
     @triton.jit
+    def _vslot_hi(S: tl.constexpr, K: tl.constexpr, HALF: tl.constexpr, wide, rot, nread, blk0,
+                  nbj, m, n, half, params, tp, regions, bufaddr, bufcols, r0, maps, row0,
+                  a0, p0, a1, p1, a2, p2, DT: tl.constexpr):
+        """Slot (S, K) as _vslot; but in the upper half (S >= HALF) of a ``wide`` batch (a
+        tile of HALF blocks or fewer: RoPE's 64 x 128) block ``S - HALF``'s operand 2 (K = 0)
+        or operand 0 rotated by ``half`` (K = 1; ``rot``: the chain rotates operand 0): what
+        RoPE's bytecode reads besides operands 0 and 1, in flight with them."""
+        VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        if S < HALF:  # a lower slot (bf16's blocks 2 and 3): _vslot's
+            wide = nread < 0
+        blk = blk0 + S - tl.where(wide, HALF, 0)
+        om = blk // nbj * _EW_M + tl.arange(0, _EW_M)
+        on = vec_cols(blk % nbj * _EW_N, _EW_N, VEC)
+        if K == 0:
+            k = tl.where(wide, 2, 0)
+            addr = tl.where(wide, a2, a0)
+            pitch = tl.where(wide, p2, p0)
+            cols = on
+            live = nread > k
+        else:
+            k = tl.where(wide, 0, 1)
+            addr = tl.where(wide, a0, a1)
+            pitch = tl.where(wide, p0, p1)
+            # runs of VEC columns stay runs: half is a multiple of VEC
+            cols = tl.max_contiguous(tl.multiple_of(tl.where(wide, _rot_cols(on, half), on), VEC),
+                                     VEC)
+            live = tl.where(wide, rot, nread > 1)
+        mask = (om < tl.where(live, m, 0))[:, None] & (on < n)[None, :]
+        index = tl.minimum(r0 + k, r0 + nread - 1)
+        return _vread(params, tp, regions, bufaddr, bufcols, index, k, maps, row0, addr, pitch,
+                      om, cols, mask, DT)
+
+    @triton.jit
     def _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, m, n, DT: tl.constexpr):
         """The fast path: every operand and the output take 16-byte vectors (and half of a
         rotation is a multiple of them, so its columns move in whole vectors).
@@ -283,6 +316,7 @@ if HAVE_TRITON:
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         # 2 x SUB slots of one block: 64 registers a thread in either dtype
         SUB: tl.constexpr = 8 if DT.primitive_bitwidth <= 16 else 4
+        HALF: tl.constexpr = SUB // 2
         nops = param_i32(params, tp, 0)
         result = param_i32(params, tp, 1)
         half = param_i32(params, tp, _P_HALF)
@@ -292,6 +326,8 @@ if HAVE_TRITON:
         a0, p0, _v0 = row_operand(regions, bufaddr, bufcols, r0, DT)
         a1, p1, _v1 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 1, r0 + nread - 1),
                                   DT)
+        a2, p2, _v2 = row_operand(regions, bufaddr, bufcols, tl.minimum(r0 + 2, r0 + nread - 1),
+                                  DT)
         oa, opitch, _vo = row_operand(regions, bufaddr, bufcols, w0, DT)
         out_p = vec_ptr(oa, DT)
         opitch = opitch // VEC * VEC
@@ -300,6 +336,13 @@ if HAVE_TRITON:
         raw = tl.zeros((_EW_M, _EW_N), dtype=DT)
         nbj = tl.cdiv(n, _EW_N)
         nblk = tl.cdiv(m, _EW_M) * nbj
+        # a tile of HALF blocks or fewer (RoPE's): its upper slots hold operand 2 and operand 0
+        # rotated (_vslot_hi), where the chain reads them
+        wide = nblk <= HALF
+        rot = nops < 0  # whether the chain rotates operand 0
+        for k in range(0, nops):
+            rot = rot | ((param_i32(params, tp, 2 + 4 * k) == _ROT) & (
+                param_i32(params, tp, 4 + 4 * k) == 0))
         for blk0 in range(0, nblk, SUB):
             x0 = _vslot(0, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                         bufcols, r0, maps, row0, a0, p0, DT)
@@ -309,33 +352,45 @@ if HAVE_TRITON:
                         bufcols, r0, maps, row0, a0, p0, DT)
             x3 = _vslot(1, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
                         bufcols, r0, maps, row0, a1, p1, DT)
-            x4 = _vslot(2, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                        bufcols, r0, maps, row0, a0, p0, DT)
-            x5 = _vslot(2, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                        bufcols, r0, maps, row0, a1, p1, DT)
-            x6 = _vslot(3, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                        bufcols, r0, maps, row0, a0, p0, DT)
-            x7 = _vslot(3, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                        bufcols, r0, maps, row0, a1, p1, DT)
+            x4 = _vslot_hi(2, 0, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                           tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                           a2, p2, DT)
+            x5 = _vslot_hi(2, 1, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                           tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                           a2, p2, DT)
+            x6 = _vslot_hi(3, 0, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                           tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                           a2, p2, DT)
+            x7 = _vslot_hi(3, 1, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                           tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                           a2, p2, DT)
             x8, x9, x10, x11 = raw, raw, raw, raw
             x12, x13, x14, x15 = raw, raw, raw, raw
             if SUB > 4:
-                x8 = _vslot(4, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                            bufcols, r0, maps, row0, a0, p0, DT)
-                x9 = _vslot(4, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                            bufcols, r0, maps, row0, a1, p1, DT)
-                x10 = _vslot(5, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a0, p0, DT)
-                x11 = _vslot(5, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a1, p1, DT)
-                x12 = _vslot(6, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a0, p0, DT)
-                x13 = _vslot(6, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a1, p1, DT)
-                x14 = _vslot(7, 0, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a0, p0, DT)
-                x15 = _vslot(7, 1, nread, blk0, nbj, m, n, params, tp, regions, bufaddr,
-                             bufcols, r0, maps, row0, a1, p1, DT)
+                x8 = _vslot_hi(4, 0, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                               tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                               a2, p2, DT)
+                x9 = _vslot_hi(4, 1, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                               tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                               a2, p2, DT)
+                x10 = _vslot_hi(5, 0, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                                tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                                a2, p2, DT)
+                x11 = _vslot_hi(5, 1, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                                tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                                a2, p2, DT)
+                x12 = _vslot_hi(6, 0, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                                tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                                a2, p2, DT)
+                x13 = _vslot_hi(6, 1, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                                tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                                a2, p2, DT)
+                x14 = _vslot_hi(7, 0, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                                tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                                a2, p2, DT)
+                x15 = _vslot_hi(7, 1, HALF, wide, rot, nread, blk0, nbj, m, n, half, params,
+                                tp, regions, bufaddr, bufcols, r0, maps, row0, a0, p0, a1, p1,
+                                a2, p2, DT)
             for s in range(0, tl.minimum(SUB, nblk - blk0)):
                 om = (blk0 + s) // nbj * _EW_M + tl.arange(0, _EW_M)
                 on = vec_cols((blk0 + s) % nbj * _EW_N, _EW_N, VEC)
@@ -356,16 +411,24 @@ if HAVE_TRITON:
                         if a < 2:
                             y = _slot(2 * s + a, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10,
                                       x11, x12, x13, x14, x15).to(tl.float32)
+                        elif wide & (a == 2):
+                            y = _slot(2 * (s + HALF), x0, x1, x2, x3, x4, x5, x6, x7, x8, x9,
+                                      x10, x11, x12, x13, x14, x15).to(tl.float32)
                         else:
                             ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
                             y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
                                        row0, ak, pk, om, on, mask, DT).to(tl.float32)
                     elif op == _ROT:
-                        ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
-                        # runs of VEC columns stay runs: half is a multiple of VEC
-                        cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)
-                        y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
-                                   row0, ak, pk, om, cols, mask, DT).to(tl.float32)
+                        if wide & (a == 0):
+                            y = _slot(2 * (s + HALF) + 1, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9,
+                                      x10, x11, x12, x13, x14, x15).to(tl.float32)
+                        else:
+                            ak, pk, _vk = row_operand(regions, bufaddr, bufcols, r0 + a, DT)
+                            # runs of VEC columns stay runs: half is a multiple of VEC
+                            cols = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC),
+                                                     VEC)
+                            y = _vread(params, tp, regions, bufaddr, bufcols, r0 + a, a, maps,
+                                       row0, ak, pk, om, cols, mask, DT).to(tl.float32)
                         y = tl.where((on < half)[None, :], -y, y)
                     elif op == _CONST:
                         y = zero + b.to(tl.float32, bitcast=True)
