@@ -10,8 +10,10 @@ index arithmetic as the relayout body), ROT reads one rotated by half the last d
 a register, and the fns compute; the result register is stored once in DT. Two paths: a fast
 one when every operand and the output take 16-byte vectors (and a rotation moves whole
 vectors; a gather operand's map passes relayout's fast-path gate: its innermost column digit a
-stride-1 run of whole vectors, every other stride and its base multiples of them), the first
-four operands loaded a block ahead; a general one with a pointer per element.
+stride-1 run of whole vectors, every other stride and its base multiples of them), operands
+0 and 1 of 8 blocks (4 in fp32; in a tile of half that or fewer, RoPE's, also operand 2 and
+operand 0 rotated) loaded together before the bytecode runs over them (_ewise_vec); a general
+one with a pointer per element.
 """
 
 from __future__ import annotations
@@ -309,10 +311,13 @@ if HAVE_TRITON:
         SwiGLU and of a residual add, most of the bytes a layer's chains move) into 2 x SUB
         slots, all in flight together: 64 KiB a program in either dtype; then the bytecode
         runs block by block over them (a LOAD of a later operand, or a ROT, reads its block
-        then) and stores each block. The loop this replaces loaded one block ahead (4 KiB an
-        operand) and waited for it at the next iteration's head, as the copy that carried it
-        there waits for the load: latency-bound. No load result is carried from one
-        iteration to the next here. Region lookups are hoisted out of the loops."""
+        then) and stores each block. A tile of HALF blocks or fewer (``wide``: RoPE's 64 x
+        128 in bf16) is one batch whose upper slots hold operand 2 and operand 0 rotated
+        (_vslot_hi): RoPE's four reads a block all in flight together. The loop this replaces
+        loaded one block ahead (4 KiB an operand) and waited for it at the next iteration's
+        head, as the copy that carried it there waits for the load: latency-bound. No load
+        result is carried from one iteration to the next here. Region lookups are hoisted
+        out of the loops."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         # 2 x SUB slots of one block: 64 registers a thread in either dtype
         SUB: tl.constexpr = 8 if DT.primitive_bitwidth <= 16 else 4
