@@ -96,7 +96,7 @@ def test_llama_layer_ewise_tasks_take_the_fast_path():
 
 
 # -- the batches under the interpreter -----------------------------------------------------------
-# rows 300 in tiles of 150 (10 block rows, the last one of 6 rows), 272 columns (two 128-column
+# rows 150 in one tile (10 block rows, the last one of 6 rows), 272 columns (two 128-column
 # blocks and a masked one): 30 blocks a tile, batches of 8 in bf16 (8, 8, 8, 6), of 4 in fp32,
 # straddling block rows
 CHAINS = {
@@ -108,7 +108,7 @@ CHAINS = {
 # (rows, cols, tile_rows): several batches a tile; and "wide" tiles of at most half a batch
 # (2 blocks and 1: RoPE's 64 x 128 tiles in bf16 are 4), whose upper slots hold operand 2 and
 # operand 0 rotated
-SHAPES = {"": (300, 272, 150), "-wide": (48, 128, 32)}
+SHAPES = {"": (150, 272, 150), "-wide": (48, 128, 32)}
 CASES = {"unary": "", "swiglu": "", "rope3": "", "rope3-wide": "-wide"}
 INTERP_CASES = {f"{name}-{dt}": True for name in CASES for dt in ("float32", "bfloat16")}
 
