@@ -127,8 +127,9 @@ def reduce_fast(graph, task, dtype: torch.dtype) -> bool:
 
 
 def ewise_cases() -> None:
-    """Chains of 2, 4 (RoPE's x * cos + rot(x) * sin) and 6 inputs (operands 4 and 5 are read
-    at their LOAD, the first four a block ahead), full and row operands, tasks of several row
+    """Chains of 2, 4 (RoPE's x * cos + rot(x) * sin) and 6 inputs (operands 0 and 1 are read
+    for a batch of blocks before its bytecode runs, later ones at their LOAD), full and row
+    operands, tasks of several row
     blocks and of several column blocks (264: the last one masked); the general path for odd
     widths and a column operand."""
     ew = mg.ops.elementwise
