@@ -248,24 +248,31 @@ class GraphBuilder:
     ) -> Task:
         # Hot: once per task (~140k for a traced 2x8 layer), so the byte count reads each
         # buffer's item size from a table kept by ``buffer`` instead of two lookups per region.
-        flops_fn = KINDS[kind].flops_fn
+        # One pass over the regions counts their bytes and, when the kind's flops facet needs
+        # them, takes their shapes.
         params = params or {}
-        if flops is None:
-            flops = (
-                flops_fn(
-                    [(r[2] - r[1], r[4] - r[3]) for r in reads],
-                    [(w[2] - w[1], w[4] - w[3]) for w in writes],
-                    params,
-                )
-                if flops_fn is not None
-                else 0.0
-            )
         item = self._itemsize
         nbytes = 0
-        for r in reads:  # regions are (buffer, row0, row1, col0, col1)
-            nbytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
-        for r in writes:
-            nbytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
+        flops_fn = KINDS[kind].flops_fn if flops is None else None
+        if flops_fn is not None:
+            read_shapes: list[tuple[int, int]] = []
+            write_shapes: list[tuple[int, int]] = []
+            for r in reads:  # regions are (buffer, row0, row1, col0, col1)
+                rows, cols = r[2] - r[1], r[4] - r[3]
+                read_shapes.append((rows, cols))
+                nbytes += rows * cols * item[r[0]]
+            for r in writes:
+                rows, cols = r[2] - r[1], r[4] - r[3]
+                write_shapes.append((rows, cols))
+                nbytes += rows * cols * item[r[0]]
+            flops = flops_fn(read_shapes, write_shapes, params)
+        else:
+            for r in reads:
+                nbytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
+            for r in writes:
+                nbytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
+            if flops is None:
+                flops = 0.0
         tasks = self.tasks
         tid = len(tasks)
         if tid >= self.budget.max_tasks:

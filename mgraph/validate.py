@@ -54,6 +54,8 @@ def _check_structure(graph: TaskGraph) -> None:
     for buf in buffers.values():
         if not 0 <= buf.rank < world or buf.rows <= 0 or buf.cols <= 0:
             raise GraphError(f"buffer {buf.id} has rank {buf.rank} / shape {buf.shape}")
+    # buffer id -> (rows, cols): a region's bounds checked with one lookup (~240k regions)
+    dims = {bid: (buf.rows, buf.cols) for bid, buf in buffers.items()}
     roles_of = {name: {r.value for r in spec.roles} for name, spec in KINDS.items()}
     for i, t in enumerate(graph.tasks):
         if t.id != i:
@@ -69,12 +71,17 @@ def _check_structure(graph: TaskGraph) -> None:
                 f"{_where(t)}: kind {t.kind!r} cannot run in role {t.role!r}",
                 hint=f"allowed roles: {', '.join(sorted(roles))}",
             )
-        for r in (*t.reads, *t.writes):
-            buf = buffers.get(r.buffer)
-            if buf is None:
-                raise GraphError(f"{_where(t)}: region {r} names an unknown buffer")
-            if not (0 <= r.row0 < r.row1 <= buf.rows and 0 <= r.col0 < r.col1 <= buf.cols):
-                raise GraphError(f"{_where(t)}: region {r} is outside buffer {buf.id} {buf.shape}")
+        for regions in (t.reads, t.writes):
+            for r in regions:
+                bid, r0, r1, c0, c1 = r
+                shape = dims.get(bid)
+                if shape is None:
+                    raise GraphError(f"{_where(t)}: region {r} names an unknown buffer")
+                if not (0 <= r0 < r1 <= shape[0] and 0 <= c0 < c1 <= shape[1]):
+                    buf = buffers[bid]
+                    raise GraphError(
+                        f"{_where(t)}: region {r} is outside buffer {buf.id} {buf.shape}"
+                    )
         if t.params.get("accumulate"):
             plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
             if plain:

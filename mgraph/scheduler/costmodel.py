@@ -180,8 +180,12 @@ def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
     # One pass (~10^5 tasks at 2x8): the remote bytes ``remote_bytes`` would give, summed the
     # same way, but a task's reads only for an nvlink task (the only role whose cost reads them).
     beside = compute_ranks(graph)
-    cost = _Rates(hw).cost
-    nvlink = _NVLINK
+    rates = _Rates(hw)
+    cost = rates.cost
+    # _Rates.cost's compute branch, inlined (most tasks are compute tasks): the same
+    # expressions on the same rates, so the same floats
+    math_rate, compute_rate, hbm, epilogue = rates.math, rates.compute, rates.hbm, rates.epilogue
+    compute, nvlink = _COMPUTE, _NVLINK
     where = {bid: (b.rank, ITEMSIZE[b.dtype]) for bid, b in graph.buffers.items()}
     out = [0.0] * len(graph.tasks)
     for t in graph.tasks:
@@ -191,8 +195,19 @@ def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
             holder, item = where[r[0]]
             if holder != rank:
                 remote_write += (r[2] - r[1]) * (r[4] - r[3]) * item
+        role = t.role
+        if role == compute:
+            rate = math_rate.get(t.kind)
+            if rate is not None:
+                base = t.flops / rate
+            else:
+                params = t.params
+                fill = params.get("expected_fill", 1.0) if params else 1.0
+                base = max(t.flops / compute_rate, t.bytes * fill / hbm)
+            out[t.id] = base + remote_write / epilogue
+            continue
         remote_read = 0
-        if t.role == nvlink:
+        if role == nvlink:
             for r in t.reads:
                 holder, item = where[r[0]]
                 if holder != rank:

@@ -53,6 +53,7 @@ __all__ = [
     "get_policy",
     "register_policy",
     "list_order",
+    "Columns",
     "critical_path_lengths",
     "network_waves",
     "network_slots",
@@ -176,6 +177,28 @@ def policy_input(
     )
 
 
+class Columns(Sequence[tuple[Any, ...]]):
+    """A priority given column by column: ``self[id]`` is ``(columns[0][id], columns[1][id],
+    ...)``. ``list_order`` ranks it by one stable sort per column, from the last, which gives
+    the order one sort of the tuples gives (ties by id) in about half the time at 10^5 tasks."""
+
+    def __init__(self, *columns: Sequence[Any]) -> None:
+        self.columns = columns
+
+    def __getitem__(self, tid: int) -> tuple[Any, ...]:  # type: ignore[override]
+        return tuple(c[tid] for c in self.columns)
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def ranked(self) -> list[int]:
+        """Task ids by (columns[0][id], columns[1][id], ..., id)."""
+        ids = list(range(len(self)))
+        for column in reversed(self.columns):
+            ids.sort(key=column.__getitem__)
+        return ids
+
+
 def list_order(
     graph: TaskGraph, priority: Sequence[Any], facts: PolicyInput | None = None
 ) -> list[int]:
@@ -187,7 +210,10 @@ def list_order(
     n = len(tasks)
     # Rank the keys once so the heap holds plain ints (40k+ tasks per schedule); the sort is
     # stable, so equal priorities keep id order.
-    by_rank = sorted(range(n), key=priority.__getitem__)
+    if isinstance(priority, Columns):
+        by_rank = priority.ranked()
+    else:
+        by_rank = sorted(range(n), key=priority.__getitem__)
     rank_of = [0] * n
     for i, tid in enumerate(by_rank):
         rank_of[tid] = i
@@ -238,7 +264,7 @@ def critical_path_lengths(facts: PolicyInput) -> list[float]:
         for e in tasks[tid].signals:
             v = after.get(e)
             if v is None:
-                v = after[e] = max([length[w] for w in full[e]], default=0.0)
+                v = after[e] = max(map(length.__getitem__, full[e]), default=0.0)
             if v > best:
                 best = v
             for w in partial.get(e, ()):
@@ -388,7 +414,7 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     way to go."""
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
-    return list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)], facts)
+    return list_order(graph, Columns([-x for x in length], turn), facts)
 
 
 @register_policy("network_first")
@@ -398,9 +424,7 @@ def network_first(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
     slot = network_slots(graph, facts)
-    return list_order(
-        graph, [(s, -x, r) for s, x, r in zip(slot, length, turn, strict=True)], facts
-    )
+    return list_order(graph, Columns(slot, [-x for x in length], turn), facts)
 
 
 @register_policy("remote_first")
@@ -413,6 +437,4 @@ def remote_first(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     waves = network_waves(graph, facts)
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
-    return list_order(
-        graph, [(w, -x, r) for w, x, r in zip(waves, length, turn, strict=True)], facts
-    )
+    return list_order(graph, Columns(waves, [-x for x in length], turn), facts)
