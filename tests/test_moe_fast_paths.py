@@ -33,10 +33,10 @@ BODIES = ["route-send", "route-meta", "route-pick_rows", "route-pick_weights", "
 # about half of the hidden's elements differ by one bf16 step from the CPU runtime's
 TOL = {"bf16": 2e-2, "fp32": 2e-6}
 # the paths each case runs: the expert body's, the route body's ranking (6 logits a row: not
-# whole 16-byte units, the float ranking)
-PATHS = {"bf16-rows128": ["float", "tma128"], "bf16-rows64": ["float", "tma128"],
-         "fp32-h38": ["float", "pointer"], "bf16-keys": ["keys16", "tma128"],
-         "bf16-rows256": ["float", "tma256"], "bf16-rows160": ["float", "tma256"]}  # fmt: skip
+# whole 16-byte units, the float ranking); 160 rows: a 128-row block, then 32 rows in a 64-row one
+PATHS = {"bf16-rows128": ["float", "tma128"], "bf16-rows64": ["float", "tma64"],
+         "fp32-h38": ["float", "pointer"], "bf16-keys": ["keys16", "tma64"],
+         "bf16-rows256": ["float", "tma128"], "bf16-rows160": ["float", "tma128", "tma64"]}  # fmt: skip
 
 
 @cache
@@ -99,7 +99,7 @@ def _count(op: str, texts: list[str]) -> int:  # an opcode and any suffix: LDG.E
 def test_moe_megakernel_compiles_to_wgmma_tma_and_vector_loads(tmp_path):
     """The megakernel of a bf16 MoE graph (route, move, expert, combine, copy: rank 0 of
     test_gpu_compile's 1x2 graph, its launch arguments), through ptxas for sm_90. Per innermost
-    loop of the SASS: the expert body's K loops (four: pass 1 and pass 2, 128- and 256-row
+    loop of the SASS: the expert body's K loops (four: pass 1 and pass 2, 64- and 128-row
     tiles) are wgmma (HGMMA) fed by TMA (UTMALDG), one wgmma group in flight (a serialised
     wgmma waits after each), no element-wise 16-bit load; the route body's row copy loads and
     stores 16-byte vectors; the kernel fits an H200 block's shared memory."""

@@ -483,26 +483,30 @@ if HAVE_TRITON:
                 # MFLOP steps (128 x 64 gate and up, 128 x 128 down; or 64 x 128, 64 x 256) at 3
                 # stages the body ran at half the GEMM segment's rate per program (v11), its
                 # compiled K loops otherwise like the GEMM's (one wgmma wait a step, no spill):
-                # half the work per step and per step of loads in flight. So both tiles do the
-                # GEMM segment's step (kernel.py's 128 x 256 x 64 at 3 stages: 4.2 MFLOP for 48
-                # KB) and hold as many fp32 accumulators: 128 rows x 128 gate and 128 up columns
-                # (down: 128 x 256), or 256 rows x 64 and 64 (down: 256 x 128). Each row block
-                # streams the expert's weights once (88 MB at H = 7168, F = 2048; a later block
-                # finds them in L2 only by luck), and at bf16 a 128-row block does 128 flop per
-                # weight byte, below an H200's ~200 flop/B: weight-bound, so the fewest blocks
-                # win. 256-row blocks past 128 filled rows (a 160-row task streams the weights
-                # once, not three times in 64-row blocks or twice in 128-row ones); at most 128
-                # rows, one 128-row block (its padding rows cost no weight bytes).
-                # tests/test_moe_expert_pipeline.py pins both steps.
+                # half the work per step and per step of loads in flight. So the 128-row tile
+                # does the GEMM segment's step (kernel.py's 128 x 256 x 64 at 3 stages: 4.2
+                # MFLOP for 48 KB; gate and up 128 columns each). The 64-row tile (at most 64
+                # filled rows) does half that work for 40 KB, bound by its weights' bytes; it
+                # keeps one more step of loads in flight (4 stages; 192 KB of shared memory in
+                # pass 2). tests/test_moe_expert_pipeline.py pins both. Every row block reads
+                # the expert's weights once (88 MB at H = 7168, F = 2048; a later block finds
+                # them in L2 only by luck) and its rows of x once per block of hidden columns:
+                # 128-row blocks, except that a remainder of 1-64 rows past them takes one
+                # 64-row block (160 rows: 128 + 64, fewer weight reads than 64 + 64 + 64 and
+                # fewer padding rows than 128 + 128; moe_tiles.expert_row_blocks).
                 if DT.primitive_bitwidth == 16:
-                    if n > 128:
-                        _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F,
-                                    dp, d_stride, yp, y_stride, hp, h_stride, DT, 256, 64, 128,
-                                    3, USE_TIMER)  # fmt: skip
-                    else:
-                        _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F,
+                    tail = n % 128
+                    n128 = tl.where((tail > 0) & (tail <= 64), n - tail, n)
+                    if n128 > 0:
+                        _expert_tma(xp, x_stride, n128, H, gp, g_stride, up, u_stride, F,
                                     dp, d_stride, yp, y_stride, hp, h_stride, DT, 128, 128, 256,
                                     3, USE_TIMER)  # fmt: skip
+                    if n128 < n:  # the remainder's rows start n128 rows in: still 16-byte units
+                        o = n128.to(tl.int64)
+                        _expert_tma(xp + o * x_stride, x_stride, n - n128, H, gp, g_stride, up,
+                                    u_stride, F, dp, d_stride, yp + o * y_stride, y_stride,
+                                    hp + o * h_stride, h_stride, DT, 64, 128, 256, 4,
+                                    USE_TIMER)  # fmt: skip
                 else:  # float32: half the columns, to stay in an H200 block's shared memory
                     _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp,
                                 d_stride, yp, y_stride, hp, h_stride, DT, 64, 64, 128, 3,

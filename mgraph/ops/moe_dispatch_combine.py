@@ -541,7 +541,14 @@ class _Lowering:
                         [out.region(span), self.hidden[d].region((scratch + r0, scratch + r1))],
                         waits=waits,
                         name=f"expert r{d} e{d * self.E_loc + j} from r{s} [{r0}:{r1}]",
-                        params={"local_expert": j, "row0": r0, "expected_rows": rows_expected},
+                        # source and capacity: for moe_tiles.weight_streams (not encoded)
+                        params={
+                            "local_expert": j,
+                            "row0": r0,
+                            "expected_rows": rows_expected,
+                            "source": s,
+                            "capacity": seg,
+                        },
                         flops=expert_flops(rows_expected, H, F),
                     )
                 )

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GraphError
-from ..graph import Task
+from ..graph import ITEMSIZE, Task, TaskGraph
 from ..kinds import Role, TaskKind, define_kind, kind_spec
 
 __all__ = [
@@ -61,6 +61,8 @@ __all__ = [
     "combine_flops",
     "MOE_MOVE",
     "filled_rows",
+    "expert_row_blocks",
+    "weight_streams",
 ]
 
 META_COLS = 3  # token index, weight, local expert
@@ -97,6 +99,61 @@ def filled_rows(counts: torch.Tensor, segment_rows: int) -> torch.Tensor:
         )
     filled = torch.arange(segment_rows, device=n.device)[None, :] < n[:, None]
     return filled.reshape(-1).nonzero().flatten()
+
+
+def expert_row_blocks(rows: int, itemsize: int) -> list[int]:
+    """The row blocks of the expert body's TMA path (moe_bodies.expert_tile's rule) for a task
+    with ``rows`` filled rows of ``itemsize``-byte elements, in order. Each block reads the
+    expert's gate, up and down weights once. 16-bit: 128-row blocks, except that a remainder of
+    1 to 64 rows past them is one 64-row block; float32: 64-row blocks."""
+    if itemsize != 2:
+        return [64] * -(-rows // 64)
+    tail = rows % 128
+    if 0 < tail <= 64:
+        return [128] * (rows // 128) + [64]
+    return [128] * -(-rows // 128)
+
+
+def weight_streams(
+    graph: TaskGraph, picks: torch.Tensor, row_blocks: object = expert_row_blocks
+) -> dict[str, float]:
+    """How many times a routing makes the expert tasks of ``graph`` (a moe_dispatch_combine
+    graph) read their expert's weights, from the host alone. ``picks [W, E]``: how many of
+    source rank s's tokens picked global expert e (before the drop policy). Per expert task:
+    its filled rows (min(picks, capacity) past its ``row0``, at most its rows) in the blocks
+    ``row_blocks(rows, itemsize)`` lists (default: the body's TMA rule; the pointer path, for
+    rows not in whole 16-byte units, is not modelled), one weight stream a block. Summed over
+    all ranks: the streams and their bytes, the bytes of x and hidden rows a block reads again
+    per block of hidden and of output columns (``reread_bytes``: an upper bound, none found in
+    L2), the blocks' rows (filled and padding: the MMA work) and the filled rows."""
+    itemsize = ITEMSIZE[graph.dtype]
+    E_loc = graph.params["E"] // graph.topology.world_size
+    H, F = graph.params["H"], graph.params["F"]
+    # the body's column blocks (hidden, output): moe_bodies.expert_tile's tiles
+    cols_f, cols_h = (128, 256) if itemsize == 2 else (64, 128)
+    per_row = (-(-F // cols_f) * H + -(-H // cols_h) * F) * itemsize
+    streams = padded = filled = 0
+    for task in graph.tasks:
+        if task.kind != EXPERT.name:
+            continue
+        e = task.rank * E_loc + task.params["local_expert"]
+        tile = task.reads[0].row1 - task.reads[0].row0
+        capacity = task.params["capacity"]
+        n = min(max(min(int(picks[task.params["source"], e]), capacity) - task.params["row0"], 0),
+                tile)  # fmt: skip
+        if n:
+            blocks = row_blocks(n, itemsize)
+            streams += len(blocks)
+            padded += sum(blocks)
+            filled += n
+    return {
+        "experts": float(graph.params["E"]),
+        "streams": float(streams),
+        "stream_bytes": float(streams * 3 * H * F * itemsize),
+        "reread_bytes": float(padded * per_row),
+        "block_rows": float(padded),
+        "filled_rows": float(filled),
+    }
 
 
 def route_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
