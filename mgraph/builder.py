@@ -305,11 +305,17 @@ class GraphBuilder:
 
     def finish(self) -> TaskGraph:
         bufs = self.buffers
+        # one pass over every region (~240k at 2x8) with plain lookups; flags set afterwards
+        holder = {bid: buf.rank for bid, buf in bufs.items()}
+        remote: set[str] = set()
         for t in self.tasks:
-            for r in (*t.reads, *t.writes):
-                buf = bufs[r.buffer]
-                if buf.rank != t.rank:
-                    buf.symmetric = True
+            rank = t.rank
+            for regions in (t.reads, t.writes):
+                for r in regions:
+                    if holder[r[0]] != rank:
+                        remote.add(r[0])
+        for bid in remote:
+            bufs[bid].symmetric = True
         return TaskGraph(
             op=self.op,
             topology=self.topo,

@@ -27,8 +27,7 @@ def validate(graph: TaskGraph) -> list[int]:
     # The checks allocate ~10^5 small sets and tuples next to a graph of ~10^6 live objects
     # (mgraph.graph.gc_paused says why the collector stays off).
     with gc_paused():
-        _check_structure(graph)
-        _check_transfers(graph)
+        _check_structure(graph)  # and the transfers, in the same pass over the tasks
         order = topo_order(graph)
         _check_races(graph, order)
     return order
@@ -54,9 +53,16 @@ def _check_structure(graph: TaskGraph) -> None:
     for buf in buffers.values():
         if not 0 <= buf.rank < world or buf.rows <= 0 or buf.cols <= 0:
             raise GraphError(f"buffer {buf.id} has rank {buf.rank} / shape {buf.shape}")
-    # buffer id -> (rows, cols): a region's bounds checked with one lookup (~240k regions)
-    dims = {bid: (buf.rows, buf.cols) for bid, buf in buffers.items()}
+    # buffer id -> (rows, cols, node): a region's bounds and node with one lookup (~240k
+    # regions at 2x8)
+    dims = {bid: (buf.rows, buf.cols, node_of[buf.rank]) for bid, buf in buffers.items()}
     roles_of = {name: {r.value for r in spec.roles} for name, spec in KINDS.items()}
+    same_shape = (TaskKind.COPY.value, TaskKind.REDUCE.value)
+    rdma = Role.RDMA.value
+    # The transfer checks (``_transfer_error``) run in this pass too, on each task once its
+    # structure is checked. The first transfer error is raised after the pass, so a structure
+    # error anywhere still comes first, as when these were two passes.
+    transfer: TransferError | None = None
     for i, t in enumerate(graph.tasks):
         if t.id != i:
             raise GraphError(f"{_where(t)}: id should be its position {i}")
@@ -71,17 +77,21 @@ def _check_structure(graph: TaskGraph) -> None:
                 f"{_where(t)}: kind {t.kind!r} cannot run in role {t.role!r}",
                 hint=f"allowed roles: {', '.join(sorted(roles))}",
             )
+        node = node_of[t.rank]
+        near = True  # every region on the task's node
         for regions in (t.reads, t.writes):
             for r in regions:
                 bid, r0, r1, c0, c1 = r
-                shape = dims.get(bid)
-                if shape is None:
+                dim = dims.get(bid)
+                if dim is None:
                     raise GraphError(f"{_where(t)}: region {r} names an unknown buffer")
-                if not (0 <= r0 < r1 <= shape[0] and 0 <= c0 < c1 <= shape[1]):
+                if not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
                     buf = buffers[bid]
                     raise GraphError(
                         f"{_where(t)}: region {r} is outside buffer {buf.id} {buf.shape}"
                     )
+                if dim[2] != node:
+                    near = False
         if t.params.get("accumulate"):
             plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
             if plain:
@@ -89,7 +99,6 @@ def _check_structure(graph: TaskGraph) -> None:
                     f"{_where(t)} accumulates into {plain[0]}, whose buffer is not zeroed",
                     hint="create the buffer with zeroed=True (runtimes zero it every launch)",
                 )
-        node = node_of[t.rank]
         for e, count in t.waits:
             if not 0 <= e < nevents or count <= 0:
                 raise GraphError(f"{_where(t)}: bad wait (event {e}, count {count})")
@@ -99,107 +108,111 @@ def _check_structure(graph: TaskGraph) -> None:
                     f"{_where(t)} waits on event {ev.name!r} of rank {ev.rank}, on another node",
                     hint="a task can only spin on counters of its own node",
                 )
+        far_signal = False
         for e in t.signals:
             if not 0 <= e < nevents:
                 raise GraphError(f"{_where(t)}: signals unknown event {e}")
+            if event_node[e] != node:
+                far_signal = True
+        if transfer is None and (
+            not near or far_signal or t.role == rdma or t.kind in same_shape
+        ):
+            transfer = _transfer_error(graph, t, node_of)
+    if transfer is not None:
+        raise transfer
 
 
 # -- transfers ---------------------------------------------------------------------------------
-def _check_transfers(graph: TaskGraph) -> None:
+def _transfer_error(graph: TaskGraph, t: Task, node_of: list[int]) -> TransferError | None:
+    """The TransferError of task ``t`` (one whose structure is valid), or None. _check_structure
+    asks only for tasks that may have one: an rdma task, a copy or reduce, or a task touching
+    memory or events of another node."""
+    if t.kind in (TaskKind.COPY.value, TaskKind.REDUCE.value):
+        error = _same_shapes_error(graph, t)
+        if error is not None:
+            return error
     topo = graph.topology
     bufs = graph.buffers
-    node_of = [topo.node_of(r) for r in range(topo.world_size)]
     events = graph.events
-    compute, nvlink = Role.COMPUTE.value, Role.NVLINK.value
-    same_shape = (TaskKind.COPY.value, TaskKind.REDUCE.value)
-    # hot (~450k regions at 2x8): each buffer's and event's node looked up once
-    node_of_buffer = {bid: node_of[b.rank] for bid, b in bufs.items()}
-    node_of_event = [node_of[ev.rank] for ev in events]
-    for t in graph.tasks:
-        node = node_of[t.rank]
-        if t.kind in same_shape:
-            _check_same_shapes(graph, t)
-        if t.role == compute or t.role == nvlink:
-            # A compute tile may read or write peers' memory over NVLink (its epilogue stores
-            # the tile into a peer's buffer; a GEMM may load a peer's shard with TMA), never
-            # across nodes: that is an rdma task's job.
-            near = True
-            for regions in (t.reads, t.writes):
-                for r in regions:
-                    if node_of_buffer[r[0]] != node:
-                        near = False
-            if not near:
-                far = [r for r in (*t.reads, *t.writes) if node_of[bufs[r.buffer].rank] != node]
-                ranks = sorted({bufs[r.buffer].rank for r in far})
-                if t.role == compute:
-                    raise TransferError(
-                        f"{_transfer_where(t)} touches memory of rank(s) {ranks} on another node",
-                        hint="compute tasks reach node peers only; cross nodes with an rdma task",
-                    )
-                raise TransferError(
-                    f"{_transfer_where(t)} reaches rank(s) {ranks} on another node over NVLink",
-                    hint="cross-node traffic goes through an rdma task to the rail peer",
+    node = node_of[t.rank]
+    if t.role != Role.RDMA.value:
+        # A compute tile may read or write peers' memory over NVLink (its epilogue stores the
+        # tile into a peer's buffer; a GEMM may load a peer's shard with TMA), never across
+        # nodes: that is an rdma task's job.
+        far = [r for r in (*t.reads, *t.writes) if node_of[bufs[r.buffer].rank] != node]
+        if far:
+            ranks = sorted({bufs[r.buffer].rank for r in far})
+            if t.role == Role.COMPUTE.value:
+                return TransferError(
+                    f"{_transfer_where(t)} touches memory of rank(s) {ranks} on another node",
+                    hint="compute tasks reach node peers only; cross nodes with an rdma task",
                 )
-            for e in t.signals:
-                if node_of_event[e] != node:
-                    ev = events[e]
-                    raise TransferError(
-                        f"{_transfer_where(t)} signals event {ev.name!r} on rank {ev.rank}, "
-                        "another node",
-                        hint="only rdma tasks raise events across nodes",
-                    )
-            continue
-        where = _transfer_where(t)
-        read_ranks = {bufs[r.buffer].rank for r in t.reads}
-        write_ranks = {bufs[w.buffer].rank for w in t.writes}
-        event_ranks = {events[e].rank for e in t.signals}
-        if read_ranks != {t.rank}:
-            raise TransferError(
-                f"{where} reads rank(s) {sorted(read_ranks)}: an RDMA write sends local data",
-                hint="run the rdma task on the rank that holds the source region",
+            return TransferError(
+                f"{_transfer_where(t)} reaches rank(s) {ranks} on another node over NVLink",
+                hint="cross-node traffic goes through an rdma task to the rail peer",
             )
-        if len(write_ranks) != 1:
-            raise TransferError(f"{where} writes to ranks {sorted(write_ranks)}; need one")
-        (dst,) = write_ranks
-        if topo.link(t.rank, dst) != "rdma":
-            raise TransferError(
-                f"{where} writes rank {dst} on the same node",
-                hint="use an nvlink task inside a node",
-            )
-        if topo.local_of(dst) != topo.local_of(t.rank):
-            raise TransferError(
-                f"{where} writes rank {dst}, which is not a rail peer of rank {t.rank}",
-                hint=f"send to rank {topo.rail_peer(t.rank, topo.node_of(dst))}, "
-                "then forward over NVLink",
-            )
-        if event_ranks - {t.rank, dst}:
-            raise TransferError(
-                f"{where} signals events on ranks {sorted(event_ranks - {t.rank, dst})}",
-                hint="an RDMA write raises events on its source or its destination only",
-            )
+        for e in t.signals:
+            if node_of[events[e].rank] != node:
+                ev = events[e]
+                return TransferError(
+                    f"{_transfer_where(t)} signals event {ev.name!r} on rank {ev.rank}, "
+                    "another node",
+                    hint="only rdma tasks raise events across nodes",
+                )
+        return None
+    where = _transfer_where(t)
+    read_ranks = {bufs[r.buffer].rank for r in t.reads}
+    write_ranks = {bufs[w.buffer].rank for w in t.writes}
+    event_ranks = {events[e].rank for e in t.signals}
+    if read_ranks != {t.rank}:
+        return TransferError(
+            f"{where} reads rank(s) {sorted(read_ranks)}: an RDMA write sends local data",
+            hint="run the rdma task on the rank that holds the source region",
+        )
+    if len(write_ranks) != 1:
+        return TransferError(f"{where} writes to ranks {sorted(write_ranks)}; need one")
+    (dst,) = write_ranks
+    if topo.link(t.rank, dst) != "rdma":
+        return TransferError(
+            f"{where} writes rank {dst} on the same node",
+            hint="use an nvlink task inside a node",
+        )
+    if topo.local_of(dst) != topo.local_of(t.rank):
+        return TransferError(
+            f"{where} writes rank {dst}, which is not a rail peer of rank {t.rank}",
+            hint=f"send to rank {topo.rail_peer(t.rank, topo.node_of(dst))}, "
+            "then forward over NVLink",
+        )
+    if event_ranks - {t.rank, dst}:
+        return TransferError(
+            f"{where} signals events on ranks {sorted(event_ranks - {t.rank, dst})}",
+            hint="an RDMA write raises events on its source or its destination only",
+        )
+    return None
 
 
 def _transfer_where(t: Task) -> str:
     return f"task {t.name!r} (rank {t.rank}, role {t.role})"
 
 
-def _check_same_shapes(graph: TaskGraph, t: Task) -> None:
+def _same_shapes_error(graph: TaskGraph, t: Task) -> TransferError | None:
     ref = t.writes[0] if t.kind == TaskKind.REDUCE.value else t.reads[0]
     bufs = graph.buffers
     ref_dtype = bufs[t.reads[0].buffer].dtype
     rows, cols = ref.row1 - ref.row0, ref.col1 - ref.col0
     for r in (*t.reads, *t.writes):
         if r.row1 - r.row0 != rows or r.col1 - r.col0 != cols:
-            raise TransferError(
+            return TransferError(
                 f"{_transfer_where(t)}: region {r} has shape {r.shape}, the transfer moves "
                 f"{ref.shape}",
                 hint="both ends of a copy/reduce must be the same tile shape",
             )
         if bufs[r.buffer].dtype != ref_dtype:
-            raise TransferError(
+            return TransferError(
                 f"{_transfer_where(t)}: region {r} is {bufs[r.buffer].dtype}, source is "
                 f"{ref_dtype}"
             )
+    return None
 
 
 # -- progress ----------------------------------------------------------------------------------
