@@ -7,8 +7,9 @@ op's output against its torch reference:
   tiles (and its 64-row ones on the other segments), the route and combine bodies' 16-byte
   vector paths (H and E multiples of 8);
 - bf16, 64-row expert tiles, a random routing: the 64-row TMA tiles;
-- bf16, segments of 256 and 160 filled rows in one tile: two 128-row and three 64-row blocks
-  inside each block of weight columns;
+- bf16, segments of 256 and 160 filled rows in one tile: two 128-row blocks, and a 128-row
+  block then a 64-row one (moe_bodies.expert_tile: 128-row blocks, the last 1-64 rows in one
+  64-row block);
 - bf16 with 8 experts (logit rows of 16 bytes) and distinct logits per token: the route
   body's ranking by packed int32 keys (_thresholds16; the other cases' rows of 6 logits take
   the float ranking, _thresholds);
@@ -44,7 +45,7 @@ CASES = {
     # 8 experts (rows of 16 bytes), logits distinct per token: the route body's packed keys
     "bf16-keys": (("distinct", 16), dict(E_loc=8, T_loc=64, H=64, F=96, expert_rows=64,
                                          combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
-    # 160 filled rows: three 64-row blocks (128-row ones would pad to 256)
+    # 160 filled rows: a 128-row block, then the last 32 rows in a 64-row one
     "bf16-rows160": (("full", 15), dict(T_loc=160, H=64, F=96, expert_rows=160,
                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
 }  # fmt: skip
