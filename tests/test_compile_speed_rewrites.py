@@ -1,14 +1,17 @@
-"""Compile-speed rewrites that must not change a result: validation's structure and transfer
-checks share one pass (a structure error anywhere still wins over a transfer error, and the
+"""Compile-speed rewrites that must not change a result: the tracer pauses the collector and
+leaves it as it found it, validation's structure and transfer checks share one pass (a structure error anywhere still wins over a transfer error, and the
 first transfer error in task order is the one raised), the policies rank priorities column by
 column (the order one sort of the tuples gives), task_costs inlines the compute cost (the same
 floats as ``_Rates.cost``) and the builder counts bytes and flops shapes in one pass."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
+import torch
+import torch.nn as nn
 
 import mgraph as mg
 from mgraph.builder import GraphBuilder
@@ -16,6 +19,7 @@ from mgraph.hardware import H200
 from mgraph.kinds import KINDS, Role
 from mgraph.scheduler.costmodel import _Rates, compute_ranks, remote_bytes, task_costs
 from mgraph.scheduler.policies import Columns
+from mgraph.trace import trace
 
 
 def builder(topology: str = "2x2") -> GraphBuilder:
@@ -91,3 +95,25 @@ def test_builder_counts_bytes_and_flops_of_each_task():
     assert given.flops == 7.0 and given.flops.__class__ is float
     copy = b.task(0, Role.COMPUTE, "copy", [y.region((0, 16))], [y.region((16, 32))])
     assert copy.flops == 0.0 and copy.bytes == 2 * 16 * 8 * 4
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+
+def test_trace_leaves_the_collector_as_it_found_it():
+    # trace pauses the collector while torch.export runs (its first call imports ~1200
+    # modules); the caller's setting must survive, also when tracing fails
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            gc.enable() if enabled else gc.disable()
+            og = trace(nn.Linear(8, 8), torch.randn(4, 8))
+            assert [n.op for n in og.nodes] == ["matmul", "elementwise"]
+            assert gc.isenabled() == enabled
+            with pytest.raises(mg.TraceError, match="boom"):
+                trace(_Fails(), torch.randn(4, 8))
+            assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
