@@ -308,12 +308,15 @@ class GraphBuilder:
         # one pass over every region (~240k at 2x8) with plain lookups; flags set afterwards
         holder = {bid: buf.rank for bid, buf in bufs.items()}
         remote: set[str] = set()
+        add = remote.add
         for t in self.tasks:
             rank = t.rank
-            for regions in (t.reads, t.writes):
-                for r in regions:
-                    if holder[r[0]] != rank:
-                        remote.add(r[0])
+            for r in t.reads:
+                if holder[r[0]] != rank:
+                    add(r[0])
+            for r in t.writes:
+                if holder[r[0]] != rank:
+                    add(r[0])
         for bid in remote:
             bufs[bid].symmetric = True
         return TaskGraph(

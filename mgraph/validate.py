@@ -117,20 +117,25 @@ def _check_structure(graph: TaskGraph) -> None:
         if transfer is None and (
             not near or far_signal or t.role == rdma or t.kind in same_shape
         ):
-            transfer = _transfer_error(graph, t, node_of)
+            transfer = _transfer_error(graph, t, node_of, near and not far_signal)
     if transfer is not None:
         raise transfer
 
 
 # -- transfers ---------------------------------------------------------------------------------
-def _transfer_error(graph: TaskGraph, t: Task, node_of: list[int]) -> TransferError | None:
+def _transfer_error(
+    graph: TaskGraph, t: Task, node_of: list[int], local: bool
+) -> TransferError | None:
     """The TransferError of task ``t`` (one whose structure is valid), or None. _check_structure
     asks only for tasks that may have one: an rdma task, a copy or reduce, or a task touching
-    memory or events of another node."""
+    memory or events of another node. ``local``: every region and signalled event of ``t`` is
+    on its own node."""
     if t.kind in (TaskKind.COPY.value, TaskKind.REDUCE.value):
         error = _same_shapes_error(graph, t)
         if error is not None:
             return error
+    if local and t.role != Role.RDMA.value:
+        return None  # a node-local copy or reduce (most of them): nothing else to check
     topo = graph.topology
     bufs = graph.buffers
     events = graph.events
@@ -198,20 +203,21 @@ def _transfer_where(t: Task) -> str:
 def _same_shapes_error(graph: TaskGraph, t: Task) -> TransferError | None:
     ref = t.writes[0] if t.kind == TaskKind.REDUCE.value else t.reads[0]
     bufs = graph.buffers
-    ref_dtype = bufs[t.reads[0].buffer].dtype
-    rows, cols = ref.row1 - ref.row0, ref.col1 - ref.col0
-    for r in (*t.reads, *t.writes):
-        if r.row1 - r.row0 != rows or r.col1 - r.col0 != cols:
-            return TransferError(
-                f"{_transfer_where(t)}: region {r} has shape {r.shape}, the transfer moves "
-                f"{ref.shape}",
-                hint="both ends of a copy/reduce must be the same tile shape",
-            )
-        if bufs[r.buffer].dtype != ref_dtype:
-            return TransferError(
-                f"{_transfer_where(t)}: region {r} is {bufs[r.buffer].dtype}, source is "
-                f"{ref_dtype}"
-            )
+    ref_dtype = bufs[t.reads[0][0]].dtype
+    rows, cols = ref[2] - ref[1], ref[4] - ref[3]  # regions are (buffer, row0, row1, col0, col1)
+    for regions in (t.reads, t.writes):
+        for r in regions:
+            if r[2] - r[1] != rows or r[4] - r[3] != cols:
+                return TransferError(
+                    f"{_transfer_where(t)}: region {r} has shape {r.shape}, the transfer moves "
+                    f"{ref.shape}",
+                    hint="both ends of a copy/reduce must be the same tile shape",
+                )
+            dtype = bufs[r[0]].dtype
+            if dtype != ref_dtype:
+                return TransferError(
+                    f"{_transfer_where(t)}: region {r} is {dtype}, source is {ref_dtype}"
+                )
     return None
 
 
