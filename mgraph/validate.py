@@ -17,7 +17,7 @@ from .errors import CycleError, GraphError, RaceError, TransferError, Unsatisfia
 from .graph import Region, Task, TaskGraph, gc_paused
 from .kinds import KINDS, Role, TaskKind
 
-__all__ = ["validate", "topo_order", "order_edges", "Reachability"]
+__all__ = ["validate", "topo_order", "CounterOrder", "order_edges", "Reachability"]
 
 
 def validate(graph: TaskGraph) -> list[int]:
@@ -222,7 +222,20 @@ def _same_shapes_error(graph: TaskGraph, t: Task) -> TransferError | None:
 
 
 # -- progress ----------------------------------------------------------------------------------
-def topo_order(graph: TaskGraph) -> list[int]:
+class CounterOrder(list):
+    """``topo_order``'s result: the task ids in order, and what its simulation built, which
+    scheduling (``policy_input``) reads instead of building it again: ``released`` (event ->
+    count -> the tasks waiting for the event to reach that count, in id order), ``waits`` (per
+    task its number of waits) and ``total`` (per event its number of signals)."""
+
+    __slots__ = ("released", "waits", "total")
+
+    released: dict[int, dict[int, list[int]]]
+    waits: list[int]
+    total: list[int]
+
+
+def topo_order(graph: TaskGraph) -> CounterOrder:
     """Task ids in an order the counters allow (by simulation); raise if some can never run."""
     tasks = graph.tasks
     # event -> count -> waiters: a signal looks up the waiters its new count releases instead of
@@ -233,6 +246,7 @@ def topo_order(graph: TaskGraph) -> list[int]:
         missing[t.id] = len(t.waits)
         for e, c in t.waits:
             waiters[e].setdefault(c, []).append(t.id)
+    waits = missing.copy()
     count = [0] * len(graph.events)
     ready = deque(t.id for t in tasks if not t.waits)
     order: list[int] = []
@@ -250,7 +264,11 @@ def topo_order(graph: TaskGraph) -> list[int]:
                     ready.append(w)
     if len(order) < len(tasks):
         _explain_stuck(graph, set(range(len(tasks))) - set(order))
-    return order
+    out = CounterOrder(order)
+    out.released = dict(waiters)
+    out.waits = waits
+    out.total = count  # every task ran, so every signal was counted
+    return out
 
 
 def _explain_stuck(graph: TaskGraph, stuck: set[int]) -> None:

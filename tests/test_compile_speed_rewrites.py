@@ -2,7 +2,7 @@
 leaves it as it found it, validation's structure and transfer checks share one pass (a structure error anywhere still wins over a transfer error, and the
 first transfer error in task order is the one raised), the policies rank priorities column by
 column (the order one sort of the tuples gives), task_costs inlines the compute cost (the same
-floats as ``_Rates.cost``) and the builder counts bytes and flops shapes in one pass."""
+floats as ``_Rates.cost``), policy_input reuses what topo_order's simulation built, and the builder counts bytes and flops shapes in one pass."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from mgraph.builder import GraphBuilder
 from mgraph.hardware import H200
 from mgraph.kinds import KINDS, Role
 from mgraph.scheduler.costmodel import _Rates, compute_ranks, remote_bytes, task_costs
-from mgraph.scheduler.policies import Columns
+from mgraph.scheduler.policies import Columns, policy_input
 from mgraph.trace import trace
+from mgraph.validate import CounterOrder, topo_order
 
 
 def builder(topology: str = "2x2") -> GraphBuilder:
@@ -117,3 +118,23 @@ def test_trace_leaves_the_collector_as_it_found_it():
             assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def test_policy_input_reuses_topo_orders_tables():
+    g = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="2x2", tile=[16, 16])
+    costs = task_costs(g, H200)
+    order = topo_order(g)
+    assert isinstance(order, CounterOrder)
+    signals = [0] * len(g.events)
+    for t in g.tasks:
+        for e in t.signals:
+            signals[e] += 1
+    assert order.total == signals and order.waits == [len(t.waits) for t in g.tasks]
+    shared = policy_input(g, costs, order)
+    built = policy_input(g, costs, list(order))  # a plain list: policy_input builds its own
+    assert shared.released is order.released and built.released is not order.released
+    for field in ("order", "pos", "full", "partial", "released", "waits"):
+        assert getattr(shared, field) == getattr(built, field), field
+    # dict order too: list_order visits waiters in this order
+    assert [list(v) for v in shared.released.values()] == [list(v) for v in built.released.values()]
+    assert list(shared.released) == list(built.released)

@@ -43,7 +43,7 @@ from typing import Any
 from ..errors import RegistrationError, UnknownNameError
 from ..graph import TaskGraph
 from ..kinds import Role
-from ..validate import topo_order
+from ..validate import CounterOrder, topo_order
 
 __all__ = [
     "PolicyInput",
@@ -144,12 +144,37 @@ def policy_input(
     pos = [0] * len(graph.tasks)
     for i, tid in enumerate(order):
         pos[tid] = i
+    full: list[list[int]] = [[] for _ in graph.events]
+    partial: dict[int, list[int]] = {}
+    if (
+        isinstance(order, CounterOrder)
+        and len(order.waits) == len(graph.tasks)
+        and len(order.total) == len(graph.events)
+    ):
+        # topo_order's simulation built the waiters by count, the waits per task and the
+        # signals per event already (mg.compile hands validation's order on)
+        total = order.total
+        for t in graph.tasks:
+            tid = t.id
+            for e, c in t.waits:
+                if c >= total[e]:
+                    full[e].append(tid)
+                else:
+                    partial.setdefault(e, []).append(tid)
+        return PolicyInput(
+            costs=costs,
+            order=order,
+            graph=graph,
+            pos=pos,
+            full=full,
+            partial=partial,
+            released=order.released,
+            waits=order.waits,
+        )
     total = [0] * len(graph.events)
     for t in graph.tasks:
         for e in t.signals:
             total[e] += 1
-    full: list[list[int]] = [[] for _ in graph.events]
-    partial: dict[int, list[int]] = {}
     released: dict[int, dict[int, list[int]]] = {}
     waits = [0] * len(graph.tasks)
     for t in graph.tasks:
