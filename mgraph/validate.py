@@ -27,9 +27,10 @@ def validate(graph: TaskGraph) -> list[int]:
     # The checks allocate ~10^5 small sets and tuples next to a graph of ~10^6 live objects
     # (mgraph.graph.gc_paused says why the collector stays off).
     with gc_paused():
-        _check_structure(graph)  # and the transfers, in the same pass over the tasks
+        # and the transfers, in the same pass over the tasks; it returns the accumulating tasks
+        adds = _check_structure(graph)
         order = topo_order(graph)
-        _check_races(graph, order)
+        _check_races(graph, order, adds)
     return order
 
 
@@ -38,7 +39,9 @@ def _where(t: Task) -> str:
     return f"task {t.name!r} (id {t.id}, rank {t.rank})"
 
 
-def _check_structure(graph: TaskGraph) -> None:
+def _check_structure(graph: TaskGraph) -> set[int]:
+    """Raise on the first structure error, then on the first transfer error; return the ids of
+    the tasks whose writes accumulate (the race check reads them)."""
     # Hot at 10^5 tasks: per-rank and per-kind facts are looked up in tables built once, and a
     # task's description is formatted only when it is wrong.
     world = graph.topology.world_size
@@ -63,6 +66,7 @@ def _check_structure(graph: TaskGraph) -> None:
     # structure is checked. The first transfer error is raised after the pass, so a structure
     # error anywhere still comes first, as when these were two passes.
     transfer: TransferError | None = None
+    adds: set[int] = set()
     for i, t in enumerate(graph.tasks):
         if t.id != i:
             raise GraphError(f"{_where(t)}: id should be its position {i}")
@@ -93,6 +97,7 @@ def _check_structure(graph: TaskGraph) -> None:
                 if dim[2] != node:
                     near = False
         if t.params.get("accumulate"):
+            adds.add(i)
             plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
             if plain:
                 raise GraphError(
@@ -120,6 +125,7 @@ def _check_structure(graph: TaskGraph) -> None:
             transfer = _transfer_error(graph, t, node_of, near and not far_signal)
     if transfer is not None:
         raise transfer
+    return adds
 
 
 # -- transfers ---------------------------------------------------------------------------------
@@ -336,13 +342,12 @@ class Reachability:
         self.pos = [0] * len(graph.tasks)
         for i, tid in enumerate(order):
             self.pos[tid] = i
-        total = [0] * len(graph.events)
         signalers: list[list[int]] = [[] for _ in graph.events]
         for t in graph.tasks:
+            tid = t.id
             for e in t.signals:
-                total[e] += 1
-                signalers[e].append(t.id)
-        self.total = total
+                signalers[e].append(tid)
+        self.total = [len(s) for s in signalers]  # signals per event
         self.signalers = signalers
         self._event_set: dict[int, frozenset[int]] = {}
         self._preds: dict[int, frozenset[int]] = {}
@@ -394,7 +399,7 @@ class Reachability:
         return self.before(a, b) or self.before(b, a)
 
 
-def _check_races(graph: TaskGraph, order: list[int]) -> None:
+def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = None) -> None:
     """Every two accesses of overlapping regions, one of them a write, are ordered.
 
     Accesses of one exact region form a group. Inside a group, sorted in topological order, it
@@ -412,7 +417,8 @@ def _check_races(graph: TaskGraph, order: list[int]) -> None:
     """
     # Writes that accumulate (atomic adds into a zeroed buffer) commute with each other: two of
     # them on one region are no race; against a plain write or a read they still are.
-    adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
+    if adds is None:  # _check_structure's, when validate runs it first
+        adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
     # region -> its accesses, regions of every buffer in one table. An access is the int
     # 2 * task + is_write; a region accessed once (~80k of ~110k at 2x8) keeps that int, not
     # a list of tuples.
