@@ -195,5 +195,7 @@ if HAVE_TRITON:
             _layer_norm_rows(xa, xpitch, wa, ba, oa, opitch, xm1 - xm0, xn1 - xn0, eps, has_w,
                              has_b, DT, RB_M, RB_N, True)
         else:
+            # half the rows a block: the general path's int64 pointer tensors at full blocks
+            # spilled under Triton 3.6 (3 reloads an iteration of its last pass)
             _layer_norm_rows(xa, xpitch, wa, ba, oa, opitch, xm1 - xm0, xn1 - xn0, eps, has_w,
-                             has_b, DT, RB_M, RB_N, False)
+                             has_b, DT, RB_M // 2, RB_N, False)
