@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mgraph.errors import DTypeError, InputError, MgraphError, ScheduleError, WatchdogTimeout
-from mgraph.graph import ITEMSIZE, Buffer, TaskGraph, torch_dtype
-from mgraph.kinds import KINDS, ROLES, TaskKind
+from mgraph.errors import InputError, MgraphError, WatchdogTimeout
+from mgraph.graph import Buffer, TaskGraph, torch_dtype
+from mgraph.kinds import ROLES, TaskKind
 from mgraph.ops.abi import POS_FIELDS, Q_WORKERS, S_K0, S_K1, S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
 from ..memory import check_inputs, check_outputs_written, gather_outputs
 from ..trace import TaskRecord, Trace
-from .dispatch import PUSH_KIND, body_constexprs, body_params, has_body, megakernel_for
+from .dispatch import PUSH_KIND, body_constexprs, body_params, megakernel_for
 from .encode import (
     PUSH_ID,
     ROLE_ALL,
@@ -42,84 +42,19 @@ from .encode import (
     gemm_block,
     kind_id,
     layout,
-    tma_exact,
 )
+from .graph_checks import buffer_dtype_code, check_graph, supported_kinds
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
 
 __all__ = ["TritonRuntime", "supported_kinds", "local_shards", "assemble_local", "run_in_process"]
 
-def supported_kinds() -> set[str]:
-    """The kinds with a Triton body (the megakernel's dispatch is generated from them)."""
-    return {k for k in KINDS if has_body(k)}
-
-
 BK = 64
 GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8}
 # Sub-block of the reduce/copy bodies: 32 KiB bf16 per load, 128 B per thread in flight. 32x128
 # measured latency-bound on H200 (about 2 GB/s per program pulling over NVLink).
 RB_M, RB_N = 64, 256
-
-
-# Per-buffer dtypes: a buffer holds the graph's data dtype (DT in the kernel) or float32 (a
-# kernel's partials: attention's running max/sum, MoE routing weights). Code per slot in ``bufdt``.
-DT_DATA, DT_F32 = 0, 1
-
-
-def buffer_dtype_code(graph: TaskGraph, dtype: str) -> int:
-    return DT_DATA if dtype == graph.dtype else DT_F32
-
-
-def _check_dtypes(graph: TaskGraph) -> None:
-    """Buffers are the graph's dtype or float32; a float32 buffer is touched only by kinds whose
-    Triton body takes ``bufdt`` (the others cast every address to DT), never by the GEMM path."""
-    for b in graph.buffers.values():
-        if b.dtype not in (graph.dtype, "float32"):
-            raise DTypeError(
-                f"{graph.op}: buffer {b.id} is {b.dtype}; backend='triton' holds buffers of the "
-                f"graph's dtype ({graph.dtype}) or float32",
-                hint="store partials as float32 and data in the graph's dtype",
-            )
-    if all(b.dtype == graph.dtype for b in graph.buffers.values()):
-        return
-    for t in graph.tasks:
-        if t.role == "rdma":
-            continue  # the proxy moves bytes
-        if t.kind == TaskKind.COPY.value:
-            kinds = {graph.buffers[r.buffer].dtype for r in (*t.reads, *t.writes)}
-            if len(kinds) > 1:
-                raise DTypeError(
-                    f"{graph.op}: copy task {t.id} ({t.name}) moves between dtypes {sorted(kinds)}",
-                    hint="a copy keeps its dtype: convert in a compute task",
-                )
-            continue
-        for r in (*t.reads, *t.writes):
-            if graph.buffers[r.buffer].dtype == graph.dtype:
-                continue
-            if t.kind == TaskKind.GEMM.value or not (
-                KINDS[t.kind].own_dtypes or "bufdt" in body_params(t.kind)
-            ):
-                raise DTypeError(
-                    f"{graph.op}: task {t.id} ({t.kind}) touches float32 buffer {r.buffer} but its "
-                    f"Triton body reads every buffer as {graph.dtype}",
-                    hint="give the body a `bufdt` parameter and cast float32 slots accordingly",
-                )
-
-
-def _check_gemm_tiles(graph: TaskGraph, gemms) -> None:
-    """Short edge tiles: the GEMM prefix runs only tiles whole-block TMA computes exactly
-    (encode.tma_exact); the dynamic body masks the others. A tile that ADDS into its outputs
-    (``accumulate``) always goes through a TMA reduce-add, so it must be exact."""
-    block = gemm_block(gemms)
-    for t in gemms:
-        if t.params.get("accumulate") and not tma_exact(graph, t, block, BK):
-            raise ScheduleError(
-                f"{graph.op}: gemm task {t.name!r} reduce-adds a short {t.writes[0].shape} tile "
-                f"that does not end its buffers (block {block[0]}x{block[1]})",
-                hint="tile the op so that only the last tile row/column is short, or use "
-                "gemm_allreduce algorithm='oneshot'",
-            )
 
 
 def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -214,7 +149,7 @@ class TritonRuntime:
                 hint=f"known keys: {', '.join(GEMM_CONFIG)}",
             )
         world = graph.topology.world_size
-        self._check_graph(graph)
+        check_graph(graph, BK)
         self.shared = shared
         if world > 1 and shared is None:
             import torch.distributed as dist
@@ -271,30 +206,6 @@ class TritonRuntime:
             self._want_graph = False  # the proxies follow each launch: launch directly
 
     # -- set-up -------------------------------------------------------------------------------
-    @staticmethod
-    def _check_graph(graph: TaskGraph) -> None:
-        unsupported = {t.kind for t in graph.tasks if t.role != "rdma"} - supported_kinds()
-        if unsupported:
-            raise ScheduleError(
-                f"{graph.op}: backend='triton' has no tile bodies for {sorted(unsupported)} yet",
-                hint="run this op on backend='reference'",
-            )
-        _check_dtypes(graph)
-        # TMA (16-byte aligned rows) is used only for what GEMM tasks read and write; the other
-        # bodies use masked pointer loads and stores (a row reduction's [rows, 1] output).
-        tma = {r.buffer for t in graph.tasks if t.kind == TaskKind.GEMM.value
-               for r in (*t.reads, *t.writes)}
-        for b in graph.buffers.values():
-            if b.id in tma and (b.cols * ITEMSIZE[b.dtype]) % 16:
-                raise ScheduleError(
-                    f"{graph.op}: buffer {b.id} rows are {b.cols} elements, not a multiple of 16 "
-                    "bytes (TMA needs 16-byte aligned rows)",
-                    hint="choose the op's inner sizes as multiples of 8 (bf16) or 4 (fp32)",
-                )
-        gemms = [t for t in graph.tasks if t.kind == TaskKind.GEMM.value]
-        if gemms:
-            _check_gemm_tiles(graph, gemms)
-
     def _allocate(self) -> None:
         graph, lay, dev = self.graph, self.layout, self.device
         if self.shared is not None:
