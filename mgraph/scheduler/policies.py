@@ -144,8 +144,6 @@ def policy_input(
     pos = [0] * len(graph.tasks)
     for i, tid in enumerate(order):
         pos[tid] = i
-    full: list[list[int]] = [[] for _ in graph.events]
-    partial: dict[int, list[int]] = {}
     if (
         isinstance(order, CounterOrder)
         and len(order.waits) == len(graph.tasks)
@@ -153,43 +151,18 @@ def policy_input(
     ):
         # topo_order's simulation built the waiters by count, the waits per task and the
         # signals per event already (mg.compile hands validation's order on)
-        total = order.total
-        for t in graph.tasks:
-            tid = t.id
-            for e, c in t.waits:
-                if c >= total[e]:
-                    full[e].append(tid)
-                else:
-                    partial.setdefault(e, []).append(tid)
-        return PolicyInput(
-            costs=costs,
-            order=order,
-            graph=graph,
-            pos=pos,
-            full=full,
-            partial=partial,
-            released=order.released,
-            waits=order.waits,
-        )
-    total = [0] * len(graph.events)
-    for t in graph.tasks:
-        for e in t.signals:
-            total[e] += 1
-    released: dict[int, dict[int, list[int]]] = {}
-    waits = [0] * len(graph.tasks)
+        total, released, waits = order.total, order.released, order.waits
+    else:
+        total, released, waits = _counters(graph)
+    full: list[list[int]] = [[] for _ in graph.events]
+    partial: dict[int, list[int]] = {}
     for t in graph.tasks:
         tid = t.id
-        waits[tid] = len(t.waits)
         for e, c in t.waits:
             if c >= total[e]:
                 full[e].append(tid)
             else:
                 partial.setdefault(e, []).append(tid)
-            by_count = released.get(e)
-            if by_count is None:
-                released[e] = {c: [tid]}
-            else:
-                by_count.setdefault(c, []).append(tid)
     return PolicyInput(
         costs=costs,
         order=order,
@@ -200,6 +173,22 @@ def policy_input(
         released=released,
         waits=waits,
     )
+
+
+def _counters(graph: TaskGraph) -> tuple[list[int], dict[int, dict[int, list[int]]], list[int]]:
+    """Signals per event, each event's waiters by count, and waits per task: what a
+    CounterOrder carries, for an order given as a plain list."""
+    total = [0] * len(graph.events)
+    for t in graph.tasks:
+        for e in t.signals:
+            total[e] += 1
+    released: dict[int, dict[int, list[int]]] = {}
+    waits = [0] * len(graph.tasks)
+    for t in graph.tasks:
+        waits[t.id] = len(t.waits)
+        for e, c in t.waits:
+            released.setdefault(e, {}).setdefault(c, []).append(t.id)
+    return total, released, waits
 
 
 class Columns(Sequence[tuple[Any, ...]]):
