@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 
 import mgraph as mg  # noqa: E402
+from helpers import rel_err  # noqa: E402
 from mgraph.runtime.megakernel import runtime as rt_module  # noqa: E402
 
 TOL = 2e-2
@@ -51,10 +52,6 @@ def count_copies() -> None:
         return shard(buf, inputs)
 
     rt_module.buffer_shard = counted
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def events_ms(fn, reps: int = 20) -> float:
@@ -94,7 +91,7 @@ def case(world: int) -> list[dict]:
             want = copy.deepcopy(model).float()(x.float())
         got = prog(x)
         torch.cuda.synchronize()
-        row = {"case": f"mlp-1x{world}", "step": step, "error": rel(got, want),
+        row = {"case": f"mlp-1x{world}", "step": step, "error": rel_err(got, want),
                "copies": dict(COPIES)}
         ok = row["error"] < TOL and COPIES == Counter({"x": 1, **dict.fromkeys(copied, 1)})
         row["status"] = "ok" if ok else "FAIL"
