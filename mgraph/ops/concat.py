@@ -116,23 +116,9 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import load_region
-    from .tilewise import copy_vec, row_operand, tile_ptrs
+    from .tilewise import copy_into, copy_vec, row_operand
 
     _READ0, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0)
-
-    @triton.jit
-    def _copy_into(regions, bufaddr, bufcols, src, dst, col0, DT: tl.constexpr,
-                   RB_M: tl.constexpr, RB_N: tl.constexpr):
-        """Region ``src`` stored into region ``dst`` from its column ``col0`` on."""
-        _s, m0, m1, n0, n1 = load_region(regions, src)
-        for i in range(0, m1 - m0, RB_M):
-            for j in range(0, n1 - n0, RB_N):
-                om = i + tl.arange(0, RB_M)
-                on = j + tl.arange(0, RB_N)
-                mask = (om < m1 - m0)[:, None] & (on < n1 - n0)[None, :]
-                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, src, om, on, DT), mask=mask)
-                tl.store(tile_ptrs(regions, bufaddr, bufcols, dst, om, col0 + on, DT), x,
-                         mask=mask)
 
     @CONCAT.triton
     @triton.jit
@@ -142,7 +128,7 @@ if HAVE_TRITON:
         no rounding). When x, y and out all take 16-byte vectors (tilewise.row_operand; y's
         destination column, x's width, is then a multiple of 16 bytes too), copy_vec, in
         blocks four times taller for operands of at most RB_N / 4 columns (RoPE's halves);
-        otherwise _copy_into, element by element."""
+        otherwise copy_into, element by element."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         _s, xm0, xm1, xn0, xn1 = load_region(regions, r0)
@@ -162,5 +148,5 @@ if HAVE_TRITON:
         else:
             # blocks of a quarter of the rows and half the columns: the int64 pointer tensors
             # of a full block spilled (255 registers, sm_90)
-            _copy_into(regions, bufaddr, bufcols, r0, w0, 0, DT, RB_M // 4, RB_N // 2)
-            _copy_into(regions, bufaddr, bufcols, r0 + 1, w0, xn1 - xn0, DT, RB_M // 4, RB_N // 2)
+            copy_into(regions, bufaddr, bufcols, r0, w0, 0, DT, RB_M // 4, RB_N // 2)
+            copy_into(regions, bufaddr, bufcols, r0 + 1, w0, xn1 - xn0, DT, RB_M // 4, RB_N // 2)

@@ -18,7 +18,7 @@ from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
 
 if HAVE_TRITON:
     from .abi import buffer_base, load_region, param_i32
-    from .tilewise import copy_vec, row_operand, vec_cols, vec_ptr
+    from .tilewise import copy_into, copy_vec, row_operand, vec_cols, vec_ptr
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
     """The meaning of every GEMM-based fused op on GLOBAL tensors: out = a @ b, fp32 accumulate."""
@@ -258,7 +258,7 @@ if HAVE_TRITON:
         which held an NVLink worker to 7-9 GB/s (calibrate.py). The source is re-read per
         destination: local HBM, cheap beside the NVLink store, and most copies have one."""
         r0 = tl.load(tp + _READ0)
-        s, sm0, sm1, sn0, sn1 = load_region(regions, r0)
+        _s, sm0, sm1, sn0, sn1 = load_region(regions, r0)
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)
         sa, spitch, svec = row_operand(regions, bufaddr, bufcols, r0, DT)
@@ -267,26 +267,5 @@ if HAVE_TRITON:
             if svec & dvec:
                 copy_vec(sa, spitch, da, dpitch, sm1 - sm0, sn1 - sn0, DT, RB_M, RB_N)
             else:
-                _copy_general(regions, bufaddr, bufcols, s, sm0, sm1, sn0, sn1, w0 + q, DT,
-                              RB_M // 4, RB_N // 2)
-
-    @triton.jit
-    def _copy_general(regions, bufaddr, bufcols, s, sm0, sm1, sn0, sn1, dst_index,
-                      DT: tl.constexpr, RB_M: tl.constexpr, RB_N: tl.constexpr):
-        """Element by element, int64 offsets (regions off 16-byte boundaries; blocks a quarter
-        as tall and half as wide as the fast path's, as concat's: full blocks of int64 pointer
-        tensors spill)."""
-        src = buffer_base(bufaddr, s, DT)
-        s_cols = tl.load(bufcols + s).to(tl.int64)
-        d, dm0, dm1, dn0, dn1 = load_region(regions, dst_index)
-        dst = buffer_base(bufaddr, d, DT)
-        d_cols = tl.load(bufcols + d).to(tl.int64)
-        for i in range(0, sm1 - sm0, RB_M):
-            for j in range(0, sn1 - sn0, RB_N):
-                om = i + tl.arange(0, RB_M)
-                on = j + tl.arange(0, RB_N)
-                mask = (om < sm1 - sm0)[:, None] & (on < sn1 - sn0)[None, :]
-                x = tl.load(src + (sm0 + om)[:, None].to(tl.int64) * s_cols + (sn0 + on)[None, :],
-                            mask=mask)
-                tl.store(dst + (dm0 + om)[:, None].to(tl.int64) * d_cols + (dn0 + on)[None, :],
-                         x, mask=mask)
+                # blocks a quarter as tall and half as wide (as concat's general path)
+                copy_into(regions, bufaddr, bufcols, r0, w0 + q, 0, DT, RB_M // 4, RB_N // 2)

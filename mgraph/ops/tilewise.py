@@ -236,5 +236,21 @@ if HAVE_TRITON:
                 x = tl.load(src + (om * spitch)[:, None] + on[None, :], mask=mask)
                 tl.store(dst + (om * dpitch)[:, None] + on[None, :], x, mask=mask)
 
+    @triton.jit
+    def copy_into(regions, bufaddr, bufcols, src, dst, col0, DT: tl.constexpr,
+                   RB_M: tl.constexpr, RB_N: tl.constexpr):
+        """Region ``src`` stored into region ``dst`` from its column ``col0`` on, element by
+        element (int64 pointers: regions off 16-byte boundaries; callers pass blocks smaller than
+        copy_vec's, whose int64 pointer tensors would spill)."""
+        _s, m0, m1, n0, n1 = load_region(regions, src)
+        for i in range(0, m1 - m0, RB_M):
+            for j in range(0, n1 - n0, RB_N):
+                om = i + tl.arange(0, RB_M)
+                on = j + tl.arange(0, RB_N)
+                mask = (om < m1 - m0)[:, None] & (on < n1 - n0)[None, :]
+                x = tl.load(tile_ptrs(regions, bufaddr, bufcols, src, om, on, DT), mask=mask)
+                tl.store(tile_ptrs(regions, bufaddr, bufcols, dst, om, col0 + on, DT), x,
+                         mask=mask)
+
     __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols", "block_ptrs", "vec_width",
-                "copy_vec"]
+                "copy_vec", "copy_into"]
