@@ -11,6 +11,10 @@
 #   bash benchmarks/gpu_run.sh moe              # bench_moe.py (baseline + mgraph, 2 GPUs)
 #   bash benchmarks/gpu_run.sh calibrate        # calibrate.py: the hardware profile JSON
 #   bash benchmarks/gpu_run.sh proxy            # bench_proxy.py, 1 and 4 copy streams
+#   bash benchmarks/gpu_run.sh layer [ARGS]     # bench_layer.py on every GPU of the machine
+#   bash benchmarks/gpu_run.sh mega [ARGS]      # bench_attention.py tile mega (one GPU)
+# On a 1-GPU machine "tests" runs the single-GPU tests (multi_gpu ones skip themselves) and
+# "attention" the tile part only.
 # The GPU tests need about 400 s for all 24 (TEST_LIMIT); pytest arguments after "tests" select;
 # PYTEST_X= (empty) runs past the first failure.
 set -u
@@ -46,6 +50,7 @@ programs)
 attention)
     timeout "${TILE_LIMIT:-150}" python3 benchmarks/bench_attention.py tile --out "$OUT" "$@" 2>&1 \
         | tee "$OUT/attn_tile.log" | grep -E '^tile|error' | cut -c1-300
+    [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || exit 0
     timeout "${RING_LIMIT:-300}" torchrun --nproc_per_node=2 benchmarks/bench_attention.py ring \
         --out "$OUT" 2>&1 | tee "$OUT/attn_ring.log" | grep -v '^{' | tail -20
     ;;
@@ -61,8 +66,16 @@ proxy)
     timeout "${PROXY_LIMIT:-120}" python3 benchmarks/bench_proxy.py --out "$OUT/bench_proxy" \
         --streams 1 4 2>&1 | tee "$OUT/proxy.log" | tail -10
     ;;
+layer)
+    timeout "${LAYER_LIMIT:-400}" torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+        benchmarks/bench_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/layer.log" | grep -v '^{' | tail -30
+    ;;
+mega)
+    timeout "${MEGA_LIMIT:-200}" python3 benchmarks/bench_attention.py tile mega --out "$OUT" "$@" \
+        2>&1 | tee "$OUT/attn_mega.log" | grep -v '^{' | tail -30
+    ;;
 *)
-    echo "unknown step $step: tests, bench, net, programs, attention, moe, calibrate, proxy" >&2
+    echo "unknown step $step: tests, bench, net, programs, attention, moe, calibrate, proxy, layer, mega" >&2
     exit 2
     ;;
 esac
