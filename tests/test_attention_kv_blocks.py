@@ -1,6 +1,6 @@
 """The default KV block of attention and ring_attention (issue 17): a task folds the largest
 multiple of the q block that divides the sequence (ring: a segment, S/W or the zigzag chunk
-S/(2W)), at most 1024 keys, since every task reads and writes the fp32 state once. Checked:
+S/(2W)), at most 8192 keys, since every task reads and writes the fp32 state once. Checked:
 the task lists (no key lost or folded twice, no task whose keys all follow its queries, the
 causal mask flag exactly on the blocks reaching past the first query, the cost counting only
 the pairs a causal block shows) and the results against torch SDPA on random inputs, on the
@@ -25,16 +25,18 @@ from mgraph.ops.ring_attention import KV_KEYS, default_kv_block
 HERE = Path(__file__).parent
 
 
-def test_default_kv_block_is_the_largest_multiple_of_the_q_block_up_to_1024():
-    assert KV_KEYS == 1024
-    assert default_kv_block(24576, 128) == 1024  # S = 98304 causal over 2 GPUs: S/(2W)
-    assert default_kv_block(4096, 128) == 1024
+def test_default_kv_block_is_the_largest_multiple_of_the_q_block_up_to_8192():
+    assert KV_KEYS == 8192
+    assert default_kv_block(24576, 128) == 8192  # S = 98304 causal over 2 GPUs: S/(2W)
+    assert default_kv_block(49152, 128) == 8192  # ... and non-causal: S/W
+    assert default_kv_block(4096, 128) == 4096  # the layer's S: one task per q block
+    assert default_kv_block(16384, 128) == 8192
     assert default_kv_block(512, 128) == 512  # the whole segment when it is shorter
-    assert default_kv_block(128 * 12, 128) == 768  # 12 blocks: 6 divide them, 8 do not
-    assert default_kv_block(128 * 7 * 11, 128) == 896
+    assert default_kv_block(128 * 96, 128) == 6144  # 96 blocks: 48 divide them, 64 do not
+    assert default_kv_block(128 * 7 * 11, 128) == 128 * 11  # 77 blocks > 64: 11 of them
     assert default_kv_block(128 * 1031, 128) == 128  # a prime count of blocks: one per task
-    assert default_kv_block(1000, 8) == 1000  # 125 blocks of 8: all of them, 1000 <= 1024
-    assert default_kv_block(8192, 2048) == 2048  # never below the q block
+    assert default_kv_block(10000, 8) == 5000  # 1250 blocks of 8: 625 of them
+    assert default_kv_block(32768, 16384) == 16384  # never below the q block
 
 
 def _kv_rows(t: mg.graph.Task) -> int:
@@ -77,11 +79,19 @@ def check_tasks(g: mg.TaskGraph, S: int, segment: int, causal: bool) -> None:
 
 
 def _random_shapes(seed: int, n: int) -> list[dict]:
+    """(q block, q blocks per segment); every third segment is longer than KV_KEYS, so its
+    chains hold several default KV blocks."""
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
-        block = rng.choice([16, 32, 64, 128])
-        out.append(dict(block=block, blocks=rng.choice([3, 5, 6, 8, 10, 12, 16, 20, 24])))
+    for i in range(n):
+        if i % 3 == 2:
+            block = rng.choice([64, 128])
+            blocks = rng.choice([96, 130, 154]) * 128 // block
+            assert block * blocks > KV_KEYS
+        else:
+            block = rng.choice([16, 32, 64, 128])
+            blocks = rng.choice([3, 5, 6, 8, 10, 12, 16, 20, 24])
+        out.append(dict(block=block, blocks=blocks))
     return out
 
 
@@ -119,7 +129,7 @@ def test_traced_sdpa_gets_the_default():
     (att,) = [n for n in prog.opgraph.nodes if n.op == "attention"]
     assert "kv_block" not in att.params
     keys = {_kv_rows(t) for t in prog.graph.tasks if t.kind == "attn_block"}
-    assert keys == {768}  # 12 q blocks of 128: 6 of them per task
+    assert keys == {1536}  # 12 q blocks of 128: all of them in one task
     got = prog(x, x, x)
     assert (
         rel_err(got, torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True))
@@ -135,9 +145,10 @@ class _Sdpa(torch.nn.Module):
 @pytest.mark.parametrize(
     "dims",
     [
-        # 12 q blocks: 768-key tasks, six q blocks each, straddling the diagonal
+        # 12 q blocks: one 1536-key task per q block, straddling the diagonal
         dict(B=1, H=4, S=1536, D=8, block=128, kv_heads=2, causal=True),
-        dict(B=1, H=2, S=2048, D=8, block=64, causal=True),  # 1024-key tasks
+        # 96 q blocks: 6144-key tasks (48 q blocks each), chains of one or two
+        dict(B=1, H=2, S=12288, D=8, block=128, causal=True),
         dict(B=2, H=2, S=640, D=8, block=32, causal=False, mask_shape=[2, 1, 640, 640]),
         dict(
             B=2,
@@ -159,12 +170,15 @@ def test_attention_default_kv_blocks_match_torch(dims):
 
 
 @pytest.mark.parametrize(
-    "topology, causal, S", [("1x2", True, 5120), ("2x2", True, 3072), ("2x2", False, 4608)]
+    "topology, causal, S",
+    [("1x2", True, 5120), ("2x2", True, 3072), ("2x2", False, 4608), ("1x2", False, 16896)],
 )
 def test_ring_default_kv_blocks_match_torch(topology, causal, S):
-    # 1x2 causal: zigzag chunks of 1280 = 10 q blocks, 640-key tasks; 2x2 causal: chunks of
-    # 384 = 3 q blocks (one task each); 2x2 non-causal: slices of 1152 = 9 q blocks, 384-key tasks
-    g = mg.ops.ring_attention(topology=topology, B=1, H=2, S=S, D=8, block=128, kv_heads=1,
+    H = 1 if S > 8192 else 2
+    # 1x2 causal: zigzag chunks of 1280 = 10 q blocks, one task each; 2x2 causal: chunks of
+    # 384 = 3 q blocks; 2x2 non-causal: slices of 1152 = 9 q blocks; 1x2 non-causal past the
+    # cap: slices of 8448 = 66 q blocks, 4224-key tasks (two per slice; one head, for time)
+    g = mg.ops.ring_attention(topology=topology, B=1, H=H, S=S, D=8, block=128, kv_heads=1,
                               causal=causal)  # fmt: skip
     assert max(_kv_rows(t) for t in g.tasks if t.kind == "attn_block") > 128
     check_graph(g, tol=1e-5)
@@ -173,7 +187,7 @@ def test_ring_default_kv_blocks_match_torch(topology, causal, S):
 
 @pytest.mark.parametrize("mask_kind", ["additive", "boolean"])
 def test_left_padding_rows_are_zero_with_long_kv_blocks(mask_kind):
-    """A padded query under a causal mask sees no key of any (768-key) task: 0, as SDPA."""
+    """A padded query under a causal mask sees no key of its (1536-key) task: 0, as SDPA."""
     B, H, S, D, pad = 2, 2, 1536, 8, 133  # pad rows reach into the second q block
     g = mg.ops.attention(topology="1x1", B=B, H=H, S=S, D=D, causal=True, kv_heads=1,
                          mask_shape=[B, 1, 1, S], mask_kind=mask_kind)  # fmt: skip

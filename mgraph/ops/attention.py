@@ -20,8 +20,9 @@ form, which the Program makes on the way in (mgraph/trace/attention_map.py).
 Grouped-query attention: option ``kv_heads`` (dividing H) gives k and v that many heads, each
 shared by H / kv_heads query heads (SDPA's ``enable_gqa``); the q blocks of a group read the
 same KV rows. ``kv_block``: keys per ``attn_block`` task; by default the largest multiple of
-the q block dividing S, at most 1024 (ring_attention's ``default_kv_block``: every task reads
-and writes the fp32 state once, so fewer, longer tasks pay that less often per key). Under a
+the q block dividing S, at most 8192 (ring_attention's ``default_kv_block``: every task reads
+and writes the fp32 state once, so fewer, longer tasks pay that less often per key; a q block's
+tasks form a chain, so longer ones take no parallelism away). Under a
 causal mask a KV block that straddles the diagonal is masked in the body (which hides the keys
 after each query; the Triton body skips the key chunks after the block's last query), and its
 cost counts only the pairs it shows; blocks wholly after a q block's last query are not emitted.

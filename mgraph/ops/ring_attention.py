@@ -12,9 +12,10 @@ number of unmasked (q block, k block) pairs; a contiguous split would leave rank
 work and rank W-1 with most of it. A rank's 2-D buffers are ``[b, h, s_local]`` rows x D columns
 (the two zigzag pieces concatenated along S), so one (b, h, block) is a contiguous row range.
 A task folds ``kv_block`` keys into a ``block``-row q block. By default (:func:`default_kv_block`)
-that is the largest multiple of the q block dividing a segment, at most ``KV_KEYS`` (1024): every
+that is the largest multiple of the q block dividing a segment, at most ``KV_KEYS`` (8192): every
 task reads and writes the fp32 state once, so 128-key tasks paid that per 128 keys (71-76 TF/s
-for the tile on one H200, against 253-292 TF/s with 1024 keys: benchmarks/NOTES.md).
+for the tile on one H200, 266-303 TF/s with 1024 keys, 404-504 with one task over all 8192 or
+16384 keys of a q block: benchmarks/NOTES.md).
 
 Math (per q block, on its rank): online softmax in fp32 with the state acc [rows, D] and
 ml [rows, 2] = (running max m, running denominator l). ``attn_block`` folds one KV block into the
@@ -78,10 +79,17 @@ ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
 COPY = TaskKind.COPY.value
 
 Segment = tuple[int, int]  # a global sequence range [start, stop) held by one rank
-# Keys an attn_block task folds by default, where the sequence allows: every task reads and
-# writes the fp32 state (acc, ml) of its q block once, whatever its key count; 1024-key tasks
-# ran the tile at 3.5-4x the rate of 128-key ones on one H200 (benchmarks/NOTES.md).
-KV_KEYS = 1024
+# Keys an attn_block task folds by default, where the sequence allows. Every task reads and
+# writes the fp32 state (acc, ml) of its q block once, whatever its key count: 128 KB per 128
+# rows at D = 128, a fifth of a 1024-key task's time on one H200 SM, under 3% of an 8192-key
+# one's. On one H200 the tile ran 128x1024 tasks at 266-303 TF/s and one task per q block over
+# 8192-16384 keys at 404-504 (benchmarks/NOTES.md, v12). Longer tasks cost no parallelism: the
+# tasks of one q block are a chain (each rewrites its state), so whatever their length the
+# tasks that can run at once are one per q block. What a longer task does cost: a ring's KV
+# chunk is whole KV blocks (an arrival wait per block), 2 MiB of k at 8192 keys x D 128 in
+# bf16; and the longest task bounds the tail (128 x 8192 keys at D 128 is 0.54 GFLOP: ~140 us
+# on one SM at the tile's 500 TF/s).
+KV_KEYS = 8192
 
 
 # -- shapes, meaning, inputs -------------------------------------------------------------------
