@@ -7,14 +7,17 @@
 tile: the Triton bodies alone (no megakernel queues or waits: attention_tiles.chains_kernel,
 one program per q-block chain, tables built here as the attention lowering would) at the task
 shapes (q rows x keys per attn_block task) 128x128 (the lowering's default before v9), 128x1024
-(its default since, where the segment allows),
-128xS (one task per q block: the plain flash tile) and 4096x4096, against
+(its default from v9 to v12), 128x8192 where S is longer (the default since: at most 8192 keys,
+``ring_attention.default_kv_block``), 128xS (one task per q block: the plain flash tile) and
+4096x4096, against
 ``F.scaled_dot_product_attention`` with the cuDNN and the flash (FA2) backends, S = 8192..32768,
 causal and not. TF/s count the unmasked work (causal: half).
 
 mega: the same attention through the megakernel on one GPU (TritonRuntime on the 1x1
 ring_attention graph: the kernel the ring runs, with its queues, waits and copy branch),
-S = 8192 and 16384 by default (``--mega-seqs``), causal and not, against cuDNN SDPA.
+S = 8192 and 16384 by default (``--mega-seqs``), causal and not, against cuDNN SDPA. Keys per
+task: the op's default unless ``--mega-kv-block`` names them (S = 8192: 8192 keys, or the
+zigzag chunk of 4096 when causal; 16384: 8192); each row's ``task`` says which.
 
 tile and mega also record what the GPU's own Triton compiled: registers, spilled bytes and
 ptxas's C75xx lines ("wgmma.mma_async instructions are serialized ...": every wgmma of the
@@ -65,6 +68,7 @@ from mgraph.ops.abi import (  # noqa: E402
     F_WRITE0,
     TASK_FIELDS,
 )
+from mgraph.ops.ring_attention import default_kv_block  # noqa: E402
 from mgraph.runtime.memory import worst_tile_error  # noqa: E402
 
 B, H, D = 4, 16, 128
@@ -222,6 +226,8 @@ def bench_tile(args) -> list[dict]:
             addr = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
             cols = torch.tensor([b.shape[1] for b in bufs], dtype=torch.int32, device="cuda")
             shapes = [(128, 1024), (128, S), (4096, 4096)]
+            if default_kv_block(S, 128) not in (1024, S):  # the lowering's default
+                shapes.insert(1, (128, default_kv_block(S, 128)))
             if S <= 16384:
                 shapes.insert(0, (128, 128))  # 1M tasks past that: tables of 250 MB
             for qb, kvb in shapes:
@@ -299,6 +305,8 @@ def bench_mega(args) -> list[dict]:
             rows.append(dict(base, impl="sdpa_cudnn", ms=round(cudnn_ms, 4),
                              tflops=round(fl / cudnn_ms / 1e9, 1)))
             print(json.dumps(rows[-1]), flush=True)
+            kvb = max(t.reads[1].row1 - t.reads[1].row0 for t in graph.tasks
+                      if t.kind == "attn_block")  # the option's value, or the op's default
             try:
                 rt = TritonRuntime(mg.schedule(graph))
                 got = rt.run(inputs).outputs["out"].reshape(B, H, S, D)
@@ -310,7 +318,7 @@ def bench_mega(args) -> list[dict]:
                 ms = statistics.median(event_times(rt.launch, args.warmup, args.reps))
                 rt.check()
                 rows.append(dict(base, impl="mgraph_mega",
-                                 task=f"{args.mega_block}x{args.mega_kv_block}",
+                                 task=f"{args.mega_block}x{kvb}",
                                  tasks=len(graph.tasks), ms=round(ms, 4),
                                  tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
                                  rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
@@ -424,6 +432,8 @@ def bench_ring(args) -> list[dict]:
             graph = mg.ops.ring_attention(
                 topology=f"1x{world}", B=B, H=H, S=S, D=D, causal=causal, block=args.block,
                 kv_block=args.kv_block, dtype=torch.bfloat16)
+            kvb = max(t.reads[1].row1 - t.reads[1].row0 for t in graph.tasks
+                      if t.kind == "attn_block")  # the option's value, or the op's default
             gen = torch.Generator().manual_seed(S + causal)
             full = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16)
                     for n, s in graph.inputs.items()}
@@ -457,12 +467,12 @@ def bench_ring(args) -> list[dict]:
                 err, terr = rel(got, want), tile_err(got, want)
                 ms = slowest(event_times(rt.launch, args.warmup, args.reps, dist.barrier))
                 rt.check()
-                add(dict(base, impl="mgraph", block=args.block, kv_block=args.kv_block,
+                add(dict(base, impl="mgraph", block=args.block, kv_block=kvb,
                          tasks=len(graph.tasks), ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1),
                          rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
                 del rt
             except Exception as exc:  # not runnable yet: the row says why
-                add(dict(base, impl="mgraph", block=args.block, kv_block=args.kv_block,
+                add(dict(base, impl="mgraph", block=args.block, kv_block=kvb,
                          error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             del local, q, k, v, want
             torch.cuda.empty_cache()
@@ -509,10 +519,12 @@ def main(argv: list[str] | None = None) -> None:
     # two lengths, 1 warmup + 3 reps each: the default ring run stays within about 3 minutes
     parser.add_argument("--ring-seqs", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--block", type=int, default=2048, help="ring: q rows per task")
-    parser.add_argument("--kv-block", type=int, default=8192, help="ring: keys per task")
+    parser.add_argument("--kv-block", type=int, default=None,
+                        help="ring: keys per task (default: the op's, 8192 at --block 2048)")
     parser.add_argument("--mega-seqs", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--mega-block", type=int, default=128, help="mega: q rows per task")
-    parser.add_argument("--mega-kv-block", type=int, default=1024, help="mega: keys per task")
+    parser.add_argument("--mega-kv-block", type=int, default=None,
+                        help="mega: keys per task (default: the op's, up to 8192)")
     parser.add_argument("--warps", type=int, default=8, help="tile: the megakernel's num_warps")
     parser.add_argument("--stages", type=int, default=3, help="tile: the megakernel's stages")
     parser.add_argument("--warmup", type=int, default=2, help="ring: at most 1")
