@@ -46,6 +46,15 @@ def kind_breakdown(runtime) -> list[dict]:
     return kind_rows(trace, runtime.graph.tasks)
 
 
+def _label(kind: str, task) -> str:
+    """The row a task counts in: its kind; an ewise task's also names its tile and its reads
+    (a layer's RoPE, SwiGLU and residual chains differ in both), so each chain gets a row."""
+    if kind != "ewise" or not getattr(task, "writes", None):
+        return kind
+    rows, cols = task.writes[0].shape
+    return f"ewise {rows}x{cols} {len(task.reads)} reads"
+
+
 def kind_rows(trace, tasks) -> list[dict]:
     """The rows of one trace (records with start, ready and end), tasks indexed by record.task."""
     busy: dict[tuple[str, str], float] = defaultdict(float)
@@ -54,7 +63,7 @@ def kind_rows(trace, tasks) -> list[dict]:
     flops: dict[tuple[str, str], float] = defaultdict(float)
     programs: dict[tuple[str, str], set] = defaultdict(set)
     for r in trace.records:
-        key = (r.kind, r.role)
+        key = (_label(r.kind, tasks[r.task]), r.role)
         busy[key] += r.end - r.start
         work[key] += r.end - (r.start if r.ready is None else r.ready)
         count[key] += 1

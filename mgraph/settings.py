@@ -25,6 +25,7 @@ ENV_VARS: dict[str, str] = {
     "proxy_streams": "MGRAPH_PROXY_STREAMS",
     "max_tasks": "MGRAPH_MAX_TASKS",
     "max_bytes": "MGRAPH_MAX_BYTES",
+    "ewise_chains": "MGRAPH_EWISE_CHAINS",
 }
 
 
@@ -75,6 +76,11 @@ class Settings(BaseModel):
         200.0, gt=0, allow_inf_nan=False, description="adaptive: least time between two of a "
         "rank's controller decisions (taken when a task ends; the megakernel's clock is "
         "%globaltimer, the interpreter's decides after every task)",
+    )
+    ewise_chains: int = Field(
+        6, ge=0, le=32, description="megakernel: the most elementwise chains a kernel gets "
+        "straight-line code for (mgraph/ops/elementwise_special.py), those with the most tasks "
+        "first; other chains, and all with 0, run the bytecode interpreter",
     )
 
     max_tasks: int = Field(

@@ -191,7 +191,8 @@ class TritonRuntime:
         used = {k: kind_id(k) for k in self.tables.kinds if k != PUSH_KIND}
         if PUSH_KIND in self.tables.kinds:
             used[PUSH_KIND] = PUSH_ID
-        self._kernel = megakernel_for(used)
+        self._kernel = megakernel_for(used, graph, self.tables.local_tasks,
+                                      self.settings.ewise_chains)
         self._need_ab = any(n in ("ad0", "bd0") for k in used for n in body_params(k))
         # Counts one launch adds to a counter or a queue head (the epoch overflow bound).
         t = self.tables

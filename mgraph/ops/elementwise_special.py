@@ -1,0 +1,251 @@
+"""Straight-line Triton code for the ``ewise`` chains of one kernel.
+
+The ``ewise`` body (elementwise_bodies.ewise_tile) interprets a task's bytecode block by block:
+every instruction reads its four words, branches over every fn and moves fp32 tiles between six
+registers. v12 measured what that costs (benchmarks/NOTES.md): 80 us a task in the Llama layer
+on one H200, about ten times what the task's bytes need, the kernel bound by instructions, not
+memory. A chain is fixed when the graph is built, so the megakernel's generated copy
+(runtime/megakernel/dispatch.py) gets one function per chain its rank runs, written here from the
+bytecode: the loads of SUB blocks issued together, then each block's fns as plain expressions,
+no register file, no branches. The kind's dispatch picks the function whose bytecode (and operand
+forms) a task carries and falls back to the interpreter for any other chain, and for operands
+the fast path cannot vectorise (the same gate as ewise_tile).
+
+Up to ``Settings.ewise_chains`` chains per kernel (MGRAPH_EWISE_CHAINS, default 6), the ones
+with the most tasks first: every function is inlined into the one megakernel function, so each
+costs compile time and code size.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .elementwise import CODES, CONST, EWISE, GATHER, LOAD, ROT
+
+if TYPE_CHECKING:
+    from mgraph.graph import TaskGraph
+
+__all__ = ["chain_keys", "special_source"]
+
+# The fns as expressions of fp32 tiles x (unary) or a, b (binary): elementwise_bodies._ewise_math's
+# arithmetic exactly, so both paths round alike.
+_FN = {
+    "neg": "-{x}",
+    "silu": "{x} / (1.0 + tl.exp(-{x}))",
+    "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
+    "gelu_tanh": "0.5 * {x} * (1.0 + _tanh(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})))",
+    "relu": "tl.maximum({x}, 0.0)",
+    "sigmoid": "1.0 / (1.0 + tl.exp(-{x}))",
+    "tanh": "_tanh({x})",
+    "exp": "tl.exp({x})",
+    "log": "tl.log({x})",
+    "sqrt": "tl.sqrt({x})",
+    "rsqrt": "tl.rsqrt({x})",
+    "abs": "tl.abs({x})",
+    "identity": "{x}",
+    "add": "{a} + {b}",
+    "sub": "{a} - {b}",
+    "mul": "{a} * {b}",
+    "div": "{a} / {b}",
+    "pow": "_pow({a}, {b})",
+    "maximum": "tl.maximum({a}, {b})",
+    "minimum": "tl.minimum({a}, {b})",
+}
+assert set(_FN) == set(CODES), "every ewise fn needs its expression here"
+_P_MAPS = EWISE.params.index("maps")
+
+
+def _key(words: list[int]) -> tuple[int, ...]:
+    """A task's chain: its bytecode words (nops, result, 4 per instruction) and its operand
+    forms (``maps``: 2 bits per input)."""
+    nops = words[0]
+    return (*words[: 2 + 4 * nops], words[_P_MAPS])
+
+
+def chain_keys(graph: TaskGraph, task_ids: Iterable[int], limit: int) -> list[tuple[int, ...]]:
+    """The chains of ``graph``'s ewise tasks among ``task_ids``, most tasks first (ties by key,
+    so every rank of one graph orders alike), at most ``limit``."""
+    from mgraph.runtime.megakernel.encode import _param_words
+
+    counts: Counter = Counter()
+    for i in task_ids:
+        task = graph.tasks[i]
+        if task.kind == EWISE.name:
+            counts[_key(_param_words(task))] += 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [key for key, _n in ranked[:limit]]
+
+
+def _const(word: int) -> str:
+    value = struct.unpack("<f", struct.pack("<i", word))[0]
+    if math.isnan(value):
+        return 'float("nan")'
+    if math.isinf(value):
+        return 'float("inf")' if value > 0 else '-float("inf")'
+    return repr(value)
+
+
+def _sub_blocks(loads: int, bits: int) -> int:
+    """Blocks whose loads go out together: 16 one-vector operand blocks a thread in 16-bit
+    dtypes (64 registers), 8 in fp32 (also 64), as elementwise_bodies._ewise_vec's slots."""
+    slots = 16 if bits <= 16 else 8
+    return max(1, min(8 if bits <= 16 else 4, slots // max(1, loads)))
+
+
+def _chain_source(i: int, key: tuple[int, ...], bits: int) -> str:
+    """The functions ``_ewise_chain_<i>`` (the task's gate and fallback) and its fast path."""
+    nops, result = key[0], key[1]
+    maps = key[-1]
+    code = [key[2 + 4 * k : 6 + 4 * k] for k in range(nops)]
+    reads = sorted({a for op, _d, a, _b in code if op in (LOAD, ROT)})
+    loads = [k for k, (op, _d, _a, _b) in enumerate(code) if op in (LOAD, ROT)]
+    sub = _sub_blocks(len(loads), bits)
+    form = {a: (maps >> (2 * a)) & 3 for a in reads}
+    out = []
+    w = out.append
+    w("@triton.jit")
+    w(f"def _ewise_chain_{i}_vec(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, half, row0,")
+    w("                        DT: tl.constexpr):")
+    w(
+        f'    """Chain {i}: {nops} instructions, {len(loads)} loads a block, {sub} blocks a batch."""'
+    )
+    w("    VEC: tl.constexpr = 128 // DT.primitive_bitwidth")
+    for a in reads:
+        if form[a] == GATHER:
+            w(f"    ga{a}, pp{a} = _gather_at(params, tp, regions, bufaddr, r0 + {a})")
+            continue
+        w(f"    a{a}, p{a}, _v{a} = row_operand(regions, bufaddr, bufcols, r0 + {a}, DT)")
+        if form[a]:  # a broadcast operand's row map, hoisted out of the blocks
+            base = f"_P_MAP + {3 * (form[a] - 1)}"
+            w(f"    ma{a} = param_i32(params, tp, {base})")
+            w(f"    mm{a} = param_i32(params, tp, {base} + 1)")
+            w(f"    lo{a} = param_i32(params, tp, {base} + 2)")
+    w("    oa, opitch, _vo = row_operand(regions, bufaddr, bufcols, w0, DT)")
+    w("    out_p = vec_ptr(oa, DT)")
+    w("    opitch = opitch // VEC * VEC")
+    w("    n = n // VEC * VEC")
+    w("    half = half // VEC * VEC")
+    w("    nbj = tl.cdiv(n, _EW_N)")
+    w("    nblk = tl.cdiv(m, _EW_M) * nbj")
+    w(f"    for blk0 in range(0, nblk, {sub}):")
+    # every block's loads first, all in flight together; a block past the tile is all masked
+    for s in range(sub):
+        w(f"        om{s} = (blk0 + {s}) // nbj * _EW_M + tl.arange(0, _EW_M)")
+        w(f"        on{s} = vec_cols((blk0 + {s}) % nbj * _EW_N, _EW_N, VEC)")
+        w(f"        mk{s} = (om{s} < m)[:, None] & (on{s} < n)[None, :]")
+        for k in loads:
+            op, _d, a, _b = code[k]
+            cols = f"on{s}"
+            if op == ROT:  # runs of VEC columns stay runs: half is a multiple of VEC
+                w(
+                    f"        rc{s}_{k} = tl.max_contiguous(tl.multiple_of("
+                    f"_rot_cols(on{s}, half), VEC), VEC)"
+                )
+                cols = f"rc{s}_{k}"
+            if form[a] == GATHER:
+                w(f"        l{s}_{k} = _gload(ga{a}, pp{a}, om{s}, {cols}, mk{s}, DT)")
+                continue
+            rows = f"om{s}"
+            if form[a]:
+                w(f"        g{s}_{k} = row0 + om{s}")
+                w(f"        rr{s}_{k} = (g{s}_{k} // ma{a}) * mm{a} + g{s}_{k} % mm{a} - lo{a}")
+                rows = f"rr{s}_{k}"
+            w(f"        l{s}_{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk{s}, DT)")
+    for s in range(sub):
+        reg: dict[int, str] = {}
+        for k, (op, dst, a, b) in enumerate(code):
+            name = f"t{s}_{k}"
+            if op == LOAD:
+                expr = f"l{s}_{k}.to(tl.float32)"
+            elif op == ROT:
+                w(f"        u{s}_{k} = l{s}_{k}.to(tl.float32)")
+                expr = f"tl.where((on{s} < half)[None, :], -u{s}_{k}, u{s}_{k})"
+            elif op == CONST:
+                expr = f"tl.full((_EW_M, _EW_N), {_const(b)}, tl.float32)"
+            else:
+                expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
+            w(f"        {name} = {expr}")
+            reg[dst] = name
+        w(
+            f"        tl.store(out_p + (om{s} * opitch)[:, None] + on{s}[None, :], "
+            f"{reg[result]}.to(DT), mask=mk{s})"
+        )
+    w("")
+    w("")
+    w("@triton.jit")
+    w(f"def _ewise_chain_{i}(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):")
+    w("    # ewise_tile's gate: every operand and the output on 16-byte vectors, else its general")
+    w("    # path (pointers per element) over the same bytecode")
+    w("    VEC: tl.constexpr = 128 // DT.primitive_bitwidth")
+    w("    r0 = tl.load(tp + _READ0)")
+    w("    nread = tl.load(tp + _NREAD)")
+    w("    w0 = tl.load(tp + _WRITE0)")
+    w("    _s, xm0, xm1, xn0, xn1 = load_region(regions, w0)")
+    w("    _oa, _op, fast = row_operand(regions, bufaddr, bufcols, w0, DT)")
+    w("    half = param_i32(params, tp, _P_HALF)")
+    w("    maps = param_i32(params, tp, _P_HALF + 1)")
+    w("    row0 = param_i32(params, tp, _P_HALF + 2)")
+    w("    for k in range(0, nread):")
+    w("        _a, _p, vec = row_operand(regions, bufaddr, bufcols, r0 + k, DT)")
+    w("        if (maps >> (2 * k)) & 3 == _GATHER:")
+    w("            _ga, _pp, vec = _gather_src(params, tp, regions, bufaddr, bufcols, r0 + k, DT)")
+    w("        fast = fast & vec")
+    w("    fast = fast & (half % VEC == 0)")
+    w("    if fast:")
+    w(f"        _ewise_chain_{i}_vec(tp, params, regions, bufaddr, bufcols, r0, w0, xm1 - xm0,")
+    w("                             xn1 - xn0, half, row0, DT)")
+    w("    else:")
+    w("        _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, xm1 - xm0, xn1 - xn0,")
+    w("                       DT)")
+    return "\n".join(out) + "\n"
+
+
+_HEADER = """
+# -- generated by mgraph.ops.elementwise_special: this kernel's ewise chains --
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from mgraph.ops.abi import F_PARAM0 as _sp_param0  # noqa: E402
+from mgraph.ops.elementwise_bodies import (  # noqa: E402
+    _EW_M, _EW_N, _GATHER, _NREAD, _P_HALF, _P_MAP, _READ0, _WRITE0, _ewise_general,
+    _gather_at, _gather_src, _gload, _pow, _rot_cols, _tanh, _vload, ewise_tile,
+)
+from mgraph.ops.abi import load_region, param_i32  # noqa: E402
+from mgraph.ops.tilewise import row_operand, vec_cols, vec_ptr  # noqa: E402
+_SP_PARAM0 = tl.constexpr(_sp_param0)
+
+"""
+
+
+def special_source(keys: list[tuple[int, ...]], bits: int, entry: str) -> str:
+    """Module text defining ``entry(tp, params, regions, bufaddr, bufcols, DT)``: the ewise
+    body for a kernel whose tasks carry the chains ``keys`` (chain_keys), ``bits`` the graph
+    dtype's width. A task whose words match no key runs ewise_tile."""
+    parts = [_HEADER]
+    for i, key in enumerate(keys):
+        parts.append(_chain_source(i, key, bits))
+        parts.append("\n")
+    longest = max((len(k) - 1 for k in keys), default=0)
+    w = parts.append
+    w("@triton.jit\n")
+    w(f"def {entry}(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):\n")
+    w("    # the chain whose words the task carries (its params row: nops, result, bytecode)\n")
+    w("    pb = params + tl.load(tp + _SP_PARAM0)\n")
+    for j in range(longest):
+        w(f"    k{j} = tl.load(pb + {j})\n")
+    w(f"    mp = tl.load(pb + {_P_MAPS})\n")
+    for i, key in enumerate(keys):
+        words = key[:-1]
+        test = " & ".join(f"(k{j} == {v})" for j, v in enumerate(words))
+        head = "if" if i == 0 else "elif"
+        w(f"    {head} {test} & (mp == {key[-1]}):\n")
+        w(f"        _ewise_chain_{i}(tp, params, regions, bufaddr, bufcols, DT)\n")
+    if keys:
+        w("    else:\n")
+        w("        ewise_tile(tp, params, regions, bufaddr, bufcols, DT)\n")
+    else:
+        w("    ewise_tile(tp, params, regions, bufaddr, bufcols, DT)\n")
+    return "".join(parts)
