@@ -184,7 +184,13 @@ class KernelNet:
         device = rt.device.index if not rt.interpret else -1
         for r in ranks:
             transport = NativeVerbsTransport(
-                store, r, graph.topology, timeout=timeout, prefix=prefix, cuda_device=device
+                store,
+                r,
+                graph.topology,
+                max_peers=max(8, len(plan.peers[r])),
+                timeout=timeout,
+                prefix=prefix,
+                cuda_device=device,
             )
             self.transports.append(transport)  # before it can fail: close() releases it
             arena, flags = memory[r]
