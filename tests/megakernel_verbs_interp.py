@@ -8,6 +8,8 @@ Prints one JSON line per case.
   context, queue pair and native proxy; the one interpreted program's pushes are split onto the
   ranks' FIFOs. Reported: the errors against torch, whether every net word ends at exactly
   epochs x its raises per launch, and the NIC counters beside what the plan predicts.
+- ``failed-write``: the fake NIC fails a work request (the peer never answered): the launch
+  stops with the proxy's error naming it, not at the watchdog.
 - ``no-device``: the fake reports no RDMA device: building the runtime raises.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before importing triton"
@@ -98,6 +101,26 @@ def verbs_2x1(fake: FakeVerbs) -> None:
     print(json.dumps(row), flush=True)
 
 
+def failed_write(fake: FakeVerbs) -> None:
+    from fake_verbs import RETRY_EXC_ERR
+
+    from mgraph.errors import MgraphError
+
+    op, graph = graph_and_op()
+    rt = runtime(graph)
+    fake.fail_next(RETRY_EXC_ERR)
+    row = {"case": "failed-write", "raised": None}
+    start = time.monotonic()
+    try:
+        rt.run(op.random_inputs(graph, seed=1))
+    except MgraphError as exc:
+        row.update(raised=type(exc).__name__, message=str(exc))
+    finally:
+        rt.close()
+    row["seconds"] = time.monotonic() - start
+    print(json.dumps(row), flush=True)
+
+
 def no_device(fake: FakeVerbs) -> None:
     from mgraph.errors import RdmaUnavailableError
 
@@ -118,6 +141,7 @@ def main(argv: list[str]) -> None:
     fake = FakeVerbs(Path(argv[0]))
     fake.reset()
     verbs_2x1(fake)
+    failed_write(fake)
     no_device(fake)
 
 

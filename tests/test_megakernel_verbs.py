@@ -5,8 +5,9 @@ End to end on the CPU: tests/megakernel_verbs_interp.py, under TRITON_INTERPRET=
 subprocess whose LD_LIBRARY_PATH holds the fake libibverbs (tests/fake_verbs) as
 ``libibverbs.so.1``, runs a 2x1 GEMM+AllReduce twice on one runtime; the ranks' proxies move
 every byte and raise every remote word through the fake NIC (RDMA WRITE WITH IMMEDIATE), and
-the result matches torch. A missing library, a missing device and settings the backend cannot
-serve are named errors raised while the runtime is built, before any launch.
+the result matches torch. A work request the NIC fails stops the launch with the proxy's error.
+A missing library, a missing device and settings the backend cannot serve are named errors
+raised while the runtime is built, before any launch.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def test_megakernel_over_fake_verbs(tmp_path: Path) -> None:
     assert run["imms"] == run["fake_imms"] == run["recv_completions"] == remote > 0, run
     assert run["fake_bytes"] == 2 * run["per_launch_write_bytes"] > 0, run
     assert run["fake_errors"] == 0, run
+    failed = rows["failed-write"]  # the proxy's error, not the kernel's watchdog
+    assert failed["raised"] == "ProxyError", failed
+    assert "a write to rank 0 failed: IBV_WC_RETRY_EXC_ERR" in failed["message"], failed
     assert rows["no-device"]["raised"] == "RdmaUnavailableError", rows["no-device"]
     assert "no RDMA device" in rows["no-device"]["message"], rows["no-device"]
 
