@@ -192,7 +192,7 @@ class KernelNet:
                 prefix=prefix,
                 cuda_device=device,
             )
-            self.transports.append(transport)  # before it can fail: close() releases it
+            self.transports.append(transport)
             arena, flags = memory[r]
             transport.register(r, _buffers(rt, r, arena, plan), flags[lo:hi])
             for q in plan.peers[r]:
