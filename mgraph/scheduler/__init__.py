@@ -89,18 +89,20 @@ def _schedule(
     choose = get_policy(policy)  # an unknown name fails before any work
     override = None if workers is None else _check_override(graph, hardware, workers)
     costs = task_costs(graph, hardware)
-    order = choose(graph, policy_input(graph, costs, topo))
     world = graph.topology.world_size
+    # the partition first: critical_path places the tasks on these workers to order them
+    partition = static_partition(graph, hardware, costs) if override is None else None
+    workers = [dict(override) if override is not None else partition[r] for r in range(world)]
+    order = choose(graph, policy_input(graph, costs, topo, workers))
     queues: list[dict[str, list[int]]] = [{r: [] for r in _ROLE_NAMES} for _ in range(world)]
     tasks = graph.tasks
     for tid in order:
         t = tasks[tid]
         queues[t.rank][t.role].append(tid)
-    partition = static_partition(graph, hardware, costs) if override is None else None
     ranks = [
         RankSchedule(
             rank=r,
-            workers=dict(override) if override is not None else partition[r],
+            workers=workers[r],
             queues=queues[r],
             batches=proxy_batches(graph, queues[r][Role.RDMA.value], hardware),
         )

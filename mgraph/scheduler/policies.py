@@ -10,10 +10,13 @@ the per-rank, per-role queues, so every queue is a subsequence of one topologica
 single worker per role can never deadlock (DESIGN: Roles, queues). ``check_queues`` verifies it
 for any policy, including user ones.
 
-The builtin policies differ only in the priority a ready task gets; ``list_order`` turns a
+The builtin policies differ in the priority a ready task gets; ``list_order`` turns a
 priority into an order by simulating the counters and always taking the best ready task.
-``critical_path``, ``network_first`` and ``remote_first`` break ties between equally urgent
-tasks by ``push_rotation``: a task writing into one node peer (an epilogue push, an NVLink copy)
+``critical_path`` (the default) also places the tasks on the schedule's workers
+(placement.py): by their ends in a backward list schedule, kept only where the queue model
+predicts that order at least ``PLACED_MARGIN`` shorter than ``longest_path``'s.
+``critical_path``, ``longest_path``, ``network_first`` and ``remote_first`` break ties between
+equally urgent tasks by ``push_rotation``: a task writing into one node peer (an epilogue push, an NVLink copy)
 on rank r goes first to its node's GPU r+1, then r+2, ..., so the GPUs of a node do not all start
 by writing into the same peer (an NVLink incast: 7 senders sharing one GPU's ingress while the
 other links idle), whatever order the lowering emitted the tiles in. A rank's NVLink copies into
@@ -44,6 +47,7 @@ from ..errors import RegistrationError, UnknownNameError
 from ..graph import TaskGraph
 from ..kinds import Role
 from ..validate import CounterOrder, topo_order
+from .placement import Pools, constrained_lengths, queue_times
 
 __all__ = [
     "PolicyInput",
@@ -60,6 +64,7 @@ __all__ = [
     "push_rotation",
     "topological",
     "critical_path",
+    "longest_path",
     "network_first",
     "remote_first",
 ]
@@ -86,6 +91,9 @@ class PolicyInput:
     # its number of waits: ``list_order``'s counter simulation, built in the pass above
     released: dict[int, dict[int, list[int]]] | None = field(default=None, repr=False)
     waits: list[int] | None = field(default=None, repr=False)
+    # rank -> role -> workers (the schedule's SM partition); None: unknown, and the policies
+    # that place tasks on workers (``critical_path``) assume a worker for every task
+    workers: list[dict[str, int]] | None = field(default=None, repr=False)
 
     @cached_property
     def succ(self) -> list[list[int]]:
@@ -136,9 +144,13 @@ def get_policy(name: str) -> Policy:
 
 
 def policy_input(
-    graph: TaskGraph, costs: list[float], order: list[int] | None = None
+    graph: TaskGraph,
+    costs: list[float],
+    order: list[int] | None = None,
+    workers: list[dict[str, int]] | None = None,
 ) -> PolicyInput:
-    """What the policies read; ``order`` is ``topo_order(graph)`` when the caller has it."""
+    """What the policies read; ``order`` is ``topo_order(graph)`` when the caller has it,
+    ``workers`` each rank's workers per role (``schedule`` passes its SM partition)."""
     if order is None:
         order = topo_order(graph)  # raises CycleError / UnsatisfiableWaitError for broken graphs
     pos = [0] * len(graph.tasks)
@@ -172,6 +184,7 @@ def policy_input(
         partial=partial,
         released=released,
         waits=waits,
+        workers=workers,
     )
 
 
@@ -287,6 +300,10 @@ def critical_path_lengths(facts: PolicyInput) -> list[float]:
         length[tid] = costs[tid] + best
     return length
 
+
+# critical_path takes the order placed on the workers only when the queue model predicts it
+# shorter than longest_path's by more than this fraction
+PLACED_MARGIN = 0.01
 
 _NEVER = 1 << 30  # the wave of a task no network transfer depends on
 
@@ -423,9 +440,49 @@ def topological(graph: TaskGraph, facts: PolicyInput) -> list[int]:
 
 @register_policy("critical_path")
 def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
-    """Longest remaining path (by estimated cost) first, ties by ``push_rotation`` then id: the
-    classic list-scheduling priority; it starts the tiles whose results still have the longest
-    way to go."""
+    """Longest remaining path first, the path's tasks placed on the schedule's workers
+    (``facts.workers``; placement.py): each task by its end time in a backward list schedule of
+    the graph on each rank's workers per role, ties by the unconstrained path length, then
+    ``push_rotation``, then id. It starts the tiles whose results still have the longest way to
+    go, counting that a wide stage behind a task takes its tiles over the workers' count. With
+    ``facts.workers`` None (a caller that knows no partition) or a worker for every task, it is
+    ``longest_path``'s order."""
+    length = critical_path_lengths(facts)
+    turn = push_rotation(graph)
+    if facts.workers is None:
+        return list_order(graph, Columns([-x for x in length], turn), facts)
+    # the backward schedule breaks ties as the mirror of longest_path's order, so tasks it
+    # cannot tell apart keep that order (a lowering's tile bands, push_rotation)
+    rank = [0] * len(graph.tasks)
+    for i, tid in enumerate(Columns([-x for x in length], turn).ranked()):
+        rank[tid] = i
+    pools = Pools(graph, facts.workers)
+    placed = constrained_lengths(
+        graph, pools, facts.costs, facts.order, facts.pos, facts.full, facts.partial, rank
+    )
+    plain_order = list_order(graph, rank, facts)  # longest_path's
+    # By latest end first, ties in plain_order: a topological order without a counter
+    # simulation, since a task's backward end is at least each successor's plus its own cost
+    # (equal only at cost 0, where plain_order puts the predecessor first)
+    at = [0] * len(graph.tasks)
+    for i, tid in enumerate(plain_order):
+        at[tid] = i
+    placed_order = Columns([-x for x in placed], at).ranked()
+    if placed_order == plain_order:
+        return plain_order
+    # Keep longest_path's order unless the queue model predicts the placed one shorter by more
+    # than 1 in 1000 (float noise; orders it cannot tell apart, e.g. a fused GEMM's tile bands,
+    # stay as the benchmarks measured them)
+    plain = max(queue_times(graph, pools, plain_order, facts.costs)[2], default=0.0)
+    better = max(queue_times(graph, pools, placed_order, facts.costs)[2], default=0.0)
+    return placed_order if better < plain * (1.0 - PLACED_MARGIN) else plain_order
+
+
+@register_policy("longest_path")
+def longest_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """Longest remaining path (by estimated cost, a worker for every task) first, ties by
+    ``push_rotation`` then id: the classic list-scheduling priority, ``critical_path``'s order
+    before it counted the workers (kept to compare against)."""
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
     return list_order(graph, Columns([-x for x in length], turn), facts)

@@ -1,0 +1,219 @@
+"""Path lengths on the workers a schedule has: the backward list schedule behind ``critical_path``.
+
+A task's critical path length (its longest chain of successors, by cost) assumes a worker for
+every task. A megakernel has a fixed number per role, so a stage of N tiles behind a task takes
+about N x cost / workers, not one tile's cost: the unconstrained length undervalues every task
+whose consumers form a wide stage. On the traced Llama layer (one rank, 132 programs) that put
+all 3584 gate/up tiles before the first SwiGLU task (a gate tile's path is longer than the
+SwiGLU's by the tile's own cost), so the SwiGLU tasks all ran after the last gate/up tile and
+68 programs holding down-projection tiles waited for them (benchmarks/replay_layer.py).
+
+``constrained_lengths`` list-schedules the REVERSED graph on each rank's workers per role (the
+tasks at the end of the graph first, a task once everything after it has run, the free worker
+taking the ready task with the longest path from the graph's start): a task's end time there is
+the latest-start view of how much time the schedule still needs once it starts, with the stages
+after it spread over the workers. With unlimited workers it is exactly the critical path length.
+Ordering by it, a SwiGLU task whose rows are done goes before the gate/up tiles whose own
+consumers run later, and the down-projection tiles find their inputs done.
+
+Event-level like policies.py's passes (never the 15M task-to-task edges of a traced layer at
+2x8): a task is released in the backward schedule when, for every event it signals, all of the
+event's full waiters have run, and each partial waiter (a wait for fewer than all signals) that
+comes after it in the topological order has. RDMA tasks are delays, not workers' time (their
+worker only posts a command; the cost is the transfer's latency and wire time), so their role
+gets no worker limit.
+
+``queue_times`` is the forward check: the megakernel's queues taken in order by their workers
+with head-of-line blocking, on the same costs. ``critical_path`` keeps the placed order only
+where it predicts it shorter than the unconstrained one by ``policies.PLACED_MARGIN``; it models
+neither bandwidth sharing nor the network's proxies, so within that margin it is no judge
+(runtime/sim, which models both, ranked 2-node GEMM+AR orders the other way round at +0.2% here).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+
+from ..graph import TaskGraph
+from ..kinds import Role
+
+__all__ = ["Pools", "top_levels", "constrained_lengths", "queue_times"]
+
+_RDMA = Role.RDMA.value
+
+
+class Pools:
+    """What both passes read, built once per schedule: each event's signallers and signal
+    count, the events waited on for fewer than all signals, and each task's pool (its rank's
+    workers of its role) with the pools' sizes (0: RDMA, no limit)."""
+
+    def __init__(self, graph: TaskGraph, workers: Sequence[Mapping[str, int]]) -> None:
+        tasks = graph.tasks
+        self.signalers: list[list[int]] = [[] for _ in graph.events]
+        for t in tasks:
+            for e in t.signals:
+                self.signalers[e].append(t.id)
+        self.total = [len(s) for s in self.signalers]
+        index: dict[tuple[int, str], int] = {}
+        self.size: list[int] = []
+        self.of: list[int] = [0] * len(tasks)
+        for t in tasks:
+            key = (t.rank, t.role)
+            p = index.get(key)
+            if p is None:
+                p = index[key] = len(self.size)
+                self.size.append(0 if t.role == _RDMA else max(1, workers[t.rank].get(t.role, 0)))
+            self.of[t.id] = p
+        # events some task waits on for fewer than all signals
+        self.partial = {e for t in tasks for e, c in t.waits if c < self.total[e]}
+
+
+def top_levels(graph: TaskGraph, costs: Sequence[float], order: Sequence[int]) -> list[float]:
+    """Longest path from the graph's start to the end of each task, its own cost included."""
+    tasks = graph.tasks
+    top = [0.0] * len(tasks)
+    reached = [0.0] * len(graph.events)  # the latest top level among the event's signallers
+    for tid in order:
+        t = tasks[tid]
+        best = 0.0
+        for e, _ in t.waits:
+            if reached[e] > best:
+                best = reached[e]
+        v = top[tid] = best + costs[tid]
+        for e in t.signals:
+            if v > reached[e]:
+                reached[e] = v
+    return top
+
+
+def constrained_lengths(
+    graph: TaskGraph,
+    pools: Pools,
+    costs: Sequence[float],
+    order: Sequence[int],
+    pos: Sequence[int],
+    full: Sequence[Sequence[int]],
+    partial: Mapping[int, Sequence[int]],
+    tie: Sequence[int],
+) -> list[float]:
+    """Each task's end time in the backward list schedule of the module docstring, on
+    ``pools``' workers. ``order``/``pos``/``full``/``partial`` are PolicyInput's (a
+    topological order, positions in it, each event's full and partial waiters). Ready tasks
+    of equal top level go by ``tie`` descending: the mirror of a forward order, so that tasks
+    the backward schedule cannot tell apart come out of it in that forward order."""
+    tasks = graph.tasks
+    n = len(tasks)
+    signalers, total, pool_of = pools.signalers, pools.total, pools.of
+    # A task's backward predecessors: the events it signals that have full waiters (one
+    # release each, when the last full waiter has run), plus its partial waiters after it.
+    missing = [0] * n
+    for t in tasks:
+        for e in t.signals:
+            if full[e]:
+                missing[t.id] += 1
+    for e, waiters in partial.items():
+        for w in waiters:
+            for s in signalers[e]:
+                if pos[s] < pos[w]:
+                    missing[s] += 1
+    full_left = [len(f) for f in full]
+    top = top_levels(graph, costs, order)
+    # One int per task for the ready heaps: its rank by (top level, tie), both descending
+    by_rank = sorted(range(n), key=lambda t: (-top[t], -tie[t]))
+    rank_of = [0] * n
+    for i, tid in enumerate(by_rank):
+        rank_of[tid] = i
+    size = pools.size
+    idle = list(size)  # free workers per pool (a pool of size 0 has no limit)
+    ready: list[list[int]] = [[] for _ in size]
+    end = [0.0] * n
+    running: list[tuple[float, int]] = []  # (end time, task)
+    heappush, heappop = heapq.heappush, heapq.heappop
+
+    def start(tid: int, now: float) -> None:
+        t_end = end[tid] = now + costs[tid]
+        heappush(running, (t_end, tid))
+
+    for tid in by_rank:  # the sinks, in priority order
+        if missing[tid] == 0:
+            p = pool_of[tid]
+            if not size[p]:
+                start(tid, 0.0)
+            elif idle[p]:
+                idle[p] -= 1
+                start(tid, 0.0)
+            else:
+                ready[p].append(rank_of[tid])  # ascending ranks: already a heap
+    done = 0
+    # One ended task at a time: its worker takes the best ready task of its pool, and every
+    # task it releases starts at once on an idle worker or joins its pool's ready heap.
+    while running:
+        now, tid = heappop(running)
+        done += 1
+        for e, c in tasks[tid].waits:
+            if c < total[e]:  # a partial wait (policy_input's rule)
+                released = [s for s in signalers[e] if pos[s] < pos[tid]]
+            else:
+                full_left[e] -= 1
+                if full_left[e]:
+                    continue
+                released = signalers[e]
+            for s in released:
+                missing[s] -= 1
+                if missing[s] == 0:
+                    q = pool_of[s]
+                    if not size[q]:
+                        start(s, now)
+                    elif idle[q]:
+                        idle[q] -= 1
+                        start(s, now)
+                    else:
+                        heappush(ready[q], rank_of[s])
+        p = pool_of[tid]
+        if size[p]:
+            if ready[p]:
+                start(by_rank[heappop(ready[p])], now)
+            else:
+                idle[p] += 1
+    assert done == n, "a topological order exists, so the backward schedule places every task"
+    return end
+
+
+def queue_times(
+    graph: TaskGraph, pools: Pools, order: Sequence[int], costs: Sequence[float]
+) -> tuple[list[float], list[float], list[float]]:
+    """The megakernel's queue model of a schedule cut from ``order`` (a topological order):
+    per rank and role, the queue taken in order by its workers, the one that frees first
+    taking the next task and holding it until its waits are met (head-of-line blocking), then
+    busy for its cost. Returns per task the time it was taken, its waits met, and its end.
+
+    RDMA tasks are delays (no worker limit), as in ``constrained_lengths``. A wait for fewer
+    than all of an event's signals is met by the signals of tasks earlier in ``order``."""
+    tasks = graph.tasks
+    n = len(tasks)
+    total, pool_of, size, partial = pools.total, pools.of, pools.size, pools.partial
+    take, ready, end = [0.0] * n, [0.0] * n, [0.0] * n
+    free = [[0.0] * k for k in size]  # per pool: its workers' free times (a heap)
+    latest = [0.0] * len(graph.events)  # the latest signal so far (what a full wait needs)
+    signals: dict[int, list[float]] = {e: [] for e in partial}  # every signal's time
+    for tid in order:
+        t = tasks[tid]
+        met = 0.0
+        for e, c in t.waits:
+            at = latest[e] if c >= total[e] else sorted(signals[e])[c - 1]
+            if at > met:
+                met = at
+        p = pool_of[tid]
+        at = heapq.heappop(free[p]) if size[p] else met
+        take[tid] = at
+        start = ready[tid] = at if at > met else met
+        done = end[tid] = start + costs[tid]
+        if size[p]:
+            heapq.heappush(free[p], done)
+        for e in t.signals:
+            if done > latest[e]:
+                latest[e] = done
+            if e in signals:
+                signals[e].append(done)
+    return take, ready, end
