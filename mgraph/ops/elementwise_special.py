@@ -6,8 +6,8 @@ registers. v12 measured what that costs (benchmarks/NOTES.md): 80 us a task in t
 on one H200, about ten times what the task's bytes need, the kernel bound by instructions, not
 memory. A chain is fixed when the graph is built, so the megakernel's generated copy
 (runtime/megakernel/dispatch.py) gets one function per chain its rank runs, written here from the
-bytecode: the loads of SUB blocks issued together, then each block's fns as plain expressions,
-no register file, no branches. The kind's dispatch picks the function whose bytecode (and operand
+bytecode: per block, every load issued together (block_shape: 64 KiB a program in flight for
+SwiGLU's two bf16 operands), then the fns as plain expressions, no register file, no branches. The kind's dispatch picks the function whose bytecode (and operand
 forms) a task carries and falls back to the interpreter for any other chain, and for operands
 the fast path cannot vectorise (the same gate as ewise_tile).
 
@@ -66,18 +66,27 @@ def _key(words: list[int]) -> tuple[int, ...]:
     return (*words[: 2 + 4 * nops], words[_P_MAPS])
 
 
-def chain_keys(graph: TaskGraph, task_ids: Iterable[int], limit: int) -> list[tuple[int, ...]]:
+def chain_keys(
+    graph: TaskGraph, task_ids: Iterable[int], limit: int
+) -> list[tuple[tuple[int, ...], tuple[int, int]]]:
     """The chains of ``graph``'s ewise tasks among ``task_ids``, most tasks first (ties by key,
-    so every rank of one graph orders alike), at most ``limit``."""
+    so every rank of one graph orders alike), at most ``limit``; each with the tile shape most
+    of its tasks have (the generated block's shape follows it)."""
     from mgraph.runtime.megakernel.encode import _param_words
 
     counts: Counter = Counter()
+    shapes: dict[tuple[int, ...], Counter] = {}
     for i in task_ids:
         task = graph.tasks[i]
         if task.kind == EWISE.name:
-            counts[_key(_param_words(task))] += 1
+            key = _key(_param_words(task))
+            counts[key] += 1
+            shapes.setdefault(key, Counter())[tuple(task.writes[0].shape)] += 1
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    return [key for key, _n in ranked[:limit]]
+    return [
+        (key, min(shapes[key].items(), key=lambda kv: (-kv[1], kv[0]))[0])
+        for key, _n in ranked[:limit]
+    ]
 
 
 def _const(word: int) -> str:
@@ -89,30 +98,39 @@ def _const(word: int) -> str:
     return repr(value)
 
 
-def _sub_blocks(loads: int, bits: int) -> int:
-    """Blocks whose loads go out together: 16 one-vector operand blocks a thread in 16-bit
-    dtypes (64 registers), 8 in fp32 (also 64), as elementwise_bodies._ewise_vec's slots."""
-    slots = 16 if bits <= 16 else 8
-    return max(1, min(8 if bits <= 16 else 4, slots // max(1, loads)))
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _chain_source(i: int, key: tuple[int, ...], bits: int) -> str:
+def block_shape(loads: int, bits: int, shape: tuple[int, int]) -> tuple[int, int]:
+    """Rows and columns of the block one iteration computes, for a chain with ``loads`` loads a
+    block over tiles of ``shape``: 16 vectors of 16 bytes a thread in flight over all its loads
+    in 16-bit dtypes, 8 in fp32 (64 registers either way, at the megakernel's 8 warps), i.e.
+    64 KiB a program for two operands in bf16: what covers HBM latency at an SM's share of its
+    bandwidth. Columns up to 1024 (whole rows of the tile where they fit), then rows."""
+    vec = 128 // bits
+    per_op = max(1, (16 if bits <= 16 else 8) // max(1, loads))
+    elems = per_op * vec * 256
+    cols = min(max(_pow2(shape[1]), vec), 1024, elems)
+    rows = max(1, min(elems // cols, _pow2(shape[0])))
+    return rows, cols
+
+
+def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int]) -> str:
     """The functions ``_ewise_chain_<i>`` (the task's gate and fallback) and its fast path."""
     nops, result = key[0], key[1]
     maps = key[-1]
     code = [key[2 + 4 * k : 6 + 4 * k] for k in range(nops)]
     reads = sorted({a for op, _d, a, _b in code if op in (LOAD, ROT)})
     loads = [k for k, (op, _d, _a, _b) in enumerate(code) if op in (LOAD, ROT)]
-    sub = _sub_blocks(len(loads), bits)
+    br, bc = block_shape(len(loads), bits, shape)
     form = {a: (maps >> (2 * a)) & 3 for a in reads}
     out = []
     w = out.append
     w("@triton.jit")
     w(f"def _ewise_chain_{i}_vec(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, half, row0,")
     w("                        DT: tl.constexpr):")
-    w(
-        f'    """Chain {i}: {nops} instructions, {len(loads)} loads a block, {sub} blocks a batch."""'
-    )
+    w(f'    """Chain {i}: {nops} instructions, {len(loads)} loads a block of {br} x {bc}."""')
     w("    VEC: tl.constexpr = 128 // DT.primitive_bitwidth")
     for a in reads:
         if form[a] == GATHER:
@@ -129,51 +147,44 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int) -> str:
     w("    opitch = opitch // VEC * VEC")
     w("    n = n // VEC * VEC")
     w("    half = half // VEC * VEC")
-    w("    nbj = tl.cdiv(n, _EW_N)")
-    w("    nblk = tl.cdiv(m, _EW_M) * nbj")
-    w(f"    for blk0 in range(0, nblk, {sub}):")
-    # every block's loads first, all in flight together; a block past the tile is all masked
-    for s in range(sub):
-        w(f"        om{s} = (blk0 + {s}) // nbj * _EW_M + tl.arange(0, _EW_M)")
-        w(f"        on{s} = vec_cols((blk0 + {s}) % nbj * _EW_N, _EW_N, VEC)")
-        w(f"        mk{s} = (om{s} < m)[:, None] & (on{s} < n)[None, :]")
-        for k in loads:
-            op, _d, a, _b = code[k]
-            cols = f"on{s}"
-            if op == ROT:  # runs of VEC columns stay runs: half is a multiple of VEC
-                w(
-                    f"        rc{s}_{k} = tl.max_contiguous(tl.multiple_of("
-                    f"_rot_cols(on{s}, half), VEC), VEC)"
-                )
-                cols = f"rc{s}_{k}"
-            if form[a] == GATHER:
-                w(f"        l{s}_{k} = _gload(ga{a}, pp{a}, om{s}, {cols}, mk{s}, DT)")
-                continue
-            rows = f"om{s}"
-            if form[a]:
-                w(f"        g{s}_{k} = row0 + om{s}")
-                w(f"        rr{s}_{k} = (g{s}_{k} // ma{a}) * mm{a} + g{s}_{k} % mm{a} - lo{a}")
-                rows = f"rr{s}_{k}"
-            w(f"        l{s}_{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk{s}, DT)")
-    for s in range(sub):
-        reg: dict[int, str] = {}
-        for k, (op, dst, a, b) in enumerate(code):
-            name = f"t{s}_{k}"
-            if op == LOAD:
-                expr = f"l{s}_{k}.to(tl.float32)"
-            elif op == ROT:
-                w(f"        u{s}_{k} = l{s}_{k}.to(tl.float32)")
-                expr = f"tl.where((on{s} < half)[None, :], -u{s}_{k}, u{s}_{k})"
-            elif op == CONST:
-                expr = f"tl.full((_EW_M, _EW_N), {_const(b)}, tl.float32)"
-            else:
-                expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
-            w(f"        {name} = {expr}")
-            reg[dst] = name
-        w(
-            f"        tl.store(out_p + (om{s} * opitch)[:, None] + on{s}[None, :], "
-            f"{reg[result]}.to(DT), mask=mk{s})"
-        )
+    w(f"    nbj = tl.cdiv(n, {bc})")
+    w(f"    nblk = tl.cdiv(m, {br}) * nbj")
+    w("    for blk in range(0, nblk):")
+    # the block's loads first, all in flight together; then its fns; then one store
+    w(f"        om = blk // nbj * {br} + tl.arange(0, {br})")
+    w(f"        on = vec_cols(blk % nbj * {bc}, {bc}, VEC)")
+    w("        mk = (om < m)[:, None] & (on < n)[None, :]")
+    for k in loads:
+        op, _d, a, _b = code[k]
+        cols = "on"
+        if op == ROT:  # runs of VEC columns stay runs: half is a multiple of VEC
+            w(f"        rc{k} = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)")
+            cols = f"rc{k}"
+        if form[a] == GATHER:
+            w(f"        l{k} = _gload(ga{a}, pp{a}, om, {cols}, mk, DT)")
+            continue
+        rows = "om"
+        if form[a]:
+            w(f"        rr{k} = ((row0 + om) // ma{a}) * mm{a} + (row0 + om) % mm{a} - lo{a}")
+            rows = f"rr{k}"
+        w(f"        l{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk, DT)")
+    reg: dict[int, str] = {}
+    for k, (op, dst, a, b) in enumerate(code):
+        name = f"t{k}"
+        if op == LOAD:
+            expr = f"l{k}.to(tl.float32)"
+        elif op == ROT:
+            w(f"        u{k} = l{k}.to(tl.float32)")
+            expr = f"tl.where((on < half)[None, :], -u{k}, u{k})"
+        elif op == CONST:
+            expr = f"tl.full(({br}, {bc}), {_const(b)}, tl.float32)"
+        else:
+            expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
+        w(f"        {name} = {expr}")
+        reg[dst] = name
+    w(
+        f"        tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), mask=mk)"
+    )
     w("")
     w("")
     w("@triton.jit")
@@ -220,13 +231,16 @@ _SP_PARAM0 = tl.constexpr(_sp_param0)
 """
 
 
-def special_source(keys: list[tuple[int, ...]], bits: int, entry: str) -> str:
+def special_source(
+    chains: list[tuple[tuple[int, ...], tuple[int, int]]], bits: int, entry: str
+) -> str:
     """Module text defining ``entry(tp, params, regions, bufaddr, bufcols, DT)``: the ewise
-    body for a kernel whose tasks carry the chains ``keys`` (chain_keys), ``bits`` the graph
+    body for a kernel whose tasks carry ``chains`` (chain_keys: key and shape), ``bits`` the graph
     dtype's width. A task whose words match no key runs ewise_tile."""
     parts = [_HEADER]
-    for i, key in enumerate(keys):
-        parts.append(_chain_source(i, key, bits))
+    keys = [key for key, _shape in chains]
+    for i, (key, shape) in enumerate(chains):
+        parts.append(_chain_source(i, key, bits, shape))
         parts.append("\n")
     longest = max((len(k) - 1 for k in keys), default=0)
     w = parts.append
