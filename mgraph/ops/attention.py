@@ -26,6 +26,8 @@ tasks form a chain, so longer ones take no parallelism away). Under a
 causal mask a KV block that straddles the diagonal is masked in the body (which hides the keys
 after each query; the Triton body skips the key chunks after the block's last query), and its
 cost counts only the pairs it shows; blocks wholly after a q block's last query are not emitted.
+``inline_finalize`` (default off): each chain's last attn_block also writes the out rows
+(ring_attention's option of that name), and no attn_finalize task is emitted.
 
 Token-major tensors: option ``token_major`` names those of q, k, v and out held as
 ``[B, S, heads * D]`` (the projections' layout: a head is the column range ``h*D .. h*D+D`` of
@@ -271,6 +273,7 @@ def _lower(
     kv_block: int | None = None,
     mask_kind: str = "additive",
     token_major: list[str] | None = None,
+    inline_finalize: bool = False,
 ) -> None:
     shape = (B, H, S, D)
     blk, kvb = _blocks(S, block, kv_block)
@@ -311,38 +314,45 @@ def _lower(
                     m0 = ((bi if Bm > 1 else 0) * Hm + (hi if Hm > 1 else 0)) * Qm
                     mask_rows = (m0 + q0, m0 + q0 + blk) if Qm > 1 else (m0, m0 + 1)
                 chain = None
-                for k0 in range(0, S, kvb):
-                    if causal and k0 >= q0 + blk:
-                        break  # every key follows every query of the block
+                # keys up to the block's last query (causal), else all: the chain's last block
+                k_end = min(S, q0 + blk) if causal else S
+                out_rows = out(bi, hi, q0, q0 + blk)
+                for k0 in range(0, k_end, kvb):
+                    final = inline_finalize and k0 + kvb >= k_end
                     reads = [q(bi, hi, q0, q0 + blk), k(bi, hk, k0, k0 + kvb)]
                     reads.append(v(bi, hk, k0, k0 + kvb))
                     if chain is not None:
                         reads += state
                     if bias is not None:
                         reads.append(bias.region(mask_rows, (k0, k0 + kvb)))
+                    params = {
+                        "q_start": q0,
+                        "k_start": k0,
+                        "mask": causal and k0 + kvb - 1 > q0,  # keys past the first query
+                        "first": chain is None,
+                        "scale": scale,
+                        "bias": MASK_KINDS[mask_kind] if bias is not None else 0,
+                    }
+                    if final:  # (left out otherwise: the kind's default, 0)
+                        params["final"] = True
                     chain = b.task(
                         r,
                         Role.COMPUTE,
                         ATTN_BLOCK,
                         reads,
-                        state,
+                        [*state, out_rows] if final else state,
                         waits=b.after(r, [chain]) if chain is not None else (),
                         name=f"attn r{r} bh{group} q{q0} k{k0}",
-                        params={
-                            "q_start": q0,
-                            "k_start": k0,
-                            "mask": causal and k0 + kvb - 1 > q0,  # keys past the first query
-                            "first": chain is None,
-                            "scale": scale,
-                            "bias": MASK_KINDS[mask_kind] if bias is not None else 0,
-                        },
+                        params=params,
                     )
+                if inline_finalize:
+                    continue
                 b.task(
                     r,
                     Role.COMPUTE,
                     ATTN_FINALIZE,
                     state,
-                    [out(bi, hi, q0, q0 + blk)],
+                    [out_rows],
                     waits=b.after(r, [chain]),
                     name=f"attn-final r{r} bh{group} q{q0}",
                 )

@@ -22,6 +22,10 @@ ml [rows, 2] = (running max m, running denominator l). ``attn_block`` folds one 
 state (the first block of a chain initialises it, so no zeroing task exists); successive blocks of
 one q block are chained by events because they rewrite the same state. ``attn_finalize`` writes
 ``acc / l`` in the op dtype, and 0 in a row whose every key was hidden (l = 0), as SDPA does.
+Option ``inline_finalize`` (default off) folds that into the chain's last attn_block instead
+(param ``final``: it also writes the out rows), one task and one wait fewer per q block; it
+stays off until a GPU run confirms its gain (benchmarks/bench_attention.py
+``--inline-finalize``), since the graphs it builds have no attn_finalize task at all.
 Causal masks use GLOBAL positions (task params ``q_start``, ``k_start``): with both block sizes
 dividing a zigzag chunk, a k block either reaches past the q block's first position (masked:
 the body hides keys after each query; the Triton body skips the key chunks after the block's
@@ -211,7 +215,8 @@ def _attn_block_cpu(
 ) -> None:
     """reads: q, k, v blocks (+ acc, ml unless ``first``; + a mask tile last when ``bias``, one
     row when it broadcasts over the queries: additive when bias is 1, boolean (nonzero = attend)
-    when 2); writes: acc, ml (same rows)."""
+    when 2); writes: acc, ml (same rows), and with ``final`` the out rows too (what attn_finalize
+    would write: the chain's last task finalises inline)."""
     p = task.params
     q, k, v = (t.float() for t in reads[:3])
     scores = (q @ k.T) * p["scale"]
@@ -242,6 +247,8 @@ def _attn_block_cpu(
     writes[0].copy_(acc_new)
     writes[1][:, 0] = m_new
     writes[1][:, 1] = l_new
+    if p.get("final"):
+        writes[2].copy_(_finalized(acc_new, l_new[:, None]))
 
 
 @ATTN_BLOCK.flops
@@ -252,7 +259,8 @@ def _attn_block_flops(
     pairs = rows * keys
     if params.get("mask"):
         pairs = _causal_pairs(rows, keys, params["q_start"] - params["k_start"])
-    return 4.0 * pairs * d  # q k^T and p v; the exp/max/sum terms are O(rows * keys)
+    # q k^T and p v; the exp/max/sum terms are O(rows * keys); ``final``: attn_finalize's acc / l
+    return 4.0 * pairs * d + (rows * d if params.get("final") else 0)
 
 
 def _causal_pairs(rows: int, keys: int, offset: int) -> int:
@@ -273,8 +281,12 @@ def _attn_finalize_cpu(
     """out = acc / l; a row whose every key was hidden (l = 0: left padding) is 0, as SDPA
     returns it, not 0 / 0."""
     acc, ml = reads
-    denom = ml[:, 1:2]
-    writes[0].copy_(torch.where(denom == 0, 0.0, acc / denom))
+    writes[0].copy_(_finalized(acc, ml[:, 1:2]))
+
+
+def _finalized(acc: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """acc / l, and 0 in a row with l = 0 (every key hidden) rather than 0 / 0."""
+    return torch.where(denom == 0, 0.0, acc / denom)
 
 
 @ATTN_FINALIZE.flops
@@ -298,6 +310,7 @@ def _lower(
     chunk_bytes: int = 256 * 1024,
     kv_heads: int | None = None,
     kv_block: int | None = None,
+    inline_finalize: bool = False,
 ) -> None:
     topo, world = b.topo, b.world
     blk, kvb = _block_size(S, world, causal, block, kv_block)
@@ -337,8 +350,10 @@ def _lower(
             for q_row, q_start in _blocks(segments[r], blk):
                 q_rows = (base + q_row, base + q_row + blk)
                 state = [acc[r].region(q_rows), ml[r].region(q_rows)]
+                out_rows = out[r].region(q_rows)
                 chain: Task | None = None
-                for src, k_row, k_start in orders[q_start]:
+                last = len(orders[q_start]) - 1
+                for i, (src, k_row, k_start) in enumerate(orders[q_start]):
                     params = {
                         "q_start": q_start,
                         "k_start": k_start,
@@ -349,18 +364,23 @@ def _lower(
                         "scale": scale,
                         "bias": BIAS_NONE,  # no mask tile (a declared param of the GPU body)
                     }
+                    final = inline_finalize and i == last
+                    if final:  # (left out otherwise: the kind's default, 0)
+                        params["final"] = True
                     k_rows = (kv_base + k_row, kv_base + k_row + kvb)
                     name = f"attn r{r} bh{bh} q{q_start} k{k_start} (slice r{src})"
-                    chain = _attn_step(
-                        b, moves, r, q[r].region(q_rows), state, chain, src, k_rows, params, name
-                    )
+                    writes = [*state, out_rows] if final else state
+                    step = (state, writes, chain, src, k_rows, params, name)
+                    chain = _attn_step(b, moves, r, q[r].region(q_rows), *step)
                 assert chain is not None  # the diagonal (causal) or every block is computed
+                if inline_finalize:
+                    continue
                 b.task(
                     r,
                     Role.COMPUTE,
                     ATTN_FINALIZE.name,
                     state,
-                    [out[r].region(q_rows)],
+                    [out_rows],
                     waits=b.after(r, [chain]),
                     name=f"attn-final r{r} bh{bh} q{q_start}",
                 )
@@ -392,6 +412,7 @@ def _attn_step(
     r: int,
     q_region: Region,
     state: list[Region],
+    writes: list[Region],
     chain: Task | None,
     src: int,
     k_rows: tuple[int, int],
@@ -399,7 +420,8 @@ def _attn_step(
     name: str,
 ) -> Task:
     """One online-softmax step on rank r: fold rows ``k_rows`` of KV slice ``src`` into the
-    ``state`` (acc, ml) of ``q_region``, after the chain's previous step and the rows' arrival."""
+    ``state`` (acc, ml) of ``q_region``, after the chain's previous step and the rows' arrival;
+    ``writes``: the state, and the out rows when the step finalises inline."""
     k_region, v_region = moves.kv_regions(r, src, k_rows)
     reads = [q_region, k_region, v_region]
     waits = []
@@ -409,7 +431,7 @@ def _attn_step(
     if src != r:
         waits += moves.arrival_waits(r, src, k_rows[0])
     return b.task(
-        r, Role.COMPUTE, ATTN_BLOCK.name, reads, state, waits=waits, name=name, params=params
+        r, Role.COMPUTE, ATTN_BLOCK.name, reads, writes, waits=waits, name=name, params=params
     )
 
 
