@@ -33,6 +33,10 @@ batch_isend_irecv), partial outputs merged by their log-sum-exp in fp32; and eac
 compute bound (the same steps without communication). mgraph: the ring_attention graph on
 backend triton (the megakernel); a configuration it cannot run is a row with its error.
 
+``--inline-finalize``: tile and mega also time each configuration with every q block's last
+attn_block writing the output (the lowerings' ``inline_finalize``: no attn_finalize task; rows
+``task`` "...+inline"); the ring runs that way only.
+
 CUDA-event medians (ring: the slowest rank's). Every output is checked first (NaN-poisoned,
 relative error and worst 128-row tile against cuDNN SDPA). JSON rows go to DIR (default $OUT,
 else /tmp/mgraph_out) and a compact table is printed.
@@ -140,11 +144,14 @@ def kernel_info(compiled) -> dict:
 
 
 # -- tile -------------------------------------------------------------------------------------
-def chain_tables(S: int, qb: int, kvb: int, causal: bool, device: str) -> dict:
+def chain_tables(S: int, qb: int, kvb: int, causal: bool, device: str,
+                 inline: bool = False) -> dict:
     """The tables the attention lowering's tasks encode to, for one rank holding B x H heads of
     S rows (buffer slots 0..5: q, k, v, acc, ml, out), built vectorised: chain c = one q block,
     its attn_block tasks (kvb keys each; causal: none past the block's last query) then its
-    attn_finalize. Each task has 8 regions: q, k, v, acc, ml (state read), acc, ml (writes), out."""
+    attn_finalize, or with ``inline`` (the lowerings' ``inline_finalize``) no attn_finalize and
+    the last attn_block ``final``, writing acc, ml and out. Each task has 8 regions: q, k, v,
+    acc, ml (state read), acc, ml (writes), out; 7 params (ATTN_PARAMS' order)."""
     from mgraph.kinds import TaskKind
     from mgraph.runtime.megakernel.encode import kind_id
 
@@ -156,13 +163,14 @@ def chain_tables(S: int, qb: int, kvb: int, causal: bool, device: str) -> dict:
         nkv = ((qi + 1) * qb + kvb - 1) // kvb
     else:
         nkv = torch.full_like(qi, S // kvb)
-    counts = nkv + 1
+    counts = nkv + (0 if inline else 1)
     starts = torch.zeros(len(counts) + 1, dtype=torch.int64, device=dev)
     starts[1:] = counts.cumsum(0)
     T = int(starts[-1])
     chain = torch.arange(len(counts), device=dev).repeat_interleave(counts)
     pos = torch.arange(T, device=dev) - starts[chain]
-    final = pos == nkv[chain]
+    final = pos == nkv[chain]  # the attn_finalize task (none with inline)
+    last = pos == nkv[chain] - 1  # the chain's last attn_block
     q0 = bh[chain] * S + qi[chain] * qb
     k0 = bh[chain] * S + pos * kvb
     t = torch.arange(T, device=dev)
@@ -182,14 +190,15 @@ def chain_tables(S: int, qb: int, kvb: int, causal: bool, device: str) -> dict:
     tasks[:, F_READ0] = 8 * t + torch.where(final, 3, 0)
     tasks[:, F_NREAD] = torch.where(final, 2, torch.where(first, 3, 5))
     tasks[:, F_WRITE0] = 8 * t + torch.where(final, 7, 5)
-    tasks[:, F_NWRITE] = torch.where(final, 1, 2)
-    tasks[:, F_PARAM0] = 6 * t
-    tasks[:, F_NPARAM] = 6
+    tasks[:, F_NWRITE] = torch.where(final, 1, torch.where(last & inline, 3, 2))
+    tasks[:, F_PARAM0] = 7 * t
+    tasks[:, F_NPARAM] = 7
     q_start, k_start = qi[chain] * qb, pos * kvb
     scale_bits = struct.unpack("<i", struct.pack("<f", 1.0 / math.sqrt(D)))[0]
     params = torch.stack(
         [q_start, k_start, (causal & (k_start + kvb - 1 > q_start)).long(), first.long(),
-         torch.full_like(t, scale_bits), torch.zeros_like(t)], dim=1).reshape(-1)
+         torch.full_like(t, scale_bits), torch.zeros_like(t), (last & inline).long()],
+        dim=1).reshape(-1)
     return {
         "tasks": tasks.int(), "regions": regions.int(), "params": params.int(),
         "order": t.int(), "starts": starts.int(), "chains": len(counts), "tasks_n": T,
@@ -225,13 +234,17 @@ def bench_tile(args) -> list[dict]:
             bufs = [q.view(-1, D), k.view(-1, D), v.view(-1, D), acc, ml, out]
             addr = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
             cols = torch.tensor([b.shape[1] for b in bufs], dtype=torch.int32, device="cuda")
-            shapes = [(128, 1024), (128, S), (4096, 4096)]
-            if default_kv_block(S, 128) not in (1024, S):  # the lowering's default
-                shapes.insert(1, (128, default_kv_block(S, 128)))
+            default = default_kv_block(S, 128)  # the lowering's default
+            shapes = [(128, 1024, False), (128, S, False), (4096, 4096, False)]
+            if default not in (1024, S):
+                shapes.insert(1, (128, default, False))
             if S <= 16384:
-                shapes.insert(0, (128, 128))  # 1M tasks past that: tables of 250 MB
-            for qb, kvb in shapes:
-                tb = chain_tables(S, qb, kvb, causal, "cuda")
+                shapes.insert(0, (128, 128, False))  # 1M tasks past that: tables of 250 MB
+            if args.inline_finalize:  # the same chains, each finalised by its last task
+                shapes += [(128, 1024, True), (128, default, True)]
+            for qb, kvb, inline in shapes:
+                tb = chain_tables(S, qb, kvb, causal, "cuda", inline)
+                task = f"{qb}x{kvb}" + ("+inline" if inline else "")
 
                 def launch(tb=tb, addr=addr, cols=cols):
                     return chains_kernel[(tb["chains"],)](
@@ -256,11 +269,11 @@ def bench_tile(args) -> list[dict]:
                     ms = statistics.median(event_times(launch, args.warmup, args.reps))
                 except Exception as exc:  # a shape that cannot compile or run is reported
                     rows.append(dict(part="tile", S=S, causal=causal, impl="mgraph_tile",
-                                     task=f"{qb}x{kvb}", error=repr(exc)[:300]))
+                                     task=task, error=repr(exc)[:300]))
                     print(json.dumps(rows[-1]), flush=True)
                     continue
                 rows.append(dict(
-                    part="tile", S=S, causal=causal, impl="mgraph_tile", task=f"{qb}x{kvb}",
+                    part="tile", S=S, causal=causal, impl="mgraph_tile", task=task,
                     tasks=tb["tasks_n"], warps=args.warps, stages=args.stages, ms=round(ms, 4),
                     tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
                     rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
@@ -278,11 +291,41 @@ def tl_bf16():
 
 
 # -- mega -------------------------------------------------------------------------------------
+def mega_rows(args, graph, inputs: dict, want: torch.Tensor, base: dict, fl: float,
+              cudnn_ms: float, inline: bool) -> list[dict]:
+    """The megakernel's row of ``graph``: run once and checked against ``want``, then timed;
+    before it, at the first S and non-causal, a row with the kernel's registers and spills."""
+    import mgraph as mg
+    from mgraph.runtime.megakernel import TritonRuntime
+
+    S = base["S"]
+    kvb = max(t.reads[1].row1 - t.reads[1].row0 for t in graph.tasks
+              if t.kind == "attn_block")  # the option's value, or the op's default
+    task = f"{args.mega_block}x{kvb}" + ("+inline" if inline else "")
+    rows = []
+    try:
+        rt = TritonRuntime(mg.schedule(graph))
+        got = rt.run(inputs).outputs["out"].reshape(B, H, S, D)
+        err, terr = rel(got, want), tile_err(got, want)
+        if S == args.mega_seqs[0] and not base["causal"]:
+            rows.append(dict(base, impl="mgraph_mega", kernel="megakernel" + "+inline" * inline,
+                             programs=int(rt.tables.programs), **kernel_info(rt.compiled)))
+        ms = statistics.median(event_times(rt.launch, args.warmup, args.reps))
+        rt.check()
+        rows.append(dict(base, impl="mgraph_mega", task=task, tasks=len(graph.tasks),
+                         ms=round(ms, 4), tflops=round(fl / ms / 1e9, 1),
+                         vs_cudnn=round(cudnn_ms / ms, 3), rel_err=round(err, 5),
+                         worst_tile_err=round(terr, 5)))
+    except Exception as exc:  # not runnable: the row says why
+        rows.append(dict(base, impl="mgraph_mega", task=task,
+                         error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+    return rows
+
+
 def bench_mega(args) -> list[dict]:
     """The attention graph through the megakernel on one GPU (topology 1x1: no copies, no
     peers), against cuDNN SDPA on the same inputs."""
     import mgraph as mg
-    from mgraph.runtime.megakernel import TritonRuntime
 
     rows = []
     for S in args.mega_seqs:
@@ -305,28 +348,14 @@ def bench_mega(args) -> list[dict]:
             rows.append(dict(base, impl="sdpa_cudnn", ms=round(cudnn_ms, 4),
                              tflops=round(fl / cudnn_ms / 1e9, 1)))
             print(json.dumps(rows[-1]), flush=True)
-            kvb = max(t.reads[1].row1 - t.reads[1].row0 for t in graph.tasks
-                      if t.kind == "attn_block")  # the option's value, or the op's default
-            try:
-                rt = TritonRuntime(mg.schedule(graph))
-                got = rt.run(inputs).outputs["out"].reshape(B, H, S, D)
-                err, terr = rel(got, want), tile_err(got, want)
-                if S == args.mega_seqs[0] and not causal:
-                    rows.append(dict(base, impl="mgraph_mega", kernel="megakernel",
-                                     programs=int(rt.tables.programs), **kernel_info(rt.compiled)))
-                    print(json.dumps(rows[-1]), flush=True)
-                ms = statistics.median(event_times(rt.launch, args.warmup, args.reps))
-                rt.check()
-                rows.append(dict(base, impl="mgraph_mega",
-                                 task=f"{args.mega_block}x{kvb}",
-                                 tasks=len(graph.tasks), ms=round(ms, 4),
-                                 tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
-                                 rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
-                del rt
-            except Exception as exc:  # not runnable: the row says why
-                rows.append(dict(base, impl="mgraph_mega",
-                                 error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-            print(json.dumps(rows[-1]), flush=True)
+            for inline in (False, True) if args.inline_finalize else (False,):
+                if inline:  # the same tasks but the finalize ones: each chain's last finalises
+                    graph = mg.ops.ring_attention(
+                        topology="1x1", B=B, H=H, S=S, D=D, causal=causal, block=args.mega_block,
+                        kv_block=args.mega_kv_block, inline_finalize=True, dtype=torch.bfloat16)
+                for row in mega_rows(args, graph, inputs, want, base, fl, cudnn_ms, inline):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             del inputs, q, k, v, want
             torch.cuda.empty_cache()
     return rows
@@ -431,7 +460,8 @@ def bench_ring(args) -> list[dict]:
         for causal in (False, True):
             graph = mg.ops.ring_attention(
                 topology=f"1x{world}", B=B, H=H, S=S, D=D, causal=causal, block=args.block,
-                kv_block=args.kv_block, dtype=torch.bfloat16)
+                kv_block=args.kv_block, inline_finalize=args.inline_finalize,
+                dtype=torch.bfloat16)
             kvb = max(t.reads[1].row1 - t.reads[1].row0 for t in graph.tasks
                       if t.kind == "attn_block")  # the option's value, or the op's default
             gen = torch.Generator().manual_seed(S + causal)
@@ -468,11 +498,13 @@ def bench_ring(args) -> list[dict]:
                 ms = slowest(event_times(rt.launch, args.warmup, args.reps, dist.barrier))
                 rt.check()
                 add(dict(base, impl="mgraph", block=args.block, kv_block=kvb,
+                         inline_finalize=args.inline_finalize,
                          tasks=len(graph.tasks), ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1),
                          rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
                 del rt
             except Exception as exc:  # not runnable yet: the row says why
                 add(dict(base, impl="mgraph", block=args.block, kv_block=kvb,
+                         inline_finalize=args.inline_finalize,
                          error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             del local, q, k, v, want
             torch.cuda.empty_cache()
@@ -525,6 +557,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mega-block", type=int, default=128, help="mega: q rows per task")
     parser.add_argument("--mega-kv-block", type=int, default=None,
                         help="mega: keys per task (default: the op's, up to 8192)")
+    parser.add_argument("--inline-finalize", action="store_true",
+                        help="tile, mega: also time each chain finalised by its last task (the "
+                        "lowerings' inline_finalize), beside the attn_finalize tasks; ring: "
+                        "only that way")
     parser.add_argument("--warps", type=int, default=8, help="tile: the megakernel's num_warps")
     parser.add_argument("--stages", type=int, default=3, help="tile: the megakernel's stages")
     parser.add_argument("--warmup", type=int, default=2, help="ring: at most 1")
