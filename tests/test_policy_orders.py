@@ -10,13 +10,14 @@ import heapq
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from test_scheduler import SMALL, build, builtin_ops, random_graphs
+from hypothesis import strategies as st
+from test_scheduler import SMALL, build, builtin_ops, causal_stages, random_graphs
 
 import mgraph as mg
 from mgraph.scheduler import policies, task_costs
 from mgraph.validate import topo_order
 
-BUILTIN = ["topological", "critical_path", "remote_first"]
+BUILTIN = ["topological", "critical_path", "longest_path", "remote_first"]
 
 
 # -- the reference: explicit successor lists ------------------------------------------------------
@@ -83,18 +84,112 @@ def ref_list_order(graph: mg.TaskGraph, priority) -> list[int]:
     return order
 
 
-def ref_orders(graph: mg.TaskGraph) -> dict[str, list[int]]:
+def ref_placed_ends(graph, costs, order, succ, workers, tie) -> list[float]:
+    """critical_path's backward list schedule over explicit successor lists: a task is ready
+    once all its successors have ended; tasks end one at a time in (end, id) order; each
+    (rank, role) pool's free workers (RDMA: any number) take the ready task with the longest
+    path from the start, ties by ``tie`` descending, then id."""
+    tasks, n = graph.tasks, len(graph.tasks)
+    preds: list[list[int]] = [[] for _ in tasks]
+    for t in range(n):
+        for w in succ[t]:
+            preds[w].append(t)
+    top = [0.0] * n
+    for tid in order:
+        top[tid] = max((top[p] for p in preds[tid]), default=0.0) + costs[tid]
+    left = [len(succ[t]) for t in range(n)]
+    pool = {}
+    for t in tasks:
+        size = 10**9 if t.role == "rdma" else workers[t.rank][t.role]
+        pool.setdefault((t.rank, t.role), [size, []])
+    key = lambda t: (tasks[t].rank, tasks[t].role)  # noqa: E731
+    end = [None] * n
+    running = []
+
+    def dispatch(k, now):
+        free, ready = pool[k]
+        while free and ready:
+            best = min(ready, key=lambda t: (-top[t], -tie[t], t))
+            ready.remove(best)
+            free -= 1
+            end[best] = now + costs[best]
+            running.append((end[best], best))
+        pool[k][0] = free
+
+    for t in range(n):
+        if not left[t]:
+            pool[key(t)][1].append(t)
+    for k in pool:
+        dispatch(k, 0.0)
+    while running:
+        now, tid = min(running)
+        running.remove((now, tid))
+        pool[key(tid)][0] += 1
+        touched = [key(tid)]
+        for p in preds[tid]:
+            left[p] -= 1
+            if not left[p]:
+                pool[key(p)][1].append(p)
+                touched.append(key(p))
+        for k in dict.fromkeys(touched):
+            dispatch(k, now)
+    return end
+
+
+def ref_queue_makespan(graph, order, costs, workers) -> float:
+    """The queue model: each (rank, role) queue in ``order`` taken by its earliest-free worker,
+    held until the task's waits are met (the count-th signal among those earlier in
+    ``order``), busy for its cost; RDMA tasks wait for nothing but their inputs."""
+    tasks = graph.tasks
+    free = {}
+    signals = {}
+    end = {}
+    for tid in order:
+        t = tasks[tid]
+        met = max((sorted(signals[e])[c - 1] for e, c in t.waits), default=0.0)
+        if t.role == "rdma":
+            start = met
+        else:
+            heap = free.setdefault((t.rank, t.role), [0.0] * workers[t.rank][t.role])
+            start = max(heapq.heappop(heap), met)
+        end[tid] = start + costs[tid]
+        if t.role != "rdma":
+            heapq.heappush(heap, end[tid])
+        for e in t.signals:
+            signals.setdefault(e, []).append(end[tid])
+    return max(end.values(), default=0.0)
+
+
+def ref_critical_path(graph, costs, order, succ, length, turn, workers) -> list[int]:
+    """critical_path: longest_path's order, or the order by backward ends (ties in
+    longest_path's order) where the queue model predicts it shorter by PLACED_MARGIN."""
+    rank_order = sorted(range(len(graph.tasks)), key=lambda t: (-length[t], turn[t], t))
+    rank = {t: i for i, t in enumerate(rank_order)}
+    plain = ref_list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
+    ends = ref_placed_ends(graph, costs, order, succ, workers, rank)
+    at = {t: i for i, t in enumerate(plain)}
+    placed = sorted(range(len(graph.tasks)), key=lambda t: (-ends[t], at[t]))
+    a = ref_queue_makespan(graph, plain, costs, workers)
+    b = ref_queue_makespan(graph, placed, costs, workers)
+    return placed if b < a * (1 - policies.PLACED_MARGIN) else plain
+
+
+def ref_orders(graph: mg.TaskGraph, workers=None) -> dict[str, list[int]]:
+    """Each builtin policy's order; ``critical_path``'s placed on ``workers`` (rank -> role ->
+    count) when given, else longest_path's (what it does without a partition)."""
     costs = task_costs(graph, mg.H200)
     order = topo_order(graph)
     succ = ref_succ(graph, order)
     length = ref_lengths(costs, order, succ)
     turn = policies.push_rotation(graph)
     waves = ref_waves(graph, order, succ)
+    longest = ref_list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
     return {
         "topological": ref_list_order(graph, range(len(graph.tasks))),
-        "critical_path": ref_list_order(
-            graph, [(-x, r) for x, r in zip(length, turn, strict=True)]
-        ),
+        "longest_path": longest,
+        "critical_path": longest
+        if workers is None
+        else ref_critical_path(graph, costs, order, succ, length, turn, workers),
         "remote_first": ref_list_order(
             graph, [(w, -x, r) for w, x, r in zip(waves, length, turn, strict=True)]
         ),
@@ -109,6 +204,11 @@ def check_same(graph: mg.TaskGraph) -> None:
     assert facts.succ == ref_succ(graph, facts.order)  # what a user policy may read
     for name in BUILTIN:
         assert policies.get_policy(name)(graph, facts) == want[name], name
+    # through mg.schedule: critical_path placed on the schedule's own partition
+    partition = [mg.schedule(graph, policy="topological").ranks[r].workers
+                 for r in range(graph.topology.world_size)]  # fmt: skip
+    want = ref_orders(graph, partition)
+    for name in BUILTIN:
         s = mg.schedule(graph, policy=name)
         for r in s.ranks:
             for role, queue in r.queues.items():
@@ -180,3 +280,30 @@ def test_a_ranks_nvlink_copies_go_chunk_by_chunk_from_the_next_gpu():
             assert queued(s, r) == want, (policy, r)
     s = mg.schedule(g, policy="topological")
     assert queued(s, 1) == [(c, p) for p in (0, 2, 3) for c in range(3)]
+
+
+def check_placed(graph: mg.TaskGraph, workers: dict[str, int]) -> list[int]:
+    """mg.schedule's critical_path queues on ``workers`` are cut from the reference order."""
+    per_rank = [dict(workers) for _ in range(graph.topology.world_size)]
+    want = ref_orders(graph, per_rank)["critical_path"]
+    s = mg.schedule(graph, workers=workers)
+    for r in s.ranks:
+        for role, queue in r.queues.items():
+            assert queue == [t for t in want
+                             if graph.tasks[t].rank == r.rank and graph.tasks[t].role == role]  # fmt: skip
+    return want
+
+
+def test_placed_order_matches_its_definition_where_it_is_kept():
+    """The causal-stages graph on 32 workers, where critical_path keeps the placed order
+    (tests/test_scheduler.py): the event-level passes give the reference's order exactly."""
+    g = causal_stages(rows=10, heads=3, wide=12)
+    want = check_placed(g, {"compute": 32})
+    plain = ref_orders(g)["longest_path"]
+    assert want != plain  # the placed branch, not longest_path's
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs(), st.integers(1, 3))
+def test_random_graphs_on_few_workers_match_the_placed_definition(g, n):
+    check_placed(g, {"compute": n, "nvlink": n, "rdma": 1})
