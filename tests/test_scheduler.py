@@ -648,3 +648,19 @@ def test_critical_path_on_few_workers_is_runnable_and_never_predicted_slower(dat
     chosen = max(queue_times(g, pools, critical_path(g, facts), costs)[2], default=0.0)
     plain = max(queue_times(g, pools, longest_path(g, facts), costs)[2], default=0.0)
     assert chosen <= plain
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_queue_makespan_is_the_queue_models_last_end(data):
+    """placement.queue_makespan (what critical_path compares) is queue_times' latest end."""
+    from mgraph.scheduler.placement import Pools, queue_makespan, queue_times
+    from mgraph.validate import topo_order
+
+    g = data.draw(random_graphs())
+    n = data.draw(st.integers(1, 3))
+    workers = [{"compute": n, "nvlink": n, "rdma": 1}] * g.topology.world_size
+    order = topo_order(g)
+    costs = task_costs(g, mg.H200)
+    pools = Pools(g, workers)
+    assert queue_makespan(g, pools, order, costs) == max(queue_times(g, pools, order, costs)[2])
