@@ -211,11 +211,12 @@ def chain_cases() -> None:
 
 def inline_cases() -> None:
     """``inline_finalize=True``: each chain's last attn_block writes the output itself (no
-    attn_finalize task). The megakernel on a float32 attention graph with an additive mask and
-    a fully hidden row (the pointer path: state stored, a CTA barrier, read back) and on a bf16
-    causal ring over two ranks with grouped-query heads (the fast path: out from registers);
-    run_chains on bf16 graphs: KV blocks twice the q block (a chain of two tasks, the last one
-    final), head size 160 (the 256-column fast path), a left-padded causal boolean mask."""
+    attn_finalize task: after storing the state, a CTA barrier and attn_finalize's work on it).
+    The megakernel on a float32 attention graph with an additive mask and a fully hidden row
+    (the pointer path) and on a bf16 causal ring over two ranks with grouped-query heads (the
+    fast path); run_chains on bf16 graphs: KV blocks twice the q block (a chain of two tasks,
+    the last one final), head size 160 (the 256-column fast path), a left-padded causal boolean
+    mask."""
     bf16 = torch.bfloat16
     B, H, S, D = 1, 2, 64, 32
     g = mg.ops.attention(topology="1x1", B=B, H=H, S=S, D=D, block=32, kv_block=32,

@@ -47,17 +47,16 @@ BIN = Path(nvidia.__file__).parent / "bin"
 @triton.jit
 def _fast_rows_kernel(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                       sa_stride, mp, smp, first, q_start, k_start, causal, qk_scale, bp,
-                      b_stride, tp, params, regions, bufaddr, bufcols, HAS_BIAS: tl.constexpr,
-                      DT: tl.constexpr, USE_TIMER: tl.constexpr):
+                      b_stride, HAS_BIAS: tl.constexpr, DT: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
     """attn_block_tile's fast branch for one 128-row sub-block (_fast_rows: descriptors, q and
     acc in registers, the plain and the masked key ranges, the state read and written), with a
     mask tile or without (HAS_BIAS, a constant here so that each binary holds one of the two
-    pairs of loops; the task's row ``tp`` says whether it finalises inline, as in the
-    megakernel)."""
+    pairs of loops)."""
     at._fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                   sa_stride, mp, 2, smp, 2, first, 0, q_start, k_start, causal, qk_scale,
-                  HAS_BIAS, bp, b_stride, False, tp, params, regions, bufaddr, bufcols, DT,
-                  USE_TIMER, at._DB, at._KB, None, at._BIAS_STAGES)
+                  HAS_BIAS, bp, b_stride, False, DT, USE_TIMER, at._DB, at._KB, None,
+                  at._BIAS_STAGES)
 
 
 SIGNATURE = {
@@ -65,8 +64,7 @@ SIGNATURE = {
     "vp": "*bf16", "v_stride": "i32", "nk": "i32", "D": "i32", "ap": "*fp32", "a_stride": "i32",
     "sap": "*fp32", "sa_stride": "i32", "mp": "*fp32", "smp": "*fp32", "first": "i32",
     "q_start": "i32", "k_start": "i32", "causal": "i32", "qk_scale": "fp32", "bp": "*bf16",
-    "b_stride": "i32", "tp": "*i32", "params": "*i32", "regions": "*i32", "bufaddr": "*i64",
-    "bufcols": "*i32", "HAS_BIAS": "constexpr", "DT": "constexpr", "USE_TIMER": "constexpr",
+    "b_stride": "i32", "HAS_BIAS": "constexpr", "DT": "constexpr", "USE_TIMER": "constexpr",
 }
 
 

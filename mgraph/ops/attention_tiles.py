@@ -49,9 +49,12 @@ diagonal skip the mask, chunks wholly above it are not computed), ``first`` (ini
 state; the task then reads no acc/ml), ``scale`` (float), ``bias`` (a mask tile is the task's
 last read, one row wide when it broadcasts over the queries: 1 = additive, added to the scores;
 2 = boolean, nonzero = attend), ``final`` (the chain's last task finalises inline: its third
-write is the out rows, which get ``acc / l`` in ``DT``, 0 where l = 0, as attn_finalize writes
-them; the fast path then stores no state at all, the pointer path stores it, waits for the
-program's threads (a CTA barrier) and reads it back in attn_finalize's tiles). A row still fully masked keeps m = -inf and is shifted by 0, so
+write is the out rows; after storing the state as every task does, it waits for the program's
+threads (a CTA barrier: other threads stored it) and does attn_finalize's work on it, ``acc /
+l`` in ``DT`` and 0 where l = 0, while the rows are in L2. Storing out from the fast path's
+registers instead, skipping the state, raised the ring megakernel's stack from 232 to 656
+bytes and its spill loads from 107 to 274 (sm_90), so it is not done). A row still fully
+masked keeps m = -inf and is shifted by 0, so
 exp2 gives 0 rather than NaN, as the CPU body does. m is stored in the CPU body's units
 (natural-log scores) so the state means the same on both backends.
 
@@ -285,19 +288,16 @@ if HAVE_TRITON:
     @triton.jit
     def _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                    sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start, causal,
-                   qk_scale, has_bias, bp, b_stride, b_bool, tp, params, regions, bufaddr,
-                   bufcols, DT: tl.constexpr, USE_TIMER: tl.constexpr, DB: tl.constexpr,
-                   KB: tl.constexpr, STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr):
+                   qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                   USE_TIMER: tl.constexpr, DB: tl.constexpr, KB: tl.constexpr,
+                   STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr):
         """The fast path for the _QB-row sub-block at row i0 (head size up to DB columns; KB-key
         chunks; STAGES / BIAS_STAGES pipeline stages for the loops without / with the mask
         tile, None: the kernel's): q and acc in registers, the plain chunks, then the masked
         ones, each range by a loop without the mask tile or, when the task has one, a loop
-        with it. Reads and writes the state's rows, or with the task's ``final`` param writes
-        its out rows instead (``acc / l`` from registers). Nothing but scalars and row vectors
-        is live across the loops: ``final`` and the out rows are read from the task's row
-        (``tp`` in ``params`` and ``regions``) after them, not held through them. Columns past
-        D are zeros (TMA fills them), so a head smaller than DB is correct here too, at DB's
-        cost."""
+        with it. Reads and writes the state's rows. Nothing but scalars and row vectors is
+        live across the loops. Columns past D are zeros (TMA fills them), so a head smaller
+        than DB is correct here too, at DB's cost."""
         qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, DB])
         kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, DB])
         vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [KB, DB])
@@ -339,44 +339,41 @@ if HAVE_TRITON:
             keep = tl.where(m_old == float("-inf"), 0.0, tl.math.exp2(m_old - m_i))
             acc += keep[:, None] * tl.load(sap + om[:, None] * sa_stride + od[None, :],
                                            mask=cmask, other=0.0)
-        if param_i32(params, tp, 6) != 0:  # final: attn_finalize's acc / l; no state stored
-            op, o_stride, _no, _do = _rows_cols(regions, bufaddr, bufcols,
-                                                tl.load(tp + _WRITE0) + 2, DT)
-            hidden = (l_i == 0.0)[:, None]  # every key hidden: 0, not 0 / 0
-            out = tl.where(hidden, 0.0, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
-            tl.store(op + om[:, None] * o_stride + od[None, :], out.to(DT), mask=cmask)
-        else:
-            tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
-            _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
+        tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
+        _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
 
     @triton.jit
-    def _finalize_rows(ap, a_stride, mp, m_stride, op, o_stride, om, row_ok, D,
-                       DT: tl.constexpr):
-        """out = acc / l for rows ``om`` (a vector of them), _FB columns a step, cast once to
-        the output's dtype; 0 in a row whose every key was hidden (l = 0: left padding), as
-        SDPA returns it, where acc / l would be 0 / 0."""
-        l_i = tl.load(mp + om * m_stride + 1, mask=row_ok, other=1.0)
-        hidden = (l_i == 0.0)[:, None]
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # never computes 0 / 0
-        for d0 in range(0, D, _FB):
-            od = d0 + tl.arange(0, _FB)
-            mask = row_ok[:, None] & (od < D)[None, :]
-            acc = tl.load(ap + om[:, None] * a_stride + od[None, :], mask=mask, other=0.0)
-            out = tl.where(hidden, 0.0, acc / l_i[:, None])
-            tl.store(op + om[:, None] * o_stride + od[None, :], out.to(DT), mask=mask)
+    def _finalize(regions, bufaddr, bufcols, state, out_index, DT: tl.constexpr):
+        """out = acc / l, with acc and ml regions ``state`` and ``state + 1`` and out region
+        ``out_index``, cast once to the output's dtype; 0 in a row whose every key was hidden
+        (l = 0: left padding), as SDPA returns it, where acc / l would be 0 / 0. In _FB x _FB
+        tiles: its pointer tensors then take 16 elements a thread (at 128 x 128 they pushed the
+        kernel past 255 registers)."""
+        ap, a_stride, n, D = _rows_cols(regions, bufaddr, bufcols, state, _F32)
+        mp, m_stride, _nm, _dm = _rows_cols(regions, bufaddr, bufcols, state + 1, _F32)
+        op, o_stride, _no, _do = _rows_cols(regions, bufaddr, bufcols, out_index, DT)
+        for i0 in range(0, n, _FB):
+            om = i0 + tl.arange(0, _FB)
+            l_i = tl.load(mp + om * m_stride + 1, mask=om < n, other=1.0)
+            hidden = (l_i == 0.0)[:, None]
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)  # never computes 0 / 0
+            for d0 in range(0, D, _FB):
+                od = d0 + tl.arange(0, _FB)
+                mask = (om < n)[:, None] & (od < D)[None, :]
+                acc = tl.load(ap + om[:, None] * a_stride + od[None, :], mask=mask, other=0.0)
+                out = tl.where(hidden, 0.0, acc / l_i[:, None])
+                tl.store(op + om[:, None] * o_stride + od[None, :], out.to(DT), mask=mask)
 
     @triton.jit(noinline=True)
     def _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                       sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
-                      causal, qk_scale, has_bias, bp, b_stride, b_bool, final, op, o_stride,
-                      DT: tl.constexpr, USE_TIMER: tl.constexpr):
+                      causal, qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                      USE_TIMER: tl.constexpr):
         """The pointer path for the _PB-row sub-block at row i0 (any head size, dtype and
         alignment): chunks of _PB keys, scores over D in _PB-column chunks, acc rescaled and
-        accumulated in the state's write chunk by chunk; with ``final``, then out = acc / l
-        from the state just stored (after a CTA barrier: other threads stored it). A noinline
-        function (scalar arguments only) whose 32-row dots are mma.sync, not wgmma: ptxas
-        allocates its registers apart from the fast loops', which it would otherwise
-        serialise."""
+        accumulated in the state's write chunk by chunk. A noinline function (scalar
+        arguments only) whose 32-row dots are mma.sync, not wgmma: ptxas allocates its
+        registers apart from the fast loops', which it would otherwise serialise."""
         om = i0 + tl.arange(0, _PB)
         row_ok = om < nq
         m_i, l_i = _load_ml(first, smp, sm_stride, om, row_ok)
@@ -425,25 +422,17 @@ if HAVE_TRITON:
                 tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
             m_i = m_new
         _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
-        if final != 0:
-            tl.debug_barrier()  # the stores above, by every thread, before they are read back
-            _finalize_rows(ap, a_stride, mp, m_stride, op, o_stride, om, row_ok, D, DT)
 
     @triton.jit
     def _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                        sa_stride, mp, m_stride, smp, sm_stride, first, q_start, k_start, causal,
-                       qk_scale, has_bias, bp, b_stride, b_bool, tp, params, regions, bufaddr,
-                       bufcols, DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """The whole q block by the pointer path, _PB rows a call; ``final`` and the out rows
-        (the third write, named only when final) from the task's row ``tp``."""
-        final = param_i32(params, tp, 6)
-        w_out = tl.load(tp + _WRITE0) + 2 * (final != 0).to(tl.int32)  # else the acc write
-        op, o_stride, _no, _do = _rows_cols(regions, bufaddr, bufcols, w_out, DT)
+                       qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                       USE_TIMER: tl.constexpr):
+        """The whole q block by the pointer path, _PB rows a call."""
         for i0 in range(0, nq, _PB):
             _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                           sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
-                          causal, qk_scale, has_bias, bp, b_stride, b_bool, final, op, o_stride,
-                          DT, USE_TIMER)
+                          causal, qk_scale, has_bias, bp, b_stride, b_bool, DT, USE_TIMER)
 
     @triton.jit
     def _aligned16(p, DT: tl.constexpr):
@@ -500,39 +489,36 @@ if HAVE_TRITON:
                         _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                    a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
                                    i0, q_start, k_start, causal, qk_scale, has_bias, bp,
-                                   b_stride, b_bool, tp, params, regions, bufaddr, bufcols, DT,
-                                   USE_TIMER, 2 * _DB, _KB_WIDE, _WIDE_STAGES, _WIDE_STAGES)
+                                   b_stride, b_bool, DT, USE_TIMER, 2 * _DB, _KB_WIDE,
+                                   _WIDE_STAGES, _WIDE_STAGES)
                     else:
                         _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                    a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
                                    i0, q_start, k_start, causal, qk_scale, has_bias, bp,
-                                   b_stride, b_bool, tp, params, regions, bufaddr, bufcols, DT,
-                                   USE_TIMER, _DB, _KB, None, _BIAS_STAGES)
+                                   b_stride, b_bool, DT, USE_TIMER, _DB, _KB, None,
+                                   _BIAS_STAGES)
             else:
                 _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
                                q_start, k_start, causal, qk_scale, has_bias, bp, b_stride,
-                               b_bool, tp, params, regions, bufaddr, bufcols, DT, USE_TIMER)
+                               b_bool, DT, USE_TIMER)
         else:  # no fast path compiled: a graph without a head size it could take
             _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
                            sap, sa_stride, mp, m_stride, smp, sm_stride, first, q_start, k_start,
-                           causal, qk_scale, has_bias, bp, b_stride, b_bool, tp, params, regions,
-                           bufaddr, bufcols, DT, USE_TIMER)
+                           causal, qk_scale, has_bias, bp, b_stride, b_bool, DT, USE_TIMER)
+        if param_i32(params, tp, 6) != 0:
+            # final: attn_finalize's work on the state just stored, by every thread of the
+            # program (hence the barrier), its regions read again from the task's row rather
+            # than held through the loops; the out rows are the third write
+            tl.debug_barrier()
+            w_state = tl.load(tp + _WRITE0)
+            _finalize(regions, bufaddr, bufcols, w_state, w_state + 2, DT)
 
     @ATTN_FINALIZE.triton
     @triton.jit
     def attn_finalize_tile(tp, regions, bufaddr, bufcols, DT: tl.constexpr):
-        """out = acc / l, cast once to the output's dtype; 0 in a row whose every key was hidden
-        (l = 0: left padding), as SDPA returns it, where acc / l would be 0 / 0. In _FB x _FB
-        tiles: its pointer tensors then take 16 elements a thread (at 128 x 128 they pushed the
-        kernel past 255 registers)."""
-        r0 = tl.load(tp + _READ0)
-        ap, a_stride, n, D = _rows_cols(regions, bufaddr, bufcols, r0, _F32)
-        mp, m_stride, _nm, _dm = _rows_cols(regions, bufaddr, bufcols, r0 + 1, _F32)
-        op, o_stride, _no, _do = _rows_cols(regions, bufaddr, bufcols, tl.load(tp + _WRITE0), DT)
-        for i0 in range(0, n, _FB):
-            om = i0 + tl.arange(0, _FB)
-            _finalize_rows(ap, a_stride, mp, m_stride, op, o_stride, om, om < n, D, DT)
+        """out = acc / l from the state it reads (:func:`_finalize`)."""
+        _finalize(regions, bufaddr, bufcols, tl.load(tp + _READ0), tl.load(tp + _WRITE0), DT)
 
     _FIELDS, _KIND = tl.constexpr(TASK_FIELDS), tl.constexpr(F_KIND)
     __all__ += ["chains_kernel"]

@@ -24,8 +24,7 @@ one q block are chained by events because they rewrite the same state. ``attn_fi
 ``acc / l`` in the op dtype, and 0 in a row whose every key was hidden (l = 0), as SDPA does.
 Option ``inline_finalize`` (default off) folds that into the chain's last attn_block instead
 (param ``final``: it also writes the out rows), one task and one wait fewer per q block; it
-stays off until a GPU run confirms its gain (benchmarks/bench_attention.py
-``--inline-finalize``), since the graphs it builds have no attn_finalize task at all.
+stays off until a GPU run measures it (benchmarks/bench_attention.py ``--inline-finalize``).
 Causal masks use GLOBAL positions (task params ``q_start``, ``k_start``): with both block sizes
 dividing a zigzag chunk, a k block either reaches past the q block's first position (masked:
 the body hides keys after each query; the Triton body skips the key chunks after the block's
