@@ -165,6 +165,19 @@ EWISE.param_defaults.update({n: int(n.endswith("n")) for n in G_PARAMS})
 Step = list  # [fn, a, b, scalar]
 
 
+# Elements a traced elementwise task covers at least: a narrow op (RoPE over 128-column head
+# rows) in 64-row tiles made 2,560 tasks of 64 KiB each in the Llama layer, each paying the
+# megakernel's per-task cost (~9 us) for ~1 us of memory traffic (benchmarks/NOTES.md v12).
+TRACED_TILE_ELEMS = 1 << 16
+
+
+def traced_tile_rows(cols: int) -> int:
+    """Row tile of a traced elementwise op of ``cols`` columns: 64 rows, or more (a power of
+    two, at most 1024) for narrow ops, so a task covers TRACED_TILE_ELEMS elements."""
+    rows = 1 << max(0, (TRACED_TILE_ELEMS // max(1, int(cols))).bit_length() - 1)
+    return max(64, min(1024, rows))
+
+
 def input_names(n: int) -> list[str]:
     """The op's input names for ``n`` inputs: x, y, y2, y3, ..."""
     return ["x", "y", *(f"y{i}" for i in range(2, n))][:n]

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..layout import REPLICATE, Layout, canonical, flat_shape
-from ..ops.elementwise import bcast_form
+from ..ops.elementwise import bcast_form, traced_tile_rows
 from .capture import CNode
 from .mapping import BINARY, UNARY, broadcast_form, handles, whole_rows
 from .opgraph import OpGraph, OpNode, Value
@@ -32,7 +32,14 @@ def _unary(tr: Tracer, n: CNode) -> Any:
         fn = "gelu_tanh"
     lay = tr.layout_in(x, n) or REPLICATE
     rows, cols = flat_shape(x.shape)
-    params = {"rows": rows, "cols": cols, "fn": fn, "shape": list(x.shape), "layout": lay.to_json()}
+    params = {
+        "rows": rows,
+        "cols": cols,
+        "fn": fn,
+        "shape": list(x.shape),
+        "layout": lay.to_json(),
+        "tile_rows": traced_tile_rows(cols),
+    }
     return tr.emit(n, "elementwise", params, {"x": x}, x.shape, lay)
 
 
@@ -64,6 +71,7 @@ def _binary(tr: Tracer, n: CNode) -> Any:
         "alpha": float(alpha),
         "swap": swap,
         "shape": list(out_shape),
+        "tile_rows": traced_tile_rows(cols),
     }
     inputs = {"x": a}
     lay = tr.layout_in(a, n)
