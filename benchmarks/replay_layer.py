@@ -17,16 +17,26 @@ short longest), so the report says which stage boundary stalls: e.g. "linear_4: 
 for rms_norm_1". Stage = the task name before its rank tag, e.g. ``linear_4: matmul`` (the
 traced op ``linear_4`` is the 5th linear: q, k, v, o, gate, up, down are linear..linear_6).
 
-    python benchmarks/replay_layer.py                 # the v12 layer (1 rank), ~30 s on a CPU
+    python benchmarks/replay_layer.py                 # the default layer (1 rank), ~10 s on a CPU
     python benchmarks/replay_layer.py --ewise-us 15   # ewise bodies at 15 us a task
     python benchmarks/replay_layer.py --policy topological --policy critical_path --out /tmp/r
 
 It builds the layer as bench_layer does for one rank (mg.compile of the same module and plan,
 ``topology="1x1"``, on the CPU reference backend: the same graph and schedule as
-``backend="triton"``, whose schedule is the same ``mgraph.schedule`` call), replays every
-policy asked for (default: every registered one) and prints per policy the predicted makespan,
+``backend="triton"``, which only adds its body check; the graph is the one this tree lowers,
+v12's run measured one of 12,864 tasks), replays every policy asked for (default:
+longest_path and critical_path) and prints per policy the predicted makespan,
 the waiting per kind and the top stage boundaries by waiting; ``--out`` writes
-``replay_layer.json``. ``--sim`` also runs runtime/sim on each schedule (its own profile costs).
+``replay_layer.json``. ``--sim`` also runs runtime/sim on each schedule (its own profile costs);
+``--oracle`` adds critical_path ordered with the replay's own task times as its costs (what a
+cost model that knew the measured times would queue).
+
+``--measure`` (one GPU, a few minutes: one kernel build per policy plus a traced one) then runs
+each policy's schedule of the layer on backend="triton" as bench_layer does, times the
+megakernel alone and traces one launch (kind_breakdown), so the measured waiting per kind of
+each order sits beside the replay's prediction from that trace's own kind times:
+
+    python benchmarks/replay_layer.py --measure --out $OUT
 """
 
 from __future__ import annotations
@@ -231,6 +241,86 @@ def report(graph, sched, times: list[float], label: str, top: int) -> dict:
     }
 
 
+def measure(args: argparse.Namespace, policies: list[str]) -> dict:
+    """--measure (one GPU): each policy's schedule of the layer run as bench_layer runs it
+    (backend="triton", one rank), timed (the megakernel relaunched alone, CUDA events, median)
+    and traced once (kind_breakdown: measured waiting per kind), with the replay's prediction
+    from THAT trace's kind times beside it. ``--interpret`` runs it in Triton's interpreter on
+    the CPU (a smoke check of this path: fp32, no clock, so no times)."""
+    import os
+    import statistics
+
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import bench_layer
+    from kind_breakdown import kind_breakdown
+
+    import mgraph as mg
+
+    if args.interpret:
+        device = torch.device("cpu")  # TRITON_INTERPRET=1 was set by main(), before imports
+    else:
+        # Read when CUDA starts (below), as bench_layer does (GPU.md: lazy loading can hang)
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    ns = argparse.Namespace(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                            ffn=args.ffn, dtype=dtype)  # fmt: skip
+    torch.manual_seed(1)
+    x = torch.randn(1, args.seq, args.hidden, dtype=dtype).to(device)
+    with torch.no_grad():
+        want = bench_layer.build_layer(ns, device).float()(x.float())
+    layer = bench_layer.build_layer(ns, device)
+    rows = []
+    for policy in policies:
+        prog = mg.compile(layer, (x,), plan=bench_layer.mgraph_plan(), topology="1x1",
+                          backend="triton", policy=policy,
+                          backend_options={"interpret": True} if args.interpret else None)  # fmt: skip
+        with torch.no_grad():
+            err = bench_layer.rel(prog(x), want)  # the first call builds the kernel
+        runtime = prog._runtime  # Program has no public accessor for it (bench_layer's way)
+        ms = None
+        if not args.interpret:
+            for _ in range(3):
+                runtime.launch()
+            times = []
+            for _ in range(args.reps):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                runtime.launch()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            runtime.check()
+            ms = round(statistics.median(times), 4)
+        kinds = kind_breakdown(runtime)
+        kind_us = {r["kind"]: float(r["mean_work_us"]) for r in kinds}
+        graph = prog.graph
+        predicted = report(graph, prog.schedule, task_times(graph, kind_us), policy, args.top)
+        row = {
+            "policy": policy,
+            "error": err,
+            "kernel_ms": ms,
+            "traced_makespan_ms": kinds[0]["makespan_ms"] if kinds else None,
+            "measured_wait_ms": round(sum(r["wait_ms"] for r in kinds), 3),
+            "measured_wait_ms_per_kind": {r["kind"]: r["wait_ms"] for r in kinds},
+            "kinds": kinds,
+            "replay": predicted,
+        }
+        rows.append(row)
+        print(f"{policy}: kernel {ms} ms (traced {row['traced_makespan_ms']} ms), error "
+              f"{err:.2e}, measured waiting {row['measured_wait_ms']} ms "
+              f"{row['measured_wait_ms_per_kind']}; replay with this trace's kind times: "
+              f"{predicted['makespan_ms']} ms, waiting {predicted['wait_ms']} ms", flush=True)  # fmt: skip
+        del prog, runtime
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"measured": rows, "device": str(device), "interpret": bool(args.interpret)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=4096)
@@ -248,7 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim", action="store_true", help="also runtime/sim on each schedule")
     p.add_argument("--top", type=int, default=6, help="stage boundaries shown per replay")
     p.add_argument("--out", help="write replay_layer.json here")
+    p.add_argument("--measure", action="store_true",
+                   help="one GPU: run, time and trace each policy's schedule (measure())")  # fmt: skip
+    p.add_argument("--interpret", action="store_true",
+                   help="with --measure: Triton's interpreter on the CPU (a smoke check)")  # fmt: skip
+    p.add_argument("--reps", type=int, default=10, help="with --measure: timed launches")
     args = p.parse_args(argv)
+    if args.interpret and not args.measure:
+        p.error("--interpret goes with --measure")
+    if args.interpret:  # read when triton is imported: before mgraph is
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
 
     from mgraph.scheduler import schedule
 
@@ -289,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {b['waiter']:40s} waits for {b['waits_for']:40s} "
                       f"{b['tasks']:5d} tasks {b['wait_ms']:8.2f} ms")  # fmt: skip
         out["cases"].append(case)
+    if args.measure:
+        out.update(measure(args, policies))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "replay_layer.json").write_text(json.dumps(out, indent=1))
