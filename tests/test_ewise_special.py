@@ -1,0 +1,156 @@
+"""Straight-line code per elementwise chain (mgraph/ops/elementwise_special.py).
+
+The megakernel's generated copy gets one function per chain its tasks carry (at most
+Settings.ewise_chains); a task whose chain has none runs the bytecode interpreter
+(elementwise_bodies.ewise_tile), as does every task with ewise_chains=0
+(tests/test_ewise_batches.py runs that path).
+
+- CPU: which chains a traced Llama layer has, the block shapes, the dispatch text.
+- TRITON_INTERPRET=1 (this file as a subprocess): chains of one, two and three operands with a
+  rotation, over tiles of several blocks with masked edges, against the reference runtime;
+  a traced module of two chains with room for one of them (one task set runs the generated
+  code, the other the interpreter) and for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import mgraph as mg
+from helpers import check_interpreter_cases, rel_err
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+# -- on the host ----------------------------------------------------------------------------------
+def _small_layer_graph():
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_layer as bl
+
+    args = argparse.Namespace(hidden=512, heads=4, kv_heads=2, ffn=1024, dtype=BF16)
+    layer = bl.build_layer(args, torch.device("cpu"))
+    x = torch.randn(1, 512, 512, dtype=BF16)
+    return mg.compile(layer, (x,), plan=bl.mgraph_plan(), topology="1x1").graph
+
+
+def test_a_llama_layer_has_three_chains():
+    from mgraph.ops.elementwise import CODES, GATHER, LOAD, ROT
+    from mgraph.ops.elementwise_special import chain_keys
+
+    g = _small_layer_graph()
+    chains = chain_keys(g, [t.id for t in g.tasks], 6)
+    ops = []
+    for key, shape in chains:
+        code = [key[2 + 4 * k : 6 + 4 * k] for k in range(key[0])]
+        names = ["LOAD" if c[0] == LOAD else "ROT" if c[0] == ROT else CODES[c[0]] for c in code]
+        ops.append((names, shape, key[-1]))
+    # RoPE over q and k (one chain: the same bytecode and operand forms), the residual adds,
+    # SwiGLU; RoPE's tiles are 512 rows of 128 columns (traced_tile_rows), q read through the
+    # head split's gather map, cos and sin through row maps
+    rope = ("ROT", "LOAD", "mul", "LOAD", "LOAD", "mul", "add")
+    assert {tuple(o[0]): o[1] for o in ops} == {
+        rope: (512, 128),
+        ("LOAD", "LOAD", "add"): (128, 512),
+        ("LOAD", "silu", "LOAD", "mul"): (64, 1024),
+    }, ops
+    maps = next(o[2] for o in ops if tuple(o[0]) == rope)
+    assert maps & 3 == GATHER and (maps >> 2) & 3 and (maps >> 4) & 3, maps
+    assert chain_keys(g, [t.id for t in g.tasks], 1) == chains[:1]
+
+
+def test_block_shapes():
+    from mgraph.ops.elementwise_special import block_shape
+
+    # bf16: 16 vectors a thread over all loads, 8 warps; columns first, up to 1024
+    assert block_shape(2, 16, (64, 14336)) == (16, 1024)
+    assert block_shape(4, 16, (512, 128)) == (64, 128)
+    assert block_shape(2, 16, (64, 4096)) == (16, 1024)
+    assert block_shape(1, 32, (24, 80)) == (32, 128)  # fp32: 8 vectors; rows up to the tile's
+    assert block_shape(8, 32, (4, 4096)) == (1, 1024)
+
+
+def test_the_dispatch_falls_back_to_the_interpreter():
+    from mgraph.ops.elementwise_special import special_source
+
+    key = (1, 1, 20, 1, 0, 0, 0)  # LOAD r1 <- input 0, maps 0
+    text = special_source([(key, (64, 128))], 16, "_entry")
+    tree = ast.parse(text)
+    names = [f.name for f in tree.body if isinstance(f, ast.FunctionDef)]
+    assert names == ["_ewise_chain_0_vec", "_ewise_chain_0", "_entry"]
+    entry = text[text.index("def _entry") :]
+    assert "(k0 == 1) & (k1 == 1) & (k2 == 20) & (k3 == 1)" in entry and "(mp == 0)" in entry
+    assert entry.rstrip().endswith("ewise_tile(tp, params, regions, bufaddr, bufcols, DT)")
+    empty = special_source([], 16, "_entry")
+    assert "_ewise_chain_" not in empty and "ewise_tile(" in empty
+
+
+# -- under the interpreter ------------------------------------------------------------------------
+class TwoChains(nn.Module):
+    """Two elementwise ops fusion keeps apart (``a`` is read twice): two chains."""
+
+    def forward(self, x, y):
+        a = torch.nn.functional.silu(x) * y
+        return (a + 1.5) * a
+
+
+INTERP_CASES = {
+    **{f"{name}-{dt}": True for name in ("unary", "swiglu", "rope3", "rope3-wide")
+       for dt in ("float32", "bfloat16")},
+    "two-chains-1-float32": True,
+    "two-chains-2-float32": True,
+}
+
+
+def test_chains_in_the_megakernel():
+    pytest.importorskip("triton")
+    check_interpreter_cases("test_ewise_special.py", INTERP_CASES)
+
+
+def _interp_main() -> None:
+    import json
+
+    from test_ewise_batches import CASES, CHAINS, SHAPES, ewise_path
+
+    from mgraph.ops.elementwise_special import chain_keys
+    from mgraph.runtime.megakernel import TritonRuntime
+    from mgraph.settings import Settings
+
+    def emit(case, g, got, want, dt, chains):
+        err = max(rel_err(got[k].float(), want[k].float()) for k in want)
+        ew = [t for t in g.tasks if t.kind == "ewise"]
+        fast = sum(ewise_path(g, t, dt) == "vec" for t in ew)
+        print(json.dumps({"case": case, "dtype": str(dt).removeprefix("torch."), "error": err,
+                          "fast": fast, "tasks": len(ew), "chains": chains}), flush=True)
+
+    for name, shape in CASES.items():
+        chain, operands = CHAINS[name.removesuffix(shape)]
+        rows, cols, tile_rows = SHAPES[shape]
+        for dt in (F32, BF16):
+            g = mg.ops.elementwise(topology="1x1", rows=rows, cols=cols, chain=chain,
+                                   operands=operands, tile_rows=tile_rows, dtype=dt)
+            gen = torch.Generator().manual_seed(37)
+            inputs = {n: torch.randn(s.shape, generator=gen).to(dt) for n, s in g.inputs.items()}
+            sched = mg.schedule(g)
+            want = mg.run(sched, inputs).outputs
+            got = TritonRuntime(sched, interpret=True).run(inputs).outputs
+            emit(f"{name}-{str(dt).removeprefix('torch.')}", g, got, want, dt, 1)
+    gen = torch.Generator().manual_seed(41)
+    x, y = (torch.randn(96, 256, generator=gen) for _ in range(2))
+    prog = mg.compile(TwoChains(), (x, y), topology="1x1")
+    g = prog.graph
+    assert len(chain_keys(g, [t.id for t in g.tasks], 6)) == 2
+    want = {"out": TwoChains()(x, y)}
+    for n in (1, 2):
+        rt = TritonRuntime(prog.schedule, interpret=True, settings=Settings(ewise_chains=n))
+        out = rt.run({name: t for name, t in zip(g.inputs, (x, y), strict=True)}).outputs
+        emit(f"two-chains-{n}-float32", g, {"out": next(iter(out.values()))}, want, F32, n)
+
+
+if __name__ == "__main__":
+    _interp_main()
