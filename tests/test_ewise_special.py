@@ -154,3 +154,56 @@ def _interp_main() -> None:
 
 if __name__ == "__main__":
     _interp_main()
+
+
+# -- ahead of time, sm_90 --------------------------------------------------------------------------
+def test_swiglu_chain_loop_moves_16_byte_vectors(tmp_path):
+    """SwiGLU's generated fast path alone compiled for sm_90 (8 warps, bf16): one loop, each
+    iteration a 16 x 1024 block, 8 vectors a thread of each operand loaded (16 LDG.E.128),
+    8 stored, nothing in local memory."""
+    triton = pytest.importorskip("triton")
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    import importlib.util
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import triton.language as tl
+    from test_ewise_batches import _loops
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mgraph.ops.elementwise import compile_chain
+    from mgraph.ops.elementwise_special import special_source
+
+    p = compile_chain([["silu", 0, -1, 0.0], ["mul", 2, 1, 0.0]], 2)
+    key = (p["nops"], p["result"], *(p[f"w{i}"] for i in range(4 * p["nops"])), 0)
+    text = special_source([(key, (64, 14336))], 16, "_entry") + (
+        "\n\n@triton.jit\n"
+        "def probe(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT: tl.constexpr):\n"
+        "    _ewise_chain_0_vec(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, 0, 0, DT)\n"
+    )
+    path = tmp_path / "swiglu_probe.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("swiglu_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    signature = {"tp": "*i32", "params": "*i32", "regions": "*i32", "bufaddr": "*i64",
+                 "bufcols": "*i32", "r0": "i32", "w0": "i32", "m": "i32", "n": "i32",
+                 "DT": "constexpr"}
+    compiled = triton.compile(ASTSource(module.probe, signature, {"DT": tl.bfloat16}),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    cubin = tmp_path / "probe.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    tool = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2))
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    assert not any(re.search(r"(^|\s)(LDL|STL)(\.|\s|$)", t) for _a, t in ins), "local memory"
+    loops = _loops(ins)
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1]
+                                           for o in loops)]
+    body = [[t for a, t in ins if lo <= a <= hi] for lo, hi in inner]
+    counts = [(sum("LDG.E.128" in t for t in b), sum("STG.E.128" in t for t in b)) for b in body]
+    assert (16, 8) in counts, counts
