@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_scheduler import SMALL, build, builtin_ops, causal_stages, random_graphs
 
 import mgraph as mg
-from mgraph.scheduler import policies, task_costs
+from mgraph.scheduler import policies, static_partition, task_costs
 from mgraph.validate import topo_order
 
 BUILTIN = ["topological", "critical_path", "longest_path", "remote_first"]
@@ -109,27 +109,25 @@ def ref_placed_ends(graph, costs, order, succ, workers, tie) -> list[float]:
     def dispatch(k, now):
         free, ready = pool[k]
         while free and ready:
-            best = min(ready, key=lambda t: (-top[t], -tie[t], t))
-            ready.remove(best)
+            _, _, best = heapq.heappop(ready)
             free -= 1
             end[best] = now + costs[best]
-            running.append((end[best], best))
+            heapq.heappush(running, (end[best], best))
         pool[k][0] = free
 
     for t in range(n):
         if not left[t]:
-            pool[key(t)][1].append(t)
+            heapq.heappush(pool[key(t)][1], (-top[t], -tie[t], t))
     for k in pool:
         dispatch(k, 0.0)
     while running:
-        now, tid = min(running)
-        running.remove((now, tid))
+        now, tid = heapq.heappop(running)
         pool[key(tid)][0] += 1
         touched = [key(tid)]
         for p in preds[tid]:
             left[p] -= 1
             if not left[p]:
-                pool[key(p)][1].append(p)
+                heapq.heappush(pool[key(p)][1], (-top[p], -tie[p], p))
                 touched.append(key(p))
         for k in dict.fromkeys(touched):
             dispatch(k, now)
@@ -141,12 +139,14 @@ def ref_queue_makespan(graph, order, costs, workers) -> float:
     held until the task's waits are met (the count-th signal among those earlier in
     ``order``), busy for its cost; RDMA tasks wait for nothing but their inputs."""
     tasks = graph.tasks
+    total = {e: len(s) for e, s in graph.signalers().items()}
     free = {}
     signals = {}
     end = {}
     for tid in order:
         t = tasks[tid]
-        met = max((sorted(signals[e])[c - 1] for e, c in t.waits), default=0.0)
+        met = max((max(signals[e]) if c == total[e] else sorted(signals[e])[c - 1]
+                   for e, c in t.waits), default=0.0)  # fmt: skip
         if t.role == "rdma":
             start = met
         else:
@@ -160,12 +160,11 @@ def ref_queue_makespan(graph, order, costs, workers) -> float:
     return max(end.values(), default=0.0)
 
 
-def ref_critical_path(graph, costs, order, succ, length, turn, workers) -> list[int]:
-    """critical_path: longest_path's order, or the order by backward ends (ties in
-    longest_path's order) where the queue model predicts it shorter by PLACED_MARGIN."""
+def ref_critical_path(graph, costs, order, succ, length, turn, plain, workers) -> list[int]:
+    """critical_path: longest_path's order ``plain``, or the order by backward ends (ties in
+    ``plain``) where the queue model predicts it shorter by PLACED_MARGIN."""
     rank_order = sorted(range(len(graph.tasks)), key=lambda t: (-length[t], turn[t], t))
     rank = {t: i for i, t in enumerate(rank_order)}
-    plain = ref_list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
     ends = ref_placed_ends(graph, costs, order, succ, workers, rank)
     at = {t: i for i, t in enumerate(plain)}
     placed = sorted(range(len(graph.tasks)), key=lambda t: (-ends[t], at[t]))
@@ -175,8 +174,8 @@ def ref_critical_path(graph, costs, order, succ, length, turn, workers) -> list[
 
 
 def ref_orders(graph: mg.TaskGraph, workers=None) -> dict[str, list[int]]:
-    """Each builtin policy's order; ``critical_path``'s placed on ``workers`` (rank -> role ->
-    count) when given, else longest_path's (what it does without a partition)."""
+    """Each builtin policy's order, critical_path's without a partition (longest_path's); with
+    ``workers`` (rank -> role -> count) also ``placed``: critical_path's on those workers."""
     costs = task_costs(graph, mg.H200)
     order = topo_order(graph)
     succ = ref_succ(graph, order)
@@ -184,37 +183,39 @@ def ref_orders(graph: mg.TaskGraph, workers=None) -> dict[str, list[int]]:
     turn = policies.push_rotation(graph)
     waves = ref_waves(graph, order, succ)
     longest = ref_list_order(graph, [(-x, r) for x, r in zip(length, turn, strict=True)])
-    return {
+    want = {
         "topological": ref_list_order(graph, range(len(graph.tasks))),
         "longest_path": longest,
-        "critical_path": longest
-        if workers is None
-        else ref_critical_path(graph, costs, order, succ, length, turn, workers),
+        "critical_path": longest,
         "remote_first": ref_list_order(
             graph, [(w, -x, r) for w, x, r in zip(waves, length, turn, strict=True)]
         ),
     }
+    if workers is not None:
+        want["placed"] = ref_critical_path(graph, costs, order, succ, length, turn, longest,
+                                           workers)  # fmt: skip
+    return want
 
 
 def check_same(graph: mg.TaskGraph) -> None:
-    want = ref_orders(graph)
+    # mg.schedule places critical_path on its static partition
+    partition = static_partition(graph, mg.H200)
+    want = ref_orders(graph, [partition[r] for r in range(graph.topology.world_size)])
     costs = task_costs(graph, mg.H200)
     facts = policies.policy_input(graph, costs)
     assert facts.order == topo_order(graph)
     assert facts.succ == ref_succ(graph, facts.order)  # what a user policy may read
     for name in BUILTIN:
         assert policies.get_policy(name)(graph, facts) == want[name], name
-    # through mg.schedule: critical_path placed on the schedule's own partition
-    partition = [mg.schedule(graph, policy="topological").ranks[r].workers
-                 for r in range(graph.topology.world_size)]  # fmt: skip
-    want = ref_orders(graph, partition)
-    for name in BUILTIN:
+        if name == "longest_path":  # critical_path's order without a partition, checked above
+            continue
         s = mg.schedule(graph, policy=name)
+        cut = want["placed"] if name == "critical_path" else want[name]
         for r in s.ranks:
             for role, queue in r.queues.items():
                 assert queue == [
                     t
-                    for t in want[name]
+                    for t in cut
                     if graph.tasks[t].rank == r.rank and graph.tasks[t].role == role
                 ]
 
@@ -285,7 +286,7 @@ def test_a_ranks_nvlink_copies_go_chunk_by_chunk_from_the_next_gpu():
 def check_placed(graph: mg.TaskGraph, workers: dict[str, int]) -> list[int]:
     """mg.schedule's critical_path queues on ``workers`` are cut from the reference order."""
     per_rank = [dict(workers) for _ in range(graph.topology.world_size)]
-    want = ref_orders(graph, per_rank)["critical_path"]
+    want = ref_orders(graph, per_rank)["placed"]
     s = mg.schedule(graph, workers=workers)
     for r in s.ranks:
         for role, queue in r.queues.items():
