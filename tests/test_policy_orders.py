@@ -214,9 +214,7 @@ def check_same(graph: mg.TaskGraph) -> None:
         for r in s.ranks:
             for role, queue in r.queues.items():
                 assert queue == [
-                    t
-                    for t in cut
-                    if graph.tasks[t].rank == r.rank and graph.tasks[t].role == role
+                    t for t in cut if graph.tasks[t].rank == r.rank and graph.tasks[t].role == role
                 ]
 
 
