@@ -87,12 +87,12 @@ def test_llama_layer_ewise_tasks_take_the_fast_path():
         paths[key] = paths.get(key, 0) + 1
     # per rank of 256 tokens (row tiles: elementwise.traced_tile_rows): q's 4 heads x 256
     # rows in 2 tiles of 512, k's one head in one of 256; the two residual adds (512 columns)
-    # in tiles of 128 rows; SwiGLU (1792 columns) in tiles of 64
+    # in tiles of 128 rows; SwiGLU (1792 columns) in tiles of 32
     assert paths == {
         ("rope", "vec", 3, 512): 2,  # x * cos + rotate_half(x) * sin: 7 instructions
         ("rope", "vec", 3, 256): 1,
         ("3 ops", "vec", 2, 128): 4,  # the residual adds: LOAD, LOAD, add
-        ("4 ops", "vec", 2, 64): 4,  # SwiGLU: LOAD, silu, LOAD, mul
+        ("4 ops", "vec", 2, 32): 8,  # SwiGLU: LOAD, silu, LOAD, mul
     }, paths
     assert all(ewise_path(prog.graph, t, BF16) == "vec" for t in ew)
 

@@ -165,17 +165,19 @@ EWISE.param_defaults.update({n: int(n.endswith("n")) for n in G_PARAMS})
 Step = list  # [fn, a, b, scalar]
 
 
-# Elements a traced elementwise task covers at least: a narrow op (RoPE over 128-column head
-# rows) in 64-row tiles made 2,560 tasks of 64 KiB each in the Llama layer, each paying the
-# megakernel's per-task cost (~9 us) for ~1 us of memory traffic (benchmarks/NOTES.md v12).
+# Elements a traced elementwise task covers: a narrow op (RoPE over 128-column head rows) in
+# 64-row tiles made 2,560 tasks of 64 KiB each in the Llama layer, each paying the megakernel's
+# per-task cost (~9 us) for ~1 us of memory traffic; a wide one (SwiGLU over 14336 columns)
+# made 64 tasks of 5.5 MiB for 132 programs, half of them idle (benchmarks/NOTES.md v12).
 TRACED_TILE_ELEMS = 1 << 16
 
 
 def traced_tile_rows(cols: int) -> int:
-    """Row tile of a traced elementwise op of ``cols`` columns: 64 rows, or more (a power of
-    two, at most 1024) for narrow ops, so a task covers TRACED_TILE_ELEMS elements."""
+    """Row tile of a traced elementwise op of ``cols`` columns: a power of two from 16 to 1024
+    rows, about TRACED_TILE_ELEMS elements a task (16 rows, one block of the generated code's,
+    for rows of 4096 columns and wider)."""
     rows = 1 << max(0, (TRACED_TILE_ELEMS // max(1, int(cols))).bit_length() - 1)
-    return max(64, min(1024, rows))
+    return max(16, min(1024, rows))
 
 
 def input_names(n: int) -> list[str]:
