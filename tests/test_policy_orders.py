@@ -161,8 +161,11 @@ def ref_queue_makespan(graph, order, costs, workers) -> float:
 
 
 def ref_critical_path(graph, costs, order, succ, length, turn, plain, workers) -> list[int]:
-    """critical_path: longest_path's order ``plain``, or the order by backward ends (ties in
-    ``plain``) where the queue model predicts it shorter by PLACED_MARGIN."""
+    """critical_path: longest_path's order ``plain``, or, on a graph without RDMA tasks, the
+    order by backward ends (ties in ``plain``) where the queue model predicts it shorter by
+    PLACED_MARGIN."""
+    if any(t.role == "rdma" for t in graph.tasks):
+        return plain
     rank_order = sorted(range(len(graph.tasks)), key=lambda t: (-length[t], turn[t], t))
     rank = {t: i for i, t in enumerate(rank_order)}
     ends = ref_placed_ends(graph, costs, order, succ, workers, rank)

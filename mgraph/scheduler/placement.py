@@ -25,9 +25,10 @@ gets no worker limit.
 
 ``queue_times`` is the forward check: the megakernel's queues taken in order by their workers
 with head-of-line blocking, on the same costs. ``critical_path`` keeps the placed order only
-where it predicts it shorter than the unconstrained one by ``policies.PLACED_MARGIN``; it models
-neither bandwidth sharing nor the network's proxies, so within that margin it is no judge
-(runtime/sim, which models both, ranked 2-node GEMM+AR orders the other way round at +0.2% here).
+where it predicts it shorter than the unconstrained one by ``policies.PLACED_MARGIN``, and only
+on graphs without RDMA tasks: the model knows neither bandwidth sharing nor the network's
+proxies (runtime/sim, which models both, ranked 2-node GEMM+AR orders the other way round when
+this model saw them 0.2% apart).
 """
 
 from __future__ import annotations
