@@ -266,8 +266,9 @@ def measure(args: argparse.Namespace, policies: list[str]) -> dict:
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
-    ns = argparse.Namespace(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                            ffn=args.ffn, dtype=dtype)  # fmt: skip
+    ns = argparse.Namespace(
+        hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, dtype=dtype
+    )
     torch.manual_seed(1)
     x = torch.randn(1, args.seq, args.hidden, dtype=dtype).to(device)
     with torch.no_grad():
@@ -275,9 +276,15 @@ def measure(args: argparse.Namespace, policies: list[str]) -> dict:
     layer = bench_layer.build_layer(ns, device)
     rows = []
     for policy in policies:
-        prog = mg.compile(layer, (x,), plan=bench_layer.mgraph_plan(), topology="1x1",
-                          backend="triton", policy=policy,
-                          backend_options={"interpret": True} if args.interpret else None)  # fmt: skip
+        prog = mg.compile(
+            layer,
+            (x,),
+            plan=bench_layer.mgraph_plan(),
+            topology="1x1",
+            backend="triton",
+            policy=policy,
+            backend_options={"interpret": True} if args.interpret else None,
+        )
         with torch.no_grad():
             err = bench_layer.rel(prog(x), want)  # the first call builds the kernel
         runtime = prog._runtime  # Program has no public accessor for it (bench_layer's way)
@@ -311,10 +318,13 @@ def measure(args: argparse.Namespace, policies: list[str]) -> dict:
             "replay": predicted,
         }
         rows.append(row)
-        print(f"{policy}: kernel {ms} ms (traced {row['traced_makespan_ms']} ms), error "
-              f"{err:.2e}, measured waiting {row['measured_wait_ms']} ms "
-              f"{row['measured_wait_ms_per_kind']}; replay with this trace's kind times: "
-              f"{predicted['makespan_ms']} ms, waiting {predicted['wait_ms']} ms", flush=True)  # fmt: skip
+        print(
+            f"{policy}: kernel {ms} ms (traced {row['traced_makespan_ms']} ms), error "
+            f"{err:.2e}, measured waiting {row['measured_wait_ms']} ms "
+            f"{row['measured_wait_ms_per_kind']}; replay with this trace's kind times: "
+            f"{predicted['makespan_ms']} ms, waiting {predicted['wait_ms']} ms",
+            flush=True,
+        )
         del prog, runtime
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -330,18 +340,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--kinds", default=str(KINDS_JSON), help="kind_breakdown JSON (measured)")
-    p.add_argument("--ewise-us", type=float, action="append", default=[],
-                   help="also replay with ewise tasks at this mean (us); repeatable")  # fmt: skip
+    p.add_argument(
+        "--ewise-us",
+        type=float,
+        action="append",
+        default=[],
+        help="also replay with ewise tasks at this mean (us); repeatable",
+    )
     p.add_argument("--policy", action="append", help="default: longest_path and critical_path")
-    p.add_argument("--oracle", action="store_true",
-                   help="also critical_path ordered with the replay's own task times as costs")  # fmt: skip
+    p.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also critical_path ordered with the replay's own task times as costs",
+    )
     p.add_argument("--sim", action="store_true", help="also runtime/sim on each schedule")
     p.add_argument("--top", type=int, default=6, help="stage boundaries shown per replay")
     p.add_argument("--out", help="write replay_layer.json here")
-    p.add_argument("--measure", action="store_true",
-                   help="one GPU: run, time and trace each policy's schedule (measure())")  # fmt: skip
-    p.add_argument("--interpret", action="store_true",
-                   help="with --measure: Triton's interpreter on the CPU (a smoke check)")  # fmt: skip
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="one GPU: run, time and trace each policy's schedule (measure())",
+    )
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="with --measure: Triton's interpreter on the CPU (a smoke check)",
+    )
     p.add_argument("--reps", type=int, default=10, help="with --measure: timed launches")
     args = p.parse_args(argv)
     if args.interpret and not args.measure:
@@ -359,9 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"layer: {len(graph.tasks)} tasks, built in {time.perf_counter() - t0:.1f} s")
     measured = json.loads(Path(args.kinds).read_text())
     kind_us = {r["kind"]: float(r["mean_work_us"]) for r in measured}
-    print("measured (" + Path(args.kinds).name + "): " + ", ".join(
-        f"{r['kind']} {r['mean_work_us']} us/task, waiting {r['wait_ms']} ms" for r in measured
-    ) + f"; makespan {measured[0].get('makespan_ms')} ms")  # fmt: skip
+    print(
+        "measured ("
+        + Path(args.kinds).name
+        + "): "
+        + ", ".join(
+            f"{r['kind']} {r['mean_work_us']} us/task, waiting {r['wait_ms']} ms" for r in measured
+        )
+        + f"; makespan {measured[0].get('makespan_ms')} ms"
+    )
     policies = args.policy or ["longest_path", "critical_path"]
     scheds = {name: schedule(graph, policy=name) for name in policies}
     out: dict = {"tasks": len(graph.tasks), "kinds": args.kinds, "cases": []}
@@ -384,11 +414,15 @@ def main(argv: list[str] | None = None) -> int:
                 row["sim_ms"] = round(simulate(sched, baselines=False).predicted_s * 1e3, 3)
             case["rows"].append(row)
             sim = f", runtime/sim {row['sim_ms']} ms" if "sim_ms" in row else ""
-            print(f"{name}: makespan {row['makespan_ms']} ms, waiting {row['wait_ms']} ms "
-                  f"{row['wait_ms_per_kind']}, idle after last task {row['tail_idle_ms']} ms{sim}")  # fmt: skip
+            print(
+                f"{name}: makespan {row['makespan_ms']} ms, waiting {row['wait_ms']} ms "
+                f"{row['wait_ms_per_kind']}, idle after last task {row['tail_idle_ms']} ms{sim}"
+            )
             for b in row["boundaries"]:
-                print(f"    {b['waiter']:40s} waits for {b['waits_for']:40s} "
-                      f"{b['tasks']:5d} tasks {b['wait_ms']:8.2f} ms")  # fmt: skip
+                print(
+                    f"    {b['waiter']:40s} waits for {b['waits_for']:40s} "
+                    f"{b['tasks']:5d} tasks {b['wait_ms']:8.2f} ms"
+                )
         out["cases"].append(case)
     if args.measure:
         out.update(measure(args, policies))

@@ -291,8 +291,9 @@ def check_placed(graph: mg.TaskGraph, workers: dict[str, int]) -> list[int]:
     s = mg.schedule(graph, workers=workers)
     for r in s.ranks:
         for role, queue in r.queues.items():
-            assert queue == [t for t in want
-                             if graph.tasks[t].rank == r.rank and graph.tasks[t].role == role]  # fmt: skip
+            assert queue == [
+                t for t in want if graph.tasks[t].rank == r.rank and graph.tasks[t].role == role
+            ]
     return want
 
 

@@ -48,9 +48,15 @@ def hand_schedule() -> tuple[Schedule, list[float]]:
     dst = b.buffer("dst", 0, 4, 4)
 
     def task(i, name, producers):
-        return b.task(0, Role.COMPUTE, "copy", [src.region((i, i + 1))],
-                      [dst.region((i, i + 1))], waits=b.after(0, producers),
-                      name=f"{name}: copy r0 [{i}]")  # fmt: skip
+        return b.task(
+            0,
+            Role.COMPUTE,
+            "copy",
+            [src.region((i, i + 1))],
+            [dst.region((i, i + 1))],
+            waits=b.after(0, producers),
+            name=f"{name}: copy r0 [{i}]",
+        )
 
     ta = task(0, "a", [])
     tb = task(1, "b", [])
@@ -58,8 +64,12 @@ def hand_schedule() -> tuple[Schedule, list[float]]:
     td = task(3, "d", [tb, tc])
     g = b.finish().validate()
     queues = {"compute": [ta.id, tb.id, tc.id, td.id], "nvlink": [], "rdma": []}
-    s = Schedule(graph=g, hardware=mg.H200, policy="hand",
-                 ranks=[RankSchedule(rank=0, workers={"compute": 2}, queues=queues, batches=[])])  # fmt: skip
+    s = Schedule(
+        graph=g,
+        hardware=mg.H200,
+        policy="hand",
+        ranks=[RankSchedule(rank=0, workers={"compute": 2}, queues=queues, batches=[])],
+    )
     s.check()
     return s, [3e-6, 1e-6, 2e-6, 1e-6]
 

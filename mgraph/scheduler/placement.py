@@ -19,7 +19,8 @@ Ordered by it, the layer's o-projection starts on the query rows whose attention
 the replay with v12's measured kind times, at 1.05 ms instead of 1.49), the second RMSNorm
 follows the residual add row by row, and the SwiGLU tasks start among the last ~300 gate/up
 tiles instead of after all of them. (Each SwiGLU task is one 64-row tile over all 14336
-columns: the down projection still waits for the last ones; smaller SwiGLU tiles would cut that.)
+columns: the down projection still waits for the last ones; smaller SwiGLU tiles would cut
+that.)
 
 Event-level like policies.py's passes (never the 15M task-to-task edges of a traced layer at
 2x8): a task is released in the backward schedule when, for every event it signals, all of the

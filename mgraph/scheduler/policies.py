@@ -16,12 +16,13 @@ priority into an order by simulating the counters and always taking the best rea
 schedule's workers (placement.py): by their ends in a backward list schedule, kept only where
 the queue model predicts that order at least ``PLACED_MARGIN`` shorter than ``longest_path``'s.
 ``critical_path``, ``longest_path``, ``network_first`` and ``remote_first`` break ties between
-equally urgent tasks by ``push_rotation``: a task writing into one node peer (an epilogue push, an NVLink copy)
-on rank r goes first to its node's GPU r+1, then r+2, ..., so the GPUs of a node do not all start
-by writing into the same peer (an NVLink incast: 7 senders sharing one GPU's ingress while the
-other links idle), whatever order the lowering emitted the tiles in. A rank's NVLink copies into
-one peer are ranked by their count first (a lowering's chunks), so its NVLink queue goes chunk by
-chunk, each chunk's copies from the next GPU on, not every chunk's copy to r+1 before any to r+2.
+equally urgent tasks by ``push_rotation``: a task writing into one node peer (an epilogue push,
+an NVLink copy) on rank r goes first to its node's GPU r+1, then r+2, ..., so the GPUs of a node
+do not all start by writing into the same peer (an NVLink incast: 7 senders sharing one GPU's
+ingress while the other links idle), whatever order the lowering emitted the tiles in. A rank's
+NVLink copies into one peer are ranked by their count first (a lowering's chunks), so its NVLink
+queue goes chunk by chunk, each chunk's copies from the next GPU on, not every chunk's copy to
+r+1 before any to r+2.
 
 ``network_first`` orders first by ``network_slots``: the earliest RDMA transfer (in each rank's
 wave-major send order) that needs a task, then as ``critical_path``. Longest-path alone puts every
