@@ -246,8 +246,8 @@ def measure(args: argparse.Namespace, policies: list[str]) -> dict:
     (backend="triton", one rank) and checked against the fp32 layer (bench_layer's bound),
     timed in two rounds that alternate the orders (the megakernel relaunched alone, CUDA
     events, median) and traced once (kind_breakdown: measured waiting per kind), with the
-    replay's prediction from THAT trace's kind times beside it. ``--interpret`` runs it in Triton's interpreter on
-    the CPU (a smoke check of this path: fp32, no clock, so no times)."""
+    replay's prediction from THAT trace's kind times beside it. ``--interpret`` runs it in
+    Triton's interpreter on the CPU (a smoke check of this path: fp32, no clock, no times)."""
     import os
     import statistics
 
