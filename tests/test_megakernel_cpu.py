@@ -264,8 +264,9 @@ def test_event_scopes_are_gpu_unless_they_cross_gpus():
     reduce = next(x for x in mine if x.kind == "reduce")
     assert wait_flags(reduce.name) == [1]
     assert sig_flags(reduce.name) == [1]  # "landed" on the peer whose output it stored into
-    # a single-GPU graph never needs system scope
-    solo = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="1x1", tile=[32, 32])
+    # a single-GPU graph never needs system scope (attention's tasks wait on each other; a
+    # GEMM+AR on one GPU is GEMM tiles alone)
+    solo = mg.ops.ring_attention(topology="1x1", B=1, H=2, S=256, D=64, block=64, causal=True)
     ts = encode_rank(mg.schedule(solo), 0)
     assert set(ts.signals[:, 1].tolist()) == {0} and set(ts.waits[:, 3].tolist()) == {0}
 

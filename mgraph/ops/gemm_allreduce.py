@@ -82,10 +82,19 @@ def _lower(
     a = [b.bound_buffer("a", r, "a", [piece((M, K), d1=shard_range(K, r, world))]) for r in topo.ranks]
     w = [b.bound_buffer("b", r, "b", [piece((K, N), d0=shard_range(K, r, world))]) for r in topo.ranks]
     out = [b.bound_buffer("out", r, "out", [piece((M, N))], role="output") for r in topo.ranks]
-    part = [b.buffer("partial", r, M, N) for r in topo.ranks]
     tiles = tile_grid(M, N, bm, bn)
     itemsize = ITEMSIZE[b.dtype]
     ks = K // world
+    if world == 1:  # nothing to reduce: the GEMM's tiles are the output (no partial, no copy)
+        for t in grouped(tiles):
+            b.task(
+                0, Role.COMPUTE, GEMM,
+                [a[0].region((t[0], t[1]), (0, ks)), w[0].region((0, ks), (t[2], t[3]))],
+                [tile_region(out[0], t)],
+                name=f"gemm r0 [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+            )
+        return
+    part = [b.buffer("partial", r, M, N) for r in topo.ranks]
 
     gemms: list[dict[Tile, Task]] = []
     slots = partition(tiles, topo.gpus_per_node)  # the node-reduce owners' slots

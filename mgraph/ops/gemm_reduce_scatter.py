@@ -129,6 +129,15 @@ def _lower(
     if topo.nodes == 1 and algorithm == "accumulate":
         plan.accumulate(a, w, out, ks)
         return
+    if world == 1:  # nothing to reduce: the GEMM's tiles are the output (no partial, no copy)
+        for t in plan.gemm_order(0):
+            b.task(
+                0, Role.COMPUTE, GEMM,
+                [a[0].region((t[0], t[1]), (0, ks)), w[0].region((0, ks), (t[2], t[3]))],
+                [tile_region(out[0], t)],
+                name=f"gemm r0 [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+            )
+        return
     part = [b.buffer("partial", r, M, N) for r in topo.ranks]
     gemms: list[dict[Tile, Task]] = []
     for r in topo.ranks:
