@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_run.sh tests            # pytest -m "gpu or multi_gpu" (megakernel)
 #   bash benchmarks/gpu_run.sh bench SHAPES...  # bench_tp.py on the given per-rank shapes
 #   bash benchmarks/gpu_run.sh net              # benchmarks/gpu_check_net.py (the network path)
-#   bash benchmarks/gpu_run.sh programs         # tests/gpu_programs.py (traced Programs, 2 GPUs)
+#   bash benchmarks/gpu_run.sh programs         # tests/gpu_programs.py (traced Programs, every GPU)
 #   bash benchmarks/gpu_run.sh attention        # bench_attention.py tile, then ring (2 GPUs)
 #   bash benchmarks/gpu_run.sh moe              # bench_moe.py (baseline + mgraph, 2 GPUs)
 #   bash benchmarks/gpu_run.sh calibrate        # calibrate.py: the hardware profile JSON
@@ -44,7 +44,8 @@ net)
     timeout "${NET_LIMIT:-300}" python3 benchmarks/gpu_check_net.py "$@" 2>&1 | tee "$OUT/net.log" | tail -40
     ;;
 programs)
-    timeout "${PROGRAMS_LIMIT:-120}" torchrun --nproc_per_node=2 tests/gpu_programs.py 2>&1 \
+    timeout "${PROGRAMS_LIMIT:-120}" torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+        tests/gpu_programs.py 2>&1 \
         | tee "$OUT/programs.log" | grep -E '^\{|gpu_programs:' | cut -c1-200
     ;;
 attention)
