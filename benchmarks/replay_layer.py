@@ -175,17 +175,24 @@ def boundaries(graph, rep: Replay, top: int = 8) -> list[dict]:
     return rows[:top]
 
 
-def tail_idle(rep: Replay, programs: int) -> float:
-    """Program-seconds idle after each program's last task until the makespan."""
-    last: dict[int, float] = defaultdict(float)
-    for p, e in zip(rep.program, rep.end, strict=True):
-        last[p] = max(last[p], e)
+def tail_idle(sched, rep: Replay) -> float:
+    """Compute program-seconds idle after each program's last task until the makespan (a
+    program that ran nothing: the whole makespan), over every rank."""
+    tasks = sched.graph.tasks
+    last: dict[tuple[int, int], float] = {}
+    for t in tasks:
+        if t.role == "compute":
+            key = (t.rank, rep.program[t.id])
+            last[key] = max(last.get(key, 0.0), rep.end[t.id])
+    programs = sum(rs.workers.get("compute", 0) for rs in sched.ranks)
     return sum(rep.makespan - v for v in last.values()) + (programs - len(last)) * rep.makespan
 
 
 # -- the layer ---------------------------------------------------------------------------------
-def layer_program(hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, dtype: str):
-    """mg.compile of bench_layer's module and plan on one rank (CPU reference backend)."""
+def layer_program(
+    hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, dtype: str, topology: str = "1x1"
+):
+    """mg.compile of bench_layer's module and plan on ``topology`` (CPU reference backend)."""
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -198,7 +205,7 @@ def layer_program(hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, dt
     )
     layer = bench_layer.build_layer(args, torch.device("cpu"))
     x = torch.randn(1, seq, hidden, dtype=args.dtype)
-    return mg.compile(layer, (x,), plan=bench_layer.mgraph_plan(), topology="1x1")
+    return mg.compile(layer, (x,), plan=bench_layer.mgraph_plan(), topology=topology)
 
 
 def oracle_schedule(graph, times: list[float], hardware=None):
@@ -229,14 +236,13 @@ def oracle_schedule(graph, times: list[float], hardware=None):
 
 def report(graph, sched, times: list[float], label: str, top: int) -> dict:
     rep = replay(sched, times)
-    programs = sum(rs.workers.get("compute", 0) for rs in sched.ranks)
     return {
         "policy": label,
         "makespan_ms": round(rep.makespan * 1e3, 3),
         "wait_ms": round(rep.total_wait * 1e3, 2),
         "wait_ms_per_kind": {k: round(v * 1e3, 2) for k, v in sorted(rep.wait.items())},
         "busy_ms_per_kind": {k: round(v * 1e3, 2) for k, v in sorted(rep.busy.items())},
-        "tail_idle_ms": round(tail_idle(rep, programs) * 1e3, 2),
+        "tail_idle_ms": round(tail_idle(sched, rep) * 1e3, 2),
         "boundaries": boundaries(graph, rep, top),
     }
 
@@ -360,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--topology",
+        default="1x1",
+        help="replay the layer lowered for this topology (one node: e.g. 1x2, as bench_layer on "
+        "2 GPUs; the kind times stay the 1-rank measurement's)",
+    )
     p.add_argument("--kinds", default=str(KINDS_JSON), help="kind_breakdown JSON (measured)")
     p.add_argument(
         "--ewise-us",
@@ -389,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--reps", type=int, default=10, help="with --measure: timed launches")
     args = p.parse_args(argv)
+    if args.measure and args.topology != "1x1":
+        p.error("--measure runs one GPU: --topology 1x1")
     if args.interpret and not args.measure:
         p.error("--interpret goes with --measure")
     if args.interpret:  # read when triton is imported: before mgraph is
@@ -399,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     from mgraph.scheduler import schedule
 
     t0 = time.perf_counter()
-    prog = layer_program(args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.dtype)
+    prog = layer_program(
+        args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.dtype, args.topology
+    )
     graph = prog.graph
     print(f"layer: {len(graph.tasks)} tasks, built in {time.perf_counter() - t0:.1f} s")
     measured = json.loads(Path(args.kinds).read_text())
@@ -431,11 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     for ewise in [None, *args.ewise_us]:
         us = dict(kind_us) if ewise is None else {**kind_us, "ewise": ewise}
         times = task_times(graph, us)
+        # compute work over compute programs (every policy gets the same static partition)
         programs = sum(rs.workers.get("compute", 0) for rs in next(iter(scheds.values())).ranks)
-        bound = sum(times) / max(programs, 1)
+        work = sum(times[t.id] for t in graph.tasks if t.role == "compute")
+        bound = work / max(programs, 1)
         case = {"ewise_us": us.get("ewise"), "work_bound_ms": round(bound * 1e3, 3), "rows": []}
         title = "measured kind times" if ewise is None else f"ewise at {ewise:g} us a task"
-        print(f"\n== {title}: work / programs = {bound * 1e3:.3f} ms")
+        print(f"\n== {title}: compute work / compute programs = {bound * 1e3:.3f} ms")
         runs = list(scheds.items())
         if args.oracle:
             runs.append(("critical_path (oracle costs)", oracle_schedule(graph, times)))

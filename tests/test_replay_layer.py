@@ -91,8 +91,9 @@ def test_replay_of_a_hand_built_schedule():
         ("d: copy", "c: copy", 1, 0.002),
     ]
     # worker 1 ends at 5, worker 0 at 6: 1 us idle after the last task
-    assert rl.tail_idle(rep, 2) == pytest.approx(1e-6)
-    assert rl.tail_idle(rep, 3) == pytest.approx(7e-6)  # a third worker never ran anything
+    assert rl.tail_idle(s, rep) == pytest.approx(1e-6)
+    s.ranks[0].workers["compute"] = 3  # a third worker that never ran anything: 6 us more
+    assert rl.tail_idle(s, rep) == pytest.approx(7e-6)
 
 
 def test_stage_names():
