@@ -15,12 +15,12 @@ tasks at the end of the graph first, a task once everything after it has run, th
 taking the ready task with the longest path from the graph's start): a task's end time there is
 the latest-start view of how much time the schedule still needs once it starts, with the stages
 after it spread over the workers. With unlimited workers it is exactly the critical path length.
-Ordered by it, the layer's o-projection starts on the query rows whose attention is done (in
-the replay with v12's measured kind times, at 1.05 ms instead of 1.49), the second RMSNorm
-follows the residual add row by row, and the SwiGLU tasks start among the last ~300 gate/up
-tiles instead of after all of them. (Each SwiGLU task is one 64-row tile over all 14336
-columns: the down projection still waits for the last ones; smaller SwiGLU tiles would cut
-that.)
+Ordered by it, v12's lowering of the layer (12,864 tasks) had its o-projection start on the
+query rows whose attention was done (in the replay with v12's measured kind times, at 1.05 ms
+instead of 1.49), the second RMSNorm follow the residual add row by row, and the SwiGLU tasks
+start among the last ~300 gate/up tiles instead of after all of them; each SwiGLU task was a
+64-row tile over all 14336 columns there, and the down projection still waited for the last
+ones (traced elementwise ops tile wide rows down to 16 rows since).
 
 Event-level like policies.py's passes (never the 15M task-to-task edges of a traced layer at
 2x8): a task is released in the backward schedule when, for every event it signals, all of the
