@@ -1,14 +1,16 @@
 """Compile-speed rewrites of the lowerings that must not change a task: relayout fits a
 replicated chain's tiles once for all ranks (every rank's gather map is the same there, and only
-there)."""
+there), and builds each task's params without building tile_gathers' dicts first (the same
+params, keys in the same order)."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
 
-import mgraph  # noqa: F401  (registers the ops; mgraph.ops.relayout is the op, not the module)
+import mgraph as mg
 from mgraph.layout import REPLICATE, ROWS, Layout
 from mgraph.ops import relayout as _op  # noqa: F401
 
@@ -36,3 +38,29 @@ def test_sharded_relayouts_are_fitted_per_rank(src, dst):
     tiles = TILES[:1]
     fits = [R.tile_gathers(SHAPE, STEPS, src, dst, r, 4, tiles) for r in range(4)]
     assert any(f != fits[0] for f in fits)
+
+
+@pytest.mark.parametrize(
+    ("topology", "shape", "steps", "src", "dst"),
+    [
+        ("2x2", SHAPE, STEPS, REPLICATE, REPLICATE),
+        ("2x2", SHAPE, STEPS, Layout("shard", 2), Layout("shard", 1)),
+        # a reshape across the permuted dims: no gather form, no GPU params
+        ("1x2", (4, 6), (("permute", (1, 0)), ("view", (4, 6))), REPLICATE, REPLICATE),
+    ],
+)
+def test_relayout_params_are_tile_gathers_params(topology, shape, steps, src, dst):
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    g = mg.ops.relayout(rows=rows, cols=cols, in_shape=shape, steps=steps,
+                        in_layout=src.to_json(), out_layout=dst.to_json(), tile_rows=8,
+                        topology=topology)  # fmt: skip
+    world = g.topology.world_size
+    for r in range(world):
+        tasks = [t for t in g.tasks if t.rank == r]
+        tiles = [tuple(t.params["rows"]) for t in tasks]
+        fits = R.tile_gathers(shape, steps, src, dst, r, world, tiles)
+        for t, fit in zip(tasks, fits, strict=True):
+            common = {k: v for k, v in t.params.items() if k not in fit}
+            want = {**common, **fit}
+            assert list(t.params.items()) == list(want.items())
+            assert bool(fit) == (shape == SHAPE)

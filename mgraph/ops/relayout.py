@@ -213,7 +213,7 @@ def _lower(
     # Replicated in and out (a head split or repeat_kv's expand of a replicated value): every
     # rank's gather map is the same, so its tiles are fitted once, not once per rank (at 2x8
     # the 16 fits took ~0.1 s of a warm compile). The fits are only read below.
-    fitted: dict[tuple[tuple[int, int], ...], list[dict[str, int]]] = {}
+    fitted: dict[tuple[tuple[int, int], ...], list[tuple[dict[str, int], int]]] = {}
     same_maps = _rank_free(src, dst, b.world)
     for r in b.topo.ranks:
         x = b.bound_buffer("x", r, "x", runs_pieces(layout_runs(shape, src, r, b.world)))
@@ -228,17 +228,17 @@ def _lower(
             "world": b.world,
         }
         tiles = split(out.rows, tile_rows)
-        gathers = fitted.get(tuple(tiles)) if same_maps else None
-        if gathers is None:
-            gathers = tile_gathers(shape, steps, src, dst, r, b.world, tiles)
+        fits = fitted.get(tuple(tiles)) if same_maps else None
+        if fits is None:
+            fits = _tile_fits(shape, steps, src, dst, r, b.world, tiles)
             if same_maps:
-                fitted[tuple(tiles)] = gathers
+                fitted[tuple(tiles)] = fits
         # Hot: a traced layer's head splits and merges are ~half its tasks at 2x8 (42k), so
         # what every tile of the rank shares is made once: the region read (all of x) and
         # the flops hint, which depends on no tile (the kind's own facet, asked once).
         whole = x.region()
         flops = RELAYOUT.flops_fn((), (), common)
-        for (t0, t1), gather in zip(tiles, gathers, strict=True):
+        for (t0, t1), (digits, base) in zip(tiles, fits, strict=True):
             b.task(
                 r,
                 Role.COMPUTE,
@@ -246,7 +246,12 @@ def _lower(
                 [whole],
                 [out.region((t0, t1))],
                 name=f"relayout r{r} [{t0}:{t1}]",
-                params={**common, "rows": [t0, t1], **gather},
+                # tile_gathers' params, its dict not built: "base" keeps its place
+                params=(
+                    {**common, "rows": [t0, t1], **digits, "base": base}
+                    if digits
+                    else {**common, "rows": [t0, t1]}
+                ),
                 flops=flops,
             )
 
@@ -559,9 +564,21 @@ def tile_gathers(
 ) -> list[dict[str, int]]:
     """The GPU params of each tile (output buffer rows [t0, t1)) of rank ``rank``; {} for a
     tile whose map has no gather form."""
+    return [
+        {**digits, "base": base} if digits else {}
+        for digits, base in _tile_fits(shape, steps, src, dst, rank, world, tiles)
+    ]
+
+
+def _tile_fits(
+    shape: Sequence[int], steps: Sequence, src: Layout, dst: Layout, rank: int, world: int,
+    tiles: Sequence[tuple[int, int]],
+) -> list[tuple[dict[str, int], int]]:
+    """tile_gathers' params per tile as (the params with base 0, or {}; the tile's base): the
+    tiles of a fit share its dict (the lowering builds each task's params from it)."""
     maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
     if maps is None:
-        return [{} for _ in tiles]
+        return [({}, 0) for _ in tiles]
     rows, cols = maps
     col_digits = _fit_axis(cols)
     col0 = int(cols[0])
@@ -585,7 +602,7 @@ def tile_gathers(
         for i, k in zip(which, inverse.tolist(), strict=True):
             pattern[i] = k
     return [
-        {**digits, "base": first + col0} if (digits := fits[t1 - t0, k]) else {}
+        (fits[t1 - t0, k], first + col0)
         for (t0, t1), first, k in zip(tiles, firsts, pattern, strict=True)
     ]
 
