@@ -73,6 +73,12 @@ def test_block_shapes():
     assert block_shape(2, 16, (64, 4096)) == (16, 1024)
     assert block_shape(1, 32, (24, 80)) == (32, 128)  # fp32: 8 vectors; rows up to the tile's
     assert block_shape(8, 32, (4, 4096)) == (1, 1024)
+    assert block_shape(3, 16, (256, 1024)) == (8, 1024)  # 5 vectors an operand: 4 (a power of 2)
+    for loads in range(1, 9):  # Triton's aranges are powers of two: every block shape is
+        for bits in (16, 32):
+            for shape in ((64, 14336), (10, 80), (512, 128), (1, 8), (3, 4096), (1000, 1000)):
+                rows, cols = block_shape(loads, bits, shape)
+                assert rows & (rows - 1) == 0 and cols & (cols - 1) == 0, (loads, bits, shape)
 
 
 def test_the_dispatch_falls_back_to_the_interpreter():
@@ -157,6 +163,49 @@ if __name__ == "__main__":
 
 
 # -- ahead of time, sm_90 --------------------------------------------------------------------------
+def test_random_chains_compile(tmp_path):
+    """The dispatch of test_program_triton's random chains (1 to 5 loads a block, every fn, CONST
+    steps) through Triton's front end for sm_90, in bf16 and fp32: what the interpreter does not
+    check (a block of 10 rows ran there and failed to compile on the H200: aranges are powers of
+    two)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    import importlib.util
+
+    import triton.language as tl
+    from test_program_triton import chain_case
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    from mgraph.ops.elementwise_special import chain_keys, special_source
+
+    chains = []
+    for seed in range(4):
+        model, args = chain_case(seed, shape=(2, 64, 1024))  # gpu_programs.py's width
+        g = mg.compile(model, args, topology="1x1").graph
+        chains += chain_keys(g, [t.id for t in g.tasks], 6)
+    assert len({k for k, _s in chains}) >= 4, chains
+    signature = {"tp": "*i32", "params": "*i32", "regions": "*i32", "bufaddr": "*i64",
+                 "bufcols": "*i32", "DT": "constexpr"}
+    for bits, dt in ((16, tl.bfloat16), (32, tl.float32)):
+        path = tmp_path / f"chains{bits}.py"
+        path.write_text(special_source(chains, bits, "entry"))
+        spec = importlib.util.spec_from_file_location(f"chains{bits}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        src = ASTSource(module.entry, signature, {"DT": dt})
+        target = GPUTarget("cuda", 90, 32)
+        backend = make_backend(target)
+        options = backend.parse_options({"num_warps": 8})
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        module_ir = src.make_ir(target, options, backend.get_codegen_implementation(options),
+                                backend.get_module_map(), context)
+        assert "tt.func" in str(module_ir)
+
+
 def test_swiglu_chain_loop_moves_16_byte_vectors(tmp_path):
     """SwiGLU's generated fast path alone compiled for sm_90 (8 warps, bf16): one loop, each
     iteration a 16 x 1024 block, 8 vectors a thread of each operand loaded (16 LDG.E.128),

@@ -110,6 +110,7 @@ def block_shape(loads: int, bits: int, shape: tuple[int, int]) -> tuple[int, int
     bandwidth. Columns up to 1024 (whole rows of the tile where they fit), then rows."""
     vec = 128 // bits
     per_op = max(1, (16 if bits <= 16 else 8) // max(1, loads))
+    per_op = 1 << (per_op.bit_length() - 1)  # Triton's blocks are powers of two
     elems = per_op * vec * 256
     cols = min(max(_pow2(shape[1]), vec), 1024, elems)
     rows = max(1, min(elems // cols, _pow2(shape[0])))
