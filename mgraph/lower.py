@@ -126,9 +126,11 @@ class _Lowering:
                 raise MgraphError(
                     f"{node.where()}: op {node.op} left output {value.name!r} unbound"
                 )
+        # Resharder.note_writer's append, inlined: once per write (~80k at 2x8)
+        writers = self.reshard.writers
         for t in new:
             for w in t.writes:
-                self.reshard.note_writer(w, t)
+                writers[w[0]].append((w, t))
 
     def _add_readiness(self, tasks: list[Task]) -> None:
         """Each task that reads an earlier op's buffer waits for the writers of what it reads."""
@@ -145,12 +147,13 @@ class _Lowering:
             for r in t.reads:
                 found = of_region.get(r)
                 if found is None:
-                    ws = writers.get(r.buffer)
+                    bid = r[0]  # regions are (buffer, row0, row1, col0, col1)
+                    ws = writers.get(bid)
                     found = []
                     if ws:
-                        idx = index.get(r.buffer)
+                        idx = index.get(bid)
                         if idx is None or idx.size != len(ws):
-                            idx = index[r.buffer] = _WriterIndex(ws)
+                            idx = index[bid] = _WriterIndex(ws)
                         found = idx.overlapping(r)
                     of_region[r] = found
                 if found:
@@ -219,7 +222,12 @@ class _WriterIndex:
         self.size = len(writers)
         by_rows: dict[tuple[int, int], list[tuple[int, Region, Task]]] = {}
         for i, (w, t) in enumerate(writers):
-            by_rows.setdefault((w.row0, w.row1), []).append((i, w, t))
+            key = (w[1], w[2])  # (row0, row1): indexing, not the NamedTuple's properties
+            group = by_rows.get(key)
+            if group is None:
+                by_rows[key] = [(i, w, t)]
+            else:
+                group.append((i, w, t))
         self.rows = sorted(by_rows.items())  # ((row0, row1), writers), by row0
         self.row0s = [k[0] for k, _ in self.rows]
         self.span = max(r1 - r0 for r0, r1 in by_rows)  # the tallest writer
@@ -230,15 +238,15 @@ class _WriterIndex:
         hits: dict[int, Task] = {}
         rows = self.rows
         # a writer starting at or before r.row0 - span ends before r.row0
-        lo = bisect_right(self.row0s, r.row0 - self.span)
-        hi = bisect_left(self.row0s, r.row1)
-        c0, c1 = r.col0, r.col1
+        _, r0, r1, c0, c1 = r
+        lo = bisect_right(self.row0s, r0 - self.span)
+        hi = bisect_left(self.row0s, r1)
         for k in range(lo, hi):
             (w0, w1), ws = rows[k]
-            if w1 <= r.row0:
+            if w1 <= r0:
                 continue
             for i, w, t in ws:
-                if w.col0 < c1 and c0 < w.col1:
+                if w[3] < c1 and c0 < w[4]:
                     hits[i] = t
         return [hits[i] for i in sorted(hits)]
 
