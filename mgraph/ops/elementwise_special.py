@@ -148,43 +148,69 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
     w("    opitch = opitch // VEC * VEC")
     w("    n = n // VEC * VEC")
     w("    half = half // VEC * VEC")
-    w(f"    nbj = tl.cdiv(n, {bc})")
-    w(f"    nblk = tl.cdiv(m, {br}) * nbj")
-    w("    for blk in range(0, nblk):")
-    # the block's loads first, all in flight together; then its fns; then one store
-    w(f"        om = blk // nbj * {br} + tl.arange(0, {br})")
-    w(f"        on = vec_cols(blk % nbj * {bc}, {bc}, VEC)")
-    w("        mk = (om < m)[:, None] & (on < n)[None, :]")
+    for a in reads:
+        if form[a] == GATHER:
+            w(f"    gp{a} = vec_ptr(ga{a}, DT)")
+            w(f"    gb{a} = tl.load(pp{a})")
+    # Column blocks outside, row blocks inside: what depends on the columns alone (a rotation's
+    # columns, a gather's column positions: integer divisions by the map's radices, per
+    # element) is computed once per column block, not per block (RoPE's tiles are one column
+    # block of 128 and 8 row blocks).
+    w(f"    for cb in range(0, tl.cdiv(n, {bc})):")
+    w(f"        on = vec_cols(cb * {bc}, {bc}, VEC)")
+    w("        cm = on < n")
+    colvars: dict[tuple[int, bool], str] = {}
     for k in loads:
         op, _d, a, _b = code[k]
+        rot = op == ROT
         cols = "on"
-        if op == ROT:  # runs of VEC columns stay runs: half is a multiple of VEC
-            w(f"        rc{k} = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)")
-            cols = f"rc{k}"
+        if rot:  # runs of VEC columns stay runs: half is a multiple of VEC
+            if (-1, True) not in colvars:
+                w("        rc = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)")
+                colvars[(-1, True)] = "rc"
+            cols = "rc"
+        if form[a] == GATHER and (a, rot) not in colvars:
+            name = f"gc{a}{'r' if rot else ''}"
+            w(f"        {name} = _digit_sum({cols}, pp{a} + 1 + 2 * _DIGITS, VEC, VEC)")
+            colvars[(a, rot)] = name
+    w(f"        for rb in range(0, tl.cdiv(m, {br})):")
+    # the block's loads first, all in flight together; then its fns; then one store
+    w(f"            om = rb * {br} + tl.arange(0, {br})")
+    w("            mk = (om < m)[:, None] & cm[None, :]")
+    for a in reads:
         if form[a] == GATHER:
-            w(f"        l{k} = _gload(ga{a}, pp{a}, om, {cols}, mk, DT)")
+            w(f"            gr{a} = tl.multiple_of(gb{a} + _digit_sum(om, pp{a} + 1, VEC, 1), VEC)")
+        elif form[a]:
+            w(f"            rr{a} = ((row0 + om) // ma{a}) * mm{a} + (row0 + om) % mm{a} - lo{a}")
+    for k in loads:
+        op, _d, a, _b = code[k]
+        rot = op == ROT
+        cols = "rc" if rot else "on"
+        if form[a] == GATHER:
+            w(
+                f"            l{k} = tl.load(gp{a} + gr{a}[:, None] + {colvars[(a, rot)]}[None, :], "
+                "mask=mk, other=1.0)"
+            )
             continue
-        rows = "om"
-        if form[a]:
-            w(f"        rr{k} = ((row0 + om) // ma{a}) * mm{a} + (row0 + om) % mm{a} - lo{a}")
-            rows = f"rr{k}"
-        w(f"        l{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk, DT)")
+        rows = f"rr{a}" if form[a] else "om"
+        w(f"            l{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk, DT)")
     reg: dict[int, str] = {}
     for k, (op, dst, a, b) in enumerate(code):
         name = f"t{k}"
         if op == LOAD:
             expr = f"l{k}.to(tl.float32)"
         elif op == ROT:
-            w(f"        u{k} = l{k}.to(tl.float32)")
+            w(f"            u{k} = l{k}.to(tl.float32)")
             expr = f"tl.where((on < half)[None, :], -u{k}, u{k})"
         elif op == CONST:
             expr = f"tl.full(({br}, {bc}), {_const(b)}, tl.float32)"
         else:
             expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
-        w(f"        {name} = {expr}")
+        w(f"            {name} = {expr}")
         reg[dst] = name
     w(
-        f"        tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), mask=mk)"
+        f"            tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), "
+        "mask=mk)"
     )
     w("")
     w("")
@@ -222,10 +248,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from mgraph.ops.abi import F_PARAM0 as _sp_param0  # noqa: E402
 from mgraph.ops.elementwise_bodies import (  # noqa: E402
-    _EW_M, _EW_N, _GATHER, _NREAD, _P_HALF, _P_MAP, _READ0, _WRITE0, _ewise_general,
-    _gather_at, _gather_src, _gload, _pow, _rot_cols, _tanh, _vload, ewise_tile,
+    _DIGITS, _GATHER, _NREAD, _P_HALF, _P_MAP, _READ0, _WRITE0, _ewise_general,
+    _gather_at, _gather_src, _pow, _rot_cols, _tanh, _vload, ewise_tile,
 )
 from mgraph.ops.abi import load_region, param_i32  # noqa: E402
+from mgraph.ops.relayout import _digit_sum  # noqa: E402
 from mgraph.ops.tilewise import row_operand, vec_cols, vec_ptr  # noqa: E402
 _SP_PARAM0 = tl.constexpr(_sp_param0)
 
