@@ -49,7 +49,9 @@ class Settings(BaseModel):
     )
     transport: Literal["auto", "inprocess", "tcp", "verbs"] = Field(
         "auto", description="CPU runtime network: inprocess when one process holds every rank, "
-        "tcp between processes (auto picks); verbs (RDMA, Python proxy) when asked for",
+        "tcp between processes (auto picks); verbs (RDMA) when asked for: the Python proxy in the "
+        "CPU runtime, the native proxy's verbs backend in the megakernel, whose network otherwise "
+        "uses cuda_ipc on GPUs and inprocess under the interpreter",
     )
     tcp_host: str = Field("127.0.0.1", description="address the tcp transport listens on")
     nic_gbps: float = Field(
