@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from array import array
 from collections import defaultdict, deque
+from collections.abc import Iterable
+from itertools import chain
 
 import torch
 
@@ -427,14 +429,16 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
     for t in graph.tasks:
         code = 2 * t.id
         writes = t.writes
-        for w in writes:
-            acc = get(w)
-            if acc is None:
-                groups[w] = code + 1
-            elif acc.__class__ is int:
-                groups[w] = [acc, code + 1]
-            else:
-                acc.append(code + 1)
+        if writes:
+            wcode = code + 1
+            for w in writes:
+                acc = get(w)
+                if acc is None:
+                    groups[w] = wcode
+                elif acc.__class__ is int:
+                    groups[w] = [acc, wcode]
+                else:
+                    acc.append(wcode)
         for r in t.reads:
             if r not in writes:
                 acc = get(r)
@@ -479,20 +483,35 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
     # i -> the writers of the other groups overlapping group i
     others: dict[int, set[int]] = {}
     writers_of: dict[int, list[int]] = {}
+    # Once per overlapping pair and direction (~10^5 at 2x8): the two directions written out
+    # rather than looped over.
     for i, j in _overlapping_pairs(regions, written):
-        for a, b in ((i, j), (j, i)):
-            if written[b]:
-                ws = writers_of.get(b)
-                if ws is None:
-                    codes = codes_of[b]
-                    ws = writers_of[b] = (
-                        [codes >> 1] if codes.__class__ is int else [c >> 1 for c in codes if c & 1]
-                    )
-                over = others.get(a)
-                if over is None:
-                    others[a] = set(ws)
-                else:
-                    over.update(ws)
+        if written[j]:
+            ws = writers_of.get(j)
+            if ws is None:
+                codes = codes_of[j]
+                ws = writers_of[j] = (
+                    [codes >> 1] if codes.__class__ is int else [c >> 1 for c in codes if c & 1]
+                )
+            over = others.get(i)
+            if over is None:
+                others[i] = set(ws)
+            else:
+                over.update(ws)
+        if written[i]:
+            ws = writers_of.get(i)
+            if ws is None:
+                codes = codes_of[i]
+                ws = writers_of[i] = (
+                    [codes >> 1] if codes.__class__ is int else [c >> 1 for c in codes if c & 1]
+                )
+            over = others.get(j)
+            if over is None:
+                others[j] = set(ws)
+            else:
+                over.update(ws)
+    known_preds = reach._preds  # preds(tid) without the call once it is known
+    preds = reach.preds
     for i in sorted(others):
         over = others[i]
         region = regions[i]
@@ -504,7 +523,9 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
         covered = None  # a predecessor set known to hold every writer in ``over``
         for c in (codes,) if codes.__class__ is int else codes:
             tid, is_write = c >> 1, c & 1 == 1
-            direct = reach.preds(tid)
+            direct = known_preds.get(tid)
+            if direct is None:
+                direct = preds(tid)
             if direct is covered:
                 continue
             left = over - direct
@@ -522,7 +543,7 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
                     _race(graph, tid, region, is_write, w, theirs, True)
 
 
-def _overlapping_pairs(regions: list[Region], written: bytearray) -> list[tuple[int, int]]:
+def _overlapping_pairs(regions: list[Region], written: bytearray) -> Iterable[tuple[int, int]]:
     """Index pairs (i, j) of distinct ``regions`` that overlap, one of them ``written``.
 
     All regions sorted by (buffer, row0): the regions whose rows can meet region i's are the
@@ -544,14 +565,17 @@ def _overlapping_pairs(regions: list[Region], written: bytearray) -> list[tuple[
             torch.set_num_threads(threads)
 
 
-def _overlaps(regions: list[Region], written: bytearray) -> list[tuple[int, int]]:
+def _overlaps(regions: list[Region], written: bytearray) -> Iterable[tuple[int, int]]:
     n = len(regions)
-    # columns of int64 through array('q'): torch.tensor() of 10^5 tuples is ~4x slower
-    buffer_ids, *bounds = zip(*regions, strict=True)
+    # columns of int64 through array('q'): torch.tensor() of 10^5 tuples is ~4x slower. The
+    # columns are strided slices of all regions' fields in one flat list (zip(*regions) passes
+    # ~10^5 arguments and took twice as long).
+    flat = list(chain.from_iterable(regions))
+    buffer_ids = flat[0::5]
     index = {b: i for i, b in enumerate(dict.fromkeys(buffer_ids))}
     buf, row0, row1, col0, col1 = (
         torch.frombuffer(array("q", column), dtype=torch.int64)
-        for column in ([index[b] for b in buffer_ids], *bounds)
+        for column in ([index[b] for b in buffer_ids], *(flat[k::5] for k in range(1, 5)))
     )
     wrote = torch.frombuffer(bytearray(written), dtype=torch.uint8).bool()
     key = (buf << 32) | row0
@@ -569,7 +593,8 @@ def _overlaps(regions: list[Region], written: bytearray) -> list[tuple[int, int]
     right = left + 1 + (torch.arange(total) - torch.repeat_interleave(starts, counts))
     i, j = by_key[left], by_key[right]
     keep = (col0[i] < col1[j]) & (col0[j] < col1[i]) & (wrote[i] | wrote[j])
-    return list(zip(i[keep].tolist(), j[keep].tolist(), strict=True))
+    # pairs made as the caller walks them, not held as a list of ~10^5 tuples first
+    return zip(i[keep].tolist(), j[keep].tolist(), strict=True)
 
 
 def _region_of(graph: TaskGraph, tid: int, near: Region) -> Region:
