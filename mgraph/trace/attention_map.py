@@ -72,15 +72,18 @@ def _repeat_heads(tr: Tracer, n: CNode, x: Value, heads: int, what: str) -> Valu
 
 def _is_causal(mask: torch.Tensor, S: int) -> bool:
     """Whether a boolean (True = attend) or additive mask is exactly the causal one."""
-    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    # At S = 4096 these are passes over 16M elements in every compile: torch.equal compares
+    # without a temporary, and no boolean indexing (which gathered the hidden half: ~0.2 s).
+    causal = torch.ones(S, S, dtype=torch.bool).tril_().expand_as(mask)
     if mask.dtype == torch.bool:
-        return bool((mask == causal).all())
-    # transformers' eager masks hide with the dtype's lowest value rather than -inf
-    hidden = mask[~causal.expand_as(mask)]
+        return torch.equal(mask, causal)
+    visible = mask == 0
+    if not torch.equal(visible, causal):
+        return False
+    # every element not visible (above the diagonal, by the check above) is hidden: -inf, or
+    # the dtype's lowest value, with which transformers' eager masks hide
     lowest = torch.finfo(mask.dtype).min
-    return bool(
-        ((mask == 0) == causal).all() and (torch.isneginf(hidden) | (hidden == lowest)).all()
-    )
+    return bool((visible | torch.isneginf(mask) | (mask == lowest)).all())
 
 
 def _mask(
