@@ -3,8 +3,10 @@ attn_finalize Triton bodies (mgraph/ops/attention_tiles.py) on graphs built by r
 attention, compared with the reference runtime on the same graph and with torch SDPA, on random
 inputs. Cases "ring", "ring2", "mask": run by the megakernel (float32 graphs, and one bf16 graph with
 fp32 state). Case "chains": bf16 graphs and one fp32 graph, run by attention_tiles.run_chains
-(the bodies in a standalone kernel, one program per q-block chain). Case "inline": graphs built
-with ``inline_finalize=True`` (no attn_finalize task), by the megakernel and by run_chains.
+(the bodies in a standalone kernel, one program per q-block chain). These graphs take the ops'
+default, ``inline_finalize=True``: each chain's last attn_block writes the output (no
+attn_finalize task). Case "finalize": graphs built with ``inline_finalize=False`` (an
+attn_finalize task ends each chain), by the megakernel and by run_chains.
 Prints one JSON line per case:
 {"case", "kinds", "dtypes", "error_ref", "error_sdpa", "tile_error", "nan_match", "nans",
 "zero_rows"} (tile_error: the worst block x D tile's relative error against SDPA; zero_rows: the
@@ -209,51 +211,51 @@ def chain_cases() -> None:
     compare("chains-bf16-left-padding", g, x, _sdpa(x, mask=real & tril), chains=True)
 
 
-def inline_cases() -> None:
-    """``inline_finalize=True``: each chain's last attn_block writes the output itself (no
-    attn_finalize task: after storing the state, a CTA barrier and attn_finalize's work on it).
+def finalize_cases() -> None:
+    """``inline_finalize=False``: an attn_finalize task after each chain's last attn_block
+    writes the output (the ops' default folds that into the last attn_block instead).
     The megakernel on a float32 attention graph with an additive mask and a fully hidden row
     (the pointer path) and on a bf16 causal ring over two ranks with grouped-query heads (the
     fast path); run_chains on bf16 graphs: KV blocks twice the q block (a chain of two tasks,
-    the last one final), head size 160 (the 256-column fast path), a left-padded causal boolean
+    then its attn_finalize), head size 160 (the 256-column fast path), a left-padded causal boolean
     mask."""
     bf16 = torch.bfloat16
     B, H, S, D = 1, 2, 64, 32
     g = mg.ops.attention(topology="1x1", B=B, H=H, S=S, D=D, block=32, kv_block=32,
-                         mask_shape=[1, 1, S, S], causal=True, inline_finalize=True,
+                         mask_shape=[1, 1, S, S], causal=True, inline_finalize=False,
                          dtype=torch.float32)
     x = _inputs(g, seed=41)
     bias = torch.randn(1, 1, S, S, generator=torch.Generator().manual_seed(42))
     bias[..., 40, :] = float("-inf")  # a row with every key hidden: 0, as SDPA returns it
     x["mask"] = bias.reshape(S, S)
     tril = torch.ones(S, S, dtype=torch.bool).tril()
-    compare("inline-fp32-mask", g, x, _sdpa(x, mask=bias.masked_fill(~tril, float("-inf"))))
+    compare("finalize-fp32-mask", g, x, _sdpa(x, mask=bias.masked_fill(~tril, float("-inf"))))
     g = mg.ops.ring_attention(topology="1x2", B=1, H=2, S=256, D=64, block=32, kv_heads=1,
-                              causal=True, inline_finalize=True, dtype=bf16)
+                              causal=True, inline_finalize=False, dtype=bf16)
     x = _inputs(g, seed=43, dtype=bf16)
-    compare("inline-ring-1x2-bf16", g, x, _sdpa(x, causal=True))
+    compare("finalize-ring-1x2-bf16", g, x, _sdpa(x, causal=True))
     ring = {
         "kvblock": dict(topology="1x1", B=1, H=1, S=512, D=128, block=128, kv_block=256),
         "d160-causal1": dict(topology="1x1", B=1, H=1, S=256, D=160, block=128, causal=True),
     }
     for name, dims in ring.items():
-        g = mg.ops.ring_attention(inline_finalize=True, dtype=bf16, **dims)
+        g = mg.ops.ring_attention(inline_finalize=False, dtype=bf16, **dims)
         x = _inputs(g, seed=44 + len(name), dtype=bf16)
-        compare(f"inline-chains-{name}", g, x, _sdpa(x, dims.get("causal", False)), chains=True)
+        compare(f"finalize-chains-{name}", g, x, _sdpa(x, dims.get("causal", False)), chains=True)
     B, S, pad = 2, 256, 70
     g = mg.ops.attention(topology="1x1", B=B, H=2, S=S, D=32, block=64, kv_block=128,
                          kv_heads=1, causal=True, mask_shape=[B, 1, 1, S], mask_kind="boolean",
-                         inline_finalize=True, dtype=bf16)
+                         inline_finalize=False, dtype=bf16)
     x = _inputs(g, seed=46, dtype=bf16)
     real = torch.ones(B, 1, 1, S, dtype=torch.bool)
     real[1, ..., :pad] = False
     x["mask"] = real.to(bf16).reshape(g.inputs["mask"].shape)
     shown = real & torch.ones(S, S, dtype=torch.bool).tril()
-    compare("inline-chains-left-padding", g, x, _sdpa(x, mask=shown), chains=True)
+    compare("finalize-chains-left-padding", g, x, _sdpa(x, mask=shown), chains=True)
 
 
 CASES = {"ring": ring_cases, "ring2": ring_multi_rank_cases, "mask": mask_cases,
-         "chains": chain_cases, "inline": inline_cases}
+         "chains": chain_cases, "finalize": finalize_cases}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -1,27 +1,19 @@
-"""attention / ring_attention with ``inline_finalize=True``: each q block's last attn_block
-writes ``acc / l`` into the output itself (param ``final``), so no attn_finalize task is
-emitted. Checked: the task lists (the last task of every chain and only it is final and
-writes its out rows, nothing else writes them, the cost sums as before), the results against
-torch SDPA on random inputs on the reference runtime (masks, grouped-query heads, causal
-chains of several KV blocks, left padding, rings over 1x2 and 2x2), and, under
-TRITON_INTERPRET=1, the Triton bodies on such graphs (megakernel_attention_interp.py
-"inline": the pointer path and the fast path, the megakernel and run_chains)."""
+"""attention / ring_attention's ``inline_finalize`` (on by default): each q block's last
+attn_block writes ``acc / l`` into the output itself (param ``final``), so no attn_finalize task
+is emitted; ``inline_finalize=False`` emits one per q block instead. Checked: the default task
+lists against the ``inline_finalize=False`` ones (the last task of every chain and only it is
+final and writes the rows that chain's attn_finalize writes, nothing else writes them, the cost
+sums as before), the results against torch SDPA on random inputs on the reference runtime
+(masks, grouped-query heads, causal chains of several KV blocks, left padding, rings over 1x2
+and 2x2). The Triton bodies both ways, under TRITON_INTERPRET=1: test_triton_attention.py."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import mgraph as mg
 from helpers import check_graph, rel_err, written_once
-
-HERE = Path(__file__).parent
 
 
 def _chains(g: mg.TaskGraph) -> dict[tuple, list[mg.graph.Task]]:
@@ -33,8 +25,9 @@ def _chains(g: mg.TaskGraph) -> dict[tuple, list[mg.graph.Task]]:
 
 
 def check_inline(inline: mg.TaskGraph, plain: mg.TaskGraph) -> None:
-    """``inline`` is ``plain`` without its attn_finalize tasks, each chain's last attn_block
-    writing the rows that chain's attn_finalize wrote."""
+    """``inline`` (the default) is ``plain`` (``inline_finalize=False``) without its
+    attn_finalize tasks, each chain's last attn_block writing the rows that chain's
+    attn_finalize wrote."""
     assert not [t for t in inline.tasks if t.kind == "attn_finalize"]
     finals = {(t.rank, tuple(t.reads)): t.writes[0] for t in plain.tasks
               if t.kind == "attn_finalize"}  # fmt: skip
@@ -61,10 +54,13 @@ ATTENTION = [
 @pytest.mark.parametrize("dims", ATTENTION)
 def test_attention_inline_finalize_tasks_and_values(dims):
     kw = dict(topology="1x2", layout=["shard", 1, False], **dims)
-    g = mg.ops.attention(inline_finalize=True, **kw)
-    check_inline(g, mg.ops.attention(**kw))
-    check_graph(g, tol=1e-5)
-    written_once(g, "out")
+    g = mg.ops.attention(**kw)
+    plain = mg.ops.attention(inline_finalize=False, **kw)
+    check_inline(g, plain)
+    check_inline(mg.ops.attention(inline_finalize=True, **kw), plain)
+    for graph in (g, plain):
+        check_graph(graph, tol=1e-5)
+        written_once(graph, "out")
 
 
 @pytest.mark.parametrize(
@@ -73,10 +69,12 @@ def test_attention_inline_finalize_tasks_and_values(dims):
 def test_ring_inline_finalize_tasks_and_values(topology, causal, kv_block):
     kw = dict(topology=topology, B=1, H=4, S=128, D=8, block=8, kv_heads=2, causal=causal,
               kv_block=kv_block)  # fmt: skip
-    g = mg.ops.ring_attention(inline_finalize=True, **kw)
-    check_inline(g, mg.ops.ring_attention(**kw))
-    check_graph(g, tol=1e-5)
-    written_once(g, "out")
+    g = mg.ops.ring_attention(**kw)
+    plain = mg.ops.ring_attention(inline_finalize=False, **kw)
+    check_inline(g, plain)
+    for graph in (g, plain):
+        check_graph(graph, tol=1e-5)
+        written_once(graph, "out")
 
 
 def test_inline_finalize_left_padding_rows_are_zero():
@@ -84,8 +82,7 @@ def test_inline_finalize_left_padding_rows_are_zero():
     SDPA and attn_finalize do, not 0 / 0."""
     B, H, S, D, pad = 2, 2, 96, 8, 21
     g = mg.ops.attention(topology="1x1", B=B, H=H, S=S, D=D, block=16, kv_block=32, causal=True,
-                         kv_heads=1, mask_shape=[B, 1, 1, S], mask_kind="boolean",
-                         inline_finalize=True)  # fmt: skip
+                         kv_heads=1, mask_shape=[B, 1, 1, S], mask_kind="boolean")  # fmt: skip
     x = mg.ops.get_op("attention").random_inputs(g, seed=7)
     real = torch.ones(B, 1, 1, S, dtype=torch.bool)
     real[1, ..., :pad] = False
@@ -101,25 +98,3 @@ def test_inline_finalize_left_padding_rows_are_zero():
 def test_inline_finalize_is_a_checked_option():
     with pytest.raises(mg.errors.OptionError):
         mg.ops.ring_attention(topology="1x1", B=1, H=1, S=64, D=8, inline_finalize="yes")
-
-
-def test_triton_bodies_finalize_inline_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "megakernel_attention_interp.py"), "inline"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["case"]: r for r in map(json.loads, proc.stdout.splitlines())}
-    assert set(rows) == {
-        "inline-fp32-mask", "inline-ring-1x2-bf16", "inline-chains-kvblock",
-        "inline-chains-d160-causal1", "inline-chains-left-padding",
-    }  # fmt: skip
-    for case, r in rows.items():
-        assert "attn_finalize" not in r["kinds"], (case, r)
-        # fp32: a few ulps (test_triton_attention.py's TOL); bf16: its TOL_BF16
-        tol = 3e-6 if r["dtypes"] == ["float32"] else 1.5e-2
-        assert r["error_ref"] < tol and r["error_sdpa"] < tol and r["tile_error"] < tol, r
-        assert r["nans"] == 0 and r["nan_match"], (case, r)
-    zero = {"inline-fp32-mask": 2, "inline-chains-left-padding": 2 * 70}  # hidden rows only
-    assert {c: r["zero_rows"] for c, r in rows.items()} == {c: zero.get(c, 0) for c in rows}

@@ -45,16 +45,16 @@ def _kv_rows(t: mg.graph.Task) -> int:
 
 def check_tasks(g: mg.TaskGraph, S: int, segment: int, causal: bool) -> None:
     """Every chain (one q block) folds each key it may see exactly once, in blocks of the
-    default size, none wholly after its last query; the mask flag and the cost follow the
-    causal diagonal."""
+    default size, none wholly after its last query, and its last task writes the output
+    (inline_finalize, the default); the mask flag and the cost follow the causal diagonal."""
     blk = g.params.get("block", 128)
     blk = min(blk, segment)
     kvb = default_kv_block(segment, blk)
     chains: dict[tuple, list] = {}
     for t in g.tasks:
         if t.kind == "attn_block":
-            chains.setdefault((t.rank, tuple(t.writes)), []).append(t)
-    assert chains
+            chains.setdefault((t.rank, tuple(t.writes[:2])), []).append(t)  # (acc, ml)
+    assert chains and not [t for t in g.tasks if t.kind == "attn_finalize"]
     B, H, D = g.params["B"], g.params["H"], g.params["D"]
     assert len(chains) * blk == B * H * S  # every query row of every (b, h) in one chain
     flops = 0.0
@@ -73,9 +73,12 @@ def check_tasks(g: mg.TaskGraph, S: int, segment: int, causal: bool) -> None:
             if causal:  # a multiple of the q block: every row of the task sees a key
                 assert p["k_start"] <= q_start, t.name
         assert [t.params["first"] for t in chain] == [True] + [False] * (len(chain) - 1)
+        finals = [bool(t.params.get("final")) for t in chain]
+        assert finals == [False] * (len(chain) - 1) + [True], q_start
         flops += sum(t.flops for t in chain)
     pairs = S * (S + 1) // 2 if causal else S * S  # the (query, key) pairs the mask shows
-    assert flops == 4.0 * B * H * pairs * D
+    # ... plus the finalize's rows x D, done by each chain's last task
+    assert flops == 4.0 * B * H * pairs * D + B * H * S * D
 
 
 def _random_shapes(seed: int, n: int) -> list[dict]:

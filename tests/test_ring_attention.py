@@ -103,11 +103,12 @@ def test_ring_consumption_order_and_chains(causal):
     g = build("2x4", causal)
     topo = g.topology
     chains: dict[tuple[int, tuple], list[Task]] = {}
-    for t in attn_tasks(g):
-        chains.setdefault((t.rank, tuple(t.writes)), []).append(t)
-    assert len(chains) == sum(1 for t in g.tasks if t.kind == "attn_finalize")
+    for t in attn_tasks(g):  # keyed by the state (acc, ml): the final task writes out too
+        chains.setdefault((t.rank, tuple(t.writes[:2])), []).append(t)
+    assert len(chains) == sum(1 for t in attn_tasks(g) if t.params.get("final"))
     for (rank, _), chain in chains.items():
         assert [t.params["first"] for t in chain] == [True] + [False] * (len(chain) - 1)
+        assert [bool(t.params.get("final")) for t in chain] == [False] * (len(chain) - 1) + [True]
         order = []
         for t in chain:
             if not order or order[-1] != source_of(g, t):
@@ -183,11 +184,13 @@ def test_flops_and_facets():
     for kind in (TaskKind.ATTN_BLOCK, TaskKind.ATTN_FINALIZE):
         spec = kind_spec(kind)
         assert spec.cpu_body is not None and spec.flops_fn is not None
-    g = build("2x2", False)
+    g = build("2x2", False, inline_finalize=False)
     attn = sum(t.flops for t in attn_tasks(g))
     assert attn == 4 * B * H * S * S * D
     final = sum(t.flops for t in g.tasks if t.kind == "attn_finalize")
     assert final == B * H * S * D
+    # the default: each chain's last attn_block does attn_finalize's work too
+    assert sum(t.flops for t in attn_tasks(build("2x2", False))) == attn + final
 
 
 def test_block_body_any_order_with_fully_masked_rows():

@@ -2,6 +2,9 @@
 TRITON_INTERPRET=1 (a subprocess: the flag must be set before triton is imported), against the
 reference runtime on the same graph and torch SDPA (tests/megakernel_attention_interp.py):
 
+- the graphs take the ops' default ``inline_finalize=True`` (each chain's last attn_block writes
+  the output; no attn_finalize task), but for the "finalize" cases, built with
+  ``inline_finalize=False`` so that attn_finalize's body stays checked on both paths;
 - run by the megakernel on float32 ring_attention and attention graphs, and on a bf16 ring
   (bf16 data, fp32 state: the attention kinds are ``own_dtypes``);
 - run by attention_tiles.run_chains (the bodies in a standalone kernel) on bf16 graphs with fp32
@@ -35,7 +38,15 @@ TOL = 3e-6
 # wrong mask, scale or GQA head mapping is O(1e-1) off.
 TOL_BF16 = 1.5e-2
 # query rows with every key hidden, per case: SDPA returns 0 there, and so must the bodies
-HIDDEN_ROWS = {"mask-hidden-row": 1, "chains-bf16-hidden-row": 1, "chains-bf16-left-padding": 5}
+HIDDEN_ROWS = {
+    "mask-hidden-row": 1,
+    "chains-bf16-hidden-row": 1,
+    "chains-bf16-left-padding": 5,
+    "finalize-fp32-mask": 2,
+    "finalize-chains-left-padding": 2 * 70,
+}
+# the default graphs' kinds (inline_finalize=True: no attn_finalize task)
+ATTN = {"attn_block"}
 
 
 @cache
@@ -72,33 +83,33 @@ def _select(table: dict[str, dict], prefix: str) -> dict[str, dict]:
 
 def test_megakernel_ring_attention_one_rank_causal_and_not():
     # masked edges (block 32 < 128 keys, D 40 < 128 columns), causal (zigzag, diagonal mask) and not
-    _check(_select(megakernel_rows(), "ring-1x1-"), 2, {"attn_block", "attn_finalize"},
+    _check(_select(megakernel_rows(), "ring-1x1-"), 2, ATTN,
            ["float32"], TOL)
 
 
 def test_megakernel_ring_attention_two_ranks_in_one_program():
     # the KV slices cross by NVLink copy tasks; attn_block waits on their arrival
     _check(_select(megakernel_rows(), "ring-1x2-causal0"), 1,
-           {"attn_block", "attn_finalize", "copy"}, ["float32"], TOL)
+           ATTN | {"copy"}, ["float32"], TOL)
 
 
 def test_megakernel_bf16_ring_with_fp32_state_gqa_zigzag():
     # per-buffer dtypes: bf16 q/k/v/out and gathers, fp32 acc/ml in the same arena
     _check(_select(megakernel_rows(), "ring-1x2-bf16-"), 1,
-           {"attn_block", "attn_finalize", "copy"}, ["bfloat16", "float32"], TOL_BF16)
+           ATTN | {"copy"}, ["bfloat16", "float32"], TOL_BF16)
 
 
 def test_megakernel_attention_additive_masks_broadcast():
     # [1,1,S,S], [B,1,1,S], [B,H,S,S] masks, each causal and not
     table = megakernel_rows()
-    _check(_select(table, "mask-2x"), 4, {"attn_block", "attn_finalize"}, ["float32"], TOL)
-    _check(_select(table, "mask-1x1x"), 2, {"attn_block", "attn_finalize"}, ["float32"], TOL)
+    _check(_select(table, "mask-2x"), 4, ATTN, ["float32"], TOL)
+    _check(_select(table, "mask-1x1x"), 2, ATTN, ["float32"], TOL)
 
 
 def test_megakernel_fully_hidden_row_is_zero_as_sdpa_returns_it():
     """One query row with every key hidden: 0 in the CPU body and in the megakernel, as in
     SDPA (l = 0, not 0 / 0 = NaN), the other rows as accurate as elsewhere."""
-    _check(_select(megakernel_rows(), "mask-hidden-row"), 1, {"attn_block", "attn_finalize"},
+    _check(_select(megakernel_rows(), "mask-hidden-row"), 1, ATTN,
            ["float32"], TOL)
 
 
@@ -108,8 +119,8 @@ def test_bf16_ring_attention_variants():
     got = _select(rows("chains"), "chains-bf16-")
     ring = {k: r for k, r in got.items() if not any(w in k for w in ("mask", "hidden", "left"))}
     two_ranks = {k: ring.pop(k) for k in list(ring) if "1x2" in k}
-    _check(ring, 3, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
-    _check(two_ranks, 1, {"attn_block", "attn_finalize", "copy"}, ["bfloat16", "float32"],
+    _check(ring, 3, ATTN, ["bfloat16", "float32"], TOL_BF16)
+    _check(two_ranks, 1, ATTN | {"copy"}, ["bfloat16", "float32"],
            TOL_BF16)
 
 
@@ -117,20 +128,34 @@ def test_bf16_attention_additive_and_boolean_masks():
     # additive [B,1,1,S] causal with one KV head per q head; boolean [1,1,S,S] with GQA; a
     # boolean mask over S = 100 keys (not whole 16-byte rows: the pointer path)
     got = _select(rows("chains"), "chains-bf16-mask-")
-    _check(got, 3, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
+    _check(got, 3, ATTN, ["bfloat16", "float32"], TOL_BF16)
 
 
 def test_bf16_fully_hidden_rows_are_zero_only_there():
     # one row hidden by a boolean mask (D 32); left padding under a causal mask (D 160: the
     # D-chunked path), 5 rows with no key
     got = {k: r for k, r in rows("chains").items() if k.endswith(("hidden-row", "left-padding"))}
-    _check(got, 2, {"attn_block", "attn_finalize"}, ["bfloat16", "float32"], TOL_BF16)
+    _check(got, 2, ATTN, ["bfloat16", "float32"], TOL_BF16)
 
 
 def test_fp32_through_run_chains_matches_to_rounding():
     # the same algorithm at float32: any bf16 tolerance would hide a small rescale error
-    _check(_select(rows("chains"), "chains-fp32-"), 1, {"attn_block", "attn_finalize"},
+    _check(_select(rows("chains"), "chains-fp32-"), 1, ATTN,
            ["float32"], TOL)
+
+
+def test_attn_finalize_body_with_inline_finalize_off():
+    """``inline_finalize=False``: attn_finalize tasks write the output, by the megakernel (a
+    float32 attention with an additive mask and a fully hidden row: the pointer path; a bf16
+    causal GQA ring over two ranks: the fast path) and by run_chains (chains of two tasks, head
+    size 160, left padding)."""
+    got = rows("finalize")
+    assert len(got) == 5, sorted(got)
+    finalize = ATTN | {"attn_finalize"}
+    _check(_select(got, "finalize-fp32-"), 1, finalize, ["float32"], TOL)
+    _check(_select(got, "finalize-ring-"), 1, finalize | {"copy"}, ["bfloat16", "float32"],
+           TOL_BF16)
+    _check(_select(got, "finalize-chains-"), 3, finalize, ["bfloat16", "float32"], TOL_BF16)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@ Every rank computes the (batch, head) pairs it holds: heads sharded (the attenti
 column-parallel QKV projection and a row-parallel output projection), batches sharded, or all of
 them (replicated). Sequence-sharded attention is ring_attention. The math is ring attention's
 online softmax on the same kinds: ``attn_block`` folds one KV block into the fp32 state
-(acc, ml), chained per q block; ``attn_finalize`` writes ``acc / l`` (0 in a query row whose
+(acc, ml), chained per q block; the chain's last attn_block (or, with
+``inline_finalize=False``, an ``attn_finalize`` task) writes ``acc / l`` (0 in a query row whose
 every key the mask hides, as SDPA returns it). Causal masks skip the blocks above the diagonal
 and mask the diagonal one.
 
@@ -26,15 +27,16 @@ tasks form a chain, so longer ones take no parallelism away). Under a
 causal mask a KV block that straddles the diagonal is masked in the body (which hides the keys
 after each query; the Triton body skips the key chunks after the block's last query), and its
 cost counts only the pairs it shows; blocks wholly after a q block's last query are not emitted.
-``inline_finalize`` (default off): each chain's last attn_block also writes the out rows
-(ring_attention's option of that name), and no attn_finalize task is emitted.
+``inline_finalize`` (default on): each chain's last attn_block also writes the out rows
+(ring_attention's option of that name), and no attn_finalize task is emitted;
+``inline_finalize=False`` ends each chain with an attn_finalize task instead.
 
 Token-major tensors: option ``token_major`` names those of q, k, v and out held as
 ``[B, S, heads * D]`` (the projections' layout: a head is the column range ``h*D .. h*D+D`` of
 every token row) rather than ``[B, heads, S, D]``; the others keep the head-major form. A task's
 region of a token-major tensor is that head's column range over its block's token rows, a
 strided 2-D tile the attn_block bodies read as they read any region (a TMA descriptor's row
-stride is the buffer's, heads * D), and attn_finalize writes out so, so no relayout splits
+stride is the buffer's, heads * D), and the finalize step writes out so, so no relayout splits
 heads before the op or merges them after it (mgraph/trace/attention_map.py chooses it).
 Heads sharded, a rank holds the column range of its heads; batches sharded, its token rows.
 """
@@ -273,7 +275,7 @@ def _lower(
     kv_block: int | None = None,
     mask_kind: str = "additive",
     token_major: list[str] | None = None,
-    inline_finalize: bool = False,
+    inline_finalize: bool = True,
 ) -> None:
     shape = (B, H, S, D)
     blk, kvb = _blocks(S, block, kv_block)

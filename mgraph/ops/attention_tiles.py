@@ -2,7 +2,7 @@
 launcher of them (:func:`run_chains`).
 
 The CPU bodies in ring_attention.py are the meaning; both ring_attention and attention lower to
-these two kinds. ``attn_block`` folds one KV block into the fp32 state of one q block:
+these two kinds (attn_block alone by default: ``inline_finalize``, param ``final`` below). ``attn_block`` folds one KV block into the fp32 state of one q block:
 acc [rows, D] and ml [rows, 2] = (running max m, running denominator l), the first block of a
 chain initialising it. The fast path walks the q block in sub-blocks of ``_QB`` rows and the
 KV block in chunks of ``_KB`` keys (flash attention's inner loop): per chunk the scores go
@@ -527,7 +527,8 @@ if HAVE_TRITON:
     def chains_kernel(tasks, order, starts, param_table, regions, bufaddr, bufcols,
                        BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr,
                        ATTN_D: tl.constexpr = 128):
-        """Program c runs chain c: its attn_block tasks in order, then its attn_finalize.
+        """Program c runs chain c: its attn_block tasks in order, then its attn_finalize if
+        it has one (with ``inline_finalize``, the default, its last attn_block finalises).
         ``ATTN_D`` as the megakernel's (attn_head_size; run_chains passes it, 128 when a
         launch leaves it out: benchmarks/bench_attention.py's, whose head size is 128)."""
         c = tl.program_id(0)
@@ -544,9 +545,9 @@ if HAVE_TRITON:
 def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu",
                num_warps: int = 8, num_stages: int = 3) -> dict[str, torch.Tensor]:
     """Run an attention schedule's tasks through these bodies outside the megakernel: one
-    program per q block runs that block's attn_block chain and its attn_finalize (chains are
-    independent: each owns its state rows); every rank's copy tasks (the KV ring's movement)
-    run first on the host, since they read only the k/v inputs and what earlier copies wrote.
+    program per q block runs that block's attn_block chain and its attn_finalize, if any
+    (chains are independent: each owns its state rows); every rank's copy tasks (the KV ring's
+    movement) run first on the host, since they read only the k/v inputs and what earlier copies wrote.
     Each buffer is its own tensor in its own dtype (bf16 data, fp32 state). It times the tile
     without the megakernel's queues and waits (benchmarks/bench_attention.py) and tests the
     bodies in isolation. Returns the global outputs. Under TRITON_INTERPRET=1 ``device`` is

@@ -22,9 +22,10 @@ ml [rows, 2] = (running max m, running denominator l). ``attn_block`` folds one 
 state (the first block of a chain initialises it, so no zeroing task exists); successive blocks of
 one q block are chained by events because they rewrite the same state. ``attn_finalize`` writes
 ``acc / l`` in the op dtype, and 0 in a row whose every key was hidden (l = 0), as SDPA does.
-Option ``inline_finalize`` (default off) folds that into the chain's last attn_block instead
-(param ``final``: it also writes the out rows), one task and one wait fewer per q block; it
-stays off until a GPU run measures it (benchmarks/bench_attention.py ``--inline-finalize``).
+Option ``inline_finalize`` (default on) folds that into the chain's last attn_block instead
+(param ``final``: it also writes the out rows), one task and one wait fewer per q block;
+``inline_finalize=False`` emits the attn_finalize task (benchmarks/bench_attention.py
+``--inline-finalize`` compares the two).
 Causal masks use GLOBAL positions (task params ``q_start``, ``k_start``): with both block sizes
 dividing a zigzag chunk, a k block either reaches past the q block's first position (masked:
 the body hides keys after each query; the Triton body skips the key chunks after the block's
@@ -309,7 +310,7 @@ def _lower(
     chunk_bytes: int = 256 * 1024,
     kv_heads: int | None = None,
     kv_block: int | None = None,
-    inline_finalize: bool = False,
+    inline_finalize: bool = True,
 ) -> None:
     topo, world = b.topo, b.world
     blk, kvb = _block_size(S, world, causal, block, kv_block)

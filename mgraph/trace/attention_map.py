@@ -23,9 +23,9 @@ reads it, are taken out and the op reads and writes the token-major tensors in p
 fuse_pointwise (mgraph/program.py).
 
 A query row whose every key is hidden (left padding) is 0, as SDPA returns it (the op's
-finalize step: ``attn_finalize``, or the last ``attn_block`` with ``inline_finalize``); an
-eager mask that hides with the dtype's lowest value instead hides nothing in such a row (all
-its scores are equal), in eager torch as in the op.
+finalize step: each chain's last ``attn_block`` by default, ``attn_finalize`` with
+``inline_finalize=False``); an eager mask that hides with the dtype's lowest value instead
+hides nothing in such a row (all its scores are equal), in eager torch as in the op.
 """
 
 from __future__ import annotations
