@@ -33,9 +33,11 @@ batch_isend_irecv), partial outputs merged by their log-sum-exp in fp32; and eac
 compute bound (the same steps without communication). mgraph: the ring_attention graph on
 backend triton (the megakernel); a configuration it cannot run is a row with its error.
 
-``--inline-finalize``: tile and mega also time each configuration with every q block's last
-attn_block writing the output (the lowerings' ``inline_finalize``: no attn_finalize task; rows
-``task`` "...+inline"); the ring runs that way only.
+Finalize: the lowerings' default (``inline_finalize=True``) has every q block's last attn_block
+write the output, no attn_finalize task (rows ``task`` "...+inline"). tile times the hand-built
+chains both ways (its plain rows end in attn_finalize tasks); mega and ring run the op's default;
+``--finalize-tasks`` adds mega rows with attn_finalize tasks and runs the ring that way
+instead.
 
 CUDA-event medians (ring: the slowest rank's). Every output is checked first (NaN-poisoned,
 relative error and worst 128-row tile against cuDNN SDPA). JSON rows go to DIR (default $OUT,
@@ -240,8 +242,8 @@ def bench_tile(args) -> list[dict]:
                 shapes.insert(1, (128, default, False))
             if S <= 16384:
                 shapes.insert(0, (128, 128, False))  # 1M tasks past that: tables of 250 MB
-            if args.inline_finalize:  # the same chains, each finalised by its last task
-                shapes += [(128, 1024, True), (128, default, True)]
+            # the same chains, each finalised by its last task (the lowerings' default)
+            shapes += [(128, 1024, True), (128, default, True)]
             for qb, kvb, inline in shapes:
                 tb = chain_tables(S, qb, kvb, causal, "cuda", inline)
                 task = f"{qb}x{kvb}" + ("+inline" if inline else "")
@@ -332,7 +334,7 @@ def bench_mega(args) -> list[dict]:
         for causal in (False, True):
             graph = mg.ops.ring_attention(
                 topology="1x1", B=B, H=H, S=S, D=D, causal=causal, block=args.mega_block,
-                kv_block=args.mega_kv_block, dtype=torch.bfloat16)
+                kv_block=args.mega_kv_block, inline_finalize=True, dtype=torch.bfloat16)
             gen = torch.Generator().manual_seed(S + causal)
             inputs = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16).cuda()
                       for n, s in graph.inputs.items()}
@@ -348,11 +350,11 @@ def bench_mega(args) -> list[dict]:
             rows.append(dict(base, impl="sdpa_cudnn", ms=round(cudnn_ms, 4),
                              tflops=round(fl / cudnn_ms / 1e9, 1)))
             print(json.dumps(rows[-1]), flush=True)
-            for inline in (False, True) if args.inline_finalize else (False,):
-                if inline:  # the same tasks but the finalize ones: each chain's last finalises
+            for inline in (True, False) if args.finalize_tasks else (True,):
+                if not inline:  # the same tasks plus an attn_finalize task per q block
                     graph = mg.ops.ring_attention(
                         topology="1x1", B=B, H=H, S=S, D=D, causal=causal, block=args.mega_block,
-                        kv_block=args.mega_kv_block, inline_finalize=True, dtype=torch.bfloat16)
+                        kv_block=args.mega_kv_block, inline_finalize=False, dtype=torch.bfloat16)
                 for row in mega_rows(args, graph, inputs, want, base, fl, cudnn_ms, inline):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -460,7 +462,7 @@ def bench_ring(args) -> list[dict]:
         for causal in (False, True):
             graph = mg.ops.ring_attention(
                 topology=f"1x{world}", B=B, H=H, S=S, D=D, causal=causal, block=args.block,
-                kv_block=args.kv_block, inline_finalize=args.inline_finalize,
+                kv_block=args.kv_block, inline_finalize=not args.finalize_tasks,
                 dtype=torch.bfloat16)
             kvb = max(t.reads[1].row1 - t.reads[1].row0 for t in graph.tasks
                       if t.kind == "attn_block")  # the option's value, or the op's default
@@ -498,13 +500,13 @@ def bench_ring(args) -> list[dict]:
                 ms = slowest(event_times(rt.launch, args.warmup, args.reps, dist.barrier))
                 rt.check()
                 add(dict(base, impl="mgraph", block=args.block, kv_block=kvb,
-                         inline_finalize=args.inline_finalize,
+                         inline_finalize=not args.finalize_tasks,
                          tasks=len(graph.tasks), ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1),
                          rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
                 del rt
             except Exception as exc:  # not runnable yet: the row says why
                 add(dict(base, impl="mgraph", block=args.block, kv_block=kvb,
-                         inline_finalize=args.inline_finalize,
+                         inline_finalize=not args.finalize_tasks,
                          error=f"{type(exc).__name__}: {str(exc)[:300]}"))
             del local, q, k, v, want
             torch.cuda.empty_cache()
@@ -557,10 +559,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mega-block", type=int, default=128, help="mega: q rows per task")
     parser.add_argument("--mega-kv-block", type=int, default=None,
                         help="mega: keys per task (default: the op's, up to 8192)")
-    parser.add_argument("--inline-finalize", action="store_true",
-                        help="tile, mega: also time each chain finalised by its last task (the "
-                        "lowerings' inline_finalize), beside the attn_finalize tasks; ring: "
-                        "only that way")
+    parser.add_argument("--finalize-tasks", action="store_true",
+                        help="mega: also time the graphs with an attn_finalize task per q block "
+                        "(inline_finalize=False); ring: only that way")
     parser.add_argument("--warps", type=int, default=8, help="tile: the megakernel's num_warps")
     parser.add_argument("--stages", type=int, default=3, help="tile: the megakernel's stages")
     parser.add_argument("--warmup", type=int, default=2, help="ring: at most 1")

@@ -197,8 +197,9 @@ def test_llama_padding_mask_through_create_causal_mask(attn, side):
     transformers' create_causal_mask inside the module: index by aranges (a view), & with the
     folded causal mask (a sum of additive masks), and for eager where(mask, 0, lowest).
     Left padding hides every key from the pad queries: SDPA returns 0 in their attention rows
-    (and mgraph's attn_finalize too, l = 0); eager's lowest-value mask hides nothing there
-    (scores + lowest are all equal: a uniform average of v), and mgraph adds the same mask."""
+    (and mgraph's finalize, the last attn_block of a q block, too: l = 0); eager's lowest-value
+    mask hides nothing there (scores + lowest are all equal: a uniform average of v), and mgraph
+    adds the same mask."""
     torch.manual_seed(4)
     model = llama(attn, mask="padding")
     x = torch.randn(B, S, SMALL["hidden_size"])
