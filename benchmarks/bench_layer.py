@@ -330,6 +330,7 @@ class Bench:
                 layer,
                 (self.x,),
                 plan=mgraph_plan(),
+                policy=args.policy,
                 topology=f"1x{self.world}",
                 backend=args.backend,
                 backend_options={"interpret": True} if args.interpret else None,
@@ -563,6 +564,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --smoke: mgraph on backend='triton' in Triton's interpreter (TRITON_INTERPRET=1 "
         "set; on several ranks every process runs all ranks with the global input)",
     )
+    p.add_argument("--policy", default="critical_path",
+                   help="the scheduler's queue order policy (mg.compile's; the default's)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args(argv)
     sizes = (
