@@ -145,10 +145,17 @@ def _lower(
             direct = s == r or (gather == "peer" and topo.node_of(s) == topo.node_of(r))
             src = a[s] if direct else gathered[r]
             offset = 0 if direct else s * rows
+            # the waits of a row band, joined once for its column tiles (b.after gives the same
+            # event for the same arrivals; each task copies the list)
+            band_waits: dict[tuple[int, int], list[tuple[int, int]]] = {}
             for t in banded if topo.node_of(s) == topo.node_of(r) else shard_tiles:
                 waits = []
                 if not direct:
-                    waits = b.after(r, unique_tasks(mover.arrivals(r, s, (t[0], t[1]))))
+                    waits = band_waits.get((t[0], t[1]))
+                    if waits is None:
+                        waits = band_waits[(t[0], t[1])] = b.after(
+                            r, unique_tasks(mover.arrivals(r, s, (t[0], t[1])))
+                        )
                 b.task(
                     r,
                     Role.COMPUTE,
