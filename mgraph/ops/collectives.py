@@ -90,6 +90,21 @@ _new = tuple.__new__  # hot: a NamedTuple built without its slower __new__
 _GEMM, _COPY, _REDUCE = TaskKind.GEMM.value, TaskKind.COPY.value, TaskKind.REDUCE.value
 
 
+def gemm_task(
+    b: GraphBuilder, rank: int, a: Buffer, w: Buffer, k: int, tile: Tile, dst: Buffer, **kw
+) -> Task:
+    """The GEMM task of output ``tile`` on ``rank``: ``a``'s rows of the tile (columns 0..k)
+    times ``w``'s columns of it, into ``dst``'s tile (``kw``: signals, params, ...)."""
+    t = tile
+    return b.task(
+        rank, Role.COMPUTE, _GEMM,
+        [a.region((t[0], t[1]), (0, k)), w.region((0, k), (t[2], t[3]))],
+        [tile_region(dst, t)],
+        name=f"gemm r{rank} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
+        **kw,
+    )
+
+
 def shift(tile: Tile, rows: int) -> Tile:
     """``tile`` moved down by ``rows`` (negative: up): global rows <-> a shard's local rows."""
     return (tile[0] + rows, tile[1] + rows, tile[2], tile[3])

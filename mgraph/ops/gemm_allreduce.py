@@ -28,6 +28,7 @@ from ..topology import Topology
 from .collectives import (
     Tile,
     bounding,
+    gemm_task,
     group_chunks,
     grouped,
     partition,
@@ -87,12 +88,7 @@ def _lower(
     ks = K // world
     if world == 1:  # nothing to reduce: the GEMM's tiles are the output (no partial, no copy)
         for t in grouped(tiles):
-            b.task(
-                0, Role.COMPUTE, GEMM,
-                [a[0].region((t[0], t[1]), (0, ks)), w[0].region((0, ks), (t[2], t[3]))],
-                [tile_region(out[0], t)],
-                name=f"gemm r0 [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
-            )
+            gemm_task(b, 0, a[0], w[0], ks, t, out[0])
         return
     part = [b.buffer("partial", r, M, N) for r in topo.ranks]
 
@@ -108,14 +104,7 @@ def _lower(
         order = [t for i in range(1, len(slots) + 1)
                  for t in grouped(slots[(local + i) % len(slots)])]
         for t in order:
-            row[t] = b.task(
-                r,
-                Role.COMPUTE,
-                GEMM,
-                [a[r].region((t[0], t[1]), (0, ks)), w[r].region((0, ks), (t[2], t[3]))],
-                [tile_region(part[r], t)],
-                name=f"gemm r{r} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
-            )
+            row[t] = gemm_task(b, r, a[r], w[r], ks, t, part[r])
         gemms.append(row)
     lower = _Stages(b, tiles, itemsize, chunk_bytes, broadcast_bytes or chunk_bytes)
     if topo.nodes == 1 and algorithm == "accumulate":

@@ -37,6 +37,7 @@ from .collectives import (
     Tile,
     bounding,
     check_options,
+    gemm_task,
     group_chunks,
     grouped,
     push_reduce,
@@ -131,26 +132,14 @@ def _lower(
         return
     if world == 1:  # nothing to reduce: the GEMM's tiles are the output (no partial, no copy)
         for t in plan.gemm_order(0):
-            b.task(
-                0, Role.COMPUTE, GEMM,
-                [a[0].region((t[0], t[1]), (0, ks)), w[0].region((0, ks), (t[2], t[3]))],
-                [tile_region(out[0], t)],
-                name=f"gemm r0 [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
-            )
+            gemm_task(b, 0, a[0], w[0], ks, t, out[0])
         return
     part = [b.buffer("partial", r, M, N) for r in topo.ranks]
     gemms: list[dict[Tile, Task]] = []
     for r in topo.ranks:
         done: dict[Tile, Task] = {}
         for t in plan.gemm_order(r):
-            done[t] = b.task(
-                r,
-                Role.COMPUTE,
-                GEMM,
-                [a[r].region((t[0], t[1]), (0, ks)), w[r].region((0, ks), (t[2], t[3]))],
-                [tile_region(part[r], t)],
-                name=f"gemm r{r} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
-            )
+            done[t] = gemm_task(b, r, a[r], w[r], ks, t, part[r])
         gemms.append(done)
     if topo.nodes == 1:
         plan.node_reduce(part, gemms, out)
