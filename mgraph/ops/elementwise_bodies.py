@@ -495,17 +495,13 @@ if HAVE_TRITON:
                     tile_ptrs(regions, bufaddr, bufcols, w0, om, on, DT), out.to(DT), mask=mask
                 )
 
-    @EWISE.triton
     @triton.jit
-    def ewise_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
-        """The task's chain over its row tile, in _EW_M x _EW_N blocks: per block, the bytecode
-        runs over fp32 register tiles (LOAD reads region ``read0 + a``, broadcasting a row or
-        column operand and mapping a broadcast operand's rows; ROT reads it rotated), and the
-        result register is stored once, cast to DT. Tasks whose operands and output all take
-        16-byte vectors (tilewise.row_operand: full, row and broadcast operands of 16-byte
-        rows; a rotation by a multiple of 16 bytes; a gather operand whose map passes
-        _gather_src's gate) run _ewise_vec; others (a column operand, odd widths)
-        _ewise_general."""
+    def ewise_gate(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """(fast, read0, nread, write0, rows, cols) of the task whose row is ``tp``: ``fast``
+        when its operands and output all take 16-byte vectors (tilewise.row_operand: full,
+        row and broadcast operands of 16-byte rows; a rotation by a multiple of 16 bytes; a
+        gather operand whose map passes _gather_src's gate). ewise_tile's choice between
+        _ewise_vec and _ewise_general, and the generated chains' (elementwise_special.py)."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
@@ -519,9 +515,18 @@ if HAVE_TRITON:
                 _ga, _pp, vec = _gather_src(params, tp, regions, bufaddr, bufcols, r0 + k, DT)
             fast = fast & vec
         fast = fast & (param_i32(params, tp, _P_HALF) % VEC == 0)
+        return fast, r0, nread, w0, xm1 - xm0, xn1 - xn0
+
+    @EWISE.triton
+    @triton.jit
+    def ewise_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """The task's chain over its row tile, in _EW_M x _EW_N blocks: per block, the bytecode
+        runs over fp32 register tiles (LOAD reads region ``read0 + a``, broadcasting a row or
+        column operand and mapping a broadcast operand's rows; ROT reads it rotated), and the
+        result register is stored once, cast to DT. Tasks that pass ewise_gate run _ewise_vec;
+        others (a column operand, odd widths) _ewise_general."""
+        fast, r0, nread, w0, m, n = ewise_gate(tp, params, regions, bufaddr, bufcols, DT)
         if fast:
-            _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, xm1 - xm0,
-                       xn1 - xn0, DT)
+            _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, m, n, DT)
         else:
-            _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, xm1 - xm0, xn1 - xn0,
-                           DT)
+            _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT)

@@ -216,29 +216,17 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
     w("")
     w("@triton.jit")
     w(f"def _ewise_chain_{i}(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):")
-    w("    # ewise_tile's gate: every operand and the output on 16-byte vectors, else its general")
-    w("    # path (pointers per element) over the same bytecode")
-    w("    VEC: tl.constexpr = 128 // DT.primitive_bitwidth")
-    w("    r0 = tl.load(tp + _READ0)")
-    w("    nread = tl.load(tp + _NREAD)")
-    w("    w0 = tl.load(tp + _WRITE0)")
-    w("    _s, xm0, xm1, xn0, xn1 = load_region(regions, w0)")
-    w("    _oa, _op, fast = row_operand(regions, bufaddr, bufcols, w0, DT)")
-    w("    half = param_i32(params, tp, _P_HALF)")
-    w("    maps = param_i32(params, tp, _P_HALF + 1)")
-    w("    row0 = param_i32(params, tp, _P_HALF + 2)")
-    w("    for k in range(0, nread):")
-    w("        _a, _p, vec = row_operand(regions, bufaddr, bufcols, r0 + k, DT)")
-    w("        if (maps >> (2 * k)) & 3 == _GATHER:")
-    w("            _ga, _pp, vec = _gather_src(params, tp, regions, bufaddr, bufcols, r0 + k, DT)")
-    w("        fast = fast & vec")
-    w("    fast = fast & (half % VEC == 0)")
+    w("    # ewise_tile's gate; a task it fails runs the general path over the same bytecode")
+    w("    fast, r0, _nread, w0, m, n = ewise_gate(tp, params, regions, bufaddr, bufcols, DT)")
     w("    if fast:")
-    w(f"        _ewise_chain_{i}_vec(tp, params, regions, bufaddr, bufcols, r0, w0, xm1 - xm0,")
-    w("                             xn1 - xn0, half, row0, DT)")
+    w("        half = param_i32(params, tp, _P_HALF)")
+    w("        row0 = param_i32(params, tp, _P_HALF + 2)")
+    w(
+        f"        _ewise_chain_{i}_vec(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, half, row0,"
+    )
+    w("                             DT)")
     w("    else:")
-    w("        _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, xm1 - xm0, xn1 - xn0,")
-    w("                       DT)")
+    w("        _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT)")
     return "\n".join(out) + "\n"
 
 
@@ -248,10 +236,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from mgraph.ops.abi import F_PARAM0 as _sp_param0  # noqa: E402
 from mgraph.ops.elementwise_bodies import (  # noqa: E402
-    _DIGITS, _GATHER, _NREAD, _P_HALF, _P_MAP, _READ0, _WRITE0, _ewise_general,
-    _gather_at, _gather_src, _pow, _rot_cols, _tanh, _vload, ewise_tile,
+    _DIGITS, _P_HALF, _P_MAP, _ewise_general, _gather_at, _pow, _rot_cols, _tanh, _vload,
+    ewise_gate, ewise_tile,
 )
-from mgraph.ops.abi import load_region, param_i32  # noqa: E402
+from mgraph.ops.abi import param_i32  # noqa: E402
 from mgraph.ops.relayout import _digit_sum  # noqa: E402
 from mgraph.ops.tilewise import row_operand, vec_cols, vec_ptr  # noqa: E402
 _SP_PARAM0 = tl.constexpr(_sp_param0)
