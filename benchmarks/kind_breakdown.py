@@ -46,7 +46,7 @@ def kind_breakdown(runtime) -> list[dict]:
     return kind_rows(trace, runtime.graph.tasks)
 
 
-def _label(kind: str, task) -> str:
+def row_label(kind: str, task) -> str:
     """The row a task counts in: its kind; an ewise task's also names its tile and its reads
     (a layer's RoPE, SwiGLU and residual chains differ in both), so each chain gets a row."""
     if kind != "ewise" or not getattr(task, "writes", None):
@@ -63,7 +63,7 @@ def kind_rows(trace, tasks) -> list[dict]:
     flops: dict[tuple[str, str], float] = defaultdict(float)
     programs: dict[tuple[str, str], set] = defaultdict(set)
     for r in trace.records:
-        key = (_label(r.kind, tasks[r.task]), r.role)
+        key = (row_label(r.kind, tasks[r.task]), r.role)
         busy[key] += r.end - r.start
         work[key] += r.end - (r.start if r.ready is None else r.ready)
         count[key] += 1

@@ -51,6 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # kind_breakdown beside it, run as a script or loaded by a test
+from kind_breakdown import row_label  # noqa: E402
+
 KINDS_JSON = HERE / "results" / "v12" / "bench_layer_kinds.json"
 
 
@@ -95,7 +98,7 @@ def task_times(graph, kind_us: dict[str, float], hardware=None) -> list[float]:
     costs = task_costs(graph, hardware or H200)
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
-    labels = [_row_of(t) for t in graph.tasks]
+    labels = [row_label(t.kind, t) for t in graph.tasks]
     for t, k in zip(graph.tasks, labels, strict=True):
         total[k] += costs[t.id]
         count[k] += 1
@@ -111,13 +114,6 @@ def task_times(graph, kind_us: dict[str, float], hardware=None) -> list[float]:
                 scale[k] = sum(means) / len(means) * 1e-6 * count[k] / total[k]
     return [costs[t.id] * scale.get(k, 1.0) for t, k in zip(graph.tasks, labels, strict=True)]
 
-
-def _row_of(task) -> str:
-    """The kind_breakdown row a task counts in (ewise rows by tile and reads)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from kind_breakdown import _label
-
-    return _label(task.kind, task)
 
 
 def replay(schedule, times: list[float]) -> Replay:
@@ -447,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     here = defaultdict(int)
     for t in graph.tasks:
-        here[_row_of(t)] += 1
+        here[row_label(t.kind, t)] += 1
     moved = {r["kind"]: (r["tasks"], here[r["kind"]]) for r in measured if "tasks" in r}
     moved = {k: v for k, v in moved.items() if v[0] != v[1]}
     if moved:  # a lowering changed since the measurement: its per-task means are a guess here
