@@ -120,31 +120,41 @@ def test_ewise_batches_in_the_megakernel():
     check_interpreter_cases("test_ewise_batches.py", INTERP_CASES)
 
 
-def _interp_main() -> None:
+def interp_row(case: str, graph, got: dict, want: dict, dtype: torch.dtype, **extra) -> None:
+    """One interpreter case's JSON row (check_interpreter_cases reads it)."""
     import json
 
-    from mgraph.runtime.megakernel import TritonRuntime
-    from mgraph.settings import Settings
+    err = max(rel_err(got[k].float(), want[k].float()) for k in want)
+    ew = [t for t in graph.tasks if t.kind == "ewise"]
+    fast = sum(ewise_path(graph, t, dtype) == "vec" for t in ew)
+    print(json.dumps({"case": case, "dtype": str(dtype).removeprefix("torch."), "error": err,
+                      "fast": fast, "tasks": len(ew), **extra}), flush=True)
 
-    # the bytecode interpreter's batches: no chain gets generated code (test_ewise_special.py)
-    interpreter = Settings(ewise_chains=0)
+
+def run_cases(settings, seed: int, **extra) -> None:
+    """CASES' chains in fp32 and bf16, run by the megakernel under the interpreter with
+    ``settings`` and on the reference runtime: a JSON row each (interp_row)."""
+    from mgraph.runtime.megakernel import TritonRuntime
+
     for name, shape in CASES.items():
         chain, operands = CHAINS[name.removesuffix(shape)]
         rows, cols, tile_rows = SHAPES[shape]
         for dt in (F32, BF16):
             g = mg.ops.elementwise(topology="1x1", rows=rows, cols=cols, chain=chain,
                                    operands=operands, tile_rows=tile_rows, dtype=dt)
-            gen = torch.Generator().manual_seed(31)
+            gen = torch.Generator().manual_seed(seed)
             inputs = {n: torch.randn(s.shape, generator=gen).to(dt) for n, s in g.inputs.items()}
             sched = mg.schedule(g)
             want = mg.run(sched, inputs).outputs
-            got = TritonRuntime(sched, interpret=True, settings=interpreter).run(inputs).outputs
-            err = max(rel_err(got[k].float(), want[k].float()) for k in want)
-            ew = [t for t in g.tasks if t.kind == "ewise"]
-            fast = sum(ewise_path(g, t, dt) == "vec" for t in ew)
-            print(json.dumps({"case": f"{name}-{str(dt).removeprefix('torch.')}",
-                              "dtype": str(dt).removeprefix("torch."), "error": err,
-                              "fast": fast, "tasks": len(ew)}), flush=True)
+            got = TritonRuntime(sched, interpret=True, settings=settings).run(inputs).outputs
+            interp_row(f"{name}-{str(dt).removeprefix('torch.')}", g, got, want, dt, **extra)
+
+
+def _interp_main() -> None:
+    from mgraph.settings import Settings
+
+    # the bytecode interpreter's batches: no chain gets generated code (test_ewise_special.py)
+    run_cases(Settings(ewise_chains=0), 31)
 
 
 # -- ahead of time, sm_90 --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import mgraph as mg
-from helpers import check_interpreter_cases, rel_err
+from helpers import check_interpreter_cases
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -119,33 +119,13 @@ def test_chains_in_the_megakernel():
 
 
 def _interp_main() -> None:
-    import json
-
-    from test_ewise_batches import CASES, CHAINS, SHAPES, ewise_path
+    from test_ewise_batches import interp_row, run_cases
 
     from mgraph.ops.elementwise_special import chain_keys
     from mgraph.runtime.megakernel import TritonRuntime
     from mgraph.settings import Settings
 
-    def emit(case, g, got, want, dt, chains):
-        err = max(rel_err(got[k].float(), want[k].float()) for k in want)
-        ew = [t for t in g.tasks if t.kind == "ewise"]
-        fast = sum(ewise_path(g, t, dt) == "vec" for t in ew)
-        print(json.dumps({"case": case, "dtype": str(dt).removeprefix("torch."), "error": err,
-                          "fast": fast, "tasks": len(ew), "chains": chains}), flush=True)
-
-    for name, shape in CASES.items():
-        chain, operands = CHAINS[name.removesuffix(shape)]
-        rows, cols, tile_rows = SHAPES[shape]
-        for dt in (F32, BF16):
-            g = mg.ops.elementwise(topology="1x1", rows=rows, cols=cols, chain=chain,
-                                   operands=operands, tile_rows=tile_rows, dtype=dt)
-            gen = torch.Generator().manual_seed(37)
-            inputs = {n: torch.randn(s.shape, generator=gen).to(dt) for n, s in g.inputs.items()}
-            sched = mg.schedule(g)
-            want = mg.run(sched, inputs).outputs
-            got = TritonRuntime(sched, interpret=True).run(inputs).outputs
-            emit(f"{name}-{str(dt).removeprefix('torch.')}", g, got, want, dt, 1)
+    run_cases(Settings(), 37, chains=1)
     gen = torch.Generator().manual_seed(41)
     x, y = (torch.randn(96, 256, generator=gen) for _ in range(2))
     prog = mg.compile(TwoChains(), (x, y), topology="1x1")
@@ -155,7 +135,8 @@ def _interp_main() -> None:
     for n in (1, 2):
         rt = TritonRuntime(prog.schedule, interpret=True, settings=Settings(ewise_chains=n))
         out = rt.run({name: t for name, t in zip(g.inputs, (x, y), strict=True)}).outputs
-        emit(f"two-chains-{n}-float32", g, {"out": next(iter(out.values()))}, want, F32, n)
+        interp_row(f"two-chains-{n}-float32", g, {"out": next(iter(out.values()))}, want, F32,
+                   chains=n)
 
 
 if __name__ == "__main__":
