@@ -10,6 +10,8 @@ op's output against its torch reference:
 - bf16, segments of 256 and 160 filled rows in one tile: two 128-row blocks, and a 128-row
   block then a 64-row one (moe_bodies.expert_tile: 128-row blocks, the last 1-64 rows in one
   64-row block);
+- the column split (expert_cols_f, expert_cols_h: pass-1 and pass-2 tasks on slices of
+  columns), bf16 with 160 filled rows (TMA) and float32 with H = 38 (pointers);
 - bf16 with 8 experts (logit rows of 16 bytes) and distinct logits per token: the route
   body's ranking by packed int32 keys (_thresholds16; the other cases' rows of 6 logits take
   the float ranking, _thresholds);
@@ -48,6 +50,14 @@ CASES = {
     # 160 filled rows: a 128-row block, then the last 32 rows in a 64-row one
     "bf16-rows160": (("full", 15), dict(T_loc=160, H=64, F=96, expert_rows=160,
                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
+    # the column split: pass-1 tasks on 32 hidden columns, pass-2 tasks on 32 output columns,
+    # 160 filled rows (both passes' 128- and 64-row blocks on slices)
+    "bf16-split": (("full", 17), dict(T_loc=160, H=64, F=96, expert_rows=160, expert_cols_f=32,
+                                      expert_cols_h=32, combine_rows=32, combine_cols=64,
+                                      dtype=torch.bfloat16)),
+    # the column split on the pointer path (slices of 76-byte rows)
+    "fp32-split": (("random", 18), dict(H=38, F=72, combine_cols=19, expert_cols_f=24,
+                                        expert_cols_h=19)),
 }  # fmt: skip
 
 
@@ -91,11 +101,12 @@ def run(tag: str, routing: str, seed: int, **options: object) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    # _expert_tma's 17th argument is its row tile (EM)
-    moe_bodies._expert_tma = spy(
-        moe_bodies._expert_tma, lambda a: f"tma{getattr(a[16], 'value', a[16])}"
-    )
-    moe_bodies._expert_pointer = spy(moe_bodies._expert_pointer, lambda a: "pointer")
+    # the row tile (EM): _pass1_tma's 13th argument, _pass2_tma's 11th
+    for name, em in (("_pass1_tma", 12), ("_pass2_tma", 10)):
+        setattr(moe_bodies, name, spy(getattr(moe_bodies, name),
+                                      lambda a, i=em: f"tma{getattr(a[i], 'value', a[i])}"))  # fmt: skip
+    for name in ("_pass1_pointer", "_pass2_pointer"):
+        setattr(moe_bodies, name, spy(getattr(moe_bodies, name), lambda a: "pointer"))
     moe_bodies._thresholds16 = spy(moe_bodies._thresholds16, lambda a: "keys16")
     moe_bodies._thresholds = spy(moe_bodies._thresholds, lambda a: "float")
     base.inputs_for = inputs_for

@@ -36,7 +36,8 @@ TOL = {"bf16": 2e-2, "fp32": 2e-6}
 # whole 16-byte units, the float ranking); 160 rows: a 128-row block, then 32 rows in a 64-row one
 PATHS = {"bf16-rows128": ["float", "tma128"], "bf16-rows64": ["float", "tma64"],
          "fp32-h38": ["float", "pointer"], "bf16-keys": ["keys16", "tma64"],
-         "bf16-rows256": ["float", "tma128"], "bf16-rows160": ["float", "tma128", "tma64"]}  # fmt: skip
+         "bf16-rows256": ["float", "tma128"], "bf16-rows160": ["float", "tma128", "tma64"],
+         "bf16-split": ["float", "tma128", "tma64"], "fp32-split": ["float", "pointer"]}  # fmt: skip
 
 
 @cache
@@ -57,10 +58,43 @@ def test_fast_paths_match_the_cpu_runtime_and_the_reference(case):
         assert r["dropped"] == [0.0] * len(r["counts"]), r
     # the expert body's path that ran: the case is about that path
     assert rows()[f"{case}:paths"]["paths"] == PATHS[case]
-    if case in ("bf16-rows128", "bf16-rows256", "bf16-rows160"):  # two segments filled, the
-        # rest empty
-        n = int(case.removeprefix("bf16-rows"))
+    if case in ("bf16-rows128", "bf16-rows256", "bf16-rows160", "bf16-split"):  # two segments
+        # filled, the rest empty
+        n = 160 if case == "bf16-split" else int(case.removeprefix("bf16-rows"))
         assert next(iter(got.values()))["counts"] == [n, 0, 0, n, 0, 0]
+
+
+def test_column_split_lowers_to_pass_tasks_and_matches_the_reference():
+    """expert_cols_f / expert_cols_h: each expert row tile becomes pass-1 tasks on slices of
+    hidden columns (part 1) and pass-2 tasks on slices of output columns (part 2) that wait for
+    all of them; the CPU runtime matches the torch reference (the Triton bodies: the
+    interpreter cases above)."""
+    import mgraph as mg
+    from helpers import check_graph
+    from mgraph.errors import OptionError
+
+    kw = dict(T=48, H=16, E=4, top_k=2, F=40, expert_rows=8, combine_cols=8, topology="1x2")
+    g = mg.ops.moe_dispatch_combine(**kw, expert_cols_f=16, expert_cols_h=8)
+    whole = mg.ops.moe_dispatch_combine(**kw)
+    experts = [t for t in g.tasks if t.kind == "moe_expert"]
+    tiles = [t for t in whole.tasks if t.kind == "moe_expert"]
+    parts = [t.params["part"] for t in experts]
+    # F = 40: slices 16, 16, 8; H = 16: two slices of 8
+    assert parts.count(1) == 3 * len(tiles) and parts.count(2) == 2 * len(tiles), parts
+    assert {t.params["part"] for t in tiles} == {0}
+    one = [t for t in experts if t.name.startswith(tiles[0].name + " ")]
+    widths = [(t.params["part"], t.reads[3].col1 - t.reads[3].col0) for t in one]
+    assert widths == [(1, 16), (1, 16), (1, 8), (2, 8), (2, 8)], widths
+    first = {t.id for t in one if t.params["part"] == 1}
+    for t in one:
+        if t.params["part"] == 2:  # waits on one event the three pass-1 tasks signal
+            ((event, count),) = t.waits
+            assert count == 3 and {u.id for u in g.tasks if event in u.signals} == first
+    assert sum(t.flops for t in experts) == pytest.approx(sum(t.flops for t in tiles))
+    check_graph(g)
+    for bad in (dict(expert_cols_f=16), dict(expert_cols_f=16, expert_cols_h=0)):
+        with pytest.raises(OptionError):
+            mg.ops.moe_dispatch_combine(**kw, **bad)
 
 
 def _compile_sm90(fn, args: dict) -> tuple[bytes, dict]:

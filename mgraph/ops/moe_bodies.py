@@ -332,29 +332,23 @@ if HAVE_TRITON:
             _move_rows(tp, params, regions, bufaddr, bufcols, DT, RB_M, RB_N)
 
     @triton.jit
-    def _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp, d_stride,
-                    yp, y_stride, hp, h_stride, DT: tl.constexpr, EM: tl.constexpr,
-                    EF: tl.constexpr, EN: tl.constexpr, ES: tl.constexpr,
-                    USE_TIMER: tl.constexpr):  # fmt: skip
-        """The expert body's fast path: every operand through a TMA descriptor over its region
-        (rows past ``n`` and columns past a block's edge read as zeros, and stores stop at the
-        region's edge), so the K loops hold no pointer tensor and Triton's pipeliner prefetches
-        the next blocks; the dots are wgmma on EM-row tiles. Pass 1 stores each hidden block
-        by TMA; pass 2 reads them back by TMA after the stores completed (bulk_store_fence)
-        and every thread's have (a barrier). The row blocks are the inner loop of each pass,
-        so a later row block reads a block of weight columns again one K loop after the first:
-        from L2 only while it is still there (at H = 7168 a program streams 3.7 MB of gate and
-        up columns, x and down rows aside, between the two reads, so with 100 programs streaming
-        into a 50 MB L2 expect HBM). The K loops are software-pipelined by Triton, ES stages
+    def _pass1_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, hp, h_stride,
+                   DT: tl.constexpr, EM: tl.constexpr, EF: tl.constexpr, ES: tl.constexpr,
+                   USE_TIMER: tl.constexpr):  # fmt: skip
+        """The expert body's pass 1, fast path: hidden = silu(x @ w_gate) * (x @ w_up) over
+        ``n`` rows and ``F`` hidden columns (a task's slice, or all), every operand through a
+        TMA descriptor over its region (rows past ``n`` and columns past a block's edge read as
+        zeros, stores stop at the region's edge), so the K loop holds no pointer tensor and
+        Triton's pipeliner prefetches the next blocks; wgmma on EM x EF tiles. Each hidden
+        block is stored by TMA (the caller fences). The row blocks are the inner loop, so a
+        later row block reads a block of weight columns again one K loop after the first: from
+        L2 only while it is still there. The K loop is software-pipelined by Triton, ES stages
         (tl.range): the loads of ES - 1 steps in flight while a step's wgmma run."""
         n32 = n.to(tl.int32)
         xd = tl.make_tensor_descriptor(xp, [n32, H], [x_stride, 1], [EM, _EK])
         gd = tl.make_tensor_descriptor(gp, [H, F], [g_stride, 1], [_EK, EF])
         ud = tl.make_tensor_descriptor(up, [H, F], [u_stride, 1], [_EK, EF])
         hs = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EM, EF])
-        hd = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EM, _EK])
-        dd = tl.make_tensor_descriptor(dp, [F, H], [d_stride, 1], [_EK, EN])
-        yd = tl.make_tensor_descriptor(yp, [n32, H], [y_stride, 1], [EM, EN])
         for f in range(0, tl.cdiv(F, EF)):
             f0 = f * EF
             for i in range(0, tl.cdiv(n32, EM)):
@@ -367,8 +361,20 @@ if HAVE_TRITON:
                     g = _dot(x, gd.load([k0, f0]), g, USE_TIMER)
                     u = _dot(x, ud.load([k0, f0]), u, USE_TIMER)
                 hs.store([i0, f0], (g / (1.0 + tl.exp(-g)) * u).to(DT))
-        bulk_store_fence(USE_TIMER)
-        tl.debug_barrier()  # pass 2 reads hidden blocks other threads' TMA stores wrote
+
+    @triton.jit
+    def _pass2_tma(hp, h_stride, n, F, dp, d_stride, H, yp, y_stride, DT: tl.constexpr,
+                   EM: tl.constexpr, EN: tl.constexpr, ES: tl.constexpr,
+                   USE_TIMER: tl.constexpr):  # fmt: skip
+        """The expert body's pass 2, fast path: y = hidden @ w_down over ``n`` rows and ``H``
+        output columns (a task's slice, or all), as _pass1_tma: TMA descriptors, wgmma on
+        EM x EN tiles, ES stages, y stored by TMA (the caller fences). The hidden rows must be
+        visible to TMA loads: stored by TMA and fenced, then ordered (a barrier in this
+        program, or the signal and wait between tasks)."""
+        n32 = n.to(tl.int32)
+        hd = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EM, _EK])
+        dd = tl.make_tensor_descriptor(dp, [F, H], [d_stride, 1], [_EK, EN])
+        yd = tl.make_tensor_descriptor(yp, [n32, H], [y_stride, 1], [EM, EN])
         for c in range(0, tl.cdiv(H, EN)):
             c0 = c * EN
             for i in range(0, tl.cdiv(n32, EM)):
@@ -378,17 +384,14 @@ if HAVE_TRITON:
                     k0 = k * _EK
                     acc = _dot(hd.load([i0, k0]), dd.load([k0, c0]), acc, USE_TIMER)
                 yd.store([i0, c0], acc.to(DT))
-        # the kernel's signal after this body publishes y: its TMA stores must have landed
-        bulk_store_fence(USE_TIMER)
 
     @triton.jit(noinline=True)
-    def _expert_pointer(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp,
-                        d_stride, yp, y_stride, hp, h_stride, DT: tl.constexpr,
-                        USE_TIMER: tl.constexpr):  # fmt: skip
-        """The expert body for rows TMA cannot address (a corner or row not in whole 16-byte
-        units): masked pointer loads in _PM x _PM blocks. A function of its own (scalar
-        arguments) whose 32-row dots are mma.sync: ptxas allocates its registers apart from the
-        fast path's wgmma loops (a noinline callee on wgmma would serialise the caller's)."""
+    def _pass1_pointer(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, hp, h_stride,
+                       DT: tl.constexpr, USE_TIMER: tl.constexpr):  # fmt: skip
+        """Pass 1 for rows TMA cannot address (a corner or row not in whole 16-byte units):
+        masked pointer loads in _PM x _PM blocks. A function of its own (scalar arguments)
+        whose 32-row dots are mma.sync: ptxas allocates its registers apart from the fast
+        path's wgmma loops (a noinline callee on wgmma would serialise the caller's)."""
         for i0 in range(0, n, _PM):
             om = i0 + tl.arange(0, _PM)
             rok = om < n
@@ -418,7 +421,11 @@ if HAVE_TRITON:
                     h.to(DT),
                     mask=rok[:, None] & fok[None, :],
                 )
-        tl.debug_barrier()  # pass 2 reads hidden columns other threads stored
+
+    @triton.jit(noinline=True)
+    def _pass2_pointer(hp, h_stride, n, F, dp, d_stride, H, yp, y_stride, DT: tl.constexpr,
+                       USE_TIMER: tl.constexpr):  # fmt: skip
+        """Pass 2 for rows TMA cannot address, as _pass1_pointer."""
         for i0 in range(0, n, _PM):
             om = i0 + tl.arange(0, _PM)
             rok = om < n
@@ -454,83 +461,102 @@ if HAVE_TRITON:
         tp, params, regions, bufaddr, bufcols, DT: tl.constexpr, USE_TIMER: tl.constexpr
     ):
         """SwiGLU over the tile's filled rows (the segment's count past ``row0``), nothing when
-        there are none. Pass 1: hidden = silu(x @ w_gate) * (x @ w_up) in blocks of hidden
-        columns, stored in DT; pass 2: y = hidden @ w_down in blocks of output columns. Through
-        TMA (_expert_tma) when every operand's rows are whole 16-byte units (the usual case:
-        H and F multiples of 8 in bf16), else by pointers (_expert_pointer)."""
+        there are none; the task's ``part`` says which passes (moe_tiles.EXPERT_PARTS: 0 both,
+        1 pass 1 on a slice of hidden columns, 2 pass 2 on a slice of output columns; the
+        regions per part are listed there). Pass 1: hidden = silu(x @ w_gate) * (x @ w_up) in
+        blocks of hidden columns, stored in DT; pass 2: y = hidden @ w_down in blocks of output
+        columns. Through TMA (_pass1_tma, _pass2_tma) when every operand's rows are whole
+        16-byte units (the usual case: H and F multiples of 8 in bf16), else by pointers."""
         r0 = tl.load(tp + _READ0)
         w0 = tl.load(tp + _WRITE0)
         row0 = param_i32(params, tp, 1)
-        xp, x_stride, rows, H = _corner(regions, bufaddr, bufcols, r0, DT)
+        part = param_i32(params, tp, 2)
+        # Region indexes by part; a pass a part does not run points at a region the part has
+        # (its corner is read, never used), so every table read stays inside the task's rows.
+        if part == 2:
+            xi, gi, ui, hi, di, yi = r0, r0 + 3, r0 + 3, r0, r0 + 3, w0
+        elif part == 1:
+            xi, gi, ui, hi, di, yi = r0, r0 + 3, r0 + 4, w0, r0 + 3, w0
+        else:
+            xi, gi, ui, hi, di, yi = r0, r0 + 3, r0 + 4, w0 + 1, r0 + 5, w0
+        xp, x_stride, rows, xc = _corner(regions, bufaddr, bufcols, xi, DT)
         cp, _c_stride, _nc, _cc = _corner(regions, bufaddr, bufcols, r0 + 2, _F32)
         n = tl.minimum(tl.load(cp).to(tl.int32) - row0, rows)
         if n > 0:
-            gp, g_stride, _ng, F = _corner(regions, bufaddr, bufcols, r0 + 3, DT)
-            up, u_stride, _nu, _fu = _corner(regions, bufaddr, bufcols, r0 + 4, DT)
-            dp, d_stride, _nd, _hd = _corner(regions, bufaddr, bufcols, r0 + 5, DT)
-            yp, y_stride, _ny, _hy = _corner(regions, bufaddr, bufcols, w0, DT)
-            hp, h_stride, _nh, _fh = _corner(regions, bufaddr, bufcols, w0 + 1, DT)
+            gp, g_stride, _ng, _fg = _corner(regions, bufaddr, bufcols, gi, DT)
+            up, u_stride, _nu, _fu = _corner(regions, bufaddr, bufcols, ui, DT)
+            dp, d_stride, _nd, _hd = _corner(regions, bufaddr, bufcols, di, DT)
+            yp, y_stride, _ny, yc = _corner(regions, bufaddr, bufcols, yi, DT)
+            hp, h_stride, _nh, F = _corner(regions, bufaddr, bufcols, hi, DT)
+            # H: x's columns (pass 1's K) where pass 1 runs, else y's (a slice of them)
+            H = tl.where(part == 2, yc, xc)
+            # Pass 2's K is always the hidden's full width; pass 1's hidden columns are the
+            # hidden region's (a slice in part 1)
             tma = (
-                _fits16(xp, x_stride, H, DT)
+                _fits16(xp, x_stride, xc, DT)
                 & _fits16(gp, g_stride, F, DT)
                 & _fits16(up, u_stride, F, DT)
-                & _fits16(dp, d_stride, H, DT)
-                & _fits16(yp, y_stride, H, DT)
+                & _fits16(dp, d_stride, yc, DT)
+                & _fits16(yp, y_stride, yc, DT)
                 & _fits16(hp, h_stride, F, DT)
             )
             if tma:
-                # Tiles of (rows, hidden columns, output columns, K-loop stages). With 2.1
-                # MFLOP steps (128 x 64 gate and up, 128 x 128 down; or 64 x 128, 64 x 256) at 3
-                # stages the body ran at half the GEMM segment's rate per program (v11), its
-                # compiled K loops otherwise like the GEMM's (one wgmma wait a step, no spill):
-                # half the work per step and per step of loads in flight. So the 128-row tile
-                # does the GEMM segment's step (kernel.py's 128 x 256 x 64 at 3 stages: 4.2
-                # MFLOP for 48 KB; gate and up 128 columns each). The 64-row tile (at most 64
-                # filled rows) does half that work for 40 KB, bound by its weights' bytes; it
-                # keeps one more step of loads in flight (4 stages; 192 KB of shared memory in
-                # pass 2). tests/test_moe_expert_pipeline.py pins both. Every row block reads
-                # the expert's weights once (88 MB at H = 7168, F = 2048; a later block finds
-                # them in L2 only by luck) and its rows of x once per block of hidden columns:
-                # 128-row blocks, except that a remainder of 1-64 rows past them takes one
-                # 64-row block (160 rows: 128 + 64, fewer weight reads than 64 + 64 + 64 and
-                # fewer padding rows than 128 + 128; moe_tiles.expert_row_blocks).
+                # Tiles of (rows, hidden columns, output columns, K-loop stages). The 128-row
+                # tile does the GEMM segment's step (kernel.py's 128 x 256 x 64 at 3 stages:
+                # 4.2 MFLOP for 48 KB; gate and up 128 columns each); the 64-row tile (at most
+                # 64 filled rows) half that work for 40 KB, one more step of loads in flight (4
+                # stages; 192 KB of shared memory in pass 2). tests/test_moe_expert_pipeline.py
+                # pins both. Every row block reads the task's weights once (a later block finds
+                # them in L2 only by luck) and its rows once per block of hidden (output)
+                # columns: 128-row blocks, except that a remainder of 1-64 rows past them takes
+                # one 64-row block (160 rows: 128 + 64; moe_tiles.expert_row_blocks).
                 if DT.primitive_bitwidth == 16:
                     tail = n % 128
                     n128 = tl.where((tail > 0) & (tail <= 64), n - tail, n)
-                    if n128 > 0:
-                        _expert_tma(xp, x_stride, n128, H, gp, g_stride, up, u_stride, F,
-                                    dp, d_stride, yp, y_stride, hp, h_stride, DT, 128, 128, 256,
-                                    3, USE_TIMER)  # fmt: skip
-                    if n128 < n:  # the remainder's rows start n128 rows in: still 16-byte units
-                        o = n128.to(tl.int64)
-                        _expert_tma(xp + o * x_stride, x_stride, n - n128, H, gp, g_stride, up,
-                                    u_stride, F, dp, d_stride, yp + o * y_stride, y_stride,
-                                    hp + o * h_stride, h_stride, DT, 64, 128, 256, 4,
-                                    USE_TIMER)  # fmt: skip
+                    # the remainder's rows start n128 rows in: still 16-byte units
+                    o = n128.to(tl.int64)
+                    if part != 2:
+                        if n128 > 0:
+                            _pass1_tma(xp, x_stride, n128, H, gp, g_stride, up, u_stride, F, hp,
+                                       h_stride, DT, 128, 128, 3, USE_TIMER)  # fmt: skip
+                        if n128 < n:
+                            _pass1_tma(xp + o * x_stride, x_stride, n - n128, H, gp, g_stride,
+                                       up, u_stride, F, hp + o * h_stride, h_stride, DT, 64,
+                                       128, 4, USE_TIMER)  # fmt: skip
+                    if part == 0:
+                        # pass 2 reads hidden blocks other threads' TMA stores wrote
+                        bulk_store_fence(USE_TIMER)
+                        tl.debug_barrier()
+                    if part != 1:
+                        if n128 > 0:
+                            _pass2_tma(hp, h_stride, n128, F, dp, d_stride, H, yp, y_stride, DT,
+                                       128, 256, 3, USE_TIMER)  # fmt: skip
+                        if n128 < n:
+                            _pass2_tma(hp + o * h_stride, h_stride, n - n128, F, dp, d_stride,
+                                       H, yp + o * y_stride, y_stride, DT, 64, 256, 4,
+                                       USE_TIMER)  # fmt: skip
                 else:  # float32: half the columns, to stay in an H200 block's shared memory
-                    _expert_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, dp,
-                                d_stride, yp, y_stride, hp, h_stride, DT, 64, 64, 128, 3,
-                                USE_TIMER)  # fmt: skip
+                    if part != 2:
+                        _pass1_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, hp,
+                                   h_stride, DT, 64, 64, 3, USE_TIMER)  # fmt: skip
+                    if part == 0:
+                        bulk_store_fence(USE_TIMER)
+                        tl.debug_barrier()
+                    if part != 1:
+                        _pass2_tma(hp, h_stride, n, F, dp, d_stride, H, yp, y_stride, DT, 64,
+                                   128, 3, USE_TIMER)  # fmt: skip
+                # the kernel's signal after this body publishes hidden or y: its TMA stores
+                # must have landed
+                bulk_store_fence(USE_TIMER)
             else:
-                _expert_pointer(
-                    xp,
-                    x_stride,
-                    n,
-                    H,
-                    gp,
-                    g_stride,
-                    up,
-                    u_stride,
-                    F,
-                    dp,
-                    d_stride,
-                    yp,
-                    y_stride,
-                    hp,
-                    h_stride,
-                    DT,
-                    USE_TIMER,
-                )
+                if part != 2:
+                    _pass1_pointer(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, hp,
+                                   h_stride, DT, USE_TIMER)  # fmt: skip
+                if part == 0:
+                    tl.debug_barrier()  # pass 2 reads hidden columns other threads stored
+                if part != 1:
+                    _pass2_pointer(hp, h_stride, n, F, dp, d_stride, H, yp, y_stride, DT,
+                                   USE_TIMER)  # fmt: skip
 
     @triton.jit
     def _combine_rows(

@@ -250,12 +250,27 @@ def _lower(
     combine_rows: int = 64,
     expert_group: int = 1,
     capacity_factor: float = 4.0,
+    expert_cols_f: int | None = None,
+    expert_cols_h: int | None = None,
 ) -> None:
     tiles = {"expert_rows": expert_rows, "combine_cols": combine_cols,
              "combine_rows": combine_rows, "expert_group": expert_group}  # fmt: skip
     for name, value in tiles.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ShapeError(f"{OP}: {name}={value!r} must be a positive int")
+    split = {"expert_cols_f": expert_cols_f, "expert_cols_h": expert_cols_h}
+    for name, value in split.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value <= 0):  # fmt: skip
+            raise ShapeError(f"{OP}: {name}={value!r} must be a positive int or None")
+    if (expert_cols_f is None) != (expert_cols_h is None):
+        raise OptionError(
+            f"{OP}: expert_cols_f={expert_cols_f} and expert_cols_h={expert_cols_h}: set both "
+            "or neither",
+            hint="both set: each expert tile becomes pass-1 tasks of expert_cols_f hidden "
+            "columns and pass-2 tasks of expert_cols_h output columns; neither: one task",
+        )
+    tiles.update({k: v or 0 for k, v in split.items()})
     if not capacity_factor > 0:
         raise OptionError(
             f"{OP}: capacity_factor={capacity_factor!r} must be positive",
@@ -296,6 +311,7 @@ class _Lowering:
         self.tile_cols = pick_tile(OP, "H", H, tiles["combine_cols"])
         self.combine_rows = pick_tile(OP, "T/W", self.T_loc, tiles["combine_rows"])
         self.group = tiles["expert_group"]
+        self.cols_f, self.cols_h = tiles.get("expert_cols_f", 0), tiles.get("expert_cols_h", 0)
         if self.E_loc % self.group:
             raise ShapeError(
                 f"{OP}: expert_group={self.group} does not divide the experts per rank "
@@ -532,26 +548,69 @@ class _Lowering:
                 rows_expected = min(max(expected - r0, 0.0), float(r1 - r0))
                 span = (base + j * seg + r0, base + j * seg + r1)
                 scratch = s * self.block + j * seg
-                by_group[-1].append(
+                hidden = self.hidden[d].region((scratch + r0, scratch + r1))
+                name = f"expert r{d} e{d * self.E_loc + j} from r{s} [{r0}:{r1}]"
+                # source and capacity: for moe_tiles.weight_streams (not encoded)
+                params = {"local_expert": j, "row0": r0, "expected_rows": rows_expected,
+                          "source": s, "capacity": seg}  # fmt: skip
+                head = [rows.region(span), meta.region(span), count]
+                if not self.cols_f:
+                    by_group[-1].append(
+                        self.b.task(
+                            d,
+                            Role.COMPUTE,
+                            EXPERT,
+                            [*head, *weights],
+                            [out.region(span), hidden],
+                            waits=waits,
+                            name=name,
+                            params={**params, "part": 0},
+                            flops=expert_flops(rows_expected, H, F),
+                        )
+                    )
+                    continue
+                # The column split: pass-1 tasks on slices of hidden columns, then pass-2 tasks
+                # on slices of output columns, each reading the whole hidden rows. The slices
+                # of one tile run on several programs at once, so they read the tile's rows
+                # (x, then hidden) from L2 while each streams its own slice of the weights.
+                first = [
                     self.b.task(
                         d,
                         Role.COMPUTE,
                         EXPERT,
-                        [rows.region(span), meta.region(span), count, *weights],
-                        [out.region(span), self.hidden[d].region((scratch + r0, scratch + r1))],
+                        [
+                            *head,
+                            self.w_gate[d].region((j * H, (j + 1) * H), (f0, f1)),
+                            self.w_up[d].region((j * H, (j + 1) * H), (f0, f1)),
+                        ],
+                        [self.hidden[d].region((scratch + r0, scratch + r1), (f0, f1))],
                         waits=waits,
-                        name=f"expert r{d} e{d * self.E_loc + j} from r{s} [{r0}:{r1}]",
-                        # source and capacity: for moe_tiles.weight_streams (not encoded)
-                        params={
-                            "local_expert": j,
-                            "row0": r0,
-                            "expected_rows": rows_expected,
-                            "source": s,
-                            "capacity": seg,
-                        },
-                        flops=expert_flops(rows_expected, H, F),
+                        name=f"{name} hidden[{f0}:{f1}]",
+                        params={**params, "part": 1},
+                        flops=4.0 * rows_expected * H * (f1 - f0),
                     )
-                )
+                    for f0, f1 in split(F, self.cols_f)
+                ]
+                ready_hidden = self.b.after(d, first)
+                for c0, c1 in split(H, self.cols_h):
+                    by_group[-1].append(
+                        self.b.task(
+                            d,
+                            Role.COMPUTE,
+                            EXPERT,
+                            [
+                                hidden,
+                                meta.region(span),
+                                count,
+                                self.w_down[d].region((j * F, (j + 1) * F), (c0, c1)),
+                            ],
+                            [out.region(span, cols=(c0, c1))],
+                            waits=ready_hidden,
+                            name=f"{name} y[{c0}:{c1}]",
+                            params={**params, "part": 2},
+                            flops=2.0 * rows_expected * F * (c1 - c0),
+                        )
+                    )
         return by_group
 
     def give_back(self, d: int, s: int, tiles: list[list[Task]]) -> list[Task]:

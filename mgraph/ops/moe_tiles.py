@@ -74,7 +74,9 @@ COMBINE = kind_spec(TaskKind.MOE_COMBINE)
 # The builtin kinds are defined in mgraph/kinds.py without params; the params a Triton body
 # reads are declared beside it (the encoder packs them in this order).
 ROUTE.params = ("top_k", "experts_per_rank", "expert0", "capacity")
-EXPERT.params = ("local_expert", "row0")
+EXPERT.params = ("local_expert", "row0", "part")
+# part: 0 both passes (regions below), 1 pass 1 only, 2 pass 2 only (EXPERT_PARTS)
+EXPERT.param_defaults = {"part": 0}
 COMBINE.params = ("top_k",)
 # A transfer whose size is data: the COPY kind moves whole regions, and the builtin kinds are not
 # ours to change, so the data-dependent copy is a kind of its own. RDMA is not among its roles:
@@ -122,35 +124,52 @@ def weight_streams(
     source rank s's tokens picked global expert e (before the drop policy). Per expert task:
     its filled rows (min(picks, capacity) past its ``row0``, at most its rows) in the blocks
     ``row_blocks(rows, itemsize)`` lists (default: the body's TMA rule; the pointer path, for
-    rows not in whole 16-byte units, is not modelled), one weight stream a block. Summed over
-    all ranks: the streams and their bytes, the bytes of x and hidden rows a block reads again
-    per block of hidden and of output columns (``reread_bytes``: an upper bound, none found in
-    L2), the blocks' rows (filled and padding: the MMA work) and the filled rows."""
+    rows not in whole 16-byte units, is not modelled), each block reading the weight regions
+    of the task once (all three matrices for a whole task; a column slice of gate and up, or
+    of down, for a task of the column split: moe_dispatch_combine's ``expert_cols_f`` /
+    ``expert_cols_h``). Summed over all ranks: the streams (in whole experts' weights) and
+    their bytes, the bytes of x and hidden rows a block reads again per block of hidden and of
+    output columns (``reread_bytes``: an upper bound, none found in L2; tasks of one slice
+    each share their rows through L2 only when they run at the same time, not modelled), the
+    blocks' rows (filled and padding: the MMA work; a split task counts its share of the
+    expert's work) and the filled rows (once per row tile)."""
     itemsize = ITEMSIZE[graph.dtype]
-    E_loc = graph.params["E"] // graph.topology.world_size
     H, F = graph.params["H"], graph.params["F"]
-    # the body's column blocks (hidden, output): moe_bodies.expert_tile's tiles
+    # the body's column blocks (hidden, output): moe_bodies' pass 1 and pass 2 tiles
     cols_f, cols_h = (128, 256) if itemsize == 2 else (64, 128)
-    per_row = (-(-F // cols_f) * H + -(-H // cols_h) * F) * itemsize
-    streams = padded = filled = 0
+    whole = 3 * H * F  # one expert's weight elements
+    stream_elems = reread = padded = filled = 0.0
     for task in graph.tasks:
         if task.kind != EXPERT.name:
             continue
-        e = task.rank * E_loc + task.params["local_expert"]
+        e = task.rank * (graph.params["E"] // graph.topology.world_size)
+        e += task.params["local_expert"]
         tile = task.reads[0].row1 - task.reads[0].row0
         capacity = task.params["capacity"]
         n = min(max(min(int(picks[task.params["source"], e]), capacity) - task.params["row0"], 0),
                 tile)  # fmt: skip
-        if n:
-            blocks = row_blocks(n, itemsize)
-            streams += len(blocks)
-            padded += sum(blocks)
-            filled += n
+        if not n:
+            continue
+        part = task.params.get("part", 0)
+        weights = task.reads[3:]
+        elems = sum((w.row1 - w.row0) * (w.col1 - w.col0) for w in weights)
+        cols = weights[0].col1 - weights[0].col0  # f (parts 0, 1) or h (part 2) columns
+        if part == 1:
+            per_row, share = -(-cols // cols_f) * H, 2.0 * cols / (3 * F)
+        elif part == 2:
+            per_row, share = -(-cols // cols_h) * F, cols / (3.0 * H)
+        else:
+            per_row, share = -(-F // cols_f) * H + -(-H // cols_h) * F, 1.0
+        blocks = row_blocks(n, itemsize)
+        stream_elems += len(blocks) * elems
+        reread += sum(blocks) * per_row * itemsize
+        padded += sum(blocks) * share
+        filled += n if part == 0 or (part == 1 and weights[0].col0 == 0) else 0
     return {
         "experts": float(graph.params["E"]),
-        "streams": float(streams),
-        "stream_bytes": float(streams * 3 * H * F * itemsize),
-        "reread_bytes": float(padded * per_row),
+        "streams": stream_elems / whole,
+        "stream_bytes": float(stream_elems * itemsize),
+        "reread_bytes": float(reread),
         "block_rows": float(padded),
         "filled_rows": float(filled),
     }
@@ -242,29 +261,57 @@ def _move_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, in
     return 0.0
 
 
-# -- moe_expert: reads [rows (n, H), meta (n, 3), count (1, 1), w_gate, w_up, w_down], writes
-# [y (n, H), hidden (n, F): the SwiGLU hidden in the graph's dtype, scratch] ---------------------
+# -- moe_expert: one task computes its row tile's SwiGLU whole (part 0) or one pass of it on a
+# slice of columns (parts 1 and 2: the lowering's column split, several programs on one expert at
+# once). The regions per part (EXPERT_PARTS): the rows are the filled ones, the count says how
+# many; hidden is the SwiGLU hidden in the graph's dtype, scratch:
+#   0: reads [rows (n, H), meta (n, 3), count (1, 1), w_gate (H, F), w_up (H, F), w_down (F, H)],
+#      writes [y (n, H), hidden (n, F)]
+#   1: reads [rows (n, H), meta (n, 3), count, w_gate (H, f), w_up (H, f)], writes [hidden (n, f)]
+#      for a slice of f hidden columns
+#   2: reads [hidden (n, F), meta (n, 3), count, w_down (F, h)], writes [y (n, h)] for a slice of
+#      h output columns (after every part-1 task of its rows)
+EXPERT_PARTS = {0: "both passes", 1: "pass 1 on a slice of hidden columns",
+                2: "pass 2 on a slice of output columns"}  # fmt: skip
+
+
 @EXPERT.cpu
 def _expert_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
-    rows, meta, count, w_gate, w_up, w_down = reads
-    y, hidden = writes
+    part = task.params.get("part", 0)
+    if part not in EXPERT_PARTS:
+        raise GraphError(f"{task.name}: moe_expert part={part!r} is not one of {EXPERT_PARTS}")
+    rows, meta, count = reads[:3]
     # The tile covers rows [row0, row0 + len) of its segment; the count says how many are filled.
     n = min(max(int(count.item()) - task.params["row0"], 0), rows.shape[0])
     if n == 0:
         return  # an empty tile exits at once; its output rows are never moved nor read
     assert bool((meta[:n, 2] == task.params["local_expert"]).all()), task.name
+    if part == 2:  # rows are the hidden rows pass 1 stored
+        (w_down,), (y,) = reads[3:], writes
+        y[:n] = (rows[:n].float() @ w_down.float()).to(y.dtype)
+        return
     x = rows[:n].float()
+    w_gate, w_up = reads[3:5]
+    hidden = writes[-1]
     hidden[:n] = (F.silu(x @ w_gate.float()) * (x @ w_up.float())).to(hidden.dtype)
-    y[:n] = (hidden[:n].float() @ w_down.float()).to(y.dtype)
+    if part == 0:
+        y = writes[0]
+        y[:n] = (hidden[:n].float() @ reads[5].float()).to(y.dtype)
 
 
 @EXPERT.flops
 def _expert_flops(
     reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict
 ):
-    (capacity, hidden), (_, ffn) = reads[0], reads[3]
+    part = params.get("part", 0)
+    capacity = reads[0][0]
     # The lowering records the EXPECTED routed rows; without it this is the worst case.
-    return expert_flops(params.get("expected_rows", capacity), hidden, ffn)
+    rows = params.get("expected_rows", capacity)
+    if part == 1:  # gate and up on f columns: 2 GEMMs of rows x H x f
+        return 4.0 * rows * reads[0][1] * reads[3][1]
+    if part == 2:  # rows x F x h
+        return 2.0 * rows * reads[0][1] * reads[3][1]
+    return expert_flops(rows, reads[0][1], reads[3][1])
 
 
 # -- moe_combine: reads [back (E*C, cols), pick_rows (n, E), pick_weights (n, E)], writes
