@@ -11,7 +11,13 @@ shapes (q rows x keys per attn_block task) 128x128 (the lowering's default befor
 ``ring_attention.default_kv_block``), 128xS (one task per q block: the plain flash tile) and
 4096x4096, against
 ``F.scaled_dot_product_attention`` with the cuDNN and the flash (FA2) backends, S = 8192..32768,
-causal and not. TF/s count the unmasked work (causal: half).
+causal and not. TF/s count the unmasked work (causal: half). ``--variants NAME... | all`` also
+times other shapes of the fast path (``attention_tiles.TILE_VARIANTS``: the pipelined plain
+loop, 64-row sub-blocks at 4 warps, 64-key chunks, stages) on the schedule's task shape
+(128 x the lowering's keys, finalised inline); every row names its ``variant`` and whether it
+is the ``default`` (the megakernel's); each variant's first row holds its kernel's registers,
+spills, shared memory and ``programs_per_sm``. ``--tile-shapes schedule`` keeps the default
+variant to that shape too (a shorter run).
 
 mega: the same attention through the megakernel on one GPU (TritonRuntime on the 1x1
 ring_attention graph: the kernel the ring runs, with its queues, waits and copy branch),
@@ -207,12 +213,28 @@ def chain_tables(S: int, qb: int, kvb: int, causal: bool, device: str,
     }
 
 
+def occupancy(info: dict, warps: int) -> int | None:
+    """Programs of ``warps`` warps one H200 SM holds at once, by the kernel's registers and
+    shared memory (228 KB an SM, 1 KB of it reserved per program; 64K registers, allocated per
+    warp in units of 256): 2 lets one program's softmax overlap the other's wgmma."""
+    if info.get("regs") is None or info.get("shared") is None:
+        return None
+    per_warp = -(-info["regs"] * 32 // 256) * 256
+    return min(233472 // (info["shared"] + 1024), 65536 // (per_warp * warps), 64 // warps)
+
+
 def bench_tile(args) -> list[dict]:
     from mgraph.kinds import TaskKind
-    from mgraph.ops.attention_tiles import chains_kernel
+    from mgraph.ops.attention_tiles import DEFAULT_VARIANT, TILE_VARIANTS, chains_kernel
     from mgraph.runtime.megakernel.encode import kind_id
 
-    rows, infos = [], []
+    rows, infos = [], {}
+    variants = list(TILE_VARIANTS) if args.variants == ["all"] else args.variants
+    unknown = [v for v in variants if v not in TILE_VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variants {unknown}: choose from {', '.join(TILE_VARIANTS)} or all")
+    # the default first: its rows are the ones earlier runs have
+    variants = sorted(set(variants), key=lambda v: (v != DEFAULT_VARIANT, variants.index(v)))
     torch.manual_seed(0)
     for S in args.tile_seqs:
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -237,50 +259,63 @@ def bench_tile(args) -> list[dict]:
             addr = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device="cuda")
             cols = torch.tensor([b.shape[1] for b in bufs], dtype=torch.int32, device="cuda")
             default = default_kv_block(S, 128)  # the lowering's default
-            shapes = [(128, 1024, False), (128, S, False), (4096, 4096, False)]
-            if default not in (1024, S):
-                shapes.insert(1, (128, default, False))
-            if S <= 16384:
-                shapes.insert(0, (128, 128, False))  # 1M tasks past that: tables of 250 MB
-            # the same chains, each finalised by its last task (the lowerings' default)
-            shapes += [(128, 1024, True), (128, default, True)]
-            for qb, kvb, inline in shapes:
-                tb = chain_tables(S, qb, kvb, causal, "cuda", inline)
-                task = f"{qb}x{kvb}" + ("+inline" if inline else "")
+            # the schedule's shape: the lowering's keys per task, the chain's last task
+            # finalising (the lowerings' default); every variant runs it
+            shapes = [(128, default, True)]
+            if args.tile_shapes == "all":  # and, for the default variant, the others
+                shapes = [(128, 1024, False), (128, S, False), (4096, 4096, False)]
+                if default not in (1024, S):
+                    shapes.insert(1, (128, default, False))
+                if S <= 16384:
+                    shapes.insert(0, (128, 128, False))  # 1M tasks past that: 250 MB tables
+                shapes += [(128, 1024, True), (128, default, True)]
+            tables = {}
+            for variant in variants:
+                shape = TILE_VARIANTS[variant]
+                mine = shapes if variant == DEFAULT_VARIANT else shapes[-1:]
+                for qb, kvb, inline in mine:
+                    key = (qb, kvb, inline)
+                    if key not in tables:
+                        tables[key] = chain_tables(S, qb, kvb, causal, "cuda", inline)
+                    tb = tables[key]
+                    task = f"{qb}x{kvb}" + ("+inline" if inline else "")
+                    base = dict(part="tile", S=S, causal=causal, impl="mgraph_tile",
+                                variant=variant, default=variant == DEFAULT_VARIANT)
 
-                def launch(tb=tb, addr=addr, cols=cols):
-                    return chains_kernel[(tb["chains"],)](
-                        tb["tasks"], tb["order"], tb["starts"], tb["params"], tb["regions"],
-                        addr, cols, BLOCK_ID=kind_id(TaskKind.ATTN_BLOCK.value),
-                        DT=tl_bf16(), USE_TIMER=True, num_warps=args.warps,
-                        num_stages=args.stages)
+                    def launch(tb=tb, addr=addr, cols=cols, shape=shape):
+                        return chains_kernel[(tb["chains"],)](
+                            tb["tasks"], tb["order"], tb["starts"], tb["params"], tb["regions"],
+                            addr, cols, BLOCK_ID=kind_id(TaskKind.ATTN_BLOCK.value),
+                            DT=tl_bf16(), USE_TIMER=True, ATTN_D=D, PIPE=shape["PIPE"],
+                            QB=shape["QB"], KB=shape["KB"], num_warps=shape["num_warps"],
+                            num_stages=shape["num_stages"])
 
-                out.fill_(float("nan"))
-                acc.fill_(float("nan"))
-                ml.fill_(float("nan"))
-                try:
-                    compiled = launch()
-                    torch.cuda.synchronize()
-                    if not infos:
-                        infos.append(kernel_info(compiled))
-                        rows.append(dict(part="tile", S=S, causal=causal, impl="mgraph_tile",
-                                         kernel="chains_kernel", **infos[0]))
+                    out.fill_(float("nan"))
+                    acc.fill_(float("nan"))
+                    ml.fill_(float("nan"))
+                    try:
+                        compiled = launch()
+                        torch.cuda.synchronize()
+                        if variant not in infos:
+                            infos[variant] = kernel_info(compiled)
+                            rows.append(dict(base, kernel="chains_kernel", **infos[variant],
+                                             programs_per_sm=occupancy(
+                                                 infos[variant], shape["num_warps"]), **shape))
+                            print(json.dumps(rows[-1]), flush=True)
+                        got = out.view(B, H, S, D)
+                        err, terr = rel(got, ref["cudnn"]), tile_err(got, ref["cudnn"])
+                        ms = statistics.median(event_times(launch, args.warmup, args.reps))
+                    except Exception as exc:  # a shape that cannot compile or run is reported
+                        rows.append(dict(base, task=task, error=repr(exc)[:300]))
                         print(json.dumps(rows[-1]), flush=True)
-                    got = out.view(B, H, S, D)
-                    err, terr = rel(got, ref["cudnn"]), tile_err(got, ref["cudnn"])
-                    ms = statistics.median(event_times(launch, args.warmup, args.reps))
-                except Exception as exc:  # a shape that cannot compile or run is reported
-                    rows.append(dict(part="tile", S=S, causal=causal, impl="mgraph_tile",
-                                     task=task, error=repr(exc)[:300]))
+                        continue
+                    rows.append(dict(
+                        base, task=task, tasks=tb["tasks_n"], warps=shape["num_warps"],
+                        stages=shape["num_stages"], ms=round(ms, 4),
+                        tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
+                        rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
                     print(json.dumps(rows[-1]), flush=True)
-                    continue
-                rows.append(dict(
-                    part="tile", S=S, causal=causal, impl="mgraph_tile", task=task,
-                    tasks=tb["tasks_n"], warps=args.warps, stages=args.stages, ms=round(ms, 4),
-                    tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
-                    rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
-                print(json.dumps(rows[-1]), flush=True)
-                del tb
+            del tables
             del acc, ml, out, bufs, ref
             torch.cuda.empty_cache()
     return rows
@@ -527,13 +562,18 @@ def table(rows: list[dict]) -> str:
         rs = sorted(rs, key=lambda r: "kernel" not in r)
         cells = []
         for r in rs:
-            name = r["impl"] + (f"[{r['task']}]" if "task" in r else "")
+            # a tile variant other than the default is named in angle brackets
+            variant = f"<{r['variant']}>" if r.get("default") is False else ""
+            name = r["impl"] + variant + (f"[{r['task']}]" if "task" in r else "")
             if "error" in r:
                 cells.append(f"{name}: ERROR")
                 continue
             if "kernel" in r:  # the compiled kernel's registers, spills, ptxas's verdict
                 serial = "wgmma SERIALIZED" if r.get("ptxas_serialized") else "wgmma pipelined"
-                cells.append(f"{r['kernel']}: {r['regs']} regs, {r['spills']} B spilled, "
+                per_sm = (f", {r['programs_per_sm']}/SM" if r.get("programs_per_sm") is not None
+                          else "")
+                cells.append(f"{r['kernel']}{variant}: {r['regs']} regs, {r['spills']} B "
+                             f"spilled, {r.get('shared')} B shared{per_sm}, "
                              f"{serial if 'ptxas_serialized' in r else 'ptxas ?'}")
                 continue
             ratio = f" {cudnn / r['ms']:.2f}x" if cudnn else ""
@@ -562,8 +602,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--finalize-tasks", action="store_true",
                         help="mega: also time the graphs with an attn_finalize task per q block "
                         "(inline_finalize=False); ring: only that way")
-    parser.add_argument("--warps", type=int, default=8, help="tile: the megakernel's num_warps")
-    parser.add_argument("--stages", type=int, default=3, help="tile: the megakernel's stages")
+    parser.add_argument("--variants", nargs="+", default=["plain"],
+                        help="tile: the fast path's shapes to time (attention_tiles."
+                        "TILE_VARIANTS, or all); the default one on every task shape, the others "
+                        "on the schedule's (128 x the lowering's keys, finalised inline)")
+    parser.add_argument("--tile-shapes", choices=("all", "schedule"), default="all",
+                        help="tile: every task shape for the default variant, or only the "
+                        "schedule's")
     parser.add_argument("--warmup", type=int, default=2, help="ring: at most 1")
     parser.add_argument("--reps", type=int, default=5, help="ring: at most 3")
     args = parser.parse_args(argv)

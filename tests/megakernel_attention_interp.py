@@ -34,13 +34,15 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def compare(case: str, graph, inputs: dict, sdpa: torch.Tensor, chains: bool = False) -> None:
+def compare(case: str, graph, inputs: dict, sdpa: torch.Tensor, chains: bool = False,
+            variant: str = "plain") -> None:
     """The megakernel (one rank, or every rank in one interpreter program), or with ``chains``
-    run_chains, against the reference runtime and SDPA (``sdpa`` in [B, H, S, D], float32)."""
+    run_chains (its fast path in shape ``variant``), against the reference runtime and SDPA
+    (``sdpa`` in [B, H, S, D], float32)."""
     sched = mg.schedule(graph)
     want = mg.run(sched, inputs).outputs["out"]
     if chains:
-        got = run_chains(sched, inputs)["out"]
+        got = run_chains(sched, inputs, variant=variant)["out"]
     elif graph.topology.world_size == 1:
         got = TritonRuntime(sched, interpret=True).run(inputs).outputs["out"]
     else:
@@ -141,7 +143,8 @@ def mask_cases() -> None:
 
 
 def chain_cases() -> None:
-    """bf16 data with fp32 state through run_chains: head sizes 40 (masked columns) and 160
+    """bf16 data with fp32 state through run_chains (its default fast path, and two others on
+    two graphs): head sizes 40 (masked columns) and 160
     (the 256-column fast path, ATTN_D 256); causal zigzag over two ranks with grouped-query attention (2 q heads
     per KV head, the KV slices moved by copy tasks); KV blocks twice the q block (chunks below,
     across and above the diagonal inside one task); additive and boolean masks; a fully hidden
@@ -159,6 +162,16 @@ def chain_cases() -> None:
         g = mg.ops.ring_attention(dtype=bf16, **dims)
         x = _inputs(g, seed=len(name), dtype=bf16)
         compare(f"chains-bf16-{name}", g, x, _sdpa(x, dims.get("causal", False)), chains=True)
+    # the fast path's other shapes (attention_tiles.TILE_VARIANTS): the pipelined plain loop
+    # and 64-row sub-blocks, with 64-key chunks, on 256-key blocks across the diagonal (plain
+    # chunks, then masked ones) and on 128 keys of head size 40 (two plain chunks, masked
+    # columns); the wide path at D 160 has one shape
+    for variant in ("pipe-kb64", "q64-kb64-w4-pipe"):
+        for name in ("kvblock-causal1", "d40-causal0"):
+            g = mg.ops.ring_attention(dtype=bf16, **ring[name])
+            x = _inputs(g, seed=len(name), dtype=bf16)
+            compare(f"chains-bf16-variant-{variant}-{name}", g, x,
+                    _sdpa(x, ring[name].get("causal", False)), chains=True, variant=variant)
     g = mg.ops.ring_attention(dtype=torch.float32, **ring["d160-causal1"])
     x = _inputs(g, seed=3)
     compare("chains-fp32-d160-causal1", g, x, _sdpa(x, True), chains=True)

@@ -9,7 +9,8 @@ reference runtime on the same graph and torch SDPA (tests/megakernel_attention_i
   (bf16 data, fp32 state: the attention kinds are ``own_dtypes``);
 - run by attention_tiles.run_chains (the bodies in a standalone kernel) on bf16 graphs with fp32
   state: zigzag causal over two ranks, grouped-query attention, KV blocks larger than q blocks,
-  additive and boolean masks, head sizes 40 and 160;
+  additive and boolean masks, head sizes 40 and 160; and in two of the fast path's other shapes
+  (attention_tiles.TILE_VARIANTS: the pipelined plain loop, 64-row sub-blocks, 64-key chunks);
 - query rows whose every key is hidden (a masked row, left padding under a causal mask): exactly
   0, as SDPA returns them, on both paths; and on a GPU (``pytest -m gpu``), compiled, through
   run_chains.
@@ -117,11 +118,34 @@ def test_bf16_ring_attention_variants():
     # D 40 and D 160 (the D-chunked path), zigzag causal over two ranks with 2 q heads per KV
     # head, 256-key blocks folded into 128-row q blocks across the diagonal
     got = _select(rows("chains"), "chains-bf16-")
-    ring = {k: r for k, r in got.items() if not any(w in k for w in ("mask", "hidden", "left"))}
+    ring = {k: r for k, r in got.items()
+            if not any(w in k for w in ("mask", "hidden", "left", "variant"))}
     two_ranks = {k: ring.pop(k) for k in list(ring) if "1x2" in k}
     _check(ring, 3, ATTN, ["bfloat16", "float32"], TOL_BF16)
     _check(two_ranks, 1, ATTN | {"copy"}, ["bfloat16", "float32"],
            TOL_BF16)
+
+
+def test_bf16_fast_path_variants():
+    # attention_tiles.TILE_VARIANTS other than the default, through run_chains: the pipelined
+    # plain loop with 64-key chunks (128- and 64-row sub-blocks), on a causal 256-key block
+    # (plain, then masked chunks) and on head size 40 over two plain chunks
+    got = _select(rows("chains"), "chains-bf16-variant-")
+    _check(got, 4, ATTN, ["bfloat16", "float32"], TOL_BF16)
+
+
+def test_run_chains_rejects_an_unknown_variant():
+    import torch
+
+    import mgraph as mg
+    from mgraph.errors import OptionError
+    from mgraph.ops.attention_tiles import TILE_VARIANTS, run_chains
+
+    g = mg.ops.ring_attention(topology="1x1", B=1, H=1, S=64, D=32, block=64,
+                              dtype=torch.bfloat16)
+    with pytest.raises(OptionError, match="unknown variant 'fast'") as err:
+        run_chains(mg.schedule(g), {}, variant="fast")
+    assert all(name in str(err.value) for name in TILE_VARIANTS)
 
 
 def test_bf16_attention_additive_and_boolean_masks():

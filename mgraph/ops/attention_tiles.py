@@ -42,6 +42,14 @@ sm_90 (tests/test_attention_compile.py), the ring megakernel's fast loops at ATT
 are wgmma fed by TMA, pipelined, and the plain loop is spill-free (benchmarks/NOTES.md has the
 numbers).
 
+Variants. The megakernel compiles the 128-column fast path in one shape (``_QB`` = 128 rows,
+``_KB`` = 128 keys, the plain loop above: the 30-line probe's loop, the same SASS but for 6
+instructions an iteration, sm_90). chains_kernel takes the shape as constexprs (PIPE, QB, KB)
+and run_chains / bench_attention.py pick it by name from :data:`TILE_VARIANTS`, so others can
+be timed beside it in one run: ``pipe-kb64``, the plain loop one chunk ahead
+(:func:`_fold_pipelined`) over 64-key chunks; ``q64-kb64-w4``, 64-row sub-blocks at 4 warps,
+which fit two programs on an SM. Which is fastest is a GPU measurement, not settled here.
+
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
 causal block that reaches past the diagonal: hide keys after the query; chunks wholly below the
@@ -88,8 +96,8 @@ if TYPE_CHECKING:
 
     from ..graph import TaskGraph
 
-__all__ = ["ATTN_PARAMS", "BIAS_NONE", "BIAS_ADD", "BIAS_BOOL", "FAST_HEAD_SIZES",
-           "attn_head_size", "run_chains"]
+__all__ = ["ATTN_PARAMS", "BIAS_NONE", "BIAS_ADD", "BIAS_BOOL", "DEFAULT_VARIANT",
+           "FAST_HEAD_SIZES", "PIPE_QK", "TILE_VARIANTS", "attn_head_size", "run_chains"]
 
 ATTN_BLOCK = kind_spec(TaskKind.ATTN_BLOCK)
 ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
@@ -106,6 +114,22 @@ ATTN_BLOCK.own_dtypes = ATTN_FINALIZE.own_dtypes = True
 BIAS_NONE, BIAS_ADD, BIAS_BOOL = 0, 1, 2  # the ``bias`` param: what the task's last read is
 # The head sizes a fast path is compiled for (attn_head_size rounds up to one of them).
 FAST_HEAD_SIZES = (128, 256)
+# Whether the 128-column fast path's plain loop issues the next chunk's q k^T before this
+# chunk's softmax (_fold_pipelined), in the megakernel and by default in chains_kernel.
+PIPE_QK = False
+# Shapes of the 128-column fast path that chains_kernel compiles (run_chains' ``variant``,
+# bench_attention.py's ``--variants``): PIPE (_fold_pipelined), QB q rows a sub-block, KB keys a
+# chunk, and the launch's warps and stages. "plain" is the megakernel's. At 4 warps, 64 rows
+# and 64-key chunks in 2 stages, a program needs 91 KB of shared memory (sm_90, Triton 3.6), so
+# two programs share an SM and each one's softmax can overlap the other's wgmma; one program
+# of 8 warps keeps its two warpgroups in step (a CTA barrier around each chunk's TMA loads).
+TILE_VARIANTS = {
+    "plain": dict(PIPE=False, QB=128, KB=128, num_warps=8, num_stages=3),
+    "pipe-kb64": dict(PIPE=True, QB=128, KB=64, num_warps=8, num_stages=3),
+    "q64-kb64-w4": dict(PIPE=False, QB=64, KB=64, num_warps=4, num_stages=2),
+    "q64-kb64-w4-pipe": dict(PIPE=True, QB=64, KB=64, num_warps=4, num_stages=2),
+}
+DEFAULT_VARIANT = "plain"
 
 
 def attn_head_size(graph: TaskGraph, task_ids: Iterable[int]) -> int:
@@ -151,6 +175,7 @@ if HAVE_TRITON:
     # and k, v (32 KB each a stage) hold 192 KB of shared memory, 224 KB with the mask tile;
     # 128-key chunks would need 320 KB.
     _KB_WIDE = tl.constexpr(64)
+    _PIPE_QK = tl.constexpr(PIPE_QK)
     _WIDE_STAGES = tl.constexpr(2)
 
     @triton.jit
@@ -218,7 +243,8 @@ if HAVE_TRITON:
     @triton.jit
     def _fold(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, om, row_ok, nk, lim, qk_scale, bp,
               b_stride, b_bool, MASKED: tl.constexpr, BIAS: tl.constexpr, KB: tl.constexpr,
-              STAGES: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr):
+              STAGES: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr,
+              PIPE: tl.constexpr = False):
         """Fold key chunks [c_lo, c_hi) (KB keys each) into (acc, m, l) held in registers:  the
         head's columns in q and acc (up to _DB). k and v come by TMA through the descriptors ``kd`` / ``vd`` over the task's KV
         regions (zeros past the region's rows and the head size), so the loop has no pointer
@@ -230,26 +256,60 @@ if HAVE_TRITON:
         made provably 16-byte aligned; the pipeliner stages them in shared memory beside k and
         v, so ``STAGES`` (None: the kernel's num_stages) bounds what the loop holds there. The
         loop counts chunks, not keys, so that each chunk's first key is visibly a multiple of
-        KB to the alignment analysis."""
-        for c in tl.range(c_lo, c_hi, num_stages=STAGES):
-            j0 = c * KB
-            s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
-            if MASKED or BIAS:
-                s = _scores(s, j0 + tl.arange(0, KB), om, row_ok, nk, lim, qk_scale, bp,
-                            b_stride, b_bool, MASKED, BIAS)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
-                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.math.exp2(s - shift[:, None])
-            else:  # every score is finite, so is the new max
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-                shift = m_new
-                p = tl.math.exp2(s * qk_scale - shift[:, None])
-            alpha = tl.math.exp2(m_i - shift)
+        KB to the alignment analysis.
+
+        ``PIPE`` (the plain loop only: :func:`_fold_pipelined`) issues the next chunk's
+        scores before this chunk's softmax."""
+        if PIPE and not (MASKED or BIAS):
+            acc, m_i, l_i = _fold_pipelined(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, qk_scale, KB,
+                                            DT, USE_TIMER)
+        else:
+            for c in tl.range(c_lo, c_hi, num_stages=STAGES):
+                j0 = c * KB
+                s = tl.dot(q, tl.trans(_operand(kd.load([j0, 0]), USE_TIMER)))
+                if MASKED or BIAS:
+                    s = _scores(s, j0 + tl.arange(0, KB), om, row_ok, nk, lim, qk_scale, bp,
+                                b_stride, b_bool, MASKED, BIAS)
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    # a row with every key so far hidden keeps m = -inf: shift by 0, not -inf
+                    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    p = tl.math.exp2(s - shift[:, None])
+                else:  # every score is finite, so is the new max
+                    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                    shift = m_new
+                    p = tl.math.exp2(s * qk_scale - shift[:, None])
+                alpha = tl.math.exp2(m_i - shift)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = tl.dot(_operand(p.to(DT), USE_TIMER),
+                             _operand(vd.load([j0, 0]), USE_TIMER), acc * alpha[:, None])
+                m_i = m_new
+        return acc, m_i, l_i
+
+    @triton.jit
+    def _fold_pipelined(acc, m_i, l_i, q, kd, vd, c_lo, c_hi, qk_scale, KB: tl.constexpr,
+                        DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """The plain loop of :func:`_fold` with the scores one chunk ahead (flash attention 3's
+        overlap within a warpgroup): iteration c issues the wgmma of chunk c + 1's q k^T, then
+        does chunk c's softmax and p @ v, so the tensor cores work on the next scores while
+        the warps compute exp2; Triton's loop-carried dot is asynchronous and ptxas spreads
+        its wgmma through the softmax (sm_90: one wait an iteration, before acc's rescale).
+        The last iteration's look-ahead reloads the last chunk (clamped), and a range without
+        chunks still computes chunk c_lo's scores, which no iteration reads: one 128 x KB dot
+        a sub-block, for a loop with no runtime branch around it (acc entering a loop from
+        one serialised every wgmma, C7515). Two pipeline stages: the second scores' k tiles
+        take the shared memory of the third (3 stages: 262 KB, past an H200 block's 227 KB)."""
+        s = tl.dot(q, tl.trans(_operand(kd.load([c_lo * KB, 0]), USE_TIMER)))
+        for c in tl.range(c_lo + 1, c_hi + 1, num_stages=2):
+            ahead = tl.minimum(c, c_hi - 1) * KB
+            s_next = tl.dot(q, tl.trans(_operand(kd.load([ahead, 0]), USE_TIMER)))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: nothing is masked
+            p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = tl.dot(_operand(p.to(DT), USE_TIMER),
-                         _operand(vd.load([j0, 0]), USE_TIMER), acc * alpha[:, None])
+                         _operand(vd.load([(c - 1) * KB, 0]), USE_TIMER), acc * alpha[:, None])
             m_i = m_new
+            s = s_next
         return acc, m_i, l_i
 
     @triton.jit
@@ -290,32 +350,33 @@ if HAVE_TRITON:
                    sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start, causal,
                    qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
                    USE_TIMER: tl.constexpr, DB: tl.constexpr, KB: tl.constexpr,
-                   STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr):
-        """The fast path for the _QB-row sub-block at row i0 (head size up to DB columns; KB-key
+                   STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr, PIPE: tl.constexpr = False,
+                   QB: tl.constexpr = _QB):
+        """The fast path for the QB-row sub-block at row i0 (head size up to DB columns; KB-key
         chunks; STAGES / BIAS_STAGES pipeline stages for the loops without / with the mask
         tile, None: the kernel's): q and acc in registers, the plain chunks, then the masked
         ones, each range by a loop without the mask tile or, when the task has one, a loop
         with it. Reads and writes the state's rows. Nothing but scalars and row vectors is
         live across the loops. Columns past D are zeros (TMA fills them), so a head smaller
         than DB is correct here too, at DB's cost."""
-        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [_QB, DB])
+        qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [QB, DB])
         kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, DB])
         vd = tl.make_tensor_descriptor(vp, [nk, D], [v_stride, 1], [KB, DB])
-        om = i0 + tl.arange(0, _QB)
+        om = i0 + tl.arange(0, QB)
         row_ok = om < nq
         m_old, l_old = _load_ml(first, smp, sm_stride, om, row_ok)
-        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, _QB, KB)
+        c_plain, c_end, lim = _key_chunks(i0, nq, nk, q_start, k_start, causal, QB, KB)
         q = _operand(qd.load([i0, 0]), USE_TIMER)
         # The loops start from acc = 0 and the state's acc is folded in after them, scaled by
         # the product of their rescales (exp2(m_old - m)): an acc that entered the loop from a
         # runtime branch (zeros, or the state's) made ptxas serialise every wgmma of the
         # kernel (C7515, sm_90).
-        acc = tl.zeros((_QB, DB), dtype=tl.float32)
+        acc = tl.zeros((QB, DB), dtype=tl.float32)
         if has_bias == _BIAS_NONE:
             # the loops compiled without the mask tile's loads (no bias, no branch)
             acc, m_i, l_i = _fold(acc, m_old, l_old, q, kd, vd, 0, c_plain, om, row_ok, nk, lim,
                                   qk_scale, bp, b_stride, b_bool, False, False, KB, STAGES, DT,
-                                  USE_TIMER)
+                                  USE_TIMER, PIPE)
             acc, m_i, l_i = _fold(acc, m_i, l_i, q, kd, vd, c_plain, c_end, om, row_ok, nk, lim,
                                   qk_scale, bp, b_stride, b_bool, True, False, KB, STAGES, DT,
                                   USE_TIMER)
@@ -447,6 +508,18 @@ if HAVE_TRITON:
     @triton.jit
     def attn_block_tile(tp, params, regions, bufaddr, bufcols, ATTN_D: tl.constexpr,
                         DT: tl.constexpr, USE_TIMER: tl.constexpr):
+        """attn_block in the megakernel: :func:`_attn_block` with the default plain loop
+        (:data:`PIPE_QK`; the megakernel's dispatch passes only ABI values)."""
+        _attn_block(tp, params, regions, bufaddr, bufcols, ATTN_D, DT, USE_TIMER, _PIPE_QK, _QB,
+                    _KB)
+
+    @triton.jit
+    def _attn_block(tp, params, regions, bufaddr, bufcols, ATTN_D: tl.constexpr,
+                    DT: tl.constexpr, USE_TIMER: tl.constexpr, PIPE: tl.constexpr,
+                    QB: tl.constexpr, KB: tl.constexpr):
+        """The attn_block body (module docstring). The 128-column fast path's shape: ``PIPE``,
+        its plain loop issues the next chunk's scores before this chunk's softmax
+        (_fold_pipelined); QB rows a sub-block, KB keys a chunk (the megakernel's: _QB, _KB)."""
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
         w0 = tl.load(tp + _WRITE0)
@@ -483,7 +556,7 @@ if HAVE_TRITON:
                     & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
                     & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
             if fast:
-                for i0 in range(0, nq, _QB):
+                for i0 in range(0, nq, QB if ATTN_D <= _DB else _QB):
                     if ATTN_D > _DB:  # one acc 2 _DB wide (two halves: ptxas serialised
                         # every wgmma, C7513), _KB_WIDE-key chunks, 2 stages (shared memory)
                         _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
@@ -495,8 +568,8 @@ if HAVE_TRITON:
                         _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                    a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
                                    i0, q_start, k_start, causal, qk_scale, has_bias, bp,
-                                   b_stride, b_bool, DT, USE_TIMER, _DB, _KB, None,
-                                   _BIAS_STAGES)
+                                   b_stride, b_bool, DT, USE_TIMER, _DB, KB, None,
+                                   _BIAS_STAGES, PIPE, QB)
             else:
                 _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
@@ -526,33 +599,43 @@ if HAVE_TRITON:
     @triton.jit
     def chains_kernel(tasks, order, starts, param_table, regions, bufaddr, bufcols,
                        BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr,
-                       ATTN_D: tl.constexpr = 128):
+                       ATTN_D: tl.constexpr = 128, PIPE: tl.constexpr = PIPE_QK,
+                       QB: tl.constexpr = 128, KB: tl.constexpr = 128):
         """Program c runs chain c: its attn_block tasks in order, then its attn_finalize if
         it has one (with ``inline_finalize``, the default, its last attn_block finalises).
         ``ATTN_D`` as the megakernel's (attn_head_size; run_chains passes it, 128 when a
-        launch leaves it out: benchmarks/bench_attention.py's, whose head size is 128)."""
+        launch leaves it out: benchmarks/bench_attention.py's, whose head size is 128).
+        ``PIPE``, ``QB``, ``KB``: the 128-column fast path's shape (_attn_block; by default
+        the megakernel's: bench_attention.py's ``--variants`` times others beside it)."""
         c = tl.program_id(0)
         for i in range(tl.load(starts + c), tl.load(starts + c + 1)):
             tp = tasks + tl.load(order + i) * _FIELDS
             if tl.load(tp + _KIND) == BLOCK_ID:
                 # (not named ``params``: Triton 3.6's argument binder shadows that name)
-                attn_block_tile(tp, param_table, regions, bufaddr, bufcols, ATTN_D, DT,
-                                USE_TIMER)
+                _attn_block(tp, param_table, regions, bufaddr, bufcols, ATTN_D, DT, USE_TIMER,
+                            PIPE, QB, KB)
             else:
                 attn_finalize_tile(tp, regions, bufaddr, bufcols, DT)
 
 
 def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu",
-               num_warps: int = 8, num_stages: int = 3) -> dict[str, torch.Tensor]:
+               variant: str = DEFAULT_VARIANT) -> dict[str, torch.Tensor]:
     """Run an attention schedule's tasks through these bodies outside the megakernel: one
     program per q block runs that block's attn_block chain and its attn_finalize, if any
     (chains are independent: each owns its state rows); every rank's copy tasks (the KV ring's
     movement) run first on the host, since they read only the k/v inputs and what earlier copies wrote.
     Each buffer is its own tensor in its own dtype (bf16 data, fp32 state). It times the tile
     without the megakernel's queues and waits (benchmarks/bench_attention.py) and tests the
-    bodies in isolation. Returns the global outputs. Under TRITON_INTERPRET=1 ``device`` is
-    "cpu"."""
+    bodies in isolation. ``variant``: the fast path's shape and launch (:data:`TILE_VARIANTS`).
+    Returns the global outputs. Under TRITON_INTERPRET=1 ``device`` is "cpu"."""
     import torch
+
+    from ..errors import OptionError
+
+    if variant not in TILE_VARIANTS:
+        raise OptionError(f"run_chains: unknown variant {variant!r}",
+                          hint=f"one of {', '.join(TILE_VARIANTS)}")
+    shape = TILE_VARIANTS[variant]
 
     from mgraph.runtime.megakernel.encode import encode_rank, kind_id
     from mgraph.runtime.megakernel.runtime import _tl_dtype
@@ -600,7 +683,8 @@ def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu"
             dev(torch.tensor(starts, dtype=torch.int32)), dev(tables.params),
             dev(tables.regions), dev(addr), dev(cols), BLOCK_ID=kind_id(ATTN_BLOCK.name),
             DT=_tl_dtype(graph.dtype), USE_TIMER=not interpret,
-            ATTN_D=attn_head_size(graph, tables.local_tasks), num_warps=num_warps,
-            num_stages=num_stages,
+            ATTN_D=attn_head_size(graph, tables.local_tasks), PIPE=shape["PIPE"],
+            QB=shape["QB"], KB=shape["KB"], num_warps=shape["num_warps"],
+            num_stages=shape["num_stages"],
         )
     return gather_outputs(graph, mem)
