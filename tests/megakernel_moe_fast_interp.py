@@ -7,9 +7,9 @@ op's output against its torch reference:
   tiles (and its 64-row ones on the other segments), the route and combine bodies' 16-byte
   vector paths (H and E multiples of 8);
 - bf16, 64-row expert tiles, a random routing: the 64-row TMA tiles;
-- bf16, segments of 256 and 160 filled rows in one tile: two 128-row blocks, and a 128-row
-  block then a 64-row one (moe_bodies.expert_tile: 128-row blocks, the last 1-64 rows in one
-  64-row block);
+- bf16, segments of 256 and 160 filled rows in one tile: the pair tile (128 + 64 rows in one
+  K loop) on 192 rows then a 64-row block, and the pair tile alone (moe_bodies.expert_tile:
+  chunks of up to 192 rows);
 - the column split (expert_cols_f, expert_cols_h: pass-1 and pass-2 tasks on slices of
   columns), bf16 with 160 filled rows (TMA) and float32 with H = 38 (pointers);
 - bf16 with 8 experts (logit rows of 16 bytes) and distinct logits per token: the route
@@ -19,7 +19,7 @@ op's output against its torch reference:
   path and the route and combine bodies' element-wise paths.
 
 Prints one JSON line per (case, body), the case prefixed to megakernel_moe_interp's names, and
-one per case naming the paths that ran (the expert body's "tma64", "tma128", "pointer"; the
+one per case naming the paths that ran (the expert body's "tma64", "tma128", "pair192", "pointer"; the
 route body's "keys16", "float"): the interpreter looks the helpers up in moe_bodies' globals,
 where a spy records each call."""
 
@@ -41,17 +41,17 @@ CASES = {
     "bf16-rows64": (("random", 12), dict(T_loc=64, H=64, F=96, expert_rows=64,
                                          combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
     "fp32-h38": (("random", 13), dict(H=38, F=72, combine_cols=19)),
-    # 256 filled rows in a 256-row tile: two 128-row blocks inside each weight block's loop
+    # 256 filled rows in a 256-row tile: a 192-row chunk (the pair tile), then 64 rows
     "bf16-rows256": (("full", 14), dict(T_loc=256, H=64, F=96, expert_rows=256,
                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
     # 8 experts (rows of 16 bytes), logits distinct per token: the route body's packed keys
     "bf16-keys": (("distinct", 16), dict(E_loc=8, T_loc=64, H=64, F=96, expert_rows=64,
                                          combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
-    # 160 filled rows: a 128-row block, then the last 32 rows in a 64-row one
+    # 160 filled rows: one chunk in the pair tile (128 + 64 rows, 32 of them filled)
     "bf16-rows160": (("full", 15), dict(T_loc=160, H=64, F=96, expert_rows=160,
                                         combine_rows=32, combine_cols=64, dtype=torch.bfloat16)),
     # the column split: pass-1 tasks on 32 hidden columns, pass-2 tasks on 32 output columns,
-    # 160 filled rows (both passes' 128- and 64-row blocks on slices)
+    # 160 filled rows (both passes' pair tiles on slices)
     "bf16-split": (("full", 17), dict(T_loc=160, H=64, F=96, expert_rows=160, expert_cols_f=32,
                                       expert_cols_h=32, combine_rows=32, combine_cols=64,
                                       dtype=torch.bfloat16)),
@@ -105,6 +105,10 @@ if __name__ == "__main__":
     for name, em in (("_pass1_tma", 12), ("_pass2_tma", 10)):
         setattr(moe_bodies, name, spy(getattr(moe_bodies, name),
                                       lambda a, i=em: f"tma{getattr(a[i], 'value', a[i])}"))  # fmt: skip
+    # the pair tile: 128 + EB rows (_pass1_pair's 13th argument, _pass2_pair's 11th)
+    for name, eb in (("_pass1_pair", 12), ("_pass2_pair", 10)):
+        setattr(moe_bodies, name, spy(getattr(moe_bodies, name),
+                                      lambda a, i=eb: f"pair{128 + getattr(a[i], 'value', a[i])}"))  # fmt: skip
     for name in ("_pass1_pointer", "_pass2_pointer"):
         setattr(moe_bodies, name, spy(getattr(moe_bodies, name), lambda a: "pointer"))
     moe_bodies._thresholds16 = spy(moe_bodies._thresholds16, lambda a: "keys16")

@@ -33,11 +33,11 @@ BODIES = ["route-send", "route-meta", "route-pick_rows", "route-pick_weights", "
 # about half of the hidden's elements differ by one bf16 step from the CPU runtime's
 TOL = {"bf16": 2e-2, "fp32": 2e-6}
 # the paths each case runs: the expert body's, the route body's ranking (6 logits a row: not
-# whole 16-byte units, the float ranking); 160 rows: a 128-row block, then 32 rows in a 64-row one
+# whole 16-byte units, the float ranking); 256 rows: a 192-row chunk in the pair tile, then 64
 PATHS = {"bf16-rows128": ["float", "tma128"], "bf16-rows64": ["float", "tma64"],
          "fp32-h38": ["float", "pointer"], "bf16-keys": ["keys16", "tma64"],
-         "bf16-rows256": ["float", "tma128"], "bf16-rows160": ["float", "tma128", "tma64"],
-         "bf16-split": ["float", "tma128", "tma64"], "fp32-split": ["float", "pointer"]}  # fmt: skip
+         "bf16-rows256": ["float", "pair192", "tma64"], "bf16-rows160": ["float", "pair192"],
+         "bf16-split": ["float", "pair192"], "fp32-split": ["float", "pointer"]}  # fmt: skip
 
 
 @cache
@@ -133,8 +133,8 @@ def _count(op: str, texts: list[str]) -> int:  # an opcode and any suffix: LDG.E
 def test_moe_megakernel_compiles_to_wgmma_tma_and_vector_loads(tmp_path):
     """The megakernel of a bf16 MoE graph (route, move, expert, combine, copy: rank 0 of
     test_gpu_compile's 1x2 graph, its launch arguments), through ptxas for sm_90. Per innermost
-    loop of the SASS: the expert body's K loops (four: pass 1 and pass 2, 64- and 128-row
-    tiles) are wgmma (HGMMA) fed by TMA (UTMALDG), one wgmma group in flight (a serialised
+    loop of the SASS: the expert body's K loops (six: pass 1 and pass 2 of the 64-row, 128-row
+    and pair tiles) are wgmma (HGMMA) fed by TMA (UTMALDG), one wgmma group in flight (a serialised
     wgmma waits after each), no element-wise 16-bit load; the route body's row copy loads and
     stores 16-byte vectors; the kernel fits an H200 block's shared memory."""
     name = "moe-1x2-bf16"
@@ -159,7 +159,7 @@ def test_moe_megakernel_compiles_to_wgmma_tma_and_vector_loads(tmp_path):
     summary = f"{time.perf_counter() - start:.0f} s, shared {metadata.get('shared')}: {per_loop}"
     print(summary)
     gemm = [r for r in per_loop if r["HGMMA"] > 0]
-    assert len(gemm) == 4, summary
+    assert len(gemm) == 6, summary
     for r in gemm:
         assert r["UTMALDG"] >= 2 and r["LDG.E.U16"] == 0, summary
         assert r["DEPBAR"] <= 2, summary  # pipelined: a serialised loop waits after each HGMMA

@@ -385,6 +385,67 @@ if HAVE_TRITON:
                     acc = _dot(hd.load([i0, k0]), dd.load([k0, c0]), acc, USE_TIMER)
                 yd.store([i0, c0], acc.to(DT))
 
+    @triton.jit
+    def _pass1_pair(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, hp, h_stride,
+                    DT: tl.constexpr, EB: tl.constexpr, EF: tl.constexpr, ES: tl.constexpr,
+                    USE_TIMER: tl.constexpr):  # fmt: skip
+        """Pass 1 on 128 + EB rows (rows [0, 128) and [128, 128 + EB), past ``n`` zero-filled)
+        in ONE K loop: each step's gate and up blocks feed both row blocks, so the weights are
+        streamed once for all of them (two row blocks in turn would stream them twice: the
+        second finds them in L2 only by luck). Accumulators (128 + EB) x EF twice: at EB = 64,
+        EF = 64, 96 fp32 registers a thread at 8 warps, a step 3.1 MFLOP for 40 KB of loads
+        (16 KB of weights)."""
+        n32 = n.to(tl.int32)
+        xa = tl.make_tensor_descriptor(xp, [n32, H], [x_stride, 1], [128, _EK])
+        xb = tl.make_tensor_descriptor(xp, [n32, H], [x_stride, 1], [EB, _EK])
+        gd = tl.make_tensor_descriptor(gp, [H, F], [g_stride, 1], [_EK, EF])
+        ud = tl.make_tensor_descriptor(up, [H, F], [u_stride, 1], [_EK, EF])
+        ha = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [128, EF])
+        hb = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EB, EF])
+        for f in range(0, tl.cdiv(F, EF)):
+            f0 = f * EF
+            ga = tl.zeros((128, EF), dtype=tl.float32)
+            ua = tl.zeros((128, EF), dtype=tl.float32)
+            gb = tl.zeros((EB, EF), dtype=tl.float32)
+            ub = tl.zeros((EB, EF), dtype=tl.float32)
+            for k in tl.range(0, tl.cdiv(H, _EK), num_stages=ES):
+                k0 = k * _EK
+                wg = gd.load([k0, f0])
+                wu = ud.load([k0, f0])
+                x = xa.load([0, k0])
+                ga = _dot(x, wg, ga, USE_TIMER)
+                ua = _dot(x, wu, ua, USE_TIMER)
+                x = xb.load([128, k0])
+                gb = _dot(x, wg, gb, USE_TIMER)
+                ub = _dot(x, wu, ub, USE_TIMER)
+            ha.store([0, f0], (ga / (1.0 + tl.exp(-ga)) * ua).to(DT))
+            hb.store([128, f0], (gb / (1.0 + tl.exp(-gb)) * ub).to(DT))
+
+    @triton.jit
+    def _pass2_pair(hp, h_stride, n, F, dp, d_stride, H, yp, y_stride, DT: tl.constexpr,
+                    EB: tl.constexpr, EN: tl.constexpr, ES: tl.constexpr,
+                    USE_TIMER: tl.constexpr):  # fmt: skip
+        """Pass 2 on 128 + EB rows in one K loop, as _pass1_pair: each step's block of w_down
+        feeds both row blocks (at EB = 64, EN = 128: 96 fp32 registers a thread, a step 3.1
+        MFLOP for 40 KB of loads, 16 KB of weights)."""
+        n32 = n.to(tl.int32)
+        ha = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [128, _EK])
+        hb = tl.make_tensor_descriptor(hp, [n32, F], [h_stride, 1], [EB, _EK])
+        dd = tl.make_tensor_descriptor(dp, [F, H], [d_stride, 1], [_EK, EN])
+        ya = tl.make_tensor_descriptor(yp, [n32, H], [y_stride, 1], [128, EN])
+        yb = tl.make_tensor_descriptor(yp, [n32, H], [y_stride, 1], [EB, EN])
+        for c in range(0, tl.cdiv(H, EN)):
+            c0 = c * EN
+            acc_a = tl.zeros((128, EN), dtype=tl.float32)
+            acc_b = tl.zeros((EB, EN), dtype=tl.float32)
+            for k in tl.range(0, tl.cdiv(F, _EK), num_stages=ES):
+                k0 = k * _EK
+                w = dd.load([k0, c0])
+                acc_a = _dot(ha.load([0, k0]), w, acc_a, USE_TIMER)
+                acc_b = _dot(hb.load([128, k0]), w, acc_b, USE_TIMER)
+            ya.store([0, c0], acc_a.to(DT))
+            yb.store([128, c0], acc_b.to(DT))
+
     @triton.jit(noinline=True)
     def _pass1_pointer(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, hp, h_stride,
                        DT: tl.constexpr, USE_TIMER: tl.constexpr):  # fmt: skip
@@ -505,36 +566,47 @@ if HAVE_TRITON:
                 # tile does the GEMM segment's step (kernel.py's 128 x 256 x 64 at 3 stages:
                 # 4.2 MFLOP for 48 KB; gate and up 128 columns each); the 64-row tile (at most
                 # 64 filled rows) half that work for 40 KB, one more step of loads in flight (4
-                # stages; 192 KB of shared memory in pass 2). tests/test_moe_expert_pipeline.py
-                # pins both. Every row block reads the task's weights once (a later block finds
-                # them in L2 only by luck) and its rows once per block of hidden (output)
-                # columns: 128-row blocks, except that a remainder of 1-64 rows past them takes
-                # one 64-row block (160 rows: 128 + 64; moe_tiles.expert_row_blocks).
+                # stages; 192 KB of shared memory in pass 2); the pair tile (129-192 rows) 128 +
+                # 64 rows against one block of weights (3.1 MFLOP for 40 KB, 16 KB of them
+                # weights). tests/test_moe_expert_pipeline.py pins them. Every chunk of rows reads the task's weights once (a later chunk
+                # finds them in L2 only by luck) and its rows once per block of hidden (output)
+                # columns.
                 if DT.primitive_bitwidth == 16:
-                    tail = n % 128
-                    n128 = tl.where((tail > 0) & (tail <= 64), n - tail, n)
-                    # the remainder's rows start n128 rows in: still 16-byte units
-                    o = n128.to(tl.int64)
+                    # chunks of up to 192 rows, each one weight stream: 129-192 rows in the
+                    # pair tile (128 + 64 rows in one K loop), 65-128 in the 128-row tile, 1-64
+                    # in the 64-row one (moe_tiles.expert_row_blocks mirrors the rule); a
+                    # chunk's rows start o rows in: still whole 16-byte units
                     if part != 2:
-                        if n128 > 0:
-                            _pass1_tma(xp, x_stride, n128, H, gp, g_stride, up, u_stride, F, hp,
-                                       h_stride, DT, 128, 128, 3, USE_TIMER)  # fmt: skip
-                        if n128 < n:
-                            _pass1_tma(xp + o * x_stride, x_stride, n - n128, H, gp, g_stride,
-                                       up, u_stride, F, hp + o * h_stride, h_stride, DT, 64,
-                                       128, 4, USE_TIMER)  # fmt: skip
+                        for o in range(0, n, 192):
+                            r = tl.minimum(n - o, 192)
+                            # x_stride and h_stride are int64: so are the offsets
+                            xo, ho = xp + o * x_stride, hp + o * h_stride
+                            if r > 128:
+                                _pass1_pair(xo, x_stride, r, H, gp, g_stride, up, u_stride, F,
+                                            ho, h_stride, DT, 64, 64, 4, USE_TIMER)  # fmt: skip
+                            elif r > 64:
+                                _pass1_tma(xo, x_stride, r, H, gp, g_stride, up, u_stride, F, ho,
+                                           h_stride, DT, 128, 128, 3, USE_TIMER)  # fmt: skip
+                            else:
+                                _pass1_tma(xo, x_stride, r, H, gp, g_stride, up, u_stride, F, ho,
+                                           h_stride, DT, 64, 128, 4, USE_TIMER)  # fmt: skip
                     if part == 0:
                         # pass 2 reads hidden blocks other threads' TMA stores wrote
                         bulk_store_fence(USE_TIMER)
                         tl.debug_barrier()
                     if part != 1:
-                        if n128 > 0:
-                            _pass2_tma(hp, h_stride, n128, F, dp, d_stride, H, yp, y_stride, DT,
-                                       128, 256, 3, USE_TIMER)  # fmt: skip
-                        if n128 < n:
-                            _pass2_tma(hp + o * h_stride, h_stride, n - n128, F, dp, d_stride,
-                                       H, yp + o * y_stride, y_stride, DT, 64, 256, 4,
-                                       USE_TIMER)  # fmt: skip
+                        for o in range(0, n, 192):
+                            r = tl.minimum(n - o, 192)
+                            ho, yo = hp + o * h_stride, yp + o * y_stride
+                            if r > 128:
+                                _pass2_pair(ho, h_stride, r, F, dp, d_stride, H, yo, y_stride,
+                                            DT, 64, 128, 4, USE_TIMER)  # fmt: skip
+                            elif r > 64:
+                                _pass2_tma(ho, h_stride, r, F, dp, d_stride, H, yo, y_stride, DT,
+                                           128, 256, 3, USE_TIMER)  # fmt: skip
+                            else:
+                                _pass2_tma(ho, h_stride, r, F, dp, d_stride, H, yo, y_stride, DT,
+                                           64, 256, 4, USE_TIMER)  # fmt: skip
                 else:  # float32: half the columns, to stay in an H200 block's shared memory
                     if part != 2:
                         _pass1_tma(xp, x_stride, n, H, gp, g_stride, up, u_stride, F, hp,

@@ -105,15 +105,18 @@ def filled_rows(counts: torch.Tensor, segment_rows: int) -> torch.Tensor:
 
 def expert_row_blocks(rows: int, itemsize: int) -> list[int]:
     """The row blocks of the expert body's TMA path (moe_bodies.expert_tile's rule) for a task
-    with ``rows`` filled rows of ``itemsize``-byte elements, in order. Each block reads the
-    expert's gate, up and down weights once. 16-bit: 128-row blocks, except that a remainder of
-    1 to 64 rows past them is one 64-row block; float32: 64-row blocks."""
+    with ``rows`` filled rows of ``itemsize``-byte elements, in order, each block the rows one
+    stream of the task's weights feeds (its MMA rows, padding included). 16-bit: chunks of up
+    to 192 rows, each a 192-row block (the pair tile: 128 + 64 rows in one K loop) when it has
+    more than 128 rows, else a 128-row block when more than 64, else a 64-row block; float32:
+    64-row blocks."""
     if itemsize != 2:
         return [64] * -(-rows // 64)
-    tail = rows % 128
-    if 0 < tail <= 64:
-        return [128] * (rows // 128) + [64]
-    return [128] * -(-rows // 128)
+    blocks = []
+    for o in range(0, rows, 192):
+        r = min(rows - o, 192)
+        blocks.append(192 if r > 128 else 128 if r > 64 else 64)
+    return blocks
 
 
 def weight_streams(
