@@ -17,7 +17,9 @@ loop, 64-row sub-blocks at 4 warps, 64-key chunks, stages) on the schedule's tas
 (128 x the lowering's keys, finalised inline); every row names its ``variant`` and whether it
 is the ``default`` (the megakernel's); each variant's first row holds its kernel's registers,
 spills, shared memory and ``programs_per_sm``. ``--tile-shapes schedule`` keeps the default
-variant to that shape too (a shorter run).
+variant to that shape too (a shorter run). ``--flat`` adds part "flat": a flash kernel that is
+not mgraph's (no task tables: the probe's loop) with and without Triton's warp specialisation,
+non-causal, against cuDNN: what warp specialisation would buy a tile (``bench_flat``).
 
 mega: the same attention through the megakernel on one GPU (TritonRuntime on the 1x1
 ring_attention graph: the kernel the ring runs, with its queues, waits and copy branch),
@@ -68,6 +70,8 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from mgraph.ops.abi import (  # noqa: E402
@@ -275,9 +279,9 @@ def bench_tile(args) -> list[dict]:
                 mine = shapes if variant == DEFAULT_VARIANT else shapes[-1:]
                 for qb, kvb, inline in mine:
                     key = (qb, kvb, inline)
-                    if key not in tables:
-                        tables[key] = chain_tables(S, qb, kvb, causal, "cuda", inline)
-                    tb = tables[key]
+                    tb = tables.get(key) or chain_tables(S, qb, kvb, causal, "cuda", inline)
+                    if key == shapes[-1]:  # the one every variant runs: built once
+                        tables[key] = tb
                     task = f"{qb}x{kvb}" + ("+inline" if inline else "")
                     base = dict(part="tile", S=S, causal=causal, impl="mgraph_tile",
                                 variant=variant, default=variant == DEFAULT_VARIANT)
@@ -322,9 +326,85 @@ def bench_tile(args) -> list[dict]:
 
 
 def tl_bf16():
-    import triton.language as tl
-
     return tl.bfloat16
+
+
+# -- flat -------------------------------------------------------------------------------------
+_FLAT = tl.constexpr(128)  # q rows, keys a step and head size of the flat kernel
+
+
+@triton.jit
+def flat_attention(q, k, v, o, S, scale, ROWS, WS: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    qd = tl.make_tensor_descriptor(q, [ROWS, _FLAT], [_FLAT, 1], [_FLAT, _FLAT])
+    kd = tl.make_tensor_descriptor(k, [ROWS, _FLAT], [_FLAT, 1], [_FLAT, _FLAT])
+    vd = tl.make_tensor_descriptor(v, [ROWS, _FLAT], [_FLAT, 1], [_FLAT, _FLAT])
+    od = tl.make_tensor_descriptor(o, [ROWS, _FLAT], [_FLAT, 1], [_FLAT, _FLAT])
+    base = bh * S
+    qb = qd.load([base + pid_m * _FLAT, 0])
+    m_i = tl.full([_FLAT], float("-inf"), tl.float32)
+    l_i = tl.full([_FLAT], 1.0, tl.float32)
+    acc = tl.zeros([_FLAT, _FLAT], tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for n in tl.range(0, S, _FLAT, warp_specialize=WS):
+        s = tl.dot(qb, kd.load([base + n, 0]).T)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(tl.bfloat16), vd.load([base + n, 0]), acc * alpha[:, None])
+        m_i = m_new
+    od.store([base + pid_m * _FLAT, 0], (acc / l_i[:, None]).to(tl.bfloat16))
+
+
+def bench_flat(args) -> list[dict]:
+    """Not mgraph's tile: a flat flash-attention kernel (../shared/probes/attn_tile.py's loop,
+    one program per 128-row q block, no task tables, no state) with and without Triton's
+    warp specialisation (``tl.range(..., warp_specialize=True)``, 4 warps: on sm_90, Triton 3.6
+    splits it into a TMA producer and two consumer warpgroups of 64 rows). What warp
+    specialisation would buy the tile; Triton 3.6 does not specialise a loop under a runtime
+    ``if``, and every loop of the tile is under one (the task's kind, its path, its mask), so
+    the tile cannot use it as written. Non-causal rows only; S from ``--tile-seqs``."""
+    rows = []
+    torch.manual_seed(0)
+    for S in args.tile_seqs:
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        fl = flops(S, S, False)
+        with sdpa_kernel(BACKENDS["cudnn"]):
+            want = F.scaled_dot_product_attention(q, k, v)
+            cudnn_ms = statistics.median(event_times(
+                lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v), args.warmup,
+                args.reps))
+        rows.append(dict(part="flat", S=S, causal=False, impl="sdpa_cudnn", ms=round(cudnn_ms, 4),
+                         tflops=round(fl / cudnn_ms / 1e9, 1)))
+        print(json.dumps(rows[-1]), flush=True)
+        o = torch.empty_like(q)
+        for ws, warps, stages in ((False, 8, 3), (True, 4, 2)):
+            impl = "triton_flat_ws" if ws else "triton_flat"
+
+            def launch(ws=ws, warps=warps, stages=stages, q=q, k=k, v=v, o=o, S=S):
+                return flat_attention[(S // 128, B * H)](
+                    q, k, v, o, S, D ** -0.5, B * H * S, WS=ws, num_warps=warps,
+                    num_stages=stages)
+
+            o.fill_(float("nan"))
+            try:
+                compiled = launch()
+                torch.cuda.synchronize()
+                err, terr = rel(o, want), tile_err(o, want)
+                ms = statistics.median(event_times(launch, args.warmup, args.reps))
+            except Exception as exc:  # a configuration that cannot compile or run is reported
+                rows.append(dict(part="flat", S=S, causal=False, impl=impl, error=repr(exc)[:300]))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            rows.append(dict(part="flat", S=S, causal=False, impl=impl, task=f"128xS w{warps}",
+                             warps=warps, stages=stages, regs=getattr(compiled, "n_regs", None),
+                             shared=compiled.metadata.shared, ms=round(ms, 4),
+                             tflops=round(fl / ms / 1e9, 1), vs_cudnn=round(cudnn_ms / ms, 3),
+                             rel_err=round(err, 5), worst_tile_err=round(terr, 5)))
+            print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
 
 
 # -- mega -------------------------------------------------------------------------------------
@@ -606,6 +686,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="tile: the fast path's shapes to time (attention_tiles."
                         "TILE_VARIANTS, or all); the default one on every task shape, the others "
                         "on the schedule's (128 x the lowering's keys, finalised inline)")
+    parser.add_argument("--flat", action="store_true",
+                        help="tile: also time a flat flash kernel (not mgraph's) with and without "
+                        "Triton's warp specialisation, non-causal (part 'flat')")
     parser.add_argument("--tile-shapes", choices=("all", "schedule"), default="all",
                         help="tile: every task shape for the default variant, or only the "
                         "schedule's")
@@ -623,6 +706,8 @@ def main(argv: list[str] | None = None) -> None:
         triton.set_allocator(
             lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         rows += bench_tile(args)
+        if args.flat:
+            rows += bench_flat(args)
     if "mega" in args.part:
         rows += bench_mega(args)
     if args.part == ["ring"]:
