@@ -3,6 +3,10 @@ GEMMs alone, and mgraph's moe_dispatch_combine on backend="triton", same inputs,
 
 Run (the issue's shape, about 1-2 minutes):
     PYTHONUNBUFFERED=1 torchrun --nproc_per_node=2 benchmarks/bench_moe.py --out $OUT
+On one GPU (all experts local: per GPU the same expert work as on two, where each rank runs
+its 128 experts once per source rank), with the time per task kind and per expert part:
+    PYTHONUNBUFFERED=1 torchrun --nproc_per_node=1 benchmarks/bench_moe.py --warmup 1 --reps 2 \
+        --kinds --out $OUT
 Smoke check of the baseline on the CPU (gloo, tiny sizes, checked against the op's reference;
 no megakernel: it needs a GPU):
     torchrun --nproc_per_node=2 benchmarks/bench_moe.py --smoke
@@ -16,7 +20,9 @@ weight * y into the tokens (fp32, cast once). ``grouped_gemm``: the two grouped 
 the same routed rows, the GEMM-only bound. ``mgraph``: the op's graph in the megakernel,
 checked against the baseline's output (NaN-poisoned outputs first; relative error and worst
 128x128 tile), timed, and checked again after the timed relaunches; one mgraph row per
-``--expert-rows`` value (rows per expert tile; default 128, 256, then 64). A configuration the
+``--configs`` value (default ``512:128,512 512 128``: 512 rows per expert tile split into pass-1
+tasks of 128 hidden columns and pass-2 tasks of 512 output columns; 512 rows, one task per tile;
+128 rows, one task per tile: v11's setting). A configuration the
 runtime refuses is reported as a row with its error. The mgraph row also says the segment
 capacity (rows per source rank and expert, from --capacity-factor: the op's default when not
 given), the buffers' GiB per rank, and how many of all ranks' picks the op's drop policy drops
@@ -26,6 +32,12 @@ drops none, so a drop shows as an error) beside the count the kernel itself repo
 says whether the two agree per rank and expert, exactly (the row has an error when not). Medians of
 CUDA-event times, max over ranks. Router logits are a random permutation of E distinct values per token (exact in bf16),
 so no two experts tie at the k-th place and both sides pick the same experts.
+
+``--kinds``: per mgraph row, one traced launch: a row per task kind (benchmarks/kind_breakdown.py:
+busy and work time summed over programs, mean time per task, TF/s per program of body time on
+the tasks' expected rows) and one per part of the expert tasks (``moe_expert part0`` both
+passes, ``part1`` pass 1 on a slice, ``part2`` pass 2 on a slice; with ``span_ms``, first start
+to last end of the part).
 
 Writes ``bench_moe.json`` (rows {impl, T, H, E, top_k, F, world, ms, ...}) and ``bench_moe.md``
 under --out (default $OUT, else benchmarks/results).
@@ -207,7 +219,13 @@ class Bench:
         self.add("grouped_gemm", ms, grouped=GROUPED, routed_rows=routed, tflops=round(tflops, 1))
         return want
 
-    def mgraph(self, local: dict[str, torch.Tensor], want: torch.Tensor, expert_rows: int) -> None:
+    def mgraph(
+        self,
+        local: dict[str, torch.Tensor],
+        want: torch.Tensor,
+        expert_rows: int,
+        split: tuple[int, int] | None,
+    ) -> None:
         from mgraph.ops.moe_dispatch_combine import rank_bytes
         from mgraph.runtime.megakernel import TritonRuntime
         from mgraph.runtime.memory import worst_tile_error
@@ -215,6 +233,8 @@ class Bench:
         a = self.args
         options = {"expert_rows": expert_rows, "expert_group": a.expert_group,
                    "combine_rows": a.combine_rows, "combine_cols": a.combine_cols}  # fmt: skip
+        if split is not None:
+            options["expert_cols_f"], options["expert_cols_h"] = split
         if a.capacity_factor is not None:
             options["capacity_factor"] = a.capacity_factor
         start = time.time()
@@ -257,13 +277,64 @@ class Bench:
                  {"error": "the kernel's dropped counts differ from kept_picks"}))  # fmt: skip
         if a.kinds:  # where the kernel's time goes, per task kind (one traced launch)
             sys.path.insert(0, str(Path(__file__).parent))
-            from kind_breakdown import kind_breakdown
+            import kind_breakdown
 
-            for row in kind_breakdown(rt):
-                self.add("mgraph_kind", row["busy_ms"], expert_rows=expert_rows, **row)
+            traces = []
+            kind_rows = kind_breakdown.kind_rows
+            # the trace itself too, for the expert rows per part below
+            kind_breakdown.kind_rows = lambda trace, tasks: (
+                traces.append(trace) or kind_rows(trace, tasks)
+            )
+            try:
+                rows = kind_breakdown.kind_breakdown(rt)
+            finally:
+                kind_breakdown.kind_rows = kind_rows
+            config = {k: options[k] for k in ("expert_rows", "expert_cols_f", "expert_cols_h")
+                      if k in options}  # fmt: skip
+            for row in rows + expert_parts(traces[0], graph.tasks):
+                self.add("mgraph_kind", row["busy_ms"], **config, **row)
         del rt
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def expert_parts(trace, tasks) -> list[dict]:
+    """One row per part of the moe_expert tasks in a traced launch (moe_tiles.EXPERT_PARTS:
+    "moe_expert part0" both passes, "part1" pass 1 on a slice of hidden columns, "part2" pass 2
+    on a slice of output columns): tasks, programs, busy and work time (less the waits for
+    inputs), mean time per task, TF/s per program of body time (the tasks' flops: the EXPECTED
+    routed rows, not the padded ones), and the makespan of the part (first start to last end)."""
+    by_part: dict[int, list] = {}
+    for r in trace.records:
+        if r.kind == "moe_expert":
+            by_part.setdefault(tasks[r.task].params.get("part", 0), []).append(r)
+    rows = []
+    for part, records in sorted(by_part.items()):
+        busy = sum(r.end - r.start for r in records)
+        work = sum(r.end - (r.start if r.ready is None else r.ready) for r in records)
+        flops = sum(float(tasks[r.task].flops or 0.0) for r in records)
+        span = max(r.end for r in records) - min(r.start for r in records)
+        rows.append({"kind": f"moe_expert part{part}", "tasks": len(records),
+                     "programs": len({r.worker for r in records}),
+                     "busy_ms": round(busy * 1e3, 3), "work_ms": round(work * 1e3, 3),
+                     "mean_us": round(busy / len(records) * 1e6, 2),
+                     "mean_work_us": round(work / len(records) * 1e6, 2),
+                     "tflops_per_program": round(flops / work / 1e12, 3) if work else None,
+                     "span_ms": round(span * 1e3, 3)})  # fmt: skip
+    return rows
+
+
+def configs(text: list[str]) -> list[tuple[int, tuple[int, int] | None]]:
+    """``--configs`` values: ``ROWS`` (one expert task per row tile) or ``ROWS:F,H`` (the
+    column split: pass-1 tasks of F hidden columns, pass-2 tasks of H output columns)."""
+    out = []
+    for item in text:
+        rows, _, cols = item.partition(":")
+        split = tuple(int(c) for c in cols.split(",")) if cols else None
+        if split is not None and len(split) != 2:
+            raise SystemExit(f"--configs {item!r}: ROWS or ROWS:F,H")
+        out.append((int(rows), split))
+    return out
 
 
 def smoke() -> None:
@@ -307,12 +378,13 @@ def table(rows: list[dict]) -> str:
         whole = r["impl"] != "mgraph_kind"  # a kind's row is busy time, not an op's time
         vs_base = f"{base / ms:.2f}x" if base and ms == ms and whole else ""
         vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms and whole else ""
-        notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "expert_rows", "rel_err",
+        notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "expert_rows", "expert_cols_f",
+                                                  "expert_cols_h", "rel_err",
                                                   "worst_tile_err",
                                                   "rel_err_after", "segment_rows", "dropped_picks",
                                                   "dropped_kernel", "dropped_agree", "gib_per_rank",
                                                   "kind", "tasks", "programs", "mean_us",
-                                                  "tflops_per_program", "error")
+                                                  "tflops_per_program", "span_ms", "error")
                           if k in r)  # fmt: skip
         lines.append(f"| {r['impl']} | {ms:.3f} | {vs_base} | {vs_gemm} | {notes} |")
     return "\n".join(lines) + "\n"
@@ -325,10 +397,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--expert-rows", type=int, nargs="+", default=[128, 256, 64],
-                        help="rows per expert tile: one mgraph row (and breakdown) per value; "
-                        "the expert body takes filled rows in 128- or 64-row blocks, each "
-                        "block of weights once for all of them")  # fmt: skip
+    parser.add_argument("--configs", nargs="+", default=["512:128,512", "512", "128"],
+                        help="one mgraph row (and breakdown) per value: ROWS (rows per expert "
+                        "tile, one task per tile) or ROWS:F,H (each tile split into pass-1 "
+                        "tasks of F hidden columns and pass-2 tasks of H output columns); the "
+                        "expert body streams a task's weights once per chunk of up to 192 "
+                        "filled rows")  # fmt: skip
+    parser.add_argument("--expert-rows", type=int, nargs="+", default=None,
+                        help="rows per expert tile, one task per tile: the same as --configs "
+                        "with these values")  # fmt: skip
     parser.add_argument("--expert-group", type=int, default=8)
     parser.add_argument("--combine-rows", type=int, default=64)
     parser.add_argument("--combine-cols", type=int, default=256)
@@ -357,8 +434,13 @@ def main() -> None:
     local = local_inputs(args, torch.device("cuda", rank), torch.bfloat16)
     want = bench.baseline(local)
     if args.mgraph:
-        for expert_rows in args.expert_rows:
-            bench.mgraph(local, want, expert_rows)
+        runs = (
+            configs(args.configs)
+            if args.expert_rows is None
+            else [(rows, None) for rows in args.expert_rows]
+        )
+        for expert_rows, split in runs:
+            bench.mgraph(local, want, expert_rows, split)
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
