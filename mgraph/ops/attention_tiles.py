@@ -49,6 +49,11 @@ and run_chains / bench_attention.py pick it by name from :data:`TILE_VARIANTS`, 
 be timed beside it in one run: ``pipe-kb64``, the plain loop one chunk ahead
 (:func:`_fold_pipelined`) over 64-key chunks; ``q64-kb64-w4``, 64-row sub-blocks at 4 warps,
 which fit two programs on an SM. Which is fastest is a GPU measurement, not settled here.
+Triton's warp specialisation (``tl.range(..., warp_specialize=True)``: a TMA producer and
+consumer warpgroups, what cuDNN-class kernels do) is not used: compiled for sm_90, Triton 3.6
+specialises nothing in a function that holds an ``if`` with an else branch (one yielding
+values), and these bodies hold many (bench_attention.py's ``--flat`` times what it buys a flat
+kernel).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
