@@ -26,7 +26,11 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
    read the count.
 3. experts (compute, d): one task per (source, local expert, row tile) computes the SwiGLU expert
    on the tile's filled rows (its segment's count); a tile past the count exits at once. Tiles
-   start as soon as their group's rows arrived. The SwiGLU hidden goes to a scratch region of
+   start as soon as their group's rows arrived. With ``expert_cols_f`` and ``expert_cols_h``
+   (default: neither), a tile is instead pass-1 tasks on slices of ``expert_cols_f`` hidden
+   columns, then (after all of them) pass-2 tasks on slices of ``expert_cols_h`` output
+   columns: several programs work on one expert at once, each streaming its own slice of the
+   weights while the tile's rows, read by all of them, can come from L2. The SwiGLU hidden goes to a scratch region of
    ``hidden[d]``. Rows of d's own tokens never leave d: their tiles read ``send[d]`` and write
    ``back[d]``.
 4. return: each group of ``ret[d]``'s slot of s goes back to ``back[s]`` by the reverse path

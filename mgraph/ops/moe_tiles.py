@@ -39,7 +39,9 @@ index ascending), so ties go to the lower index on both backends; the CPU bodies
 
 The expert tile stores the SwiGLU hidden ``silu(x @ w_gate) * (x @ w_up)`` in the graph's dtype
 (a scratch region of its own), then multiplies it by ``w_down``, as a bf16 grouped GEMM does;
-the CPU body rounds it the same way.
+the CPU body rounds it the same way. A tile is one task (part 0) or, with the lowering's column
+split, pass-1 tasks on slices of the hidden columns (part 1) and pass-2 tasks on slices of the
+output columns (part 2) that run after all of them (EXPERT_PARTS).
 """
 
 from __future__ import annotations
