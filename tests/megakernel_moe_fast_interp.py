@@ -11,7 +11,8 @@ op's output against its torch reference:
   K loop) on 192 rows then a 64-row block, and the pair tile alone (moe_bodies.expert_tile:
   chunks of up to 192 rows);
 - the column split (expert_cols_f, expert_cols_h: pass-1 and pass-2 tasks on slices of
-  columns), bf16 with 160 filled rows (TMA) and float32 with H = 38 (pointers);
+  columns), bf16 with 160 filled rows (TMA), float32 with H = 32 (TMA) and with H = 38
+  (pointers);
 - bf16 with 8 experts (logit rows of 16 bytes) and distinct logits per token: the route
   body's ranking by packed int32 keys (_thresholds16; the other cases' rows of 6 logits take
   the float ranking, _thresholds);
@@ -55,6 +56,9 @@ CASES = {
     "bf16-split": (("full", 17), dict(T_loc=160, H=64, F=96, expert_rows=160, expert_cols_f=32,
                                       expert_cols_h=32, combine_rows=32, combine_cols=64,
                                       dtype=torch.bfloat16)),
+    # the column split on float32's TMA path (64-row tiles; slices of 64-byte rows)
+    "fp32-split-tma": (("random", 19), dict(H=32, F=48, combine_cols=16, expert_cols_f=16,
+                                            expert_cols_h=16)),
     # the column split on the pointer path (slices of 76-byte rows)
     "fp32-split": (("random", 18), dict(H=38, F=72, combine_cols=19, expert_cols_f=24,
                                         expert_cols_h=19)),

@@ -37,7 +37,8 @@ TOL = {"bf16": 2e-2, "fp32": 2e-6}
 PATHS = {"bf16-rows128": ["float", "tma128"], "bf16-rows64": ["float", "tma64"],
          "fp32-h38": ["float", "pointer"], "bf16-keys": ["keys16", "tma64"],
          "bf16-rows256": ["float", "pair192", "tma64"], "bf16-rows160": ["float", "pair192"],
-         "bf16-split": ["float", "pair192"], "fp32-split": ["float", "pointer"]}  # fmt: skip
+         "bf16-split": ["float", "pair192"], "fp32-split": ["float", "pointer"],
+         "fp32-split-tma": ["float", "tma64"]}  # fmt: skip
 
 
 @cache
