@@ -18,7 +18,7 @@ from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
 
 if HAVE_TRITON:
     from .abi import buffer_base, load_region, param_i32
-    from .tilewise import copy_into, copy_vec, row_operand, vec_cols, vec_ptr
+    from .tilewise import block_ptrs, copy_into, copy_vec, row_operand, vec_cols, vec_ptr, vec_width
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
     """The meaning of every GEMM-based fused op on GLOBAL tensors: out = a @ b, fp32 accumulate."""
@@ -100,22 +100,36 @@ if HAVE_TRITON:
     @GEMM.triton
     @triton.jit
     def gemm_tile(tp, params, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
-                  DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  USE_TIMER: tl.constexpr):
-        """C = A @ B over the task's K range. ``ad0``/``bd0`` are descriptors the kernel built once
-        for the rank's usual A and B buffers: building one costs a global-memory write and a
-        fence, so a task only builds its own when it reads another buffer."""
+                  ad1, bd1, a1_slot, b1_slot, ad2, bd2, a2_slot, b2_slot, ad3, bd3, a3_slot,
+                  b3_slot, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, USE_TIMER: tl.constexpr):
+        """C = A @ B over the task's K range. ``ad0..ad3``/``bd0..bd3`` are descriptors the
+        kernel built once per launch for the rank's most used GEMM A and B buffers (slot -1:
+        none): building one costs a global-memory write and a fence, so a task only builds
+        its own when it reads another buffer."""
         r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
         b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
         if a_slot == a0_slot:
             ad = ad0
+        elif a_slot == a1_slot:
+            ad = ad1
+        elif a_slot == a2_slot:
+            ad = ad2
+        elif a_slot == a3_slot:
+            ad = ad3
         else:
             a_cols = tl.load(bufcols + a_slot)
             ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
                                            [tl.load(bufrows + a_slot), a_cols], [a_cols, 1], [BM, BK])
         if b_slot == b0_slot:
             bd = bd0
+        elif b_slot == b1_slot:
+            bd = bd1
+        elif b_slot == b2_slot:
+            bd = bd2
+        elif b_slot == b3_slot:
+            bd = bd3
         else:
             b_cols = tl.load(bufcols + b_slot)
             bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
@@ -154,12 +168,17 @@ if HAVE_TRITON:
                 else:
                     cd.store([cm0, cn0], (cd.load([cm0, cn0]).to(tl.float32) + out.to(tl.float32)).to(DT))
             else:
-                rm = cm0 + tl.arange(0, BM)
-                rn = cn0 + tl.arange(0, BN)
-                c = buffer_base(bufaddr, c_slot, DT)
-                c_cols64 = tl.load(bufcols + c_slot).to(tl.int64)
-                tl.store(c + rm[:, None].to(tl.int64) * c_cols64 + rn[None, :], out,
-                         mask=(rm < cm1)[:, None] & (rn < cn1)[None, :])
+                ca, cpitch, cvec = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
+                om = tl.arange(0, BM)
+                on = tl.arange(0, BN)
+                if cvec:  # 16-byte stores (2-byte ones otherwise: the table's address and
+                    # pitch carry no alignment Triton can see)
+                    tl.store(block_ptrs(ca, cpitch, om, on, DT, True), out,
+                             mask=(om < cm1 - cm0)[:, None]
+                             & (on < vec_width(cn1 - cn0, DT, True))[None, :])
+                else:
+                    tl.store(block_ptrs(ca, cpitch, om, on, DT, False), out,
+                             mask=(om < cm1 - cm0)[:, None] & (on < cn1 - cn0)[None, :])
 
     @REDUCE.triton
     @triton.jit
