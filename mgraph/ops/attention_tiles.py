@@ -42,13 +42,15 @@ sm_90 (tests/test_attention_compile.py), the ring megakernel's fast loops at ATT
 are wgmma fed by TMA, pipelined, and the plain loop is spill-free (benchmarks/NOTES.md has the
 numbers).
 
-Variants. The megakernel compiles the 128-column fast path in one shape (``_QB`` = 128 rows,
-``_KB`` = 128 keys, the plain loop above: the 30-line probe's loop, the same SASS but for 6
-instructions an iteration, sm_90). chains_kernel takes the shape as constexprs (PIPE, QB, KB)
-and run_chains / bench_attention.py pick it by name from :data:`TILE_VARIANTS`, so others can
-be timed beside it in one run: ``pipe-kb64``, the plain loop one chunk ahead
-(:func:`_fold_pipelined`) over 64-key chunks; ``q64-kb64-w4``, 64-row sub-blocks at 4 warps,
-which fit two programs on an SM. Which is fastest is a GPU measurement, not settled here.
+Variants. The megakernel compiles the 128-column fast path in one shape, that of
+:data:`DEFAULT_VARIANT` ("plain": 128-row sub-blocks, 128-key chunks, the plain loop above,
+whose SASS is the 30-line probe's but for 6 instructions an iteration, sm_90). chains_kernel
+takes the shape as constexprs (PIPE, QB, KB) and run_chains / bench_attention.py pick it by
+name from :data:`TILE_VARIANTS`, so others can be timed beside it in one run: ``pipe-kb64``,
+the plain loop one chunk ahead (:func:`_fold_pipelined`) over 64-key chunks; ``q64-kb64-w4``,
+64-row sub-blocks at 4 warps, which fit two programs on an SM (the megakernel launches one of
+8 warps, so it can take only an 8-warp shape). Which is fastest is a GPU measurement, not
+settled here.
 Triton's warp specialisation (``tl.range(..., warp_specialize=True)``: a TMA producer and
 consumer warpgroups, what cuDNN-class kernels do) is not used: compiled for sm_90, Triton 3.6
 specialises nothing in a function that holds an ``if`` with an else branch (one yielding
@@ -102,7 +104,7 @@ if TYPE_CHECKING:
     from ..graph import TaskGraph
 
 __all__ = ["ATTN_PARAMS", "BIAS_NONE", "BIAS_ADD", "BIAS_BOOL", "DEFAULT_VARIANT",
-           "FAST_HEAD_SIZES", "PIPE_QK", "TILE_VARIANTS", "attn_head_size", "run_chains"]
+           "FAST_HEAD_SIZES", "TILE_VARIANTS", "attn_head_size", "run_chains"]
 
 ATTN_BLOCK = kind_spec(TaskKind.ATTN_BLOCK)
 ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
@@ -119,13 +121,12 @@ ATTN_BLOCK.own_dtypes = ATTN_FINALIZE.own_dtypes = True
 BIAS_NONE, BIAS_ADD, BIAS_BOOL = 0, 1, 2  # the ``bias`` param: what the task's last read is
 # The head sizes a fast path is compiled for (attn_head_size rounds up to one of them).
 FAST_HEAD_SIZES = (128, 256)
-# Whether the 128-column fast path's plain loop issues the next chunk's q k^T before this
-# chunk's softmax (_fold_pipelined), in the megakernel and by default in chains_kernel.
-PIPE_QK = False
-# Shapes of the 128-column fast path that chains_kernel compiles (run_chains' ``variant``,
-# bench_attention.py's ``--variants``): PIPE (_fold_pipelined), QB q rows a sub-block, KB keys a
-# chunk, and the launch's warps and stages. "plain" is the megakernel's. At 4 warps, 64 rows
-# and 64-key chunks in 2 stages, a program needs 91 KB of shared memory (sm_90, Triton 3.6), so
+# Shapes of the 128-column fast path (run_chains' ``variant``, bench_attention.py's
+# ``--variants``): PIPE (the plain loop one chunk ahead: _fold_pipelined), QB q rows a
+# sub-block, KB keys a chunk, and the launch's warps and stages. DEFAULT_VARIANT is the
+# megakernel's shape and chains_kernel's default; it must be one of 8 warps and 3 stages, the
+# megakernel's launch (runtime/megakernel). At 4 warps, 64 rows and 64-key chunks in 2 stages,
+# a program needs 91 KB of shared memory and 255 registers a thread (sm_90, Triton 3.6), so
 # two programs share an SM and each one's softmax can overlap the other's wgmma; one program
 # of 8 warps keeps its two warpgroups in step (a CTA barrier around each chunk's TMA loads).
 TILE_VARIANTS = {
@@ -135,6 +136,8 @@ TILE_VARIANTS = {
     "q64-kb64-w4-pipe": dict(PIPE=True, QB=64, KB=64, num_warps=4, num_stages=2),
 }
 DEFAULT_VARIANT = "plain"
+_MEGA = TILE_VARIANTS[DEFAULT_VARIANT]
+assert (_MEGA["num_warps"], _MEGA["num_stages"]) == (8, 3), "the megakernel launches 8 warps"
 
 
 def attn_head_size(graph: TaskGraph, task_ids: Iterable[int]) -> int:
@@ -180,7 +183,9 @@ if HAVE_TRITON:
     # and k, v (32 KB each a stage) hold 192 KB of shared memory, 224 KB with the mask tile;
     # 128-key chunks would need 320 KB.
     _KB_WIDE = tl.constexpr(64)
-    _PIPE_QK = tl.constexpr(PIPE_QK)
+    # the megakernel's shape of the 128-column fast path (DEFAULT_VARIANT)
+    _MEGA_PIPE = tl.constexpr(_MEGA["PIPE"])
+    _MEGA_QB, _MEGA_KB = tl.constexpr(_MEGA["QB"]), tl.constexpr(_MEGA["KB"])
     _WIDE_STAGES = tl.constexpr(2)
 
     @triton.jit
@@ -295,16 +300,18 @@ if HAVE_TRITON:
                         DT: tl.constexpr, USE_TIMER: tl.constexpr):
         """The plain loop of :func:`_fold` with the scores one chunk ahead (flash attention 3's
         overlap within a warpgroup): iteration c issues the wgmma of chunk c + 1's q k^T, then
-        does chunk c's softmax and p @ v, so the tensor cores work on the next scores while
-        the warps compute exp2; Triton's loop-carried dot is asynchronous and ptxas spreads
-        its wgmma through the softmax (sm_90: one wait an iteration, before acc's rescale).
-        The last iteration's look-ahead reloads the last chunk (clamped), and a range without
-        chunks still computes chunk c_lo's scores, which no iteration reads: one 128 x KB dot
-        a sub-block, for a loop with no runtime branch around it (acc entering a loop from
-        one serialised every wgmma, C7515). Two pipeline stages: the second scores' k tiles
-        take the shared memory of the third (3 stages: 262 KB, past an H200 block's 227 KB)."""
+        does chunk c's softmax and p @ v, so that the tensor cores can work on the next scores
+        while the warps compute exp2. Whether they do is up to ptxas: Triton 3.6 waits for the
+        look-ahead wgmma right after issuing it, and ptxas moved the softmax above that wait in
+        the 30-line probe at 128-key chunks but only its first max reductions in chains_kernel
+        at 64-key chunks (sm_90); a GPU run decides. At 128-key chunks in chains_kernel it
+        needs 262 KB of shared memory at 3 stages and spills 80 registers an iteration, hence
+        64-key chunks in TILE_VARIANTS. The last iteration's look-ahead reloads the last chunk
+        (clamped), and a range without chunks still computes chunk c_lo's scores, which no
+        iteration reads: one QB x KB dot a sub-block, for a loop with no runtime branch around
+        it (acc entering a loop from one serialised every wgmma, C7515)."""
         s = tl.dot(q, tl.trans(_operand(kd.load([c_lo * KB, 0]), USE_TIMER)))
-        for c in tl.range(c_lo + 1, c_hi + 1, num_stages=2):
+        for c in tl.range(c_lo + 1, c_hi + 1):
             ahead = tl.minimum(c, c_hi - 1) * KB
             s_next = tl.dot(q, tl.trans(_operand(kd.load([ahead, 0]), USE_TIMER)))
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # finite: nothing is masked
@@ -513,10 +520,10 @@ if HAVE_TRITON:
     @triton.jit
     def attn_block_tile(tp, params, regions, bufaddr, bufcols, ATTN_D: tl.constexpr,
                         DT: tl.constexpr, USE_TIMER: tl.constexpr):
-        """attn_block in the megakernel: :func:`_attn_block` with the default plain loop
-        (:data:`PIPE_QK`; the megakernel's dispatch passes only ABI values)."""
-        _attn_block(tp, params, regions, bufaddr, bufcols, ATTN_D, DT, USE_TIMER, _PIPE_QK, _QB,
-                    _KB)
+        """attn_block in the megakernel: :func:`_attn_block` in the fast-path shape of
+        :data:`DEFAULT_VARIANT` (the megakernel's dispatch passes only ABI values)."""
+        _attn_block(tp, params, regions, bufaddr, bufcols, ATTN_D, DT, USE_TIMER, _MEGA_PIPE,
+                    _MEGA_QB, _MEGA_KB)
 
     @triton.jit
     def _attn_block(tp, params, regions, bufaddr, bufcols, ATTN_D: tl.constexpr,
@@ -604,8 +611,8 @@ if HAVE_TRITON:
     @triton.jit
     def chains_kernel(tasks, order, starts, param_table, regions, bufaddr, bufcols,
                        BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr,
-                       ATTN_D: tl.constexpr = 128, PIPE: tl.constexpr = PIPE_QK,
-                       QB: tl.constexpr = 128, KB: tl.constexpr = 128):
+                       ATTN_D: tl.constexpr = 128, PIPE: tl.constexpr = _MEGA_PIPE,
+                       QB: tl.constexpr = _MEGA_QB, KB: tl.constexpr = _MEGA_KB):
         """Program c runs chain c: its attn_block tasks in order, then its attn_finalize if
         it has one (with ``inline_finalize``, the default, its last attn_block finalises).
         ``ATTN_D`` as the megakernel's (attn_head_size; run_chains passes it, 128 when a
