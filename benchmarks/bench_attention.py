@@ -702,25 +702,31 @@ def main(argv: list[str] | None = None) -> None:
     if "ring" in args.part and len(args.part) > 1:
         sys.exit("ring runs alone (under torchrun)")
     rows = []
-    if "tile" in args.part:
-        import triton
+    path = Path(args.out) / f"bench_attention_{'_'.join(args.part)}.json"
 
+    def save() -> None:
+        """Write the rows so far: a later part that hangs or fails keeps the earlier ones."""
+        if rows:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(rows, indent=1) + "\n")
+
+    if "tile" in args.part:
         triton.set_allocator(
             lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
         rows += bench_tile(args)
+        save()
         if args.flat:
             rows += bench_flat(args)
+            save()
     if "mega" in args.part:
         rows += bench_mega(args)
+        save()
     if args.part == ["ring"]:
         # a ring step at S=98304 takes 0.1-0.3 s: keep the run within its few minutes
         args.warmup, args.reps = min(args.warmup, 1), min(args.reps, 3)
         rows = bench_ring(args)
+        save()
     if rows:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"bench_attention_{'_'.join(args.part)}.json"
-        path.write_text(json.dumps(rows, indent=1) + "\n")
         print(table(rows))
         print(f"rows: {path}")
 
