@@ -225,8 +225,6 @@ def test_the_graphs_cover_every_kind_with_a_body():
     assert PUSH_KIND in gpu_args("gemm_allreduce-2x1-bf16")[1]
     block = on["block-sp-1x2-bf16"]
     assert (block["BM"], block["BN"], block["BARRIER"]) == (128, 256, True), block
-    # its GEMMs read 4 A and 4 B buffers: every descriptor pair is compiled and built
-    assert block["GEMM_DESCS"] == 4 and len({block[f"b{i}_slot"] for i in range(4)}) == 4, block
     assert str(on["ring_attention-1x2-fp32"]["DT"]) == "fp32"
 
 

@@ -100,36 +100,22 @@ if HAVE_TRITON:
     @GEMM.triton
     @triton.jit
     def gemm_tile(tp, params, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
-                  ad1, bd1, a1_slot, b1_slot, ad2, bd2, a2_slot, b2_slot, ad3, bd3, a3_slot,
-                  b3_slot, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, USE_TIMER: tl.constexpr):
-        """C = A @ B over the task's K range. ``ad0..ad3``/``bd0..bd3`` are descriptors the
-        kernel built once per launch for the rank's most used GEMM A and B buffers (slot -1:
-        none): building one costs a global-memory write and a fence, so a task only builds
-        its own when it reads another buffer."""
+                  DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  USE_TIMER: tl.constexpr):
+        """C = A @ B over the task's K range. ``ad0``/``bd0`` are descriptors the kernel built once
+        for the rank's usual A and B buffers: building one costs a global-memory write and a
+        fence, so a task only builds its own when it reads another buffer."""
         r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
         b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
         if a_slot == a0_slot:
             ad = ad0
-        elif a_slot == a1_slot:
-            ad = ad1
-        elif a_slot == a2_slot:
-            ad = ad2
-        elif a_slot == a3_slot:
-            ad = ad3
         else:
             a_cols = tl.load(bufcols + a_slot)
             ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
                                            [tl.load(bufrows + a_slot), a_cols], [a_cols, 1], [BM, BK])
         if b_slot == b0_slot:
             bd = bd0
-        elif b_slot == b1_slot:
-            bd = bd1
-        elif b_slot == b2_slot:
-            bd = bd2
-        elif b_slot == b3_slot:
-            bd = bd3
         else:
             b_cols = tl.load(bufcols + b_slot)
             bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),

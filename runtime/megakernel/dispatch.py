@@ -61,10 +61,6 @@ ABI_NAMES = {
     "bd0": "TMA descriptor of the rank's most used GEMM B buffer",
     "a0_slot": "buffer slot of ad0",
     "b0_slot": "buffer slot of bd0",
-    # the next three most used (GEMM_DESCS of the four pairs are built; the rest alias pair 0)
-    **{f"{ab}d{i}": f"TMA descriptor of the rank's GEMM {ab.upper()} buffer {i} by use"
-       for i in (1, 2, 3) for ab in "ab"},
-    **{f"{ab}{i}_slot": f"buffer slot of {ab}d{i}" for i in (1, 2, 3) for ab in "ab"},
     "cmds": "the FIFO command rows (rdma tasks)",
     "ring": "the pinned host FIFO ring",
     "dhead": "the FIFO's device head counter",

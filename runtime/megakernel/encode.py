@@ -124,24 +124,8 @@ class RankTables:
     event_slots: list[int] = field(default_factory=list)  # event id per event slot
     local_tasks: list[int] = field(default_factory=list)  # graph task id per local task index
     kinds: set[str] = field(default_factory=set)
-    # The GEMM A (B) buffer slots the kernel builds descriptors for once per launch, most used
-    # first (GEMM_SLOTS of them; a rank with fewer repeats its first).
-    a_slots: tuple = (0,) * 4
-    b_slots: tuple = (0,) * 4
-
-    @property
-    def a0_slot(self) -> int:
-        return self.a_slots[0]
-
-    @property
-    def b0_slot(self) -> int:
-        return self.b_slots[0]
-
-    @property
-    def gemm_descs(self) -> int:
-        """How many descriptor pairs the launch builds: as many as the rank's distinct A or B
-        buffers (at most GEMM_SLOTS)."""
-        return max(len(set(self.a_slots)), len(set(self.b_slots)))
+    a0_slot: int = 0  # the most used GEMM A buffer slot (its descriptor is built once per launch)
+    b0_slot: int = 0  # likewise for B
     # Multi-node only (see netplan.py); word indices are relative to a rank's net region.
     cmds: torch.Tensor | None = None  # [C, 16] int64: start SIGNALs first, then tasks' commands
     start_cmds: int = 0  # the first rows of cmds: pushed by program 0 at entry
@@ -308,7 +292,8 @@ def encode_rank(
         event_slots=list(ev_slot),
         local_tasks=order,
         kinds=kinds,
-        a_slots=_most_used(a_use), b_slots=_most_used(b_use),
+        a0_slot=max(a_use, key=a_use.get) if a_use else 0,
+        b0_slot=max(b_use, key=b_use.get) if b_use else 0,
         cmds=torch.tensor(cmd_rows, dtype=torch.int64) if cmd_rows else None,
         start_cmds=start_cmds,
         event_net=event_net,
@@ -316,16 +301,6 @@ def encode_rank(
         starts=starts,
         exit_events=exit_events,
     )
-
-
-GEMM_SLOTS = 4  # descriptor pairs the kernel can hold (kernel.py: ad0..ad3, bd0..bd3)
-
-
-def _most_used(use: dict[int, int]) -> tuple:
-    """The GEMM_SLOTS most used slots of ``use`` (slot -> tasks), most used first, padded with
-    the first (slot 0 when there is no GEMM)."""
-    top = sorted(use, key=lambda s: (-use[s], s))[:GEMM_SLOTS] or [0]
-    return tuple(top + [top[0]] * (GEMM_SLOTS - len(top)))
 
 
 def gemm_block(gemms) -> tuple[int, int]:

@@ -358,14 +358,13 @@ def megakernel(
     tasks, regions, waits, signals, param_table, bufaddr, bufrows, bufcols, bufdt, evaddr,
     queues, qinfo, roles, heads, segs, nseg, segpos, segwaits, epoch_ptr, rank, limit, err, abort,
     go,
-    start_flags, peer_flags, npeers, trace, a0_slot, b0_slot, a1_slot, b1_slot, a2_slot,
-    b2_slot, a3_slot, b3_slot,
+    start_flags, peer_flags, npeers, trace, a0_slot, b0_slot,
     ring, dhead, tail, capacity, cmds, start_cmds, startaddr, netaddr, netfirst, netn,
     exitaddr, exitcount, nexit, exitev, exittotal, nexitev,
     ctl, window_ns, max_comm, pool, seg_p,
     DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     RB_M: tl.constexpr, RB_N: tl.constexpr,
-    NEED_AB: tl.constexpr, GEMM_DESCS: tl.constexpr,
+    NEED_AB: tl.constexpr,
     USE_TIMER: tl.constexpr, TRACE: tl.constexpr, BARRIER: tl.constexpr,
     HAS_NET: tl.constexpr,
     HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
@@ -386,47 +385,13 @@ def megakernel(
         # Peers' inputs (written before their launch) may be read through TMA: order the
         # barrier's acquire before this program's async-proxy loads.
         fence_proxy_async(USE_TIMER)
-    if NEED_AB:
-        # The rank's GEMM_DESCS most used A and B buffers: one descriptor each per launch,
-        # not per tile (a build is a global-memory write and a fence: v1 -> v2 in NOTES). A
-        # traced layer's GEMMs read 4 A and 4 B buffers. Descriptors past GEMM_DESCS alias
-        # descriptor 0; a slot with nothing of its own repeats slot 0 (the body tests slot 0
-        # first). Built inline, not by a helper returning them: portable across Triton
-        # versions.
+    if NEED_AB:  # the rank's usual A and B: one descriptor each per launch, not per tile
         a_cols = tl.load(bufcols + a0_slot)
-        ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),
+        ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),  # noqa: F841 - read by the generated dispatch
                                         [tl.load(bufrows + a0_slot), a_cols], [a_cols, 1], [BM, BK])
         b_cols = tl.load(bufcols + b0_slot)
-        bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, b0_slot, DT),
+        bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, b0_slot, DT),  # noqa: F841 - read by the generated dispatch
                                         [tl.load(bufrows + b0_slot), b_cols], [b_cols, 1], [BK, BN])
-        ad1, ad2, ad3, bd1, bd2, bd3 = ad0, ad0, ad0, bd0, bd0, bd0
-        if GEMM_DESCS >= 2:
-            a_cols = tl.load(bufcols + a1_slot)
-            ad1 = tl.make_tensor_descriptor(  # noqa: F841 - read by the generated dispatch
-                buffer_base(bufaddr, a1_slot, DT), [tl.load(bufrows + a1_slot), a_cols],
-                [a_cols, 1], [BM, BK])
-            b_cols = tl.load(bufcols + b1_slot)
-            bd1 = tl.make_tensor_descriptor(  # noqa: F841 - read by the generated dispatch
-                buffer_base(bufaddr, b1_slot, DT), [tl.load(bufrows + b1_slot), b_cols],
-                [b_cols, 1], [BK, BN])
-        if GEMM_DESCS >= 3:
-            a_cols = tl.load(bufcols + a2_slot)
-            ad2 = tl.make_tensor_descriptor(  # noqa: F841 - read by the generated dispatch
-                buffer_base(bufaddr, a2_slot, DT), [tl.load(bufrows + a2_slot), a_cols],
-                [a_cols, 1], [BM, BK])
-            b_cols = tl.load(bufcols + b2_slot)
-            bd2 = tl.make_tensor_descriptor(  # noqa: F841 - read by the generated dispatch
-                buffer_base(bufaddr, b2_slot, DT), [tl.load(bufrows + b2_slot), b_cols],
-                [b_cols, 1], [BK, BN])
-        if GEMM_DESCS >= 4:
-            a_cols = tl.load(bufcols + a3_slot)
-            ad3 = tl.make_tensor_descriptor(  # noqa: F841 - read by the generated dispatch
-                buffer_base(bufaddr, a3_slot, DT), [tl.load(bufrows + a3_slot), a_cols],
-                [a_cols, 1], [BM, BK])
-            b_cols = tl.load(bufcols + b3_slot)
-            bd3 = tl.make_tensor_descriptor(  # noqa: F841 - read by the generated dispatch
-                buffer_base(bufaddr, b3_slot, DT), [tl.load(bufrows + b3_slot), b_cols],
-                [b_cols, 1], [BK, BN])
     role = tl.load(roles + pid)
     qp = qinfo + role * _QF
     qoff = tl.load(qp + _QOFF)

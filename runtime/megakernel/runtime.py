@@ -51,9 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["TritonRuntime", "supported_kinds", "local_shards", "assemble_local", "run_in_process"]
 
 BK = 64
-# descriptors: how many GEMM A/B buffers get a TMA descriptor once per launch (1-4; a GEMM task
-# reading another buffer builds its own, a global write and a fence per tile).
-GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8, "descriptors": 4}
+GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8}
 # Sub-block of the reduce/copy bodies: 32 KiB bf16 per load, 128 B per thread in flight. 32x128
 # measured latency-bound on H200 (about 2 GB/s per program pulling over NVLink).
 RB_M, RB_N = 64, 256
@@ -149,11 +147,6 @@ class TritonRuntime:
             raise MgraphError(
                 f"gemm_config: unknown keys {sorted(unknown)}",
                 hint=f"known keys: {', '.join(GEMM_CONFIG)}",
-            )
-        if self.gemm_config["descriptors"] not in (1, 2, 3, 4):
-            raise MgraphError(
-                f"gemm_config: descriptors={self.gemm_config['descriptors']!r}",
-                hint="1 to 4 descriptor pairs built once per launch",
             )
         world = graph.topology.world_size
         check_graph(graph, BK)
@@ -448,14 +441,6 @@ class TritonRuntime:
         torch.cuda.synchronize(self.device)
         dist.barrier()
 
-    def _gemm_slots(self, n: int) -> dict[str, int]:
-        """a0_slot..a3_slot, b0_slot..b3_slot: the first ``n`` of the rank's most used GEMM A
-        and B slots, the rest repeating slot 0 (gemm_tile tests slot 0 first)."""
-        t = self.tables
-        a = list(t.a_slots[:n]) + [t.a_slots[0]] * (4 - n)
-        b = list(t.b_slots[:n]) + [t.b_slots[0]] * (4 - n)
-        return {**{f"a{i}_slot": a[i] for i in range(4)}, **{f"b{i}_slot": b[i] for i in range(4)}}
-
     def _kernel_args(self) -> dict:
         """Every kernel argument by its name in kernel.megakernel's signature (nothing
         positional to keep in step between the two files; a misspelt name fails at the first
@@ -483,12 +468,10 @@ class TritonRuntime:
             **tables, **fifo,
             epoch_ptr=d["epoch"], rank=-1 if self.rank is None else self.rank, limit=limit,
             nseg=nseg, start_flags=self.start_flag, npeers=self.npeers,
-            **self._gemm_slots(int(cfg["descriptors"])), start_cmds=t.start_cmds,
+            a0_slot=t.a0_slot, b0_slot=t.b0_slot, start_cmds=t.start_cmds,
             nexit=len(t.exits), nexitev=len(t.exit_events),
             DT=_tl_dtype(self.graph.dtype), BM=self.bm, BN=self.bn, BK=BK, RB_M=RB_M, RB_N=RB_N,
-            NEED_AB=self._need_ab,
-            GEMM_DESCS=min(int(cfg["descriptors"]), t.gemm_descs) if self._need_ab else 1,
-            **body_constexprs(self.graph, t.local_tasks),
+            NEED_AB=self._need_ab, **body_constexprs(self.graph, t.local_tasks),
             USE_TIMER=not self.interpret, TRACE=self.trace_enabled,
             BARRIER=self.npeers > 0 or t.start_cmds > 0,
             HAS_NET=net is not None,
