@@ -190,7 +190,8 @@ def test_random_chains_compile(tmp_path):
 def test_swiglu_chain_loop_moves_16_byte_vectors(tmp_path):
     """SwiGLU's generated fast path alone compiled for sm_90 (8 warps, bf16): one loop, each
     iteration a 16 x 1024 block, 8 vectors a thread of each operand loaded (16 LDG.E.128),
-    8 stored, nothing in local memory."""
+    8 stored, nothing in local memory; the first block loaded before the loop (each iteration
+    loads the next block before computing its own)."""
     triton = pytest.importorskip("triton")
     nvidia = pytest.importorskip("triton.backends.nvidia")
     import importlib.util
@@ -237,3 +238,6 @@ def test_swiglu_chain_loop_moves_16_byte_vectors(tmp_path):
     body = [[t for a, t in ins if lo <= a <= hi] for lo, hi in inner]
     counts = [(sum("LDG.E.128" in t for t in b), sum("STG.E.128" in t for t in b)) for b in body]
     assert (16, 8) in counts, counts
+    # the first block's loads issued before the loop: each iteration loads the NEXT block
+    (lo, hi), = [lp for lp, c in zip(inner, counts, strict=True) if c == (16, 8)]
+    assert sum("LDG.E.128" in t for a, t in ins if a < lo) >= 16, "no block loaded ahead"

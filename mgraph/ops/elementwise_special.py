@@ -152,66 +152,88 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
         if form[a] == GATHER:
             w(f"    gp{a} = vec_ptr(ga{a}, DT)")
             w(f"    gb{a} = tl.load(pp{a})")
-    # Column blocks outside, row blocks inside: what depends on the columns alone (a rotation's
-    # columns, a gather's column positions: integer divisions by the map's radices, per
-    # element) is computed once per column block, not per block (RoPE's tiles are one column
-    # block of 128 and 8 row blocks).
-    w(f"    for cb in range(0, tl.cdiv(n, {bc})):")
-    w(f"        on = vec_cols(cb * {bc}, {bc}, VEC)")
-    w("        cm = on < n")
-    colvars: dict[tuple[int, bool], str] = {}
-    for k in loads:
-        op, _d, a, _b = code[k]
-        rot = op == ROT
-        cols = "on"
-        if rot:  # runs of VEC columns stay runs: half is a multiple of VEC
-            if (-1, True) not in colvars:
-                w("        rc = tl.max_contiguous(tl.multiple_of(_rot_cols(on, half), VEC), VEC)")
-                colvars[(-1, True)] = "rc"
-            cols = "rc"
-        if form[a] == GATHER and (a, rot) not in colvars:
-            name = f"gc{a}{'r' if rot else ''}"
-            w(f"        {name} = _digit_sum({cols}, pp{a} + 1 + 2 * _DIGITS, VEC, VEC)")
-            colvars[(a, rot)] = name
-    w(f"        for rb in range(0, tl.cdiv(m, {br})):")
-    # the block's loads first, all in flight together; then its fns; then one store
-    w(f"            om = rb * {br} + tl.arange(0, {br})")
-    w("            mk = (om < m)[:, None] & cm[None, :]")
-    for a in reads:
-        if form[a] == GATHER:
-            w(f"            gr{a} = tl.multiple_of(gb{a} + _digit_sum(om, pp{a} + 1, VEC, 1), VEC)")
-        elif form[a]:
-            w(f"            rr{a} = ((row0 + om) // ma{a}) * mm{a} + (row0 + om) % mm{a} - lo{a}")
-    for k in loads:
-        op, _d, a, _b = code[k]
-        rot = op == ROT
-        cols = "rc" if rot else "on"
-        if form[a] == GATHER:
-            w(
-                f"            l{k} = tl.load(gp{a} + gr{a}[:, None] + {colvars[(a, rot)]}[None, :], "
-                "mask=mk, other=1.0)"
-            )
-            continue
-        rows = f"rr{a}" if form[a] else "om"
-        w(f"            l{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk, DT)")
+    # One loop over the tile's blocks (column blocks outside, row blocks inside), the next
+    # block's loads issued before this block's fns and store: a program keeps a block of loads
+    # in flight while it computes, instead of waiting out HBM latency once per block (v13:
+    # SwiGLU's tasks moved ~16 GB/s a program, latency-bound). Only the loaded blocks are
+    # carried between iterations; rows, columns and masks are recomputed from the block
+    # index, so they keep the alignment hints the 16-byte stores need.
+    w(f"    nrb = tl.cdiv(m, {br})")
+    w(f"    nb = tl.cdiv(n, {bc}) * nrb")
+
+    def block(sfx: str, b: str, ind: str) -> dict[tuple[int, bool], str]:
+        """Rows, columns, mask and the per-read row maps of block ``b``, names suffixed."""
+        w(f"{ind}on{sfx} = vec_cols(({b}) // nrb * {bc}, {bc}, VEC)")
+        w(f"{ind}om{sfx} = ({b}) % nrb * {br} + tl.arange(0, {br})")
+        w(f"{ind}mk{sfx} = (om{sfx} < m)[:, None] & (on{sfx} < n)[None, :]")
+        cv: dict[tuple[int, bool], str] = {}
+        for k in loads:
+            op, _d, a, _b = code[k]
+            rot = op == ROT
+            cols = f"on{sfx}"
+            if rot:  # runs of VEC columns stay runs: half is a multiple of VEC
+                if (-1, True) not in cv:
+                    w(
+                        f"{ind}rc{sfx} = tl.max_contiguous(tl.multiple_of(_rot_cols(on{sfx}, half), VEC), VEC)"
+                    )
+                    cv[(-1, True)] = f"rc{sfx}"
+                cols = f"rc{sfx}"
+            if form[a] == GATHER and (a, rot) not in cv:
+                name = f"gc{a}{'r' if rot else ''}{sfx}"
+                w(f"{ind}{name} = _digit_sum({cols}, pp{a} + 1 + 2 * _DIGITS, VEC, VEC)")
+                cv[(a, rot)] = name
+        for a in reads:
+            if form[a] == GATHER:
+                w(
+                    f"{ind}gr{a}{sfx} = tl.multiple_of(gb{a} + _digit_sum(om{sfx}, pp{a} + 1, VEC, 1), VEC)"
+                )
+            elif form[a]:
+                w(
+                    f"{ind}rr{a}{sfx} = ((row0 + om{sfx}) // ma{a}) * mm{a} + (row0 + om{sfx}) % mm{a} - lo{a}"
+                )
+        return cv
+
+    def issue(sfx: str, ind: str, cv: dict[tuple[int, bool], str], dest: str) -> None:
+        """The block's loads, all in flight together, into ``dest``<k>."""
+        for k in loads:
+            op, _d, a, _b = code[k]
+            rot = op == ROT
+            cols = f"rc{sfx}" if rot else f"on{sfx}"
+            if form[a] == GATHER:
+                w(
+                    f"{ind}{dest}{k} = tl.load(gp{a} + gr{a}{sfx}[:, None] + {cv[(a, rot)]}[None, :], "
+                    f"mask=mk{sfx}, other=1.0)"
+                )
+                continue
+            rows = f"rr{a}{sfx}" if form[a] else f"om{sfx}"
+            w(f"{ind}{dest}{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk{sfx}, DT)")
+
+    cv0 = block("", "0", "    ")
+    issue("", "    ", cv0, "l")
+    w("    for b in range(0, nb):")
+    cvn = block("_n", "b + 1", "        ")  # past the last block: columns past n, all masked
+    issue("_n", "        ", cvn, "ln")
+    block("", "b", "        ")
     reg: dict[int, str] = {}
     for k, (op, dst, a, b) in enumerate(code):
         name = f"t{k}"
         if op == LOAD:
             expr = f"l{k}.to(tl.float32)"
         elif op == ROT:
-            w(f"            u{k} = l{k}.to(tl.float32)")
+            w(f"        u{k} = l{k}.to(tl.float32)")
             expr = f"tl.where((on < half)[None, :], -u{k}, u{k})"
         elif op == CONST:
             expr = f"tl.full(({br}, {bc}), {_const(b)}, tl.float32)"
         else:
             expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
-        w(f"            {name} = {expr}")
+        w(f"        {name} = {expr}")
         reg[dst] = name
     w(
-        f"            tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), "
+        f"        tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), "
         "mask=mk)"
     )
+    for k in loads:
+        w(f"        l{k} = ln{k}")
     w("")
     w("")
     w("@triton.jit")
