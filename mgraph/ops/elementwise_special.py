@@ -6,8 +6,10 @@ registers. v12 measured what that costs (benchmarks/NOTES.md): 80 us a task in t
 on one H200, about ten times what the task's bytes need, the kernel bound by instructions, not
 memory. A chain is fixed when the graph is built, so the megakernel's generated copy
 (runtime/megakernel/dispatch.py) gets one function per chain its rank runs, written here from the
-bytecode: per block, every load issued together (block_shape: 64 KiB a program in flight for
-SwiGLU's two bf16 operands), then the fns as plain expressions, no register file, no branches. The kind's dispatch picks the function whose bytecode (and operand
+bytecode: one loop over the tile's blocks, each block's loads issued together and one block
+ahead (block_shape: 64 KiB a program in flight for SwiGLU's two bf16 operands, while the
+previous block's fns and store run), the fns as plain expressions, no register file, no
+branches. The kind's dispatch picks the function whose bytecode (and operand
 forms) a task carries and falls back to the interpreter for any other chain, and for operands
 the fast path cannot vectorise (the same gate as ewise_tile).
 
