@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_left, bisect_right
+from itertools import chain
 from typing import Any
 
 import torch
@@ -141,6 +142,8 @@ class _Lowering:
         # the producers of a region, and the waits of a rank on a set of regions, are found once.
         # Nothing is noted as written until the op's tasks all have their waits.
         of_region: dict[Region, list[Task]] = {}
+        ids_of: dict[Region, list[int]] = {}  # of_region's task ids, for keys of 2+ regions
+        all_tasks = self.b.tasks  # a task's id is its index
         waits_of: dict[tuple, list[tuple[int, int]]] = {}
         for t in tasks:
             key = None  # [rank, the regions t reads that have writers]
@@ -166,12 +169,20 @@ class _Lowering:
             key = tuple(key)
             waits = waits_of.get(key)
             if waits is None:
-                # the producers of all its regions, each once, in the order first met
-                producers: dict[int, Task] = {}
-                for r in key[1:]:
-                    for p in of_region[r]:
-                        producers[p.id] = p
-                waits = waits_of[key] = after(t.rank, list(producers.values()))
+                # the producers of all its regions, each once, in the order first met (a
+                # region's own list has no repeats). Attention's q blocks each read all of k
+                # and v (~10^3 producers): the ids are merged by dict.fromkeys, not a loop.
+                if len(key) == 2:
+                    producers = of_region[key[1]]
+                else:
+                    merged = []
+                    for r in key[1:]:
+                        ids = ids_of.get(r)
+                        if ids is None:
+                            ids = ids_of[r] = [p.id for p in of_region[r]]
+                        merged.append(ids)
+                    producers = [all_tasks[i] for i in dict.fromkeys(chain.from_iterable(merged))]
+                waits = waits_of[key] = after(t.rank, producers)
             t.waits.extend(waits)
 
     # -- outputs ------------------------------------------------------------------------------
