@@ -110,6 +110,10 @@ INTERP_CASES = {
        for dt in ("float32", "bfloat16")},
     "two-chains-1-float32": True,
     "two-chains-2-float32": True,
+    # a tile wider than a block: the one loop over every block (the next block may be in the
+    # next column block), partial last blocks in both dims
+    "swiglu-flat-float32": True,
+    "swiglu-flat-bfloat16": True,
 }
 
 
@@ -126,6 +130,20 @@ def _interp_main() -> None:
     from mgraph.settings import Settings
 
     run_cases(Settings(), 37, chains=1)
+    from test_ewise_batches import CHAINS
+
+    chain, operands = CHAINS["swiglu"]
+    for dt in (F32, torch.bfloat16):
+        g = mg.ops.elementwise(topology="1x1", rows=40, cols=1104, chain=chain,
+                               operands=operands, tile_rows=40, dtype=dt)
+        (key, shape), = chain_keys(g, [t.id for t in g.tasks], 6)
+        assert shape == (40, 1104)
+        gen = torch.Generator().manual_seed(43)
+        inputs = {n: torch.randn(s.shape, generator=gen).to(dt) for n, s in g.inputs.items()}
+        sched = mg.schedule(g)
+        got = TritonRuntime(sched, interpret=True).run(inputs).outputs
+        interp_row(f"swiglu-flat-{str(dt).removeprefix('torch.')}", g, got,
+                   mg.run(sched, inputs).outputs, dt, chains=1)
     gen = torch.Generator().manual_seed(41)
     x, y = (torch.randn(96, 256, generator=gen) for _ in range(2))
     prog = mg.compile(TwoChains(), (x, y), topology="1x1")

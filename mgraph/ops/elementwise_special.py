@@ -154,88 +154,108 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
         if form[a] == GATHER:
             w(f"    gp{a} = vec_ptr(ga{a}, DT)")
             w(f"    gb{a} = tl.load(pp{a})")
-    # One loop over the tile's blocks (column blocks outside, row blocks inside), the next
-    # block's loads issued before this block's fns and store: a program keeps a block of loads
-    # in flight while it computes, instead of waiting out HBM latency once per block (v13:
-    # SwiGLU's tasks moved ~16 GB/s a program, latency-bound). Only the loaded blocks are
-    # carried between iterations; rows, columns and masks are recomputed from the block
-    # index, so they keep the alignment hints the 16-byte stores need.
-    w(f"    nrb = tl.cdiv(m, {br})")
-    w(f"    nb = tl.cdiv(n, {bc}) * nrb")
+    # The next block's loads are issued before this block's fns and store: a program keeps a
+    # block of loads in flight while it computes, instead of waiting out HBM latency once per
+    # block (v13: SwiGLU's tasks moved ~16 GB/s a program, latency-bound). Only the loaded
+    # blocks are carried between iterations; rows, columns and masks are recomputed, so they
+    # keep the alignment hints the 16-byte accesses need. A chain whose usual tile is one
+    # column block wide (RoPE's 512 x 128) loops over row blocks inside a column-block loop,
+    # which computes what depends on the columns alone (a rotation's columns, a gather's
+    # column positions: integer divisions per element) once; wider ones (SwiGLU's 16 x 14336)
+    # run one loop over every block, so the next block may be in the next column block.
+    flat = shape[1] > bc
 
-    def block(sfx: str, b: str, ind: str) -> dict[tuple[int, bool], str]:
-        """Rows, columns, mask and the per-read row maps of block ``b``, names suffixed."""
-        w(f"{ind}on{sfx} = vec_cols(({b}) // nrb * {bc}, {bc}, VEC)")
-        w(f"{ind}om{sfx} = ({b}) % nrb * {br} + tl.arange(0, {br})")
-        w(f"{ind}mk{sfx} = (om{sfx} < m)[:, None] & (on{sfx} < n)[None, :]")
+    def cols(sfx: str, cb: str, ind: str, full: bool) -> dict[tuple[int, bool], str]:
+        """Columns of column block ``cb`` (and, ``full``, what the loads derive from them)."""
+        w(f"{ind}on{sfx} = vec_cols(({cb}) * {bc}, {bc}, VEC)")
         cv: dict[tuple[int, bool], str] = {}
-        for k in loads:
+        for k in loads if full else []:
             op, _d, a, _b = code[k]
             rot = op == ROT
-            cols = f"on{sfx}"
+            src = f"on{sfx}"
             if rot:  # runs of VEC columns stay runs: half is a multiple of VEC
                 if (-1, True) not in cv:
-                    w(
-                        f"{ind}rc{sfx} = tl.max_contiguous(tl.multiple_of(_rot_cols(on{sfx}, half), VEC), VEC)"
-                    )
+                    w(f"{ind}rc{sfx} = tl.max_contiguous(")
+                    w(f"{ind}    tl.multiple_of(_rot_cols(on{sfx}, half), VEC), VEC)")
                     cv[(-1, True)] = f"rc{sfx}"
-                cols = f"rc{sfx}"
+                src = f"rc{sfx}"
             if form[a] == GATHER and (a, rot) not in cv:
                 name = f"gc{a}{'r' if rot else ''}{sfx}"
-                w(f"{ind}{name} = _digit_sum({cols}, pp{a} + 1 + 2 * _DIGITS, VEC, VEC)")
+                w(f"{ind}{name} = _digit_sum({src}, pp{a} + 1 + 2 * _DIGITS, VEC, VEC)")
                 cv[(a, rot)] = name
-        for a in reads:
-            if form[a] == GATHER:
-                w(
-                    f"{ind}gr{a}{sfx} = tl.multiple_of(gb{a} + _digit_sum(om{sfx}, pp{a} + 1, VEC, 1), VEC)"
-                )
-            elif form[a]:
-                w(
-                    f"{ind}rr{a}{sfx} = ((row0 + om{sfx}) // ma{a}) * mm{a} + (row0 + om{sfx}) % mm{a} - lo{a}"
-                )
         return cv
 
-    def issue(sfx: str, ind: str, cv: dict[tuple[int, bool], str], dest: str) -> None:
-        """The block's loads, all in flight together, into ``dest``<k>."""
+    def rows(sfx: str, rb: str, ind: str, on: str, full: bool) -> None:
+        """Rows and mask of row block ``rb`` (and, ``full``, each read's row positions)."""
+        w(f"{ind}om{sfx} = ({rb}) * {br} + tl.arange(0, {br})")
+        w(f"{ind}mk{sfx} = (om{sfx} < m)[:, None] & ({on} < n)[None, :]")
+        for a in reads if full else []:
+            if form[a] == GATHER:
+                w(f"{ind}gr{a}{sfx} = tl.multiple_of(")
+                w(f"{ind}    gb{a} + _digit_sum(om{sfx}, pp{a} + 1, VEC, 1), VEC)")
+            elif form[a]:
+                w(
+                    f"{ind}rr{a}{sfx} = ((row0 + om{sfx}) // ma{a}) * mm{a} "
+                    f"+ (row0 + om{sfx}) % mm{a} - lo{a}"
+                )
+
+    def issue(dest: str, sfx: str, on: str, cv: dict[tuple[int, bool], str], ind: str) -> None:
+        """Block ``sfx``'s loads, all in flight together, into ``dest``<k>."""
         for k in loads:
             op, _d, a, _b = code[k]
             rot = op == ROT
-            cols = f"rc{sfx}" if rot else f"on{sfx}"
+            c = cv[(-1, True)] if rot else on
             if form[a] == GATHER:
                 w(
-                    f"{ind}{dest}{k} = tl.load(gp{a} + gr{a}{sfx}[:, None] + {cv[(a, rot)]}[None, :], "
-                    f"mask=mk{sfx}, other=1.0)"
+                    f"{ind}{dest}{k} = tl.load(gp{a} + gr{a}{sfx}[:, None] + "
+                    f"{cv[(a, rot)]}[None, :], mask=mk{sfx}, other=1.0)"
                 )
                 continue
-            rows = f"rr{a}{sfx}" if form[a] else f"om{sfx}"
-            w(f"{ind}{dest}{k} = _vload(a{a}, p{a}, {rows}, {cols}, mk{sfx}, DT)")
+            r = f"rr{a}{sfx}" if form[a] else f"om{sfx}"
+            w(f"{ind}{dest}{k} = _vload(a{a}, p{a}, {r}, {c}, mk{sfx}, DT)")
 
-    cv0 = block("", "0", "    ")
-    issue("", "    ", cv0, "l")
-    w("    for b in range(0, nb):")
-    cvn = block("_n", "b + 1", "        ")  # past the last block: columns past n, all masked
-    issue("_n", "        ", cvn, "ln")
-    block("", "b", "        ")
+    if flat:
+        w(f"    nrb = tl.cdiv(m, {br})")
+        w(f"    nb = tl.cdiv(n, {bc}) * nrb")
+        cv = cols("", "0", "    ", True)
+        rows("", "0", "    ", "on", True)
+        issue("l", "", "on", cv, "    ")
+        w("    for b in range(0, nb):")
+        ind = "        "
+        # past the last block: columns past n, every lane masked off
+        cvn = cols("_n", "(b + 1) // nrb", ind, True)
+        rows("_n", "(b + 1) % nrb", ind, "on_n", True)
+        issue("ln", "_n", "on_n", cvn, ind)
+        cols("", "b // nrb", ind, False)
+        rows("", "b % nrb", ind, "on", False)
+    else:
+        w(f"    nrb = tl.cdiv(m, {br})")
+        w(f"    for cb in range(0, tl.cdiv(n, {bc})):")
+        cv = cols("", "cb", "        ", True)
+        rows("", "0", "        ", "on", True)
+        issue("l", "", "on", cv, "        ")
+        w("        for rb in range(0, nrb):")
+        ind = "            "
+        rows("_n", "rb + 1", ind, "on", True)  # past the last row block: every lane masked
+        issue("ln", "_n", "on", cv, ind)
+        rows("", "rb", ind, "on", False)
     reg: dict[int, str] = {}
     for k, (op, dst, a, b) in enumerate(code):
         name = f"t{k}"
         if op == LOAD:
             expr = f"l{k}.to(tl.float32)"
         elif op == ROT:
-            w(f"        u{k} = l{k}.to(tl.float32)")
+            w(f"{ind}u{k} = l{k}.to(tl.float32)")
             expr = f"tl.where((on < half)[None, :], -u{k}, u{k})"
         elif op == CONST:
             expr = f"tl.full(({br}, {bc}), {_const(b)}, tl.float32)"
         else:
             expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
-        w(f"        {name} = {expr}")
+        w(f"{ind}{name} = {expr}")
         reg[dst] = name
-    w(
-        f"        tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), "
-        "mask=mk)"
-    )
+    w(f"{ind}tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), mask=mk)")
     for k in loads:
-        w(f"        l{k} = ln{k}")
+        w(f"{ind}l{k} = ln{k}")
     w("")
     w("")
     w("@triton.jit")
