@@ -445,6 +445,38 @@ class Bench:
                 row["ms"] = round(row["ms"], 4)
         self.save()
 
+    def profile_call(self) -> None:
+        """Where a Program call's time goes beyond its kernel's (the ``mgraph`` row against
+        ``mgraph_kernel``): the host's Python by function, then CPU and CUDA time per op."""
+        import cProfile
+        import io
+        import pstats
+
+        call = self.timed["mgraph"]
+        profile = cProfile.Profile()
+        with torch.no_grad():
+            call()
+            sync(self.device)
+            profile.enable()
+            for _ in range(3):
+                call()
+                sync(self.device)
+            profile.disable()
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(3):
+                    call()
+                    sync(self.device)
+        if self.rank == 0:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
+            print("profile_call: cProfile of 3 Program calls\n" + text.getvalue(), flush=True)
+            key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+            print("profile_call: torch.profiler, 3 Program calls\n"
+                  + prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
+
     def kinds(self) -> None:
         """Where the megakernel's time goes, per task kind (one traced launch, this rank)."""
         sys.path.insert(0, str(Path(__file__).parent))
@@ -555,6 +587,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(bench_layer_kinds.json; benchmarks/kind_breakdown.py)",
     )
     p.add_argument(
+        "--profile-call",
+        action="store_true",
+        help="after timing, where a Program call's time goes: cProfile of its host work and "
+        "torch.profiler's CPU and CUDA time per op over 3 calls (printed by rank 0)",
+    )
+    p.add_argument(
         "--compile-backend", help="torch.compile backend (default inductor; aot_eager with --smoke)"
     )
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny sizes")
@@ -633,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.time_all()
         if args.kinds and bench.program is not None and bench.program._runtime is not None:
             bench.kinds()
+        if args.profile_call and "mgraph" in bench.timed:
+            bench.profile_call()
         if args.warm:
             bench.step("mgraph_warm", lambda: bench.mgraph("mgraph_warm"))
         bench.save()
