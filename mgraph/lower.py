@@ -142,11 +142,16 @@ class _Lowering:
         # the producers of a region, and the waits of a rank on a set of regions, are found once.
         # Nothing is noted as written until the op's tasks all have their waits.
         of_region: dict[Region, list[Task]] = {}
-        ids_of: dict[Region, list[int]] = {}  # of_region's task ids, for keys of 2+ regions
         all_tasks = self.b.tasks  # a task's id is its index
+        buffers = self.b.buffers
+        # The waits of a rank on producer lists, keyed by the lists' ids: _WriterIndex hands
+        # out one list per distinct set of writers, so the 16-row tiles of an elementwise op
+        # that all read inside one 128-row GEMM band share their waits (of_region keeps every
+        # list alive for the call, so no id is reused).
         waits_of: dict[tuple, list[tuple[int, int]]] = {}
+        ids_of: dict[int, list[int]] = {}  # a producer list's task ids, for keys of 2+ lists
         for t in tasks:
-            key = None  # [rank, the regions t reads that have writers]
+            key = None  # [rank, id of each producer list of the regions t reads, in order]
             for r in t.reads:
                 found = of_region.get(r)
                 if found is None:
@@ -154,32 +159,40 @@ class _Lowering:
                     ws = writers.get(bid)
                     found = []
                     if ws:
-                        idx = index.get(bid)
-                        if idx is None or idx.size != len(ws):
-                            idx = index[bid] = _WriterIndex(ws)
-                        found = idx.overlapping(r)
+                        buf = buffers[bid]
+                        if r[1] == 0 and r[3] == 0 and r[2] == buf.rows and r[4] == buf.cols:
+                            # all of the buffer (attention's k and v of a head, a relayout's
+                            # input): every writer overlaps it, no index needed
+                            found = [w[1] for w in ws]
+                        else:
+                            idx = index.get(bid)
+                            if idx is None or idx.size != len(ws):
+                                idx = index[bid] = _WriterIndex(ws)
+                            found = idx.overlapping(r)
                     of_region[r] = found
                 if found:
                     if key is None:
-                        key = [t.rank, r]
+                        key = [t.rank, id(found)]
+                        lists = [found]
                     else:
-                        key.append(r)
+                        key.append(id(found))
+                        lists.append(found)
             if key is None:
                 continue
             key = tuple(key)
             waits = waits_of.get(key)
             if waits is None:
                 # the producers of all its regions, each once, in the order first met (a
-                # region's own list has no repeats). Attention's q blocks each read all of k
-                # and v (~10^3 producers): the ids are merged by dict.fromkeys, not a loop.
-                if len(key) == 2:
-                    producers = of_region[key[1]]
+                # list has no repeats). Attention's q blocks each read all of k and v (~10^3
+                # producers): the ids are merged by dict.fromkeys, not a loop.
+                if len(lists) == 1:
+                    producers = lists[0]
                 else:
                     merged = []
-                    for r in key[1:]:
-                        ids = ids_of.get(r)
+                    for found in lists:
+                        ids = ids_of.get(id(found))
                         if ids is None:
-                            ids = ids_of[r] = [p.id for p in of_region[r]]
+                            ids = ids_of[id(found)] = [p.id for p in found]
                         merged.append(ids)
                     producers = [all_tasks[i] for i in dict.fromkeys(chain.from_iterable(merged))]
                 waits = waits_of[key] = after(t.rank, producers)
@@ -227,7 +240,7 @@ class _WriterIndex:
     tiles it overlaps by bisection instead of a scan of every writer: a 4096-row activation
     written in 128-row tiles is read by thousands of tiles of the next op."""
 
-    __slots__ = ("size", "row0s", "rows", "span")
+    __slots__ = ("size", "row0s", "rows", "span", "memo")
 
     def __init__(self, writers: list[tuple[Region, Task]]) -> None:
         self.size = len(writers)
@@ -242,24 +255,29 @@ class _WriterIndex:
         self.rows = sorted(by_rows.items())  # ((row0, row1), writers), by row0
         self.row0s = [k[0] for k, _ in self.rows]
         self.span = max(r1 - r0 for r0, r1 in by_rows)  # the tallest writer
+        self.memo: dict[tuple, list[Task]] = {}  # (row bands, col0, col1) -> overlapping()
 
     def overlapping(self, r: Region) -> list[Task]:
         """The writers overlapping ``r``, in the order they were noted (as
-        Resharder.producers lists them)."""
-        hits: dict[int, Task] = {}
+        Resharder.producers lists them). Regions meeting the same row bands in the same
+        columns get the same list object (callers only read it)."""
         rows = self.rows
         # a writer starting at or before r.row0 - span ends before r.row0
         _, r0, r1, c0, c1 = r
         lo = bisect_right(self.row0s, r0 - self.span)
         hi = bisect_left(self.row0s, r1)
-        for k in range(lo, hi):
-            (w0, w1), ws = rows[k]
-            if w1 <= r0:
-                continue
-            for i, w, t in ws:
+        bands = tuple([k for k in range(lo, hi) if rows[k][0][1] > r0])
+        key = (bands, c0, c1)
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        hits: dict[int, Task] = {}
+        for k in bands:
+            for i, w, t in rows[k][1]:
                 if w[3] < c1 and c0 < w[4]:
                     hits[i] = t
-        return [hits[i] for i in sorted(hits)]
+        found = self.memo[key] = [hits[i] for i in sorted(hits)]
+        return found
 
 
 class _OpScope(GraphBuilder):
