@@ -3,14 +3,25 @@ contend with the runtime's worker threads on CI's two cores, so the suite runs s
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA; `multi_gpu(n)` tests need n GPUs. Both skip cleanly elsewhere."""
+    """`gpu` tests need CUDA; `multi_gpu(n)` tests need n GPUs. Both skip cleanly elsewhere.
+
+    Files that hold `slow` tests run first, the most such tests first, each file's tests still
+    together and in their own order. Run in parallel by pytest-xdist with ``--dist loadfile``, the longest files are then
+    handed out before the short ones, so no worker starts a minute-long file while the other
+    has nothing left; run serially, only the order changes. The order is the same in every
+    process, as xdist requires of its workers."""
     import pytest
+
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: the order within a file is kept
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:

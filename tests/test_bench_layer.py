@@ -30,6 +30,7 @@ def _load():
 bench = _load()
 
 
+@pytest.mark.slow
 def test_smoke_run_on_two_gloo_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(

@@ -228,6 +228,7 @@ def test_the_graphs_cover_every_kind_with_a_body():
     assert str(on["ring_attention-1x2-fp32"]["DT"]) == "fp32"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_megakernel_with_every_kind_compiles_for_sm90(name):
     last, trace, _why = COMPILED[name]
@@ -242,6 +243,7 @@ def test_megakernel_with_every_kind_compiles_for_sm90(name):
     assert found == [], "branches on per-warp values (file:line <- caller):\n" + "\n".join(found)
 
 
+@pytest.mark.slow
 def test_adaptive_controller_compiles_for_sm90():
     """Settings(adaptive=True) compiles the controller into the kernel (control.py: counters,
     the windowed decision, role changes at task boundaries, the reset at exit); AG+GEMM's

@@ -193,6 +193,7 @@ def test_multi_rank_graph_needs_torchrun():
         TritonRuntime(mg.schedule(g), interpret=True)
 
 
+@pytest.mark.slow
 def test_megakernel_under_the_interpreter_matches_torch():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
     proc = subprocess.run(

@@ -23,6 +23,7 @@ if not available():
     pytest.skip("the native proxy extension is not built", allow_module_level=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("streams", [1, 4])
 def test_multi_node_graphs_with_proxy_streams(streams: int) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))

@@ -31,6 +31,7 @@ def _check(prefix: str, expect: int) -> None:
         assert r["error"] < TOL[r["dtype"]], (case, r)
 
 
+@pytest.mark.slow
 def test_ewise_every_fn_and_operand_form():
     from mgraph.ops.elementwise import BINARY, UNARY
 
