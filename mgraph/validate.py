@@ -63,6 +63,8 @@ def _check_structure(graph: TaskGraph) -> set[int]:
     dims = {bid: (buf.rows, buf.cols, node_of[buf.rank]) for bid, buf in buffers.items()}
     roles_of = {name: {r.value for r in spec.roles} for name, spec in KINDS.items()}
     same_shape = (TaskKind.COPY.value, TaskKind.REDUCE.value)
+    reduce = TaskKind.REDUCE.value
+    dtype_of = {bid: buf.dtype for bid, buf in buffers.items()}
     rdma = Role.RDMA.value
     # The transfer checks (``_transfer_error``) run in this pass too, on each task once its
     # structure is checked. The first transfer error is raised after the pass, so a structure
@@ -121,10 +123,21 @@ def _check_structure(graph: TaskGraph) -> set[int]:
                 raise GraphError(f"{_where(t)}: signals unknown event {e}")
             if event_node[e] != node:
                 far_signal = True
-        if transfer is None and (
-            not near or far_signal or t.role == rdma or t.kind in same_shape
-        ):
-            transfer = _transfer_error(graph, t, node_of, near and not far_signal)
+        if transfer is None:
+            if t.kind in same_shape:
+                # _same_shapes_error's test inline (~9k copies and reduces at 2x8, most of
+                # them node-local, which need nothing else); the error itself is built by it
+                ref = t.writes[0] if t.kind == reduce else t.reads[0]
+                rows, cols = ref[2] - ref[1], ref[4] - ref[3]
+                dtype = dtype_of[t.reads[0][0]]
+                for regions in (t.reads, t.writes):
+                    for r in regions:
+                        if r[2] - r[1] != rows or r[4] - r[3] != cols or dtype_of[r[0]] != dtype:
+                            transfer = _same_shapes_error(graph, t)
+                if transfer is None and (not near or far_signal or t.role == rdma):
+                    transfer = _transfer_error(graph, t, node_of, near and not far_signal)
+            elif not near or far_signal or t.role == rdma:
+                transfer = _transfer_error(graph, t, node_of, near and not far_signal)
     if transfer is not None:
         raise transfer
     return adds
