@@ -46,8 +46,8 @@ def test_relayout_fast_and_general_paths():
 
 
 def test_rms_norm_fast_and_general_paths():
-    for r in _check("rms_norm-", 8):  # 16-byte rows take the fast path, 102 columns do not
-        assert r["fast"] == (r["tasks"] if "-vec-" in r["case"] else 0), r
+    for r in _check("rms_norm-", 12):  # 16-byte rows take the fast path, 102 columns do not
+        assert r["fast"] == (r["tasks"] if "-vec" in r["case"] else 0), r
 
 
 def test_layer_norm_softmax_row_reduce_general_paths():
@@ -184,13 +184,15 @@ def test_rms_norm_fast_loops_move_16_byte_vectors(tmp_path):
     stats = sass_stats(_rms_norm_kernel, tmp_path)
     print(stats)
     assert stats["spills"] == 0, stats
-    # the sum of squares (8 vector loads a thread) and the scaled store (8 vector loads and
-    # stores, and the weight: one 2-byte element a thread, 512 B of the block's 32 KiB);
-    # before: 64 two-byte loads per loop, 255 registers and spills
+    # the sum of squares (8 vector loads a thread: the NEXT 16 x 1024 block's) and the scaled
+    # store (8 vector loads and stores, and the weight: 4 elements a thread, one 8-byte load);
+    # a first block loaded before the loops (ptxas keeps 8 such loads, not 16); before: 64
+    # two-byte loads per loop, 255 registers and spills
     fast = [lp for lp in stats["loops"] if lp.get("LDG.E.128")]
     assert [(lp["LDG.E.128"], lp.get("STG.E.128", 0)) for lp in fast] == [(8, 0), (8, 8)], stats
-    assert [lp.get("LDG.E.U16", 0) for lp in fast] == [0, 1], stats
-    assert all(lp["n"] < 400 for lp in fast), stats
+    assert [lp.get("LDG.E.U16", 0) for lp in fast] == [0, 0], stats
+    assert stats["all"]["LDG.E.128"] >= 16 + 8, stats  # the loops' 16, and loads ahead
+    assert all(lp["n"] < 420 for lp in fast), stats
 
 
 def test_ewise_fast_path_loads_16_byte_vectors(tmp_path):

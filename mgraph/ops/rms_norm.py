@@ -108,34 +108,49 @@ if HAVE_TRITON:
     def _rms_vec(xa, xpitch, wa, oa, opitch, m, n, eps, has_w, DT: tl.constexpr,
                  RB_M: tl.constexpr, RB_N: tl.constexpr):
         """The fast path: every operand 16-byte aligned (row_operand's ``vec``), int32
-        offsets, and the squares summed in a [RB_M, RB_N] accumulator reduced once per row
-        block (a cross-thread reduction per column block cost as much as its loads)."""
+        offsets, blocks of RB_M / 4 rows and RB_N * 4 columns (a traced layer's task is 32 rows
+        of 4096: whole 64-row blocks were half masked), the squares summed in a block-shaped
+        accumulator reduced once per row block (a cross-thread reduction per column block cost
+        as much as its loads). In both passes the next column block's loads are issued before
+        this block's arithmetic (v13: the body moved ~8.5 GB/s a program, latency-bound);
+        only loaded values are carried, columns are recomputed (their 16-byte hints)."""
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
+        BM: tl.constexpr = RB_M // 4
+        BN: tl.constexpr = RB_N * 4
         xp = vec_ptr(xa, DT)
         wp = vec_ptr(wa, DT)
         op = vec_ptr(oa, DT)
         xpitch = xpitch // VEC * VEC  # as they are here, provably multiples of VEC
         opitch = opitch // VEC * VEC
         n = n // VEC * VEC
-        for i in range(0, m, RB_M):
-            om = i + tl.arange(0, RB_M)
+        for i in range(0, m, BM):
+            om = i + tl.arange(0, BM)
             rmask = (om < m)[:, None]
             xrow = (om * xpitch)[:, None]
-            acc = tl.zeros((RB_M, RB_N), dtype=tl.float32)
-            for j in range(0, n, RB_N):
-                on = vec_cols(j, RB_N, VEC)
-                x = tl.load(xp + xrow + on[None, :], mask=rmask & (on < n)[None, :], other=0.0)
-                x = x.to(tl.float32)
-                acc += x * x
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            on = vec_cols(0, BN, VEC)
+            x = tl.load(xp + xrow + on[None, :], mask=rmask & (on < n)[None, :], other=0.0)
+            for j in range(0, n, BN):
+                on = vec_cols(j + BN, BN, VEC)  # the next block (past n: all masked)
+                x_next = tl.load(xp + xrow + on[None, :], mask=rmask & (on < n)[None, :],
+                                 other=0.0)
+                xf = x.to(tl.float32)
+                acc += xf * xf
+                x = x_next
             rstd = tl.rsqrt(tl.sum(acc, axis=1) / n.to(tl.float32) + eps)[:, None]
             orow = (om * opitch)[:, None]
-            for j in range(0, n, RB_N):
-                on = vec_cols(j, RB_N, VEC)
-                mask = rmask & (on < n)[None, :]
-                y = tl.load(xp + xrow + on[None, :], mask=mask, other=0.0).to(tl.float32) * rstd
+            on = vec_cols(0, BN, VEC)
+            x = tl.load(xp + xrow + on[None, :], mask=rmask & (on < n)[None, :], other=0.0)
+            for j in range(0, n, BN):
+                on = vec_cols(j + BN, BN, VEC)
+                x_next = tl.load(xp + xrow + on[None, :], mask=rmask & (on < n)[None, :],
+                                 other=0.0)
+                on = vec_cols(j, BN, VEC)
+                y = x.to(tl.float32) * rstd
                 if has_w:  # the weight: a row operand, broadcast over the rows
                     y = y * tl.load(wp + on, mask=on < n, other=0.0).to(tl.float32)[None, :]
-                tl.store(op + orow + on[None, :], y.to(DT), mask=mask)
+                tl.store(op + orow + on[None, :], y.to(DT), mask=rmask & (on < n)[None, :])
+                x = x_next
 
     @triton.jit
     def _rms_general(tp, regions, bufaddr, bufcols, r0, nread, w0, eps, DT: tl.constexpr,
@@ -188,4 +203,6 @@ if HAVE_TRITON:
             _rms_vec(xa, xpitch, wa, oa, opitch, xm1 - xm0, xn1 - xn0, eps, nread > 1, DT, RB_M,
                      RB_N)
         else:
-            _rms_general(tp, regions, bufaddr, bufcols, r0, nread, w0, eps, DT, RB_M, RB_N)
+            # (a quarter of the rows: int64 pointers per element; at whole RB_M x RB_N blocks
+            # ptxas spilled them beside _rms_vec's blocks)
+            _rms_general(tp, regions, bufaddr, bufcols, r0, nread, w0, eps, DT, RB_M // 4, RB_N)
