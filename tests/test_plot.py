@@ -12,7 +12,7 @@ import pytest
 
 from mgraph.cli import main
 from mgraph.errors import InputError, UnknownNameError
-from mgraph.viz.plot import detect, load_rows, plot_file, plot_rows, speedup_table
+from mgraph.viz.plot import detect, load_rows, plot_file, plot_rows, speedup_table, times_table
 
 pytest.importorskip("matplotlib")  # the dev extra installs it; the module says how otherwise
 
@@ -84,7 +84,7 @@ def test_rows_with_extra_keys_and_a_baseline_override(tmp_path):
 def test_bad_input_is_a_named_error(tmp_path):
     with pytest.raises(InputError, match="no chart fits"):
         plot_rows([{"foo": 1}], tmp_path / "none.png")
-    with pytest.raises(UnknownNameError, match="speedup, sweep, proxy"):
+    with pytest.raises(UnknownNameError, match="speedup, sweep, proxy, times"):
         plot_rows([], tmp_path / "none.png", "pie")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"not": "rows"}))
@@ -100,3 +100,108 @@ def test_cli_plot_writes_pngs_and_reports_errors(tmp_path, capsys):
     assert main(["plot", str(RESULTS / "bench_tp_v5.json"), "--out", str(tmp_path),
                  "--chart", "proxy"]) == 2
     assert "InputError" in capsys.readouterr().out
+
+
+LAYER = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32, "batch": 1,
+         "dtype": "bfloat16", "world": 2}
+MOE = {"T": 64, "H": 32, "E": 8, "top_k": 2, "F": 16, "world": 2}
+
+
+def test_times_chart_layer_rows_ratios_and_failures_listed(tmp_path):
+    rows = [
+        dict(LAYER, impl="mgraph", ms=3.0, vs_eager_tp=1.5, error=1e-3, status="ok",
+             stages={"trace": 1.0}),  # a dict field is no label
+        dict(LAYER, impl="eager_tp", ms=4.5, vs_eager_tp=1.0, error=1e-3, status="ok"),
+        dict(LAYER, impl="mgraph_kernel", ms=2.5, error=1e-3, status="ok"),
+        dict(LAYER, impl="torch_compile_tp", ms=None, vs_eager_tp=None, error=None,
+             status="skipped: torch.compile unavailable"),
+        dict(LAYER, impl="torch_compile_tp", ms=9.0, error=0.5, status="FAIL (error)"),
+    ]
+    assert detect(rows) == ["times"]
+    (panel,) = times_table(rows)
+    assert panel["reference"] == "eager_tp" and panel["left_out"] == 0
+    bars = {(b["label"], b["failed"] or ""): b for b in panel["bars"]}
+    assert [b["label"] for b in panel["bars"]] == [
+        "mgraph", "eager_tp", "mgraph_kernel", "torch_compile_tp", "torch_compile_tp"]
+    assert bars["mgraph", ""]["ratio"] == pytest.approx(1.5) and bars["mgraph", ""]["default"]
+    assert bars["mgraph_kernel", ""]["ratio"] == pytest.approx(1.8)
+    assert bars["eager_tp", ""]["reference"] and bars["eager_tp", ""]["ratio"] == 1.0
+    # failed and skipped rows stay, without a time or a ratio
+    skipped = bars["torch_compile_tp", "skipped: torch.compile unavailable"]
+    failed = bars["torch_compile_tp", "FAIL (error)"]
+    assert skipped["ms"] is skipped["ratio"] is failed["ms"] is failed["ratio"] is None
+    png = plot_rows(rows, tmp_path / "layer.png")
+    assert png_size(png)[0] > 400
+
+
+def test_times_chart_moe_rows_drop_kind_rows_and_default_is_first_mgraph(tmp_path):
+    cfg = {"expert_group": 8, "combine_rows": 64}  # the same in every mgraph row: no label
+    rows = [
+        dict(MOE, impl="torch_a2a", ms=16.0),
+        dict(MOE, impl="grouped_gemm", ms=10.0),  # a GEMM-only bound, not a baseline
+        dict(MOE, **cfg, impl="mgraph", ms=8.0, expert_rows=512, expert_cols_f=128,
+             expert_cols_h=512),
+        dict(MOE, impl="mgraph_kind", ms=900.0, expert_rows=512, kind="moe_expert"),
+        dict(MOE, **cfg, impl="mgraph", ms=12.8, expert_rows=128),
+        dict(MOE, **cfg, impl="mgraph", ms=float("nan"), expert_rows=4096, error="RuntimeError('x')"),
+        dict(MOE, T=128, impl="torch_a2a", ms=30.0),  # another shape: another panel
+        dict(MOE, T=128, impl="mgraph", ms=20.0, expert_rows=512),
+    ]
+    assert detect(rows) == ["times"]
+    first, second = times_table(rows)
+    assert first["title"] == "T=64, H=32, E=8, top_k=2, F=16, world=2"
+    assert first["reference"] == "torch_a2a" and first["left_out"] == 1
+    assert [(b["label"], b["ratio"], b["default"]) for b in first["bars"]] == [
+        ("torch_a2a", 1.0, False),
+        ("grouped_gemm", pytest.approx(1.6), False),
+        ("mgraph expert_rows=512 expert_cols_f=128 expert_cols_h=512", pytest.approx(2.0), True),
+        ("mgraph expert_rows=128", pytest.approx(1.25), False),
+        ("mgraph expert_rows=4096", None, False),
+    ]
+    assert first["bars"][-1]["failed"] == "error: RuntimeError('x')"
+    assert [(b["label"], b["ratio"]) for b in second["bars"]] == [
+        ("torch_a2a", 1.0), ("mgraph", pytest.approx(1.5))]
+    # --baseline measures against another impl (its fastest row)
+    over = times_table(rows, baseline="grouped_gemm")[0]
+    assert over["reference"] == "grouped_gemm" and over["bars"][2]["ratio"] == pytest.approx(1.25)
+    assert times_table(rows, baseline="nope")[0]["bars"][2]["ratio"] is None
+    path = tmp_path / "bench_moe.json"
+    path.write_text(json.dumps(rows))
+    (png,) = plot_file(path, tmp_path)
+    assert png.name == "bench_moe_times.png" and png_size(png)[0] > 400
+
+
+def test_times_chart_attention_rows_fastest_baseline_and_marked_default(tmp_path):
+    rows = []
+    for S, causal, cudnn in ((1024, False, 2.0), (1024, True, 1.2)):
+        base = {"part": "tile", "S": S, "causal": causal}
+        rows += [
+            dict(base, impl="sdpa_cudnn", ms=cudnn, tflops=600.0),
+            dict(base, impl="sdpa_fa2", ms=1.6, tflops=300.0),
+            dict(base, impl="mgraph_tile", variant="plain", default=True, kernel="chains_kernel",
+                 regs=255),  # the kernel's record: no bar
+            dict(base, impl="mgraph_tile", variant="plain", default=True, task="128x1024",
+                 ms=3.2, tflops=400.0),
+            dict(base, impl="mgraph_tile", variant="pipe", default=False, task="128x1024",
+                 ms=2.4, tflops=410.0),
+            dict(base, impl="mgraph_tile", variant="w4", default=False, task="128x1024",
+                 error="OutOfResources: shared memory"),
+        ]
+    assert detect(rows) == ["times"]
+    noncausal, causal = times_table(rows)
+    assert noncausal["title"] == "part=tile, S=1024, causal=False"
+    assert noncausal["left_out"] == 1
+    # the fastest baseline is the reference: FA2 here, cuDNN in the causal group
+    assert noncausal["reference"] == "sdpa_fa2" and causal["reference"] == "sdpa_cudnn"
+    assert [(b["label"], b["ms"], b["ratio"], b["default"]) for b in noncausal["bars"]] == [
+        ("sdpa_cudnn", 2.0, pytest.approx(0.8), False),
+        ("sdpa_fa2", 1.6, 1.0, False),
+        ("mgraph_tile variant=plain", 3.2, pytest.approx(0.5), True),
+        ("mgraph_tile variant=pipe", 2.4, pytest.approx(2 / 3), False),
+        ("mgraph_tile variant=w4", None, None, False),
+    ]
+    assert noncausal["bars"][-1]["failed"] == "error: OutOfResources: shared memory"
+    assert [b["ratio"] for b in causal["bars"][2:4]] == [pytest.approx(0.375), pytest.approx(0.5)]
+    png = plot_rows(rows, tmp_path / "attn.png", "times", title="attention")
+    width, height = png_size(png)
+    assert width > 1000 and height > 300  # two panels side by side

@@ -10,18 +10,26 @@ __all__ = ["add_subcommands"]
 
 def add_subcommands(sub: Any, commands: dict[str, Any], console: Any) -> None:
     """Add ``plot`` and ``view`` to the ``mgraph`` parser's subparsers and command table."""
+    from .plot import CHARTS
+
     p = sub.add_parser(
-        "plot", help="PNG charts of benchmark results (speedup, NVLink-worker sweeps, proxy)",
+        "plot", help="PNG charts of benchmark results (speedup, NVLink-worker sweeps, proxy, "
+                     "times)",
         description="Reads benchmarks/results/*.json rows (bench_tp, bench_emulated, bench_proxy,"
-                    " simulated sweeps) and writes <out>/<stem>_<chart>.png for each chart that"
-                    " fits: speedup (vs cublas_nccl / cublas / sequential, 1.0x line), sweep (ms"
-                    " vs NVLink workers), proxy (commands/s, GB/s, latency vs bytes/command).")
+                    " simulated sweeps, bench_layer, bench_moe, bench_attention) and writes"
+                    " <out>/<stem>_<chart>.png for each chart that fits: speedup (vs cublas_nccl"
+                    " / cublas / sequential, 1.0x line), sweep (ms vs NVLink workers), proxy"
+                    " (commands/s, GB/s, latency vs bytes/command), times (impl+ms rows no other"
+                    " chart takes: ms bars per configuration group with each bar's ratio to the"
+                    " group's fastest baseline, failed rows listed).")
     p.add_argument("files", nargs="+", help="benchmark result JSON files")
     p.add_argument("--out", help="folder for the PNGs (default: beside each JSON file)")
-    p.add_argument("--chart", action="append", choices=("speedup", "sweep", "proxy"),
+    p.add_argument("--chart", action="append", choices=CHARTS,
                    help="only these charts (repeatable; default: every chart that fits)")
     p.add_argument("--baseline", help="impl to measure speedups against (default: cublas_nccl, "
-                                      "sequential or cublas, the first a shape has)")
+                                      "sequential or cublas, the first a shape has; times: the "
+                                      "fastest of eager_tp, torch_compile_tp, torch_a2a, "
+                                      "sdpa_cudnn, sdpa_fa2, cudnn+nccl, fa2+nccl)")
 
     def run_plot(args: argparse.Namespace) -> int:
         from .plot import plot_file
