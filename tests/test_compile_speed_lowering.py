@@ -64,3 +64,28 @@ def test_relayout_params_are_tile_gathers_params(topology, shape, steps, src, ds
             want = {**common, **fit}
             assert list(t.params.items()) == list(want.items())
             assert bool(fit) == (shape == SHAPE)
+
+
+def test_writer_index_finds_the_overlapping_writers_in_note_order():
+    # lower._WriterIndex answers readiness's "who wrote what this region reads" by bisection
+    # over row bands, memoised by (bands, columns): it must equal a scan of every writer, in
+    # the order noted (a task noted twice appears twice), on random tiles of mixed heights
+    import random
+
+    from mgraph.graph import Region, Task
+    from mgraph.lower import _WriterIndex
+
+    rng = random.Random(0)
+    writers = []
+    for i in range(300):
+        r0, c0 = rng.randrange(0, 500), rng.randrange(0, 60)
+        w = Region("buf@0", r0, r0 + rng.choice((1, 16, 128)), c0, c0 + rng.randrange(1, 40))
+        task = Task(i % 250, f"t{i}", 0, "compute", "ewise", [], [w])
+        writers.append((w, task))
+    index = _WriterIndex(writers)
+    for _ in range(400):
+        r0, c0 = rng.randrange(0, 600), rng.randrange(0, 100)
+        r = Region("buf@0", r0, r0 + rng.randrange(1, 200), c0, c0 + rng.randrange(1, 50))
+        want = [t for w, t in writers if w.overlaps(r)]
+        got = index.overlapping(r)
+        assert got == want and all(a is b for a, b in zip(got, want, strict=True))
