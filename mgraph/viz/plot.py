@@ -394,8 +394,9 @@ def times_table(rows: Iterable[Row], baseline: str | None = None) -> list[dict[s
     "reference", "failed"}``. The label is the impl plus the ``TIMES_LABEL_KEYS`` that vary among
     the group's rows of that impl. ``ratio`` is reference_ms / ms (>1: faster than the reference), the reference being
     the group's fastest ``TIMES_BASELINES`` row (or the fastest ``baseline`` row); ``None`` where
-    the group has no reference. ``failed`` is the row's status or error where it has no time to
-    compare (its ms and ratio are then None). ``default`` marks the rows saying ``default: true``,
+    the group has no reference. ``failed`` says why a row is not compared (its ms and ratio are
+    then None): a ``status`` other than ok, a string ``error`` (a run that failed, or whose
+    result was wrong), or no finite ms. ``default`` marks the rows saying ``default: true``,
     or, in a group where no row has a ``default`` field, its first ``mgraph`` row (bench_moe's
     first ``--configs`` value; bench_layer's Program call). Kind-breakdown
     rows and rows with neither ms nor an error (kernel records) are no bars: ``left_out`` counts
