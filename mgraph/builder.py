@@ -303,6 +303,45 @@ class GraphBuilder:
         tasks.append(task)
         return task
 
+    def tasks_alike(
+        self,
+        rank: int,
+        role: Role | str,
+        kind: str,
+        reads: Sequence[Region],
+        tiles: Iterable[tuple[Region, str, dict[str, Any]]],
+        *,
+        flops: float,
+    ) -> None:
+        """One task per (write region, name, params) of ``tiles``, all on ``rank`` in ``role``
+        doing ``kind`` to the same ``reads`` with the same ``flops`` hint and no waits or
+        signals: exactly what ``task`` makes for each, the shared parts (the reads' bytes, the
+        role's name) worked out once. For ops that emit a rank's row tiles of one input in
+        bulk (relayout: ~40k tasks of a traced 2x8 layer)."""
+        item = self._itemsize
+        read_bytes = 0
+        for r in reads:
+            read_bytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
+        role = role._value_ if role.__class__ is Role else role
+        prefix = self.label_prefix
+        tasks = self.tasks
+        limit = self.budget.max_tasks
+        flops = float(flops)
+        for w, name, params in tiles:
+            tid = len(tasks)
+            if tid >= limit:
+                raise SizeLimitError(
+                    f"{self.op}: the graph would have more than {limit} tasks (stopped "
+                    f"building at task {kind!r} on rank {rank})",
+                    hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or "
+                    "raise the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
+                )
+            nbytes = read_bytes + (w[2] - w[1]) * (w[4] - w[3]) * item[w[0]]
+            tasks.append(
+                Task(tid, prefix + name if prefix else name, rank, role, kind, list(reads), [w],
+                     [], [], flops, nbytes, params or {})  # fmt: skip
+            )
+
     def finish(self) -> TaskGraph:
         bufs = self.buffers
         # one pass over every region (~240k at 2x8) with plain lookups; flags set afterwards

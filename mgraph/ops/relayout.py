@@ -245,6 +245,7 @@ def _lower(
         # and fills in (a copy of a 24-key dict is ~4x cheaper than merging it again).
         templates: dict[int, dict[str, Any]] = {}
         out_id, out_cols = out.id, out.cols
+        made = []  # (write region, name, params) per tile, emitted together below
         for (t0, t1), (digits, base) in zip(tiles, fits, strict=True):
             template = templates.get(id(digits))  # the fits' dicts outlive this loop
             if template is None:
@@ -253,17 +254,13 @@ def _lower(
             params["rows"] = [t0, t1]
             if digits:
                 params["base"] = base
-            b.task(
-                r,
-                Role.COMPUTE,
-                RELAYOUT.name,
-                [whole],
+            made.append((
                 # out.region((t0, t1)) without its bounds assert: split() keeps t1 <= out.rows
-                [_new_region(Region, (out_id, t0, t1, 0, out_cols))],
-                name=f"relayout r{r} [{t0}:{t1}]",
-                params=params,
-                flops=flops,
-            )
+                _new_region(Region, (out_id, t0, t1, 0, out_cols)),
+                f"relayout r{r} [{t0}:{t1}]",
+                params,
+            ))  # fmt: skip
+        b.tasks_alike(r, Role.COMPUTE, RELAYOUT.name, [whole], made, flops=flops)
 
 
 def _fit_axis(v: torch.Tensor) -> list[tuple[int, int]] | None:
