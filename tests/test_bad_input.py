@@ -68,6 +68,10 @@ API = [
      "MGRAPH_MAX_BYTES"),
     ("too many tasks", lambda: small(settings=Settings(max_tasks=10)), E.SizeLimitError,
      "MGRAPH_MAX_TASKS"),
+    # the same guard on tasks emitted in bulk (GraphBuilder.tasks_alike)
+    ("too many relayout tiles", lambda: mg.ops.relayout(
+        rows=32, cols=8, in_shape=[1, 2, 16, 8], steps=[["permute", [0, 2, 1, 3]]], tile_rows=8,
+        topology="1x2", settings=Settings(max_tasks=3)), E.SizeLimitError, "MGRAPH_MAX_TASKS"),
     # refused from the op's lower bound, before any rank's buffers are made (a 10^6-rank
     # topology is instant, not a minute of building)
     ("huge topology", lambda: mg.ops.gemm_allreduce(M=128, N=128, K=1_000_000, tile=[64, 64],
