@@ -185,7 +185,10 @@ class Rig:
             name="fake",
             coalesce=coalesce,
             flag_copy=flag_copy,
-            timeout=10.0,
+            # A deadline for a hang, not a speed check: the 70000-command staging-ring runs
+            # took over 10 s to drain on two busy cores (a second pytest-xdist worker and other
+            # processes beside them).
+            timeout=60.0,
         )
 
     def push(self, plan: Plan) -> None:
