@@ -150,9 +150,18 @@ class _Lowering:
         # list alive for the call, so no id is reused).
         waits_of: dict[tuple, list[tuple[int, int]]] = {}
         ids_of: dict[int, list[int]] = {}  # a producer list's task ids, for keys of 2+ lists
+        # A rank's tiles of one relayout (~40k tasks at 2x8) all read the same input: a task
+        # reading what the task before it read, on the same rank, gets the same waits.
+        last_rank, last_reads, last_waits = -1, None, None
         for t in tasks:
+            reads = t.reads
+            if t.rank == last_rank and reads == last_reads:
+                if last_waits:
+                    t.waits.extend(last_waits)
+                continue
+            last_rank, last_reads, last_waits = t.rank, reads, None
             key = None  # [rank, id of each producer list of the regions t reads, in order]
-            for r in t.reads:
+            for r in reads:
                 found = of_region.get(r)
                 if found is None:
                     bid = r[0]  # regions are (buffer, row0, row1, col0, col1)
@@ -196,6 +205,7 @@ class _Lowering:
                         merged.append(ids)
                     producers = [all_tasks[i] for i in dict.fromkeys(chain.from_iterable(merged))]
                 waits = waits_of[key] = after(t.rank, producers)
+            last_waits = waits
             t.waits.extend(waits)
 
     # -- outputs ------------------------------------------------------------------------------
