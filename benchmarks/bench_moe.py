@@ -20,7 +20,8 @@ weight * y into the tokens (fp32, cast once). ``grouped_gemm``: the two grouped 
 the same routed rows, the GEMM-only bound. ``mgraph``: the op's graph in the megakernel,
 checked against the baseline's output (NaN-poisoned outputs first; relative error and worst
 128x128 tile), timed, and checked again after the timed relaunches; one mgraph row per
-``--configs`` value (default ``512:128,512 512 128``: 512 rows per expert tile split into pass-1
+``--configs`` value (default ``default 512:128,512 512 128``: the op's default tile options
+(the headline; the others are a sweep beside it), then 512 rows per expert tile split into pass-1
 tasks of 128 hidden columns and pass-2 tasks of 512 output columns; 512 rows, one task per tile;
 128 rows, one task per tile: v11's setting). A configuration the
 runtime refuses is reported as a row with its error. The mgraph row also says the segment
@@ -67,14 +68,19 @@ import mgraph as mg  # noqa: E402
 OP = "moe_dispatch_combine"
 
 
-def op_default(options: dict) -> bool:
-    """Whether ``options`` (the op's tile options a row ran with) are all the op's defaults."""
+def op_defaults() -> dict:
+    """The op's tile options at their defaults (its lowering's keyword defaults)."""
     import inspect
 
     from mgraph.ops.moe_dispatch_combine import _lower
 
-    defaults = {name: p.default for name, p in inspect.signature(_lower).parameters.items()
-                if p.default is not inspect.Parameter.empty}  # fmt: skip
+    return {name: p.default for name, p in inspect.signature(_lower).parameters.items()
+            if p.default is not inspect.Parameter.empty}  # fmt: skip
+
+
+def op_default(options: dict) -> bool:
+    """Whether ``options`` (the op's tile options a row ran with) are all the op's defaults."""
+    defaults = op_defaults()
     unset = {"expert_cols_f": None, "expert_cols_h": None}
     return all(options.get(k, unset.get(k, defaults[k])) == defaults[k] for k in defaults)
 GROUPED = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "mm loop"
@@ -235,7 +241,7 @@ class Bench:
         self,
         local: dict[str, torch.Tensor],
         want: torch.Tensor,
-        expert_rows: int,
+        expert_rows: int | None,
         split: tuple[int, int] | None,
     ) -> None:
         from mgraph.ops.moe_dispatch_combine import rank_bytes
@@ -245,6 +251,9 @@ class Bench:
         a = self.args
         options = {"expert_rows": expert_rows, "expert_group": a.expert_group,
                    "combine_rows": a.combine_rows, "combine_cols": a.combine_cols}  # fmt: skip
+        if expert_rows is None:  # --configs default: the op's own defaults
+            expert_rows = op_defaults()["expert_rows"]
+            options = {"expert_rows": expert_rows}
         if split is not None:
             options["expert_cols_f"], options["expert_cols_h"] = split
         if a.capacity_factor is not None:
@@ -340,11 +349,16 @@ def expert_parts(trace, tasks) -> list[dict]:
     return rows
 
 
-def configs(text: list[str]) -> list[tuple[int, tuple[int, int] | None]]:
-    """``--configs`` values: ``ROWS`` (one expert task per row tile) or ``ROWS:F,H`` (the
-    column split: pass-1 tasks of F hidden columns, pass-2 tasks of H output columns)."""
-    out = []
+def configs(text: list[str]) -> list[tuple[int | None, tuple[int, int] | None]]:
+    """``--configs`` values: ``default`` (every tile option at the op's default, whatever the
+    other flags say: rows (None, None)), ``ROWS`` (one expert task per row tile) or
+    ``ROWS:F,H`` (the column split: pass-1 tasks of F hidden columns, pass-2 tasks of H
+    output columns)."""
+    out: list[tuple[int | None, tuple[int, int] | None]] = []
     for item in text:
+        if item == "default":
+            out.append((None, None))
+            continue
         rows, _, cols = item.partition(":")
         split = tuple(int(c) for c in cols.split(",")) if cols else None
         if split is not None and len(split) != 2:
@@ -413,8 +427,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--configs", nargs="+", default=["512:128,512", "512", "128"],
-                        help="one mgraph row (and breakdown) per value: ROWS (rows per expert "
+    parser.add_argument("--configs", nargs="+", default=["default", "512:128,512", "512", "128"],
+                        help="one mgraph row (and breakdown) per value: default (the op's "
+                        "default tile options), ROWS (rows per expert "
                         "tile, one task per tile) or ROWS:F,H (each tile split into pass-1 "
                         "tasks of F hidden columns and pass-2 tasks of H output columns); the "
                         "expert body streams a task's weights once per chunk of up to 192 "
