@@ -281,9 +281,14 @@ def list_order(
 # event's signals runs after each of its signalers, so one fold of the event's full waiters
 # serves all its signalers; a partial waiter counts only for the signalers earlier in ``order``
 # (the edges ``succ`` holds, the same maxima and minima).
-def critical_path_lengths(facts: PolicyInput) -> list[float]:
-    """Cost of the longest path from each task to the end of the graph, the task included."""
-    costs, pos, full, partial = facts.costs, facts.pos, facts.full, facts.partial
+def critical_path_lengths(facts: PolicyInput, partial_waits: bool = True) -> list[float]:
+    """Cost of the longest path from each task to the end of the graph, the task included.
+    A partial wait (a count below the event's total) counts as an edge from each of its
+    earlier signalers: a priority, not a bound, since any of them may be the one it needs.
+    ``partial_waits=False`` leaves those edges out: then each value is a lower bound on the
+    time from the task's start to the end in the queue model."""
+    costs, pos, full = facts.costs, facts.pos, facts.full
+    partial = facts.partial if partial_waits else {}
     tasks = facts.graph.tasks
     length = list(costs)
     after: dict[int, float] = {}  # event -> the longest path from its full waiters
@@ -469,7 +474,10 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     # Nothing to gain where longest_path's order is predicted within the margin of the bound
     # (the longest path; each pool's work over its workers), e.g. a fused GEMM's tile loop:
     # skipping the backward schedule there changes no choice, as no order beats the bound
-    if plain <= _bound(length, pools, facts.costs) * (1.0 + PLACED_MARGIN):
+    # (the bound's paths leave partial waits out: through one, a path is a priority, not a
+    # bound, and the placed order could beat it)
+    bound_length = critical_path_lengths(facts, False) if facts.partial else length
+    if plain <= _bound(bound_length, pools, facts.costs) * (1.0 + PLACED_MARGIN):
         return plain_order
     placed = constrained_lengths(
         graph, pools, facts.costs, facts.order, facts.pos, facts.full, facts.partial, rank
