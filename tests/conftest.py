@@ -1,5 +1,6 @@
 """Suite-wide settings. Tile bodies on the CPU are tiny matmuls: torch's intra-op threads only
-contend with the runtime's worker threads on CI's two cores, so the suite runs single-threaded."""
+contend with the runtime's worker threads on CI's two cores, so each test process runs torch on one
+thread (the README's command runs two such processes, pytest-xdist's workers)."""
 
 from __future__ import annotations
 
