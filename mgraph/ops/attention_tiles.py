@@ -49,13 +49,14 @@ takes the shape as constexprs (PIPE, QB, KB) and run_chains / bench_attention.py
 name from :data:`TILE_VARIANTS`, so others can be timed beside it in one run: ``pipe-kb64``,
 the plain loop one chunk ahead (:func:`_fold_pipelined`) over 64-key chunks; ``q64-kb64-w4``,
 64-row sub-blocks at 4 warps, which fit two programs on an SM (the megakernel launches one of
-8 warps, so it can take only an 8-warp shape). Which is fastest is a GPU measurement, not
-settled here.
+8 warps, so it can take only an 8-warp shape). Measured on one H200 (benchmarks/NOTES.md v13,
+S 8192-16384, causal and full): plain 0.64-0.67x of cuDNN, pipe-kb64 0.61-0.63x, q64-kb64-w4
+0.59-0.66x: plain stays the default.
 Triton's warp specialisation (``tl.range(..., warp_specialize=True)``: a TMA producer and
 consumer warpgroups, what cuDNN-class kernels do) is not used: compiled for sm_90, Triton 3.6
 specialises nothing in a function that holds an ``if`` with an else branch (one yielding
 values), and these bodies hold many (bench_attention.py's ``--flat`` times what it buys a flat
-kernel).
+kernel: 0.89-0.90x of cuDNN with it, 0.77-0.84x without, NOTES v13).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
