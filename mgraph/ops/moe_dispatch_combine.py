@@ -30,7 +30,9 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
    (default: neither), a tile is instead pass-1 tasks on slices of ``expert_cols_f`` hidden
    columns, then (after all of them) pass-2 tasks on slices of ``expert_cols_h`` output
    columns: several programs work on one expert at once, each streaming its own slice of the
-   weights while the tile's rows, read by all of them, can come from L2. The SwiGLU hidden goes to a scratch region of
+   weights while the tile's rows, read by all of them, can come from L2 (one H200, issue 17's
+   size, benchmarks/NOTES.md v13: 512 expert rows with a 128/512 split 9.3 ms, the default
+   tiles 14.6 ms; not yet the default). The SwiGLU hidden goes to a scratch region of
    ``hidden[d]``. Rows of d's own tokens never leave d: their tiles read ``send[d]`` and write
    ``back[d]``.
 4. return: each group of ``ret[d]``'s slot of s goes back to ``back[s]`` by the reverse path
