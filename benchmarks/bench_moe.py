@@ -20,10 +20,11 @@ weight * y into the tokens (fp32, cast once). ``grouped_gemm``: the two grouped 
 the same routed rows, the GEMM-only bound. ``mgraph``: the op's graph in the megakernel,
 checked against the baseline's output (NaN-poisoned outputs first; relative error and worst
 128x128 tile), timed, and checked again after the timed relaunches; one mgraph row per
-``--configs`` value (default ``default 512:128,512 512 128``: the op's default tile options
-(the headline; the others are a sweep beside it), then 512 rows per expert tile split into pass-1
-tasks of 128 hidden columns and pass-2 tasks of 512 output columns; 512 rows, one task per tile;
-128 rows, one task per tile: v11's setting). A configuration the
+``--configs`` value (default ``default 64 512 128:128,512``: the op's default tile options
+(the headline; at this size 512 rows, groups of 8 and the 128/512 split), then a sweep beside
+it: 64 rows (the op's default before v13), 512 rows unsplit, 128 rows split; ``ROWS:F,H`` splits
+each tile into pass-1 tasks of F hidden columns and pass-2 tasks of H output columns; the
+explicit configurations take --expert-group, default 8). A configuration the
 runtime refuses is reported as a row with its error. The mgraph row also says the segment
 capacity (rows per source rank and expert, from --capacity-factor: the op's default when not
 given), the buffers' GiB per rank, and how many of all ranks' picks the op's drop policy drops
@@ -252,8 +253,7 @@ class Bench:
         options = {"expert_rows": expert_rows, "expert_group": a.expert_group,
                    "combine_rows": a.combine_rows, "combine_cols": a.combine_cols}  # fmt: skip
         if expert_rows is None:  # --configs default: the op's own defaults
-            expert_rows = op_defaults()["expert_rows"]
-            options = {"expert_rows": expert_rows}
+            options = {}
         if split is not None:
             options["expert_cols_f"], options["expert_cols_h"] = split
         if a.capacity_factor is not None:
@@ -269,6 +269,12 @@ class Bench:
                 **{k: v for k, v in options.items() if k != "default"},
             )  # fmt: skip
             segment = graph.buffers["send@0"].rows // a.experts
+            # what the op chose for options left at their defaults (the graph's params)
+            resolved = {k: graph.params[k] for k in ("expert_rows", "expert_group",
+                                                     "expert_cols_f", "expert_cols_h")}
+            expert_rows = resolved["expert_rows"]
+            if options["default"]:  # the row says what the defaults resolved to
+                options.update({k: v for k, v in resolved.items() if v is not None})
             lost = drops_by_expert(local["router_logits"], a.top_k, segment)
             sizes = {"T": a.tokens * self.world, "H": a.hidden, "E": a.experts, "top_k": a.top_k,
                      "F": a.ffn, "itemsize": 2, "expert_rows": expert_rows}  # fmt: skip
@@ -427,7 +433,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--configs", nargs="+", default=["default", "512:128,512", "512", "128"],
+    parser.add_argument("--configs", nargs="+", default=["default", "64", "512", "128:128,512"],
                         help="one mgraph row (and breakdown) per value: default (the op's "
                         "default tile options), ROWS (rows per expert "
                         "tile, one task per tile) or ROWS:F,H (each tile split into pass-1 "

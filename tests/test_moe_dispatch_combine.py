@@ -16,7 +16,8 @@ OP = "moe_dispatch_combine"
 
 def build(topology: str, *, T_loc: int = 24, E_loc: int = 2, top_k: int = 2, **kw):
     world = mg.Topology.parse(topology).world_size
-    kw = {"H": 16, "F": 32, "expert_rows": 8, "combine_cols": 8, **kw}
+    # groups of one expert (the op's default groups several): the structure tests count per expert
+    kw = {"H": 16, "F": 32, "expert_rows": 8, "combine_cols": 8, "expert_group": 1, **kw}
     return mg.ops.moe_dispatch_combine(
         T=T_loc * world, E=E_loc * world, top_k=top_k, topology=topology, **kw
     )
@@ -384,3 +385,63 @@ def test_traced_block_returns_only_the_module_output():
     inputs = mg.ops.get_op(OP).random_inputs(alone, seed=0)
     inputs["router_logits"] = logits
     assert mg.run(mg.schedule(alone), inputs).outputs["dropped"][:, 2].tolist() == [12.0, 12.0]
+
+
+# -- the default tiles (options left None) ---------------------------------------------------------
+def test_default_tiles_at_issue_17s_size_are_the_measured_configuration():
+    """At T=4096 tokens a GPU, H=7168, 256 experts, top-8, F=2048 (one GPU), the defaults build
+    the graph NOTES v13 measured at 9.3 ms (512 expert rows, groups of 8, the 128/512 column
+    split; 14.6 ms with 64-row tiles, groups of 1, no split): the same tasks, in order."""
+    from test_compile_speed_digest import graph_digest
+
+    kw = dict(topology="1x1", dtype=torch.bfloat16, T=4096, H=7168, E=256, top_k=8, F=2048)
+    g = mg.ops.moe_dispatch_combine(**kw)
+    assert {k: g.params[k] for k in ("expert_rows", "expert_group", "expert_cols_f",
+                                     "expert_cols_h")} == {
+        "expert_rows": 512, "expert_group": 8, "expert_cols_f": 128, "expert_cols_h": 512}
+    measured = mg.ops.moe_dispatch_combine(**kw, expert_rows=512, expert_group=8,
+                                           expert_cols_f=128, expert_cols_h=512)
+    assert graph_digest(g) == graph_digest(measured)
+    old = mg.ops.moe_dispatch_combine(**kw, expert_rows=64, expert_group=1, expert_split=False)
+    assert (len(g.tasks), len(old.tasks)) == (9504, 4096)  # bench_moe's rows: tasks=9504, 4096
+
+
+@pytest.mark.parametrize("T_loc", [1, 8, 40, 64, 128, 192, 256, 320, 384, 1024, 4096, 6144])
+@pytest.mark.parametrize("E,top_k,cf", [(8, 2, 4.0), (64, 2, 1.0), (256, 8, 4.0), (16, 1, 8.0)])
+def test_default_rows_keep_the_capacity_of_64_row_tiles(T_loc, E, top_k, cf):
+    """The drop policy follows the segment capacity, which rounds up to whole row tiles: the
+    default rows divide the capacity 64-row tiles give (and T/W), so it is unchanged. (A T/W
+    above 64 that 64 does not divide is refused, as it was with 64-row tiles.)"""
+    from mgraph.ops.moe_dispatch_combine import AUTO_ROWS, auto_tiles
+
+    tiles = auto_tiles(T_loc, 4096, E, E, top_k, 2048, cf)
+    rows = tiles["expert_rows"]
+    base = segment_capacity(T_loc, E, top_k, cf, min(64, T_loc))
+    assert segment_capacity(T_loc, E, top_k, cf, min(rows, T_loc)) == base
+    assert rows in (*AUTO_ROWS, min(64, T_loc)) and (T_loc <= rows or T_loc % rows == 0)
+    # the split only where a tile has 128 rows or more
+    assert (tiles["expert_cols_f"] is not None) == (min(rows, T_loc) >= 128)
+
+
+def test_default_group_and_split_rules():
+    from mgraph.ops.moe_dispatch_combine import auto_tiles
+
+    assert auto_tiles(512, 4096, 6, 12, 2, 2048, 4.0)["expert_group"] == 6
+    assert auto_tiles(512, 4096, 12, 24, 2, 2048, 4.0)["expert_group"] == 6
+    assert auto_tiles(512, 4096, 7, 14, 2, 2048, 4.0)["expert_group"] == 7
+    assert auto_tiles(512, 4096, 16, 16, 2, 2048, 4.0)["expert_group"] == 8
+    # F or H that do not divide into two slices or more: no split
+    assert auto_tiles(4096, 7168, 256, 256, 8, 192, 4.0)["expert_cols_f"] is None
+    assert auto_tiles(4096, 700, 256, 256, 8, 2048, 4.0)["expert_cols_h"] is None
+    # expert_split=True asks for it with small tiles too
+    assert auto_tiles(64, 4096, 8, 8, 2, 2048, 4.0, expert_split=True)["expert_cols_f"] == 128
+
+
+def test_split_options_are_checked():
+    kw = dict(topology="1x1", T=64, H=64, E=8, top_k=2, F=64)
+    with pytest.raises(mg.OptionError, match="expert_split=True"):
+        mg.ops.moe_dispatch_combine(**kw, expert_split=True)
+    with pytest.raises(mg.OptionError, match="expert_split=False"):
+        mg.ops.moe_dispatch_combine(**kw, expert_split=False, expert_cols_f=32, expert_cols_h=32)
+    g = mg.ops.moe_dispatch_combine(**kw, expert_rows=32, expert_group=2)  # explicit ones kept
+    assert (g.params["expert_rows"], g.params["expert_group"]) == (32, 2)

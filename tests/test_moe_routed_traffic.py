@@ -19,7 +19,8 @@ OP = "moe_dispatch_combine"
 
 def build(topology: str, *, T_loc: int = 16, E_loc: int = 2, top_k: int = 2, **kw):
     world = mg.Topology.parse(topology).world_size
-    kw = {"H": 16, "F": 32, "expert_rows": 8, "combine_cols": 8, **kw}
+    # groups of one expert (the op's default groups several): the tests count per expert
+    kw = {"H": 16, "F": 32, "expert_rows": 8, "combine_cols": 8, "expert_group": 1, **kw}
     return mg.ops.moe_dispatch_combine(
         T=T_loc * world, E=E_loc * world, top_k=top_k, topology=topology, **kw
     )

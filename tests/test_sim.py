@@ -28,7 +28,8 @@ SMALL = {
     "gemm_reduce_scatter": dict(M=256, N=256, K=256, tile=[32, 64], chunk_bytes=16384),
     "allgather_gemm": dict(M=256, N=256, K=128, tile=[32, 32], chunk_bytes=16384),
     "ring_attention": dict(B=1, H=2, S=256, D=32, causal=True),
-    "moe_dispatch_combine": dict(T=64, H=32, E=8, top_k=2, F=64),
+    # groups of one expert: the fill what-if's small graph stays bound by its transfers
+    "moe_dispatch_combine": dict(T=64, H=32, E=8, top_k=2, F=64, expert_group=1),
 }
 
 

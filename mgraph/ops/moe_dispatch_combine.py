@@ -26,13 +26,14 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
    read the count.
 3. experts (compute, d): one task per (source, local expert, row tile) computes the SwiGLU expert
    on the tile's filled rows (its segment's count); a tile past the count exits at once. Tiles
-   start as soon as their group's rows arrived. With ``expert_cols_f`` and ``expert_cols_h``
-   (default: neither), a tile is instead pass-1 tasks on slices of ``expert_cols_f`` hidden
-   columns, then (after all of them) pass-2 tasks on slices of ``expert_cols_h`` output
-   columns: several programs work on one expert at once, each streaming its own slice of the
-   weights while the tile's rows, read by all of them, can come from L2 (one H200, issue 17's
-   size, benchmarks/NOTES.md v13: 512 expert rows with a 128/512 split 9.3 ms, the default
-   tiles 14.6 ms; not yet the default). The SwiGLU hidden goes to a scratch region of
+   start as soon as their group's rows arrived. With ``expert_cols_f`` and ``expert_cols_h``,
+   a tile is instead pass-1 tasks on slices of ``expert_cols_f`` hidden columns, then (after
+   all of them) pass-2 tasks on slices of ``expert_cols_h`` output columns: several programs
+   work on one expert at once, each streaming its own slice of the weights while the tile's
+   rows, read by all of them, can come from L2. Options left None take :func:`auto_tiles`'s
+   values (one H200, issue 17's size, benchmarks/NOTES.md v13: its choice there, 512 expert
+   rows, groups of 8 and the 128/512 split, ran 9.3 ms; 64-row tiles, groups of 1 and no
+   split, the defaults before, 14.6 ms). The SwiGLU hidden goes to a scratch region of
    ``hidden[d]``. Rows of d's own tokens never leave d: their tiles read ``send[d]`` and write
    ``back[d]``.
 4. return: each group of ``ret[d]``'s slot of s goes back to ``back[s]`` by the reverse path
@@ -243,6 +244,37 @@ def _make_inputs(graph, gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
+# The default tiles (every option left None): what measured fastest at issue 17's size on one
+# H200 (benchmarks/NOTES.md v13: 512 expert rows, groups of 8 experts, the 128/512 column split:
+# 9.3 ms against 14.6 ms for 64-row tiles, groups of 1 and no split), as a rule for any size.
+AUTO_ROWS = (512, 256, 128, 64)
+AUTO_GROUP = 8
+AUTO_COLS = (128, 512)  # (expert_cols_f, expert_cols_h)
+
+
+def auto_tiles(T_loc: int, H: int, E_loc: int, E: int, top_k: int, F: int,
+               capacity_factor: float, expert_rows: int | None = None,
+               expert_split: bool | None = None) -> dict[str, int | None]:
+    """The tiles the op uses for options left None. ``expert_rows``: the largest of AUTO_ROWS
+    that divides both T/W and the segment capacity 64-row tiles give (so the capacity, and with
+    it the drop policy, is what it was with 64-row tiles), else 64 (or T/W, if smaller).
+    ``expert_group``: the largest divisor of E/W up to AUTO_GROUP. The column split (AUTO_COLS)
+    where each tile has at least 128 rows (with fewer, v13 measured the split slower) and F and
+    H divide into at least two slices; ``expert_split=True`` asks for it wherever F and H
+    divide."""
+    base = min(64, T_loc)
+    cap = segment_capacity(T_loc, E, top_k, capacity_factor, base)
+    rows = next((t for t in AUTO_ROWS if t <= cap and cap % t == 0 and T_loc % t == 0), base)
+    if expert_rows is not None:
+        rows = expert_rows
+    group = max(g for g in range(1, AUTO_GROUP + 1) if E_loc % g == 0)
+    f, h = AUTO_COLS
+    divides = F % f == 0 and H % h == 0 and F >= 2 * f and H >= 2 * h
+    split = divides and (expert_split or (expert_split is None and min(rows, T_loc) >= 128))
+    return {"expert_rows": rows, "expert_group": group,
+            "expert_cols_f": f if split else None, "expert_cols_h": h if split else None}
+
+
 @moe_dispatch_combine.lower
 def _lower(
     b: GraphBuilder,
@@ -251,14 +283,42 @@ def _lower(
     E: int,
     top_k: int,
     F: int,
-    expert_rows: int = 64,
+    expert_rows: int | None = None,
     combine_cols: int = 256,
     combine_rows: int = 64,
-    expert_group: int = 1,
+    expert_group: int | None = None,
     capacity_factor: float = 4.0,
     expert_cols_f: int | None = None,
     expert_cols_h: int | None = None,
+    expert_split: bool | None = None,
 ) -> None:
+    if not capacity_factor > 0:
+        raise OptionError(
+            f"{OP}: capacity_factor={capacity_factor!r} must be positive",
+            hint=f"a segment holds capacity_factor times an expert's mean load; {E / top_k:g} "
+            "(E / top_k) or more never drops a token",
+        )
+    if expert_split is False and expert_cols_f is not None:
+        raise OptionError(
+            f"{OP}: expert_split=False with expert_cols_f={expert_cols_f}: the column split "
+            "is off, so its slice widths mean nothing",
+            hint="drop expert_cols_f / expert_cols_h, or drop expert_split=False",
+        )
+    auto = auto_tiles(T // b.world, H, E // b.world, E, top_k, F, capacity_factor,
+                      expert_rows, expert_split)  # fmt: skip
+    expert_rows = auto["expert_rows"] if expert_rows is None else expert_rows
+    expert_group = auto["expert_group"] if expert_group is None else expert_group
+    if expert_cols_f is None and expert_cols_h is None and expert_split is not False:
+        expert_cols_f, expert_cols_h = auto["expert_cols_f"], auto["expert_cols_h"]
+        if expert_split and expert_cols_f is None:
+            raise OptionError(
+                f"{OP}: expert_split=True, but F={F} and H={H} do not divide into slices of "
+                f"{AUTO_COLS[0]} and {AUTO_COLS[1]} columns",
+                hint="pass expert_cols_f and expert_cols_h (divisors of F and H)",
+            )
+    # the resolved values, so the reference and a reader of the graph see what ran
+    b.params.update(expert_rows=expert_rows, expert_group=expert_group,
+                    expert_cols_f=expert_cols_f, expert_cols_h=expert_cols_h)  # fmt: skip
     tiles = {"expert_rows": expert_rows, "combine_cols": combine_cols,
              "combine_rows": combine_rows, "expert_group": expert_group}  # fmt: skip
     for name, value in tiles.items():
@@ -277,12 +337,6 @@ def _lower(
             "columns and pass-2 tasks of expert_cols_h output columns; neither: one task",
         )
     tiles.update({k: v or 0 for k, v in split.items()})
-    if not capacity_factor > 0:
-        raise OptionError(
-            f"{OP}: capacity_factor={capacity_factor!r} must be positive",
-            hint=f"a segment holds capacity_factor times an expert's mean load; {E / top_k:g} "
-            "(E / top_k) or more never drops a token",
-        )
     b.params["world_size"] = b.world  # the reference's drop policy is per source rank
     _Lowering(b, T, H, E, top_k, F, tiles, capacity_factor).run()
 
