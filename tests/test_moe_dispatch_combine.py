@@ -445,3 +445,26 @@ def test_split_options_are_checked():
         mg.ops.moe_dispatch_combine(**kw, expert_split=False, expert_cols_f=32, expert_cols_h=32)
     g = mg.ops.moe_dispatch_combine(**kw, expert_rows=32, expert_group=2)  # explicit ones kept
     assert (g.params["expert_rows"], g.params["expert_group"]) == (32, 2)
+
+
+@pytest.mark.parametrize("topology,E,H,F", [("1x2", 8, 16, 32), ("2x2", 16, 16, 32),
+                                            ("1x2", 4, 1024, 256)])
+def test_default_tiles_match_torch(topology, E, H, F):
+    """The default groups (E/W experts each here) and, at H=1024 and F=256 with 128-row tiles,
+    the default column split give torch's answer, and the same output as groups of one
+    expert without the split."""
+    from mgraph.ops.moe_dispatch_combine import AUTO_COLS
+
+    W = mg.Topology.parse(topology).world_size
+    kw = dict(topology=topology, T=128 * W, E=E, H=H, F=F, top_k=2)
+    g = mg.ops.moe_dispatch_combine(**kw)
+    assert g.params["expert_group"] == E // W > 1
+    assert (g.params["expert_cols_f"], g.params["expert_cols_h"]) == (
+        AUTO_COLS if H == 1024 else (None, None))
+    check_graph(g)
+    plain = mg.ops.moe_dispatch_combine(**kw, expert_group=1, expert_split=False,
+                                        expert_rows=g.params["expert_rows"])
+    inputs = mg.ops.get_op(g.op).random_inputs(g, seed=3)
+    got, want = run_sequential(g, inputs), run_sequential(plain, inputs)
+    assert torch.allclose(got["out"], want["out"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got["dropped"], want["dropped"])
