@@ -81,9 +81,7 @@ def op_defaults() -> dict:
 
 def op_default(options: dict) -> bool:
     """Whether ``options`` (the op's tile options a row ran with) are all the op's defaults."""
-    defaults = op_defaults()
-    unset = {"expert_cols_f": None, "expert_cols_h": None}
-    return all(options.get(k, unset.get(k, defaults[k])) == defaults[k] for k in defaults)
+    return all(options.get(k, v) == v for k, v in op_defaults().items())
 GROUPED = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "mm loop"
 
 

@@ -214,8 +214,8 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
             r = f"rr{a}{sfx}" if form[a] else f"om{sfx}"
             w(f"{ind}{dest}{k} = _vload(a{a}, p{a}, {r}, {c}, mk{sfx}, DT)")
 
+    w(f"    nrb = tl.cdiv(m, {br})")
     if flat:
-        w(f"    nrb = tl.cdiv(m, {br})")
         w(f"    nb = tl.cdiv(n, {bc}) * nrb")
         cv = cols("", "0", "    ", True)
         rows("", "0", "    ", "on", True)
@@ -229,7 +229,6 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
         cols("", "b // nrb", ind, False)
         rows("", "b % nrb", ind, "on", False)
     else:
-        w(f"    nrb = tl.cdiv(m, {br})")
         w(f"    for cb in range(0, tl.cdiv(n, {bc})):")
         cv = cols("", "cb", "        ", True)
         rows("", "0", "        ", "on", True)
