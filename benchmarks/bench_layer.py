@@ -160,14 +160,16 @@ def build_layer(args: argparse.Namespace, device: torch.device) -> DecoderLayer:
     return layer.to(device, args.dtype).eval()
 
 
-def mgraph_plan() -> dict[str, mg.plans.ParallelStyle]:
+def mgraph_plan(options: dict | None = None) -> dict[str, mg.plans.ParallelStyle]:
+    """The layer's plan; ``options`` (e.g. a GEMM ``tile``) go to every linear's fused op."""
+    kw = {"options": options} if options else {}
     plan: dict[str, mg.plans.ParallelStyle] = {
-        f"self_attn.{p}_proj": mg.ColwiseParallel() for p in ("q", "k", "v")
+        f"self_attn.{p}_proj": mg.ColwiseParallel(**kw) for p in ("q", "k", "v")
     }
-    plan["self_attn.o_proj"] = mg.RowwiseParallel()
-    plan["mlp.gate_proj"] = mg.ColwiseParallel()
-    plan["mlp.up_proj"] = mg.ColwiseParallel()
-    plan["mlp.down_proj"] = mg.RowwiseParallel()
+    plan["self_attn.o_proj"] = mg.RowwiseParallel(**kw)
+    plan["mlp.gate_proj"] = mg.ColwiseParallel(**kw)
+    plan["mlp.up_proj"] = mg.ColwiseParallel(**kw)
+    plan["mlp.down_proj"] = mg.RowwiseParallel(**kw)
     plan["input_layernorm"] = mg.SequenceParallel()
     plan["post_attention_layernorm"] = mg.SequenceParallel()
     return plan
@@ -258,6 +260,7 @@ class Bench:
         self.timed: dict[str, Callable[[], object]] = {}  # impl -> call, timed in rounds
         self.after: dict[str, Callable[[], float]] = {}  # impl -> error read after timing
         self.program: mg.Program | None = None  # the timed (cold) Program
+        self.variants: dict[str, tuple] = {}  # sweep impl -> (Program, layer), kept alive
 
         torch.manual_seed(1)
         shape = (args.batch, args.seq, args.hidden)
@@ -319,8 +322,10 @@ class Bench:
         return max(errs)
 
     # -- implementations ----------------------------------------------------------------------
-    def mgraph(self, impl: str) -> dict:
-        """mg.compile of a freshly built layer: its stages, first and second call, error."""
+    def mgraph(self, impl: str, tile: list[int] | None = None) -> dict:
+        """mg.compile of a freshly built layer: its stages, first and second call, error.
+        ``tile``: the linears' GEMM task tile (a sweep point beside the default; its kernel
+        relaunches are timed as ``impl``, per-kind breakdown kept for ``kinds``)."""
         args = self.args
         layer = build_layer(args, self.device)
         gc.collect()
@@ -329,7 +334,7 @@ class Bench:
             prog = mg.compile(
                 layer,
                 (self.x,),
-                plan=mgraph_plan(),
+                plan=mgraph_plan({"tile": tile} if tile else None),
                 policy=args.policy,
                 topology=f"1x{self.world}",
                 backend=args.backend,
@@ -364,6 +369,16 @@ class Bench:
                     kernel_output(prog, self.rank).reshape(self.want.shape), self.want
                 )
                 out.update(runtime.kernel_info())
+        elif tile is not None:  # a sweep point: its kernel alone, beside the default's
+            runtime = prog._runtime
+            self.timed[impl] = runtime.launch
+            self.after[impl] = lambda: rel(
+                kernel_output(prog, self.rank).reshape(self.want.shape), self.want
+            )
+            self.variants[impl] = (prog, layer)
+            out["tile"] = list(tile)
+            out["note"] = f"megakernel relaunches alone, linears' GEMM tasks tile={list(tile)}"
+            out.update(runtime.kernel_info())
         else:
             del prog, layer
             gc.collect()
@@ -437,6 +452,13 @@ class Bench:
                 }
 
             self.step("mgraph_kernel", kernel_row)
+        for impl, (prog, _) in self.variants.items():
+            if impl in pooled and impl not in failed:
+                row = next(r for r in self.rows if r["impl"] == impl)
+                prog._runtime.check()
+                row["error_after"] = self.after[impl]()
+                if not row["error_after"] < TOL:
+                    row["status"] = "FAIL (error after timing)"
         eager = next((r["ms"] for r in self.rows if r["impl"] == "eager_tp" and r["ms"]), None)
         for row in self.rows:
             if eager and row["ms"]:
@@ -478,20 +500,24 @@ class Bench:
                   + prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
 
     def kinds(self) -> None:
-        """Where the megakernel's time goes, per task kind (one traced launch, this rank)."""
+        """Where the megakernel's time goes, per task kind (one traced launch, this rank), for
+        the default Program and each sweep point (``bench_layer_kinds_<impl>.json``)."""
         sys.path.insert(0, str(Path(__file__).parent))
         from kind_breakdown import kind_breakdown
 
-        try:
-            rows = kind_breakdown(self.program._runtime)
-        except Exception as exc:  # noqa: BLE001 - the timed rows are saved already
-            rows = [{"error": repr(exc)[:400]}]
-        if self.rank == 0:
-            out = Path(self.args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "bench_layer_kinds.json").write_text(json.dumps(rows, indent=1))
-            for r in rows:
-                print("kinds", json.dumps(r), flush=True)
+        programs = {"": self.program}
+        programs.update({f"_{impl}": prog for impl, (prog, _) in self.variants.items()})
+        for suffix, prog in programs.items():
+            try:
+                rows = kind_breakdown(prog._runtime)
+            except Exception as exc:  # noqa: BLE001 - the timed rows are saved already
+                rows = [{"error": repr(exc)[:400]}]
+            if self.rank == 0:
+                out = Path(self.args.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"bench_layer_kinds{suffix}.json").write_text(json.dumps(rows, indent=1))
+                for r in rows:
+                    print(f"kinds{suffix}", json.dumps(r), flush=True)
 
     def slowest(self, ms: float) -> float:
         t = torch.tensor([ms], dtype=torch.float64, device=self.device)
@@ -602,6 +628,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --smoke: mgraph on backend='triton' in Triton's interpreter (TRITON_INTERPRET=1 "
         "set; on several ranks every process runs all ranks with the global input)",
     )
+    p.add_argument(
+        "--gemm-tiles",
+        nargs="*",
+        default=[],
+        type=lambda v: [int(x) for x in v.split(",")],
+        help="sweep points beside the default: the linears' GEMM task tile, e.g. 128,512 "
+        "(each its own Program; its megakernel timed alone in the same rounds)",
+    )
     p.add_argument("--policy", default="critical_path",
                    help="the scheduler's queue order policy (mg.compile's; the default's)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -652,6 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(args, device)
         # mgraph first: its cold compile and kernel build run before torch.compile warms Triton
         bench.step("mgraph", lambda: bench.mgraph("mgraph"))
+        for tile in args.gemm_tiles:  # sweep points beside the default, timed in its rounds
+            impl = f"mgraph_kernel_tile{tile[0]}x{tile[1]}"
+            bench.step(impl, lambda tile=tile, impl=impl: bench.mgraph(impl, tile))
         bench.step("eager_tp", bench.eager_tp)
         if args.torch_compile:
             import torch._dynamo as dynamo

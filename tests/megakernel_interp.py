@@ -35,6 +35,10 @@ CASES = {
     # 4 writes per task: reduce-adds from the dynamic GEMM body, not the prefix
     "gemm_allreduce-1x4-accumulate": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], algorithm="accumulate")),
     "gemm_allreduce-1x2-edge": ("gemm_allreduce", "1x2", dict(M=40, N=56, K=144, tile=[32, 32])),
+    # tiles larger than the kernel's block (encode.MAX_BLOCK, 128 x 256): each task runs
+    # 2 x 2, 2 x 1, 1 x 2 and 1 x 1 blocks, short at the edges; on 1x2 each block reduce-adds
+    "gemm-1x1-multiblock": ("gemm", "1x1", dict(M=300, N=600, K=72, tile=[256, 512])),
+    "gemm_reduce_scatter-1x2-multiblock": ("gemm_reduce_scatter", "1x2", dict(M=512, N=768, K=64, tile=[256, 512])),
     # multi-node: rdma tasks push FIFO commands that the native proxy executes (net.py)
     "gemm_allreduce-2x1": ("gemm_allreduce", "2x1", dict(M=64, N=64, K=128, tile=[32, 32], chunk_bytes=4096)),
     "allgather_gemm-2x1": ("allgather_gemm", "2x1", dict(M=64, N=64, K=64, tile=[16, 32])),

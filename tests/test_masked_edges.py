@@ -96,7 +96,8 @@ def test_gemm_tile_body_masks_short_regions_under_the_interpreter():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert {r["case"] for r in rows} == {"edge-tiles", "k-inside-buffer", "own-descriptors"}
+    assert {r["case"] for r in rows} == {"edge-tiles", "k-inside-buffer", "own-descriptors",
+                                         "multi-block", "multi-block-k-inside"}
     for r in rows:
         assert r["error"] < 1e-5 and r["outside_untouched"], r
 
@@ -184,3 +185,8 @@ if __name__ == "__main__":
     b_nan[100:] = float("nan")
     run("k-inside-buffer", a_nan, b_nan, 100, [(0, 100, 0, 96), (100, 200, 96, 220)], own=False)
     run("own-descriptors", a, b, 136, edge[:2], own=True)  # the body builds its descriptors
+    # Tasks larger than the block run block by block: 2x2 blocks (the second block row short),
+    # then 2x1 blocks of one short column block; with K ending inside the buffers too.
+    run("multi-block", a, b, 136, [(0, 200, 0, 256), (0, 200, 256, 300)], own=False)
+    run("multi-block-k-inside", a_nan, b_nan, 100, [(0, 200, 0, 220), (0, 72, 220, 300)],
+        own=True)

@@ -120,51 +120,64 @@ if HAVE_TRITON:
             b_cols = tl.load(bufcols + b_slot)
             bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
                                            [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
         ksize = ak1 - ak0
         kfull = ksize - ksize % BK
-        for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop
-            acc = tl.dot(ad.load([am0, ak0 + kk]), bd.load([bk0 + kk, bn0]), acc)
-        if kfull < ksize:
-            # The short last K step. TMA zero-fills only past the buffer's end; the region may
-            # end inside it (or the buffer hold NaN there), so both operands are masked to K.
-            kin = tl.arange(0, BK) < ksize - kfull
-            x = tl.where(kin[None, :], ad.load([am0, ak0 + kfull]), 0.0)
-            y = tl.where(kin[:, None], bd.load([bk0 + kfull, bn0]), 0.0)
-            acc = tl.dot(x.to(DT), y.to(DT), acc)
-        out = acc.to(DT)
-        # Rows past am1 and columns past bn1 were computed from whatever the loads returned
-        # (other tiles' rows, or TMA's zeros past the buffer): the store masks them off, so a
-        # short edge tile writes exactly its region.
         w0 = tl.load(tp + _WRITE0)
+        nwrite = tl.load(tp + _NWRITE)
         accumulate = param_i32(params, tp, 0)
-        for q in range(tl.load(tp + _NWRITE)):  # write 0, then the epilogue's peer stores
-            c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
-            if accumulate != 0:
-                # Reduce-add into a zeroed output (this GPU's or a peer's), as the GEMM prefix
-                # does: a TMA reduce, exact because the runtime admits only tiles that end
-                # their buffers (encode.tma_exact). The interpreter runs one program at a
-                # time: a load, add and store is the same there.
-                c_cols = tl.load(bufcols + c_slot)
-                cd = tl.make_tensor_descriptor(buffer_base(bufaddr, c_slot, DT),
-                                               [tl.load(bufrows + c_slot), c_cols], [c_cols, 1],
-                                               [BM, BN])
-                if USE_TIMER:
-                    cd.atomic_add([cm0, cn0], out)
+        # A task may cover several blocks (a region wider or taller than BM x BN: fewer, larger
+        # tasks pay the per-task costs, ticket, waits and signals, once for all of them). Each
+        # block is one pass of the pipelined K loop and its own epilogue.
+        nbn = tl.cdiv(bn1 - bn0, BN)
+        for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
+            sm = (blk // nbn) * BM  # the block's offset inside the task's region
+            sn = (blk % nbn) * BN
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop
+                acc = tl.dot(ad.load([am0 + sm, ak0 + kk]), bd.load([bk0 + kk, bn0 + sn]), acc)
+            if kfull < ksize:
+                # The short last K step. TMA zero-fills only past the buffer's end; the region
+                # may end inside it (or the buffer hold NaN there), so both operands are masked.
+                kin = tl.arange(0, BK) < ksize - kfull
+                x = tl.where(kin[None, :], ad.load([am0 + sm, ak0 + kfull]), 0.0)
+                y = tl.where(kin[:, None], bd.load([bk0 + kfull, bn0 + sn]), 0.0)
+                acc = tl.dot(x.to(DT), y.to(DT), acc)
+            out = acc.to(DT)
+            # Rows past the region's end and columns past its last column were computed from
+            # whatever the loads returned (other tiles' rows, or TMA's zeros past the buffer):
+            # the store masks them off, so a short edge block writes exactly its region.
+            for q in range(nwrite):  # write 0, then the epilogue's peer stores
+                c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
+                if accumulate != 0:
+                    # Reduce-add into a zeroed output (this GPU's or a peer's), as the GEMM
+                    # prefix does: a TMA reduce, exact because the runtime admits only tasks
+                    # whose blocks are whole or end their buffers (encode.tma_exact). The
+                    # interpreter runs one program at a time: a load, add and store is the same.
+                    c_cols = tl.load(bufcols + c_slot)
+                    cd = tl.make_tensor_descriptor(buffer_base(bufaddr, c_slot, DT),
+                                                   [tl.load(bufrows + c_slot), c_cols],
+                                                   [c_cols, 1], [BM, BN])
+                    if USE_TIMER:
+                        cd.atomic_add([cm0 + sm, cn0 + sn], out)
+                    else:
+                        cd.store([cm0 + sm, cn0 + sn],
+                                 (cd.load([cm0 + sm, cn0 + sn]).to(tl.float32)
+                                  + out.to(tl.float32)).to(DT))
                 else:
-                    cd.store([cm0, cn0], (cd.load([cm0, cn0]).to(tl.float32) + out.to(tl.float32)).to(DT))
-            else:
-                ca, cpitch, cvec = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
-                om = tl.arange(0, BM)
-                on = tl.arange(0, BN)
-                if cvec:  # 16-byte stores (2-byte ones otherwise: the table's address and
-                    # pitch carry no alignment Triton can see)
-                    tl.store(block_ptrs(ca, cpitch, om, on, DT, True), out,
-                             mask=(om < cm1 - cm0)[:, None]
-                             & (on < vec_width(cn1 - cn0, DT, True))[None, :])
-                else:
-                    tl.store(block_ptrs(ca, cpitch, om, on, DT, False), out,
-                             mask=(om < cm1 - cm0)[:, None] & (on < cn1 - cn0)[None, :])
+                    ca, cpitch, cvec = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
+                    ca = ca + (sm.to(tl.int64) * cpitch + sn) * (DT.primitive_bitwidth // 8)
+                    om = tl.arange(0, BM)
+                    on = tl.arange(0, BN)
+                    if cvec:  # 16-byte stores (2-byte ones otherwise: the table's address
+                        # and pitch carry no alignment Triton can see); sm * pitch and sn
+                        # (a multiple of BN) keep the corner 16-byte aligned
+                        tl.store(block_ptrs(ca, cpitch, om, on, DT, True), out,
+                                 mask=(om < cm1 - cm0 - sm)[:, None]
+                                 & (on < vec_width(cn1 - cn0 - sn, DT, True))[None, :])
+                    else:
+                        tl.store(block_ptrs(ca, cpitch, om, on, DT, False), out,
+                                 mask=(om < cm1 - cm0 - sm)[:, None]
+                                 & (on < cn1 - cn0 - sn)[None, :])
 
     @REDUCE.triton
     @triton.jit

@@ -303,20 +303,29 @@ def encode_rank(
     )
 
 
+# The largest GEMM block the kernel compiles (its accumulator is BM x BN fp32 in registers: 128
+# x 256 is what one warpgroup pair holds without spilling). A task's tile may be larger: the
+# dynamic GEMM body runs it block by block (mgraph/ops/tiles.gemm_tile).
+MAX_BLOCK = (128, 256)
+
+
 def gemm_block(gemms) -> tuple[int, int]:
-    """The GEMM block (BM, BN): the largest tile; the others are the short edge tiles."""
-    return (max(t.writes[0].shape[0] for t in gemms), max(t.writes[0].shape[1] for t in gemms))
+    """The GEMM block (BM, BN): the largest tile, capped at MAX_BLOCK; smaller tiles are the
+    short edge tiles, larger ones run as several blocks."""
+    return (min(max(t.writes[0].shape[0] for t in gemms), MAX_BLOCK[0]),
+            min(max(t.writes[0].shape[1] for t in gemms), MAX_BLOCK[1]))
 
 
 def tma_exact(graph: TaskGraph, t, block: tuple[int, int], bk: int = 64) -> bool:
     """Whether whole-block TMA loads and stores compute exactly ``t``'s tile: TMA zero-fills
-    loads and clips stores only at a buffer's END, so a short tile must end every buffer it
-    writes, and a K range that is not a multiple of ``bk`` must end A's columns and B's rows.
-    (The dynamic GEMM body masks instead, so tiles that are not exact run there.)"""
+    loads and clips stores only at a buffer's END, so a tile whose last block row (column) is
+    short must end every buffer it writes, and a K range that is not a multiple of ``bk`` must
+    end A's columns and B's rows. (The dynamic GEMM body masks instead, so tiles that are not
+    exact run there.)"""
     rows, cols = t.writes[0].shape
     for w in t.writes:
         buf = graph.buffers[w.buffer]
-        if (rows < block[0] and w.row1 != buf.rows) or (cols < block[1] and w.col1 != buf.cols):
+        if (rows % block[0] and w.row1 != buf.rows) or (cols % block[1] and w.col1 != buf.cols):
             return False
     a, b = t.reads[0], t.reads[1]
     if (a.col1 - a.col0) % bk:
@@ -379,7 +388,9 @@ class _Prefix:
             add = bool(t.params.get("accumulate"))
             if (t.kind != "gemm" or len(t.writes) > 2 or self.nw not in (None, len(t.writes))
                     or self.add not in (None, add) or not self.hoistable(t)
-                    or not tma_exact(graph, t, self.block)):
+                    or not tma_exact(graph, t, self.block)
+                    or t.writes[0].shape[0] > self.block[0]
+                    or t.writes[0].shape[1] > self.block[1]):  # one block a position
                 break
             self.nw, self.add = len(t.writes), add
             a, b = t.reads
