@@ -174,6 +174,8 @@ class Rig:
         driver: Path | None = None,
         device: int = 0,
         capacity: int = 1024,
+        fuse_flags: bool = True,
+        driver_copy: bool = False,
     ) -> None:
         self.transport = FakeCudaTransport(fake, driver=driver, device=device)
         self.fifo = CommandFifo(capacity)
@@ -185,6 +187,8 @@ class Rig:
             name="fake",
             coalesce=coalesce,
             flag_copy=flag_copy,
+            fuse_flags=fuse_flags,
+            driver_copy=driver_copy,
             # A deadline for a hang, not a speed check: the 70000-command staging-ring runs
             # took over 10 s to drain on two busy cores (a second pytest-xdist worker and other
             # processes beside them).
@@ -375,14 +379,36 @@ def test_delay_is_read_from_the_environment_at_load(fake: FakeCuda) -> None:
     assert out.stdout.strip() == "123"
 
 
+def queue_calls(fake: FakeCuda) -> int:
+    """The fake's entry-point calls that queued copies or flag writes (one batch call is one)."""
+    names = ("enq_copy", "enq_copy2d", "enq_batch", "enq_store", "enq_store_batch")
+    return sum(fake.stat(k) for k in names)
+
+
 # -- data and flags ----------------------------------------------------------------------------
-@pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
-@pytest.mark.parametrize("flag_copy", [False, True], ids=["store-flags", "copy-flags"])
-def test_data_lands_before_its_flags(fake: FakeCuda, flag_copy: bool, delay_us: int) -> None:
+# (flag_copy, delay_us, protocol): fused flags (the default) with and without a lagging stream;
+# one call per word (the protocol before, kept to measure against) and driver-API data copies
+# with a lag only.
+DATA_CASES = [
+    (flag_copy, delay, protocol)
+    for flag_copy in (False, True)
+    for delay, protocol in ((0, "fused"), (300, "fused"), (300, "per-word"), (300, "fused-driver"))
+]
+
+
+@pytest.mark.parametrize(
+    "flag_copy, delay_us, protocol",
+    DATA_CASES,
+    ids=[f"{'copy' if f else 'store'}-flags-{'delay' if d else 'no-delay'}-{p}" for f, d, p in DATA_CASES],
+)
+def test_data_lands_before_its_flags(
+    fake: FakeCuda, flag_copy: bool, delay_us: int, protocol: str
+) -> None:
     fake.set_delay_us(delay_us)
     fake.start_trace(100_000)
     plan = data_plan()
-    rig = Rig(fake, flag_copy=flag_copy)
+    fuse, by_driver = protocol != "per-word", protocol == "fused-driver"
+    rig = Rig(fake, flag_copy=flag_copy, fuse_flags=fuse, driver_copy=by_driver)
     with Watcher(plan, rig.transport) as watcher:
         rig.run(plan)
     assert torch.equal(rig.transport.dst, rig.transport.src)  # the tiles cover the buffer
@@ -395,15 +421,90 @@ def test_data_lands_before_its_flags(fake: FakeCuda, flag_copy: bool, delay_us: 
     assert s["raises"] < s["events"]  # words repeated within a batch went out merged
     assert fake.stat("enq_copy2d") > 0 and fake.stat("null_stream_ops") == 0
     assert fake.stat("trace_dropped") == 0
-    if flag_copy:
-        assert fake.stat("enq_store") == 0
-        rows = fake.trace()  # data copies through cudaMemcpyAsync: the contiguous row tiles
-        data_copies = int(((rows[:, 1] == fake_cuda.COPY) & (rows[:, 3] > 4)).sum())
+    assert s["cuda_calls"] == queue_calls(fake)  # every queueing call is counted
+    rows = fake.trace()  # data copies through cudaMemcpyAsync: the contiguous row tiles
+    data_copies = int(((rows[:, 1] == fake_cuda.COPY) & (rows[:, 3] > 4)).sum())
+    # driver_copy: every 1-D copy (data, and staged flag words outside a batch) by the driver
+    assert fake.stat("driver_copies") == (fake.stat("enq_copy") if by_driver else 0)
+    if flag_copy and fuse:  # runs of neighbouring words staged together, several in one batch
+        assert fake.stat("enq_store") + fake.stat("enq_store_batch") == 0
+        assert s["flag_copies"] < s["raises"] and s["batch_calls"] > 0
+        flag_ops = fake.stat("enq_copy") - data_copies + fake.stat("batch_copies")
+        assert flag_ops == s["flag_copies"] and fake.stat("enq_batch") == s["batch_calls"]
+    elif flag_copy:
+        assert fake.stat("enq_store") == 0 and fake.stat("enq_batch") == 0
         assert fake.stat("enq_copy") == s["raises"] + data_copies
+    elif fuse:  # words due together in one cuStreamBatchMemOp
+        stores = fake.stat("enq_store") + fake.stat("batch_stores")
+        assert stores == s["raises"] == s["flag_copies"]
+        assert 0 < fake.stat("enq_store_batch") and fake.stat("enq_store_batch") + fake.stat(
+            "enq_store"
+        ) < s["raises"]
     else:
         assert fake.stat("enq_store") == s["raises"] and fake.stat("store_v2") == s["raises"]
+        assert fake.stat("enq_store_batch") == 0
     if delay_us:  # the stream really ran behind the loop, and the watcher saw it mid-way
         assert fake.stat("max_lag") > 8 and watcher.partial > 0
+
+
+def calls_plan(n_writes: int = 48) -> Plan:
+    """WRITEs of one row each raising rank 1's word i % 8 and rank 0's done word i % 8 (like
+    the latency bench: destination and done flags), and after every 4th a SIGNAL on rank 1's
+    word 8 + k % 8. Any 8 commands in a row raise distinct words, so every command's words are
+    due right after it and nothing merges: the calls per command are the protocol's own."""
+    plan = Plan([], 0)
+    for i, tile in enumerate(row_tiles(n_writes)):
+        plan.tiles.append(tile)
+        plan.add(write(tile, event=i % 8, done_event=i % 8, task=i),
+                 {(1, i % 8): [i], (0, i % 8): [i]})  # fmt: skip
+        if i % 4 == 3:
+            k = i // 4
+            plan.add(Command.signal(0, 1, 8 + k % 8, task=k), {(1, 8 + k % 8): list(range(i + 1))})
+    return plan
+
+
+# (flag_copy, protocol, fake driver / runtime, CUDA calls per WRITE); a SIGNAL is 1 in all.
+CALL_CASES = [
+    (False, "fused", "", 2),  # data, then one cuStreamBatchMemOp for both words
+    (True, "fused", "", 2),  # data, then one cudaMemcpyBatchAsync for both staged words
+    (False, "fused-driver", "", 2),  # the data copy through cuMemcpyAsync
+    (False, "per-word", "", 3),  # the protocol before: one call per word
+    (True, "per-word", "", 3),
+    (False, "fused", "driver-v1", 3),  # no cuStreamBatchMemOp: one store call per word
+    (True, "fused", "runtime-12.4", 3),  # no cudaMemcpyBatchAsync: one copy per word
+]
+
+
+@pytest.mark.parametrize(
+    "flag_copy, protocol, old, per_write",
+    CALL_CASES,
+    ids=[f"{'copy' if f else 'store'}-flags-{p}{'-' + o if o else ''}" for f, p, o, _ in CALL_CASES],
+)
+def test_cuda_calls_per_command_are_pinned(
+    fake: FakeCuda, flag_copy: bool, protocol: str, old: str, per_write: int
+) -> None:
+    """The CUDA calls a WRITE (data + destination word + done word) and a SIGNAL cost, counted
+    by the loop and by the fake's entry points: adding a call back fails here."""
+    if old == "runtime-12.4":
+        fake.set_runtime_version(12040)
+    fake.start_trace(10_000)
+    plan = calls_plan()
+    rig = Rig(fake, flag_copy=flag_copy, coalesce=False, fuse_flags=protocol != "per-word",
+              driver_copy=protocol == "fused-driver",
+              driver=fake.driver_v1 if old == "driver-v1" else None)  # fmt: skip
+    rig.run(plan)
+    check_final(rig, plan)
+    assert check_trace(fake.trace(), plan, rig.transport) == []
+    s = rig.proxy.loop_stats()
+    writes, signals = s["writes"], s["signals"]
+    assert (writes, signals, s["coalesced"], s["raises"]) == (48, 12, 0, 2 * 48 + 12)
+    assert s["cuda_calls"] == per_write * writes + signals == queue_calls(fake)
+    assert fake.stat("driver_copies") == (writes if protocol == "fused-driver" else 0)
+    assert rig.proxy.cuda_apis == {
+        "batch_copy": protocol != "per-word" and old != "runtime-12.4",
+        "batch_memop": old != "driver-v1",
+        "driver_copy": old != "driver-v1",
+    }
 
 
 def test_an_older_driver_without_the_v2_symbol(fake: FakeCuda) -> None:

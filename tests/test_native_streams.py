@@ -31,6 +31,7 @@ from test_native_cuda_path import (
     check_final,
     check_trace,
     native,
+    queue_calls,
     row_tiles,
     write,
 )
@@ -60,12 +61,12 @@ class StreamRig:
     """A NativeProxy (rank 0, ``streams`` copy streams) over a FakeCudaTransport."""
 
     def __init__(self, fake: FakeCuda, *, flag_copy: bool, streams: int = STREAMS,
-                 coalesce: bool = True, capacity: int = 1024) -> None:
+                 coalesce: bool = True, capacity: int = 1024, fuse_flags: bool = True) -> None:
         self.transport = FakeCudaTransport(fake)
         self.fifo = CommandFifo(capacity)
         self.proxy = NativeProxy(
             self.fifo, self.transport, 8, rank=0, name="fake", coalesce=coalesce,
-            flag_copy=flag_copy, timeout=10.0, streams=streams,
+            flag_copy=flag_copy, timeout=10.0, streams=streams, fuse_flags=fuse_flags,
         )
 
     def push(self, plan: Plan, epoch: int = 1) -> None:
@@ -163,8 +164,11 @@ def test_data_lands_before_its_flags_on_every_stream(
     if flag_copy:
         assert s["flag_copies"] < s["raises"]
         assert fake.stat("enq_store") == 0
-    else:
-        assert s["flag_copies"] == s["raises"] == fake.stat("enq_store")
+    else:  # a stream's words of a batch in one cuStreamBatchMemOp
+        stores = fake.stat("enq_store") + fake.stat("batch_stores")
+        assert s["flag_copies"] == s["raises"] == stores
+        assert fake.stat("enq_store") + fake.stat("enq_store_batch") < s["raises"]
+    assert s["cuda_calls"] == queue_calls(fake)
     assert fake.stat("batch13") == (s["batch_calls"] if version >= 13000 else 0)
     if batch:
         assert s["batch_calls"] > 0 and fake.stat("enq_batch") == s["batch_calls"]
@@ -177,11 +181,12 @@ def test_data_lands_before_its_flags_on_every_stream(
 
 
 def test_one_stream_keeps_the_single_stream_path(fake: FakeCuda) -> None:
-    """streams=1 (the default): lanes are carried but every command runs on one stream, and the
-    flags go out one copy per word as before (no batch API, no multi-word copy)."""
+    """streams=1 (the default) with fuse_flags off: lanes are carried but every command runs on
+    one stream, and the flags go out one copy per word as before (no batch API, no multi-word
+    copy). Fused flags on one stream: tests/test_native_cuda_path.py."""
     fake.start_trace(100_000)
     plan = lane_plan()
-    rig = StreamRig(fake, flag_copy=True, streams=1)
+    rig = StreamRig(fake, flag_copy=True, streams=1, fuse_flags=False)
     assert not rig.proxy.batch_api
     rig.run(plan)
     check_final(rig, plan)

@@ -8,9 +8,11 @@ three shared libraries that export exactly those symbols with CUDA 12's C ABI (i
 success):
 
 - ``libfakecudart.so`` (fake_cudart.c): the runtime, and every bit of state;
-- ``libfakecuda.so`` (fake_cuda.c): the driver's cuGetErrorString, cuStreamWriteValue32 and
-  cuStreamWriteValue32_v2, queuing onto the runtime's streams (it links the runtime);
-- ``libfakecuda_v1.so``: the same driver without the _v2 symbol, as an older driver.
+- ``libfakecuda.so`` (fake_cuda.c): the driver's cuGetErrorString, cuStreamWriteValue32(_v2),
+  cuStreamBatchMemOp(_v2) and cuMemcpyAsync, queuing onto the runtime's streams (it links the
+  runtime);
+- ``libfakecuda_v1.so``: the same driver with only cuStreamWriteValue32 of those, as an older
+  driver (the proxy falls back to one store call per flag word, and to cudaMemcpyAsync).
 
 "Device memory" is host memory: a test registers host tensors as ``PLACE_CUDA`` and their
 ``data_ptr()`` is the device address. What the fake keeps from a GPU is what the proxy's
@@ -20,7 +22,9 @@ correctness rests on:
   cudaMemcpyAsync / cudaMemcpy2DAsync read the source when they EXECUTE (a pinned staging word
   rewritten before its copy ran is read with the new value);
 - cuStreamWriteValue32 queues a 4-byte release store; a 4-byte copy is a release store too, so a
-  reader that sees a flag also sees the data copied before it;
+  reader that sees a flag also sees the data copied before it; cuStreamBatchMemOp (WRITE_VALUE_32
+  operations with flags 0 only, fewer than 256) queues ONE operation storing them in array order,
+  each traced as its own STORE_32 row; cuMemcpyAsync queues a 1-D copy like cudaMemcpyAsync;
 - cudaEventRecord queues a marker, cudaEventSynchronize waits until the stream executed it,
   cudaStreamSynchronize until the queue is empty; an execution failure is sticky for the stream;
 - cudaHostAlloc is page-aligned memory filled with 0xA5 (never a plausible count); a 1-D copy

@@ -1,7 +1,7 @@
-// A fake CUDA driver: the two entry points runtime/proxy/native/cuda_api.cpp takes from libcuda.
-// Stores go onto the fake runtime's streams (fake_cudart.c), so they are ordered with the copies.
-// Built with -DFAKE_CUDA_V1_ONLY it exports only cuStreamWriteValue32, like a pre-CUDA-12 driver,
-// for the proxy's fallback from the _v2 symbol.
+// A fake CUDA driver: the entry points runtime/proxy/native/cuda_api.cpp takes from libcuda.
+// Stores and copies go onto the fake runtime's streams (fake_cudart.c), so they are ordered with
+// the runtime's copies. Built with -DFAKE_CUDA_V1_ONLY it exports only cuStreamWriteValue32 and
+// no cuStreamBatchMemOp nor cuMemcpyAsync, like an older driver, for the proxy's fallbacks.
 #define _GNU_SOURCE
 #include <stddef.h>
 #include <stdint.h>
@@ -28,6 +28,51 @@ FAKE_EXPORT int cuStreamWriteValue32(void* stream, uint64_t address, uint32_t va
 FAKE_EXPORT int cuStreamWriteValue32_v2(void* stream, uint64_t address, uint32_t value,
                                         unsigned flags) {
   return fakecuda_enqueue_store32(stream, address, value, flags, 2);
+}
+#endif
+
+#ifndef FAKE_CUDA_V1_ONLY
+// CUstreamBatchMemOpParams (cuda.h): a 48-byte union; the writeValue member spelled out.
+typedef struct {
+  int operation;  // 2: CU_STREAM_MEM_OP_WRITE_VALUE_32
+  uint64_t address;
+  uint64_t value;  // union {cuuint32_t value; cuuint64_t value64}
+  unsigned flags;
+  uint64_t alias;
+  uint64_t pad;
+} FakeMemOp;
+_Static_assert(sizeof(FakeMemOp) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+
+// Only WRITE_VALUE_32 operations with flags 0 (a barrier before each) are accepted: the proxy
+// never needs another, and one without the barrier could pass its data.
+static int batch_memop(void* stream, unsigned count, const FakeMemOp* ops, unsigned flags,
+                       int version) {
+  if (ops == NULL || count == 0 || count >= 256 || flags != 0) return kFakeInvalidValue;
+  uint64_t addresses[256];
+  uint32_t values[256];
+  for (unsigned i = 0; i < count; ++i) {
+    if (ops[i].operation != 2 || ops[i].flags != 0) return kFakeInvalidValue;
+    addresses[i] = ops[i].address;
+    values[i] = (uint32_t)ops[i].value;
+  }
+  return fakecuda_enqueue_store_batch(stream, addresses, values, count, version);
+}
+
+// CUresult cuStreamBatchMemOp(CUstream, unsigned count, CUstreamBatchMemOpParams*, unsigned).
+FAKE_EXPORT int cuStreamBatchMemOp(void* stream, unsigned count, const FakeMemOp* ops,
+                                   unsigned flags) {
+  return batch_memop(stream, count, ops, flags, 1);
+}
+
+FAKE_EXPORT int cuStreamBatchMemOp_v2(void* stream, unsigned count, const FakeMemOp* ops,
+                                      unsigned flags) {
+  return batch_memop(stream, count, ops, flags, 2);
+}
+
+// CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t, CUstream).
+FAKE_EXPORT int cuMemcpyAsync(uint64_t dst, uint64_t src, size_t bytes, void* stream) {
+  return fakecuda_enqueue_driver_copy((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes,
+                                      stream);
 }
 #endif
 

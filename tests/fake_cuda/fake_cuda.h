@@ -27,5 +27,14 @@ FAKE_EXPORT const char* fakecuda_error_text(int status);
 FAKE_EXPORT int fakecuda_enqueue_store32(void* stream, uint64_t address, uint32_t value,
                                          unsigned flags, int version);
 
+// Queues ONE operation of ``n`` 4-byte release stores, executed in array order (what
+// cuStreamBatchMemOp's WRITE_VALUE_32 operations do; ``version`` 1 or 2 as above).
+FAKE_EXPORT int fakecuda_enqueue_store_batch(void* stream, const uint64_t* addresses,
+                                             const uint32_t* values, unsigned n, int version);
+
+// Queues a 1-D copy of ``bytes`` (the driver's cuMemcpyAsync; statistic "driver_copies").
+FAKE_EXPORT int fakecuda_enqueue_driver_copy(void* dst, const void* src, uint64_t bytes,
+                                             void* stream);
+
 // Counts a dma-buf handle handed out (statistic "dmabuf_handles").
 FAKE_EXPORT void fakecuda_count_dmabuf(void);

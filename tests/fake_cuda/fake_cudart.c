@@ -29,7 +29,7 @@
 // Statistics: named counters, read with fakecuda_stat(name).
 
 enum Stat {
-  kEnqCopy,          // cudaMemcpyAsync operations queued
+  kEnqCopy,          // 1-D copies queued (cudaMemcpyAsync, or the driver's cuMemcpyAsync)
   kEnqCopy2D,        // cudaMemcpy2DAsync operations queued
   kEnqStore,         // cuStreamWriteValue32 operations queued
   kEnqMark,          // cudaEventRecord markers queued
@@ -57,6 +57,9 @@ enum Stat {
   kStreamsCreated,   // cudaStreamCreateWithFlags calls that succeeded
   kBatch13,          // cudaMemcpyBatchAsync calls taken with CUDA 13's signature
   kDmabufHandles,    // cuMemGetHandleForAddressRange fds handed out (the driver counts them)
+  kEnqStoreBatch,    // cuStreamBatchMemOp calls queued (one operation each)
+  kBatchStores,      // ... the stores inside them
+  kDriverCopies,     // 1-D copies queued through the driver's cuMemcpyAsync (also in enq_copy)
   kStatCount
 };
 
@@ -68,6 +71,7 @@ static const char* const kStatNames[kStatCount] = {
     "store_v1",     "store_v2",           "null_stream_ops", "live_streams",
     "live_events",  "live_host",          "trace_dropped",  "enq_batch",
     "batch_copies", "streams_created", "batch13",      "dmabuf_handles",
+    "enq_store_batch", "batch_stores",  "driver_copies",
 };
 
 static int64_t stats[kStatCount];
@@ -267,7 +271,13 @@ EXPORT void fakecuda_reset(void) {
 // Streams and events.
 
 enum { kStreamMagic = 0x5354524d, kEventMagic = 0x4556454e };
-enum OpKind { kCopy = 1, kCopy2D = 2, kStore32 = 3, kMark = 4, kBatch = 5 };
+enum OpKind { kCopy = 1, kCopy2D = 2, kStore32 = 3, kMark = 4, kBatch = 5, kStoreBatch = 6 };
+
+// One store of a cuStreamBatchMemOp call.
+typedef struct {
+  uint8_t* dst;
+  uint32_t value;
+} BatchStore;
 
 // One copy of a cudaMemcpyBatchAsync call.
 typedef struct {
@@ -292,6 +302,8 @@ typedef struct Op {
   int64_t stream_id;   // for the trace
   BatchCopy* batch;    // kBatch: its copies, executed in REVERSE order (CUDA promises none)
   size_t n_batch;
+  BatchStore* stores;  // kStoreBatch: its stores, executed in array order (as CUDA does)
+  size_t n_stores;
 } Op;
 
 typedef struct FakeStream {
@@ -395,6 +407,15 @@ static int execute(const Op* op) {
       copy_1d(op, op->batch[i].dst, op->batch[i].src, op->batch[i].bytes, op->batch[i].pinned_src);
     return 0;
   }
+  if (op->kind == kStoreBatch) {
+    for (size_t i = 0; i < op->n_stores; ++i)
+      if (poisoned(op->stores[i].dst, 4, 4, 1, 1) != NULL) return kFakeIllegalAddress;
+    for (size_t i = 0; i < op->n_stores; ++i) {
+      __atomic_store_n((uint32_t*)op->stores[i].dst, op->stores[i].value, __ATOMIC_RELEASE);
+      record_row(op, kStore32, op->stores[i].dst, 4, 1, 4);
+    }
+    return 0;
+  }
   if (op->kind != kMark) {
     if (poisoned(op->dst, op->dpitch, op->width, op->height, 1) != NULL ||
         (op->src != NULL && poisoned(op->src, op->spitch, op->width, op->height, 1) != NULL))
@@ -425,6 +446,7 @@ static int execute(const Op* op) {
 }
 
 static void free_op(Op* op) {
+  free(op->stores);
   free(op->batch);
   free(op);
 }
@@ -819,6 +841,47 @@ EXPORT int fakecuda_enqueue_store32(void* stream, uint64_t address, uint32_t val
     return 0;
   }
   return enqueue(s, op);
+}
+
+EXPORT int fakecuda_enqueue_store_batch(void* stream, const uint64_t* addresses,
+                                        const uint32_t* values, unsigned n, int version) {
+  (void)version;
+  FAIL_POINT("cuStreamBatchMemOp");
+  FakeStream* s = stream_of(stream);
+  if (s == NULL) return set_error(kFakeInvalidHandle);
+  for (unsigned i = 0; i < n; ++i) {
+    if (addresses[i] == 0 || addresses[i] % 4 != 0) return set_error(kFakeInvalidValue);
+    const Poison* p = poisoned((const void*)(uintptr_t)addresses[i], 4, 4, 1, 0);
+    if (p != NULL) return set_error(p->status);
+  }
+  Op* op = new_op(kStoreBatch);
+  BatchStore* stores = calloc(n, sizeof(BatchStore));
+  if (op == NULL || stores == NULL) {
+    free(op);
+    free(stores);
+    return set_error(kFakeMemoryAllocation);
+  }
+  for (unsigned i = 0; i < n; ++i) stores[i] = (BatchStore){(uint8_t*)(uintptr_t)addresses[i], values[i]};
+  op->stores = stores;
+  op->n_stores = n;
+  op->width = 4;
+  op->height = 1;
+  bump(kEnqStoreBatch, 1);
+  bump(kBatchStores, n);
+  if (__atomic_load_n(&unordered_stores, __ATOMIC_RELAXED)) {  // the negative control, as above
+    execute(op);
+    free_op(op);
+    return 0;
+  }
+  return enqueue(s, op);
+}
+
+EXPORT int fakecuda_enqueue_driver_copy(void* dst, const void* src, uint64_t bytes, void* stream) {
+  FAIL_POINT("cuMemcpyAsync");
+  call_cost();
+  const int status = queue_copy(dst, bytes, src, bytes, bytes, 1, 4, stream, kCopy);
+  if (status == 0) bump(kDriverCopies, 1);
+  return status;
 }
 
 // Pinned host memory: page-aligned and filled with 0xA5, never zero, so a staging word copied

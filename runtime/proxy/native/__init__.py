@@ -120,8 +120,14 @@ class NativeProxy:
     ``streams``: copy streams for GPU memory (``Settings.proxy_streams``); a command runs on
     stream ``lane mod streams`` and a flag word keeps one stream (mover.h, "Several streams"),
     with data copies and flags batched per stream and batch; 1 keeps the single-stream path.
-    ``allow_batch``: with several streams, use cudaMemcpyBatchAsync where the CUDA runtime has
-    it (``batch_api`` says whether it will).
+    ``allow_batch``: use cudaMemcpyBatchAsync where the CUDA runtime has it, for the data copies
+    of several streams and for several flag copies due together (``batch_api`` says whether it
+    will). ``fuse_flags`` (default): the GPU flag words due at one point (one command's, or one
+    coalesced group's) go out in ONE CUDA call: a WRITE with a destination and a done word is
+    2 calls (data, flags), a SIGNAL 1 (mover.h, "CUDA calls per command"); False is the earlier
+    protocol, one call per word (3 for that WRITE), kept to measure against. ``driver_copy``:
+    1-D data copies through the driver's cuMemcpyAsync instead of the runtime's
+    cudaMemcpyAsync (``cuda_apis`` says whether the driver has it; else the runtime's).
     """
 
     def __init__(
@@ -142,6 +148,8 @@ class NativeProxy:
         flag_copy: bool = False,
         streams: int = 1,
         allow_batch: bool = True,
+        fuse_flags: bool = True,
+        driver_copy: bool = False,
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
@@ -181,6 +189,8 @@ class NativeProxy:
         self._drain.flag_copy = bool(flag_copy)  # read when the loop starts (cuda flags only)
         self._drain.streams = streams  # likewise
         self._drain.allow_batch = bool(allow_batch)
+        self._drain.fuse_flags = bool(fuse_flags)  # read when the loop starts
+        self._drain.driver_copy = bool(driver_copy)
         self.streams = streams
         # Keep what the loop points into alive as long as the loop.
         self._keep = (fifo, dict(counters or {}))
@@ -260,7 +270,8 @@ class NativeProxy:
         commands asked for on this process's ranks), ``raises`` (word updates made for them
         once repeats within a batch were merged; ``raises <= events``), ``streams``, and with
         several streams ``data_copies``/``flag_copies`` (copy operations queued; a staged run of
-        neighbouring flag words is one) and ``batch_calls`` (cudaMemcpyBatchAsync calls);
+        neighbouring flag words is one; ``flag_copies`` also counts fused flags' copies or
+        stores with one stream) and ``batch_calls`` (cudaMemcpyBatchAsync calls);
         ``busy_ns`` (host time from reading each batch to its end, summed), ``paced_ns`` (the
         part of it spent holding copies for the emulated NIC), ``cuda_calls`` and
         ``cuda_call_ns`` (the calls queueing copies or flag writes, and their host time)."""
@@ -270,6 +281,15 @@ class NativeProxy:
     def batch_api(self) -> bool:
         """cudaMemcpyBatchAsync is used (known once the transport attached CUDA)."""
         return bool(self._drain.batch_api)
+
+    @property
+    def cuda_apis(self) -> dict[str, bool]:
+        """Which optional CUDA entry points the loop uses or found (known once the transport
+        attached CUDA): ``batch_copy`` (cudaMemcpyBatchAsync, used), ``batch_memop``
+        (cuStreamBatchMemOp), ``driver_copy`` (cuMemcpyAsync)."""
+        d = self._drain
+        return {"batch_copy": bool(d.batch_api), "batch_memop": bool(d.batch_memop),
+                "driver_copy": bool(d.driver_copy_api)}  # fmt: skip
 
     def __enter__(self) -> NativeProxy:
         return self.start()

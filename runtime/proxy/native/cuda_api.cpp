@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "command.h"
@@ -79,6 +80,12 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
       dlsym(driver_, "cuStreamWriteValue32_v2"));
   if (stream_write_value32_ == nullptr)
     resolve(driver_, "cuStreamWriteValue32", stream_write_value32_, missing);
+  // Optional: batched stream memory operations (v2 where the driver has it, as for
+  // cuStreamWriteValue32) and the driver's own 1-D copy.
+  batch_memop_ = reinterpret_cast<decltype(batch_memop_)>(dlsym(driver_, "cuStreamBatchMemOp_v2"));
+  if (batch_memop_ == nullptr)
+    batch_memop_ = reinterpret_cast<decltype(batch_memop_)>(dlsym(driver_, "cuStreamBatchMemOp"));
+  memcpy_driver_ = reinterpret_cast<decltype(memcpy_driver_)>(dlsym(driver_, "cuMemcpyAsync"));
   decltype(memcpy_2d_async) copy = nullptr;
   resolve(runtime_, "cudaMemcpy2DAsync", copy, missing);
   if (!missing.empty()) return "CUDA libraries lack:" + missing;
@@ -144,6 +151,49 @@ void CudaApi::write_value32(void* stream, unsigned long long address, unsigned v
 }
 
 
+namespace {
+// CUstreamBatchMemOpParams (cuda.h): a 48-byte union; its writeValue member, spelled out.
+struct WriteValueOp {
+  int operation;  // CUstreamBatchMemOpType
+  unsigned long long address;
+  unsigned value, value_high;  // union {cuuint32_t value; cuuint64_t value64}: little-endian
+  unsigned flags;              // 0: the store waits for a memory barrier (data first)
+  unsigned long long alias;    // driver internal
+  unsigned long long pad;      // to the union's 48 bytes
+};
+static_assert(sizeof(WriteValueOp) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+constexpr int kWriteValue32 = 2;  // CU_STREAM_MEM_OP_WRITE_VALUE_32
+}  // namespace
+
+void CudaApi::write_values32(void* stream, const unsigned long long* addresses,
+                             const unsigned* values, size_t n, size_t& failed) const {
+  failed = n;
+  if (batch_memop_ == nullptr || n == 1) {
+    for (size_t i = 0; i < n; ++i) {
+      failed = i;
+      write_value32(stream, addresses[i], values[i]);
+    }
+    failed = n;
+    return;
+  }
+  WriteValueOp ops[kMaxMemOps];
+  for (size_t at = 0; at < n; at += kMaxMemOps) {
+    const size_t count = std::min(kMaxMemOps, n - at);
+    for (size_t i = 0; i < count; ++i)
+      ops[i] = WriteValueOp{kWriteValue32, addresses[at + i], values[at + i], 0, 0, 0, 0};
+    failed = at;
+    const CallTimer timer(*this);
+    check_driver(batch_memop_(stream, static_cast<unsigned>(count), ops, 0), "cuStreamBatchMemOp");
+  }
+  failed = n;
+}
+
+void CudaApi::copy_driver(void* dst, const void* src, size_t bytes, void* stream) const {
+  const CallTimer timer(*this);
+  check_driver(memcpy_driver_(reinterpret_cast<unsigned long long>(dst),
+                              reinterpret_cast<unsigned long long>(src), bytes, stream),
+               "cuMemcpyAsync");
+}
 
 void* CudaApi::host_alloc(size_t bytes) const {
   void* ptr = nullptr;

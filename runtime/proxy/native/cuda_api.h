@@ -26,13 +26,17 @@ class CudaApi {
   bool loaded() const { return memcpy_2d_async != nullptr; }
   // cudaMemcpyBatchAsync was found and the runtime's version says which signature it has.
   bool has_batch() const { return memcpy_batch_ != nullptr || memcpy_batch13_ != nullptr; }
+  // cuStreamBatchMemOp was found: several flag writes in one call (write_values32).
+  bool has_batch_memop() const { return batch_memop_ != nullptr; }
+  // cuMemcpyAsync (the driver's) was found: copy_driver can queue 1-D copies.
+  bool has_driver_copy() const { return memcpy_driver_ != nullptr; }
   // cuMemGetHandleForAddressRange was found (the verbs backend's dma-buf registration).
   bool has_dmabuf() const { return get_handle_ != nullptr; }
   // A dma-buf fd for [ptr, ptr + bytes) (page-aligned) in ``fd``; "" or why there is none.
   std::string dmabuf_fd(unsigned long long ptr, size_t bytes, int& fd) const;
   int runtime_version() const { return runtime_version_; }
   // Host time spent inside the calls that queue copies or flag writes (copy, copy_2d,
-  // copy_batch, write_value32) and how many there were: the proxy's own share of a command's
+  // copy_batch, copy_driver, write_value32, each cuStreamBatchMemOp of write_values32) and how many there were: the proxy's own share of a command's
   // latency (bench_proxy reports it per batch). Written by the drain thread, read by any.
   mutable std::atomic<int64_t> call_ns{0}, calls{0};
 
@@ -44,6 +48,13 @@ class CudaApi {
   void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                size_t height, void* stream) const;
   void write_value32(void* stream, unsigned long long address, unsigned value) const;
+  // ``n`` stores as cuStreamWriteValue32 makes them (each after a memory barrier: the data
+  // queued before them on ``stream`` is visible first), in ONE cuStreamBatchMemOp per
+  // kMaxMemOps of them, executed in array order; without the symbol, one write_value32 each.
+  // On failure ``failed`` holds the index of the first store of the failing call.
+  static constexpr size_t kMaxMemOps = 255;  // CUDA: "count ... must be less than 256"
+  void write_values32(void* stream, const unsigned long long* addresses, const unsigned* values,
+                      size_t n, size_t& failed) const;
   // For flags written by the copy engine from pinned host memory (Mover::flag_copy).
   void* host_alloc(size_t bytes) const;
   void free_host(void* ptr) const;
@@ -52,6 +63,9 @@ class CudaApi {
   void record(void* event, void* stream) const;
   void wait_event(void* event) const;
   void copy(void* dst, const void* src, size_t bytes, void* stream) const;
+  // The same 1-D copy through the driver's cuMemcpyAsync (unified addressing infers the
+  // direction, as cudaMemcpyDefault does), skipping the runtime's layer (has_driver_copy()).
+  void copy_driver(void* dst, const void* src, size_t bytes, void* stream) const;
   // ``n`` 1-D copies in ONE cudaMemcpyBatchAsync call (has_batch() only): ordered as a whole
   // after earlier work of ``stream``, in no order among themselves. On failure ``failed`` holds
   // the index CUDA blamed (or n when it named none) and Failure{-1} is thrown.
@@ -92,6 +106,10 @@ class CudaApi {
                           size_t, size_t*, void*) = nullptr;
   Status (*memcpy_batch13_)(void* const*, void* const*, const size_t*, size_t, void*, size_t*,
                             size_t, void*) = nullptr;
+  // Driver: CUresult cuStreamBatchMemOp(CUstream, unsigned count, CUstreamBatchMemOpParams*,
+  // unsigned flags) and cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t, CUstream).
+  int (*batch_memop_)(void*, unsigned, void*, unsigned) = nullptr;
+  int (*memcpy_driver_)(unsigned long long, unsigned long long, size_t, void*) = nullptr;
   // Driver: CUresult cuMemGetHandleForAddressRange(void*, CUdeviceptr, size_t, type, flags).
   int (*get_handle_)(void*, unsigned long long, size_t, int, unsigned long long) = nullptr;
   int runtime_version_ = 0;

@@ -283,9 +283,28 @@ PYBIND11_MODULE(_drain, m) {
                         throw py::value_error("allow_batch is fixed once the loop has started");
                       d.mover.allow_batch = v;
                     })
+      .def_property("fuse_flags", [](const Drain& d) { return d.mover.fuse_flags; },
+                    [](Drain& d, bool v) {
+                      // the loop allocates the one-stream staging ring by it when it starts
+                      if (d.started())
+                        throw py::value_error("fuse_flags is fixed once the loop has started");
+                      d.mover.fuse_flags = v;
+                    })
+      .def_property("driver_copy", [](const Drain& d) { return d.mover.driver_copy; },
+                    [](Drain& d, bool v) {
+                      if (d.started())
+                        throw py::value_error("driver_copy is fixed once the loop has started");
+                      d.mover.driver_copy = v;
+                    })
       .def_property_readonly("batch_api", [](const Drain& d) { return d.mover.batch_api(); },
-                             "cudaMemcpyBatchAsync will be used (several streams, a CUDA runtime "
-                             ">= 12.8 that has it, allow_batch)")
+                             "cudaMemcpyBatchAsync will be used (several streams or fused "
+                             "flags, a CUDA runtime >= 12.8 that has it, allow_batch)")
+      .def_property_readonly("batch_memop", [](const Drain& d) {
+        return d.mover.cuda.has_batch_memop();
+      }, "the driver has cuStreamBatchMemOp (fused cuStreamWriteValue32 flags use it)")
+      .def_property_readonly("driver_copy_api", [](const Drain& d) {
+        return d.mover.cuda.has_driver_copy();
+      }, "the driver has cuMemcpyAsync (driver_copy uses it)")
       .def_property_readonly("cuda_runtime_version",
                              [](const Drain& d) { return d.mover.cuda.runtime_version(); })
       .def_property("doorbell_fd", [](const Drain& d) { return d.mover.doorbell_fd; },

@@ -43,6 +43,8 @@ Mover::~Mover() {
       cuda.synchronize(stream_);
       for (void* e : marks_) cuda.destroy_event(e);
       cuda.free_host(stage_);
+      for (void* e : single_.marks) cuda.destroy_event(e);  // single_.stream is stream_
+      cuda.free_host(single_.stage);
       cuda.destroy_stream(stream_);
     } catch (const Failure&) {
       // The process may be tearing CUDA down already; nothing useful to report.
@@ -150,6 +152,15 @@ void Mover::start_thread() {
     return;
   }
   stream_ = cuda.create_stream();
+  if (fused()) {
+    single_.stream = stream_;
+    if (!flag_copy) return;
+    single_.stage = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
+    for (size_t r = 0; r < kStageWords / kRegionWords; ++r)
+      single_.marks.push_back(cuda.create_event());
+    single_.marked.assign(single_.marks.size(), false);
+    return;
+  }
   if (flag_copy) {
     stage_ = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
     for (size_t r = 0; r < kStageWords / kRegionWords; ++r) marks_.push_back(cuda.create_event());
@@ -229,9 +240,35 @@ void Mover::raise_ready(int done_upto) {
   while (emitted_ < pending_.size()) {
     const PendingRaise& p = pending_[emitted_];
     auto last = last_use_.find(p.key);
-    if (last != last_use_.end() && last->second > done_upto) return;  // more of it to come
+    if (last != last_use_.end() && last->second > done_upto) break;  // more of it to come
     ++emitted_;  // first: a failing raise is not retried (it would count twice on the GPU)
+    emit(p, done_upto);
+  }
+  flush_single();  // the words due now, in one call
+}
+
+void Mover::emit(const PendingRaise& p, int index) {
+  if (!fused() || ranks.at(p.key.rank).place != Place::kCuda) {
     raise_now(p.key, p.count);
+    return;
+  }
+  auto [at, fresh] = single_.raise_at.try_emplace(p.key, single_.raises.size());
+  if (fresh) {
+    single_.raises.push_back(StreamRaise{p.key, p.count, index});
+  } else {
+    single_.raises[at->second].count += p.count;
+  }
+}
+
+void Mover::flush_single() {
+  if (fused() && !single_.raises.empty()) flush_raises(single_);
+}
+
+void Mover::copy_1d(void* dst, const void* src, size_t bytes, void* stream) {
+  if (driver_copy && cuda.has_driver_copy()) {
+    cuda.copy_driver(dst, src, bytes, stream);
+  } else {
+    cuda.copy(dst, src, bytes, stream);
   }
 }
 
@@ -368,8 +405,12 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
     done_raised = true;
   } else if (dm.place == Place::kCuda) {
     uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
-    cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
-                 static_cast<size_t>(width), static_cast<size_t>(src.rows()), stream_);
+    if (src.rows() == 1 || (width == s.row_bytes && width == d.row_bytes)) {
+      copy_1d(to, from, static_cast<size_t>(nbytes), stream_);
+    } else {
+      cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
+                   static_cast<size_t>(width), static_cast<size_t>(src.rows()), stream_);
+    }
     for (int64_t e : events) defer_raise(dst_rank, e);  // stream order: after the copy
   } else if (dm.place == Place::kSocket) {
     send_frame(src_rank, dst_rank, wire::kWrite, dst, events, epoch, &src);
@@ -527,7 +568,8 @@ void Mover::end_batch() {
   pending_.clear();
   pending_at_.clear();
   emitted_ = 0;
-  for (const PendingRaise& p : left) raise_now(p.key, p.count);
+  for (const PendingRaise& p : left) emit(p, -1);
+  flush_single();
   if (multi()) {
     // Every stream, even after one failed (commands before the failing one are reported done);
     // the failure of the earliest command is the one thrown.
@@ -606,7 +648,7 @@ void Mover::submit(StreamState& st, std::vector<Copy1D>& copies, bool flags) {
     } else {
       for (const Copy1D& c : copies) {
         try {
-          cuda.copy(c.dst, c.src, c.bytes, st.stream);
+          copy_1d(c.dst, c.src, c.bytes, st.stream);
         } catch (const Failure& f) {
           throw Failure{c.index, c.what + f.message};
         }
@@ -633,6 +675,30 @@ void Mover::flush_raises(StreamState& st) {
   std::sort(raises.begin(), raises.end(), [](const StreamRaise& a, const StreamRaise& b) {
     return a.key.rank != b.key.rank ? a.key.rank < b.key.rank : a.key.event < b.key.event;
   });
+  if (!flag_copy && fuse_flags) {  // every word in one cuStreamBatchMemOp (per 255)
+    std::vector<unsigned long long> addresses;
+    std::vector<unsigned> values;
+    for (const StreamRaise& r : raises) {
+      RankMemory& m = ranks.at(r.key.rank);
+      const int64_t value = __atomic_add_fetch(&m.shadow[r.key.event], r.count, __ATOMIC_RELAXED);
+      addresses.push_back(m.flags + 4ull * static_cast<unsigned long long>(r.key.event));
+      values.push_back(static_cast<unsigned>(value));
+    }
+    size_t failed = raises.size();
+    try {
+      cuda.write_values32(st.stream, addresses.data(), values.data(), raises.size(), failed);
+    } catch (const Failure& f) {
+      const StreamRaise& r = raises[std::min(failed, raises.size() - 1)];
+      throw Failure{r.index, "raising flag word " + std::to_string(r.key.event) + " of rank " +
+                                 std::to_string(r.key.rank) + ": " + f.message};
+    }
+    stats.flag_copies.fetch_add(static_cast<int64_t>(raises.size()), std::memory_order_relaxed);
+    for (const StreamRaise& r : raises) {
+      stats.raises.fetch_add(1, std::memory_order_relaxed);
+      stats.events.fetch_add(r.count, std::memory_order_relaxed);
+    }
+    return;
+  }
   std::vector<Copy1D> copies;
   for (size_t i = 0; i < raises.size();) {
     // A run: neighbouring words of one rank's flag array, at most one staging region.

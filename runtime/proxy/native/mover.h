@@ -39,6 +39,17 @@
 // then the flags of as many streams as the wait leaves time for (see pace): the same order per
 // stream, a word raised more than once per batch. With one stream the single-stream path above
 // is kept exactly (words raised as soon as their last command executed).
+//
+// CUDA calls per command (``fuse_flags``, the default). The stream orders a command's flags after
+// its data, so a WRITE needs its data copy and, after it, its flags; every word that becomes due
+// at one point (the words of one command, or of a coalesced group) goes out in ONE call: with
+// cuStreamWriteValue32 flags one cuStreamBatchMemOp of up to 255 stores (each after its memory
+// barrier, in array order), with copy-engine flags one staged copy per run of neighbouring words
+// and, for several runs, one cudaMemcpyBatchAsync where the runtime has it. So a WRITE raising a
+// destination word and a done word is 2 calls (it was 3: one per word), a SIGNAL 1, a coalesced
+// group of k WRITEs 2. Words that become due together go out in no promised order among
+// themselves (sorted by rank and word), as with several streams; a word due later still goes
+// out after them. ``fuse_flags`` false keeps one call per word, in first-raise order.
 #pragma once
 
 #include <atomic>
@@ -118,9 +129,17 @@ class Mover {
   const std::atomic<bool>* abort = nullptr;
   // Copy streams (fixed once the loop starts); 1 keeps the single-stream path.
   int n_streams = 1;
-  bool allow_batch = true;  // several streams: use cudaMemcpyBatchAsync where it exists
+  // Fused flags (fixed once the loop starts; see "CUDA calls per command" above): the GPU words
+  // that become due together go out in ONE call; false is the protocol before it, one call
+  // per word (kept to measure against: bench_proxy --protocols).
+  bool fuse_flags = true;
+  // 1-D data copies through the driver's cuMemcpyAsync instead of cudaMemcpyAsync, where the
+  // driver has it (fixed once the loop starts).
+  bool driver_copy = false;
+  bool allow_batch = true;  // use cudaMemcpyBatchAsync for several flag copies where it exists
   bool multi() const { return n_streams > 1; }
-  bool batch_api() const { return multi() && allow_batch && cuda.has_batch(); }
+  bool fused() const { return fuse_flags && !multi(); }
+  bool batch_api() const { return (multi() || fuse_flags) && allow_batch && cuda.has_batch(); }
   int stream_index(int64_t lane) const {
     return static_cast<int>(static_cast<uint64_t>(lane) % static_cast<uint64_t>(n_streams));
   }
@@ -217,6 +236,9 @@ class Mover {
     std::unordered_map<EventKey, size_t, EventKeyHash> raise_at;
   };
   std::vector<StreamState> streams_;
+  // One stream, fused flags: the words due at one point, raised by flush_raises on stream_
+  // (``stream`` is stream_; its own staging ring with copy-engine flags).
+  StreamState single_;
   std::unordered_map<EventKey, int, EventKeyHash> word_stream_;  // GPU word -> its stream
 
   void defer_raise(int64_t rank, int64_t event, int stream = 0, int index = 0);
@@ -225,6 +247,11 @@ class Mover {
   void flush_data(StreamState& st);
   void flush_raises(StreamState& st);
   void raise_now(const EventKey& key, int64_t count);
+  // A due raise: raised now, or (one stream, fused, GPU word) collected for flush_single.
+  void emit(const PendingRaise& p, int index);
+  void flush_single();
+  // A 1-D copy on ``stream``: cudaMemcpyAsync, or cuMemcpyAsync with driver_copy.
+  void copy_1d(void* dst, const void* src, size_t bytes, void* stream);
   void pace(int64_t nbytes);
   void flush_early();
   void write_verbs(int64_t src_rank, const Buffer& s, const Rect& src, int64_t dst_rank,
