@@ -261,7 +261,9 @@ def test_cost_hints_use_expected_rows():
     }
     g2 = build("2x4", T_loc=T_loc, E_loc=E_loc, top_k=k, H=H, F=F, expert_group=2)
     assert st_kinds(g2)[("compute", "moe_route")] == W * W  # per rank, one per destination
-    assert st_kinds(g2)[("nvlink", "moe_move")] == 3 * (24 + 24)
+    # same node: rows and return one move per expert (the pieces of _pieces), metadata per
+    # group; relayed: the group's rows, metadata and return forwarded once each
+    assert st_kinds(g2)[("nvlink", "moe_move")] == (2 * E_loc + 1) * 24 + 3 * 24
 
 
 def st_kinds(g) -> dict:
@@ -468,3 +470,50 @@ def test_default_tiles_match_torch(topology, E, H, F):
     got, want = run_sequential(g, inputs), run_sequential(plain, inputs)
     assert torch.allclose(got["out"], want["out"], rtol=1e-5, atol=1e-6)
     assert torch.equal(got["dropped"], want["dropped"])
+
+
+# -- the expert queue: each weight slice once for all sources ------------------------------------
+def weight_slice_spread(g, sched) -> dict:
+    """Per rank: the largest number of other tasks between the first and the last task of one
+    (local expert, row tile, part, weight columns) in the rank's compute queue (0: the tasks of
+    all sources on that slice of the expert's weights follow each other), and how many sources
+    each such slice has."""
+    out = {}
+    for rs in sched.ranks:
+        at: dict[tuple, list[int]] = {}
+        for i, tid in enumerate(rs.queues["compute"]):
+            t = g.tasks[tid]
+            if t.kind == "moe_expert":
+                w = t.reads[3]  # w_gate (parts 0, 1) or w_down (part 2): its columns
+                key = (t.params["local_expert"], t.params["row0"], t.params["part"], w.col0)
+                at.setdefault(key, []).append(i)
+        gaps = max(max(p) - min(p) + 1 - len(p) for p in at.values())
+        out[rs.rank] = (gaps, {len(p) for p in at.values()})
+    return out
+
+
+@pytest.mark.parametrize(
+    "topology,T_loc,H,E,top_k,F,kw",
+    [
+        ("1x2", 128, 1024, 8, 2, 256, {}),  # the default groups (4 experts) and column split
+        ("1x2", 64, 16, 8, 2, 32, {"expert_rows": 16, "expert_group": 1}),  # 2 row tiles
+        ("2x2", 32, 16, 16, 2, 32, {"expert_split": False}),  # RDMA and relayed sources
+        ("1x4", 32, 256, 8, 2, 256, {"expert_cols_f": 128, "expert_cols_h": 128}),
+        # issue 17's size on 2 GPUs, where critical_path takes the order it places on the
+        # workers (own rows first, before this test: remote rows arrive later)
+        ("1x2", 4096, 7168, 256, 8, 2048, {}),
+    ],
+)
+def test_each_weight_slice_is_queued_once_for_all_sources(topology, T_loc, H, E, top_k, F, kw):
+    """A rank's tiles of one expert's weights (or one slice of them, with the column split) for
+    all W sources follow each other in its compute queue, under every builtin policy: programs
+    taking them at about the same time read the slice from HBM once, not once per source (the
+    remote sources' tiles, whose results have further to go, used to be queued for every
+    expert before any of the rank's own rows: spread over thousands of tasks at issue 17's
+    size)."""
+    W = mg.Topology.parse(topology).world_size
+    g = mg.ops.moe_dispatch_combine(topology=topology, dtype=torch.bfloat16, T=T_loc * W, H=H,
+                                    E=E, top_k=top_k, F=F, **kw)  # fmt: skip
+    for policy in ("critical_path", "longest_path", "topological"):
+        spread = weight_slice_spread(g, mg.schedule(g, policy=policy))
+        assert spread == {r: (0, {W}) for r in range(W)}, (policy, spread)

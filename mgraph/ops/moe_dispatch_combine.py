@@ -9,7 +9,8 @@ is the number of dropped picks, 0 when ``out`` equals a dense MoE's.
 
 Lowering (a static graph; the CONTENTS of its buffers are data-dependent, see moe_tiles.py).
 Experts go in groups of ``expert_group`` consecutive experts of one rank: the unit of routing
-and of transfer, so work on a group starts as soon as that group's rows are there.
+and of waiting, so work on a group starts as soon as every source's rows of that group are
+there.
 1. route (compute, source s, one task per group): top-k, then pack ``x`` rows into ``send[s]``,
    one segment of C rows per global expert (the segment capacity, see "Capacity"), plus
    fp32 metadata rows, the group's entries of ``counts[s]`` [W, E_loc] (the filled rows of each
@@ -19,14 +20,18 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
    destination d's experts are contiguous: one block per (s, d) pair.
 2. dispatch: d's row of the counts, then each group's rows and metadata, go to ``recv[d]`` (slot
    of s). Inside a node: NVLink ``moe_move`` tasks that copy only the filled rows of each
-   segment. Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network
+   segment, one per expert for the rows (so a group's rows move on several NVLink workers at
+   once) and one per group for the metadata. Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network
    joins), which forwards over NVLink (a ``moe_move`` reading the count that landed at d), or
    lands directly when that rail peer is d. The RDMA legs move whole group regions: the proxy
    encodes its WRITEs at launch from static regions, so a count-sized WRITE needs the proxy to
    read the count.
 3. experts (compute, d): one task per (source, local expert, row tile) computes the SwiGLU expert
    on the tile's filled rows (its segment's count); a tile past the count exits at once. Tiles
-   start as soon as their group's rows arrived. With ``expert_cols_f`` and ``expert_cols_h``,
+   start when their group's rows from every source arrived, and the tiles of all sources on
+   one expert's weights (or one slice of them, below) follow each other in the queue (see
+   ``_Lowering.run``): the programs that take them at about the same time read the weights
+   once from HBM, not once per source. With ``expert_cols_f`` and ``expert_cols_h``,
    a tile is instead pass-1 tasks on slices of ``expert_cols_f`` hidden columns, then (after
    all of them) pass-2 tasks on slices of ``expert_cols_h`` output columns: several programs
    work on one expert at once, each streaming its own slice of the weights while the tile's
@@ -36,8 +41,10 @@ and of transfer, so work on a group starts as soon as that group's rows are ther
    split, the defaults before, 14.6 ms). The SwiGLU hidden goes to a scratch region of
    ``hidden[d]``. Rows of d's own tokens never leave d: their tiles read ``send[d]`` and write
    ``back[d]``.
-4. return: each group of ``ret[d]``'s slot of s goes back to ``back[s]`` by the reverse path
-   (filled rows only on NVLink legs, which read s's own counts).
+4. return: ``ret[d]``'s slot of s goes back to ``back[s]`` by the reverse path, in the pieces of
+   the dispatch (one move per expert inside a node, each after every source's tiles of that
+   expert; per group across nodes), filled rows only on NVLink legs (which read s's own
+   counts).
 5. combine (compute, s, one task per token tile and column tile): out[token] = the sum of weight
    * y over the token's k rows of ``back[s]``, found through the picks map.
 
@@ -396,11 +403,23 @@ class _Lowering:
         }
         finished: list[list[Task]] = [[] for _ in self.topo.ranks]  # writers of back[s]
         for d in self.topo.ranks:
-            for s in self._sources(d):
-                mine = routes[d][d * self.groups : (d + 1) * self.groups]
-                ready = [[t] for t in mine] if s == d else arrivals[(s, d)]
-                tiles = self.experts(d, s, ready)
-                finished[s] += sum(tiles, []) if s == d else self.give_back(d, s, tiles)
+            sources = self._sources(d)
+            mine = routes[d][d * self.groups : (d + 1) * self.groups]
+            # A group's tiles start when every source's rows of the group are there
+            ready = [[t, *(x for s in sources[1:] for x in arrivals[(s, d)][g])]
+                     for g, t in enumerate(mine)]  # fmt: skip
+            tiles = self.experts(d, ready)
+            finished[d] += sum(tiles[d], [])
+            # Each return of a group waits for every source's tiles of the group, its own
+            # rows' too: without that, a remote source's tiles have the longer path (the
+            # return, then the combine) and the scheduler queues them, every expert's, before
+            # any tile of d's own rows, so d streams each expert's weights once per source.
+            # Equally urgent, each weight slice's tiles of all sources queue side by side
+            # (experts emits them so). The cost: a group's rows go back when all of its
+            # sources' tiles are done, which the interleaved queue makes about the same time.
+            together = [sum((tiles[s][j] for s in sources), []) for j in range(self.E_loc)]
+            for s in sources[1:]:
+                finished[s] += self.give_back(d, s, together)
         for s in self.topo.ranks:
             self.combine(s, finished[s] + routes[s])
 
@@ -563,132 +582,178 @@ class _Lowering:
         )
         arrived = []
         for g in range(self.groups):
-            cols = self._group_cols(g)
-            counts = (
-                self.counts[s].region((d, d + 1), cols=cols),
-                self.recv_counts[d].region((i, i + 1), cols=cols),
-                [count],
-            )
-            src, dst = self._group_rows(d, g), self._group_rows(i, g)
-            offset = g * self.group * self.seg
             tag = f"r{s}->r{d} g{g}"
-            rows = self.move(self.send[s].region(src), self.recv[d].region(dst), self.relay,
-                             [mine[g]], f"dispatch {tag}", counts=counts, offset=offset)  # fmt: skip
+            rows = [
+                self.move(self.send[s].region(self._expert_rows(d, j0, j1)),
+                          self.recv[d].region(self._expert_rows(i, j0, j1)), self.relay,
+                          [mine[g]], f"dispatch {tag} e{j0}:{j1}",
+                          counts=(*self._counts(s, d, j0, j1), [count]), offset=j0 * self.seg)
+                for j0, j1 in self._pieces(s, d, g)
+            ]  # fmt: skip
+            cols = self._group_cols(g)
+            src, dst = self._expert_rows(d, *cols), self._expert_rows(i, *cols)
             meta = self.move(self.send_meta[s].region(src), self.recv_meta[d].region(dst),
-                             self.relay_meta, [mine[g]], f"dispatch-meta {tag}", counts=counts,
-                             offset=offset)  # fmt: skip
-            arrived.append([count, rows, meta])
+                             self.relay_meta, [mine[g]], f"dispatch-meta {tag}",
+                             counts=(*self._counts(s, d, *cols), [count]),
+                             offset=cols[0] * self.seg)  # fmt: skip
+            arrived.append([count, *rows, meta])
         return arrived
 
-    def experts(self, d: int, s: int, ready: list[list[Task]]) -> list[list[Task]]:
-        """Expert tiles on d for the rows s sent, per group (each after ``ready[group]``); they
-        write back[d] (own) or ret[d]."""
+    def _counts(self, s: int, d: int, j0: int, j1: int) -> tuple[Region, Region]:
+        """The counts of d's local experts [j0, j1) in s's rows: where s wrote them, where d
+        received them."""
+        i = self._peer_index(d, s)
+        return (self.counts[s].region((d, d + 1), cols=(j0, j1)),
+                self.recv_counts[d].region((i, i + 1), cols=(j0, j1)))  # fmt: skip
+
+    def _expert_rows(self, slot: int, j0: int, j1: int) -> tuple[int, int]:
+        """Rows of the slot's local experts [j0, j1) inside ``slot``."""
+        return (slot * self.block + j0 * self.seg, slot * self.block + j1 * self.seg)
+
+    def _pieces(self, a: int, z: int, g: int) -> list[tuple[int, int]]:
+        """The local experts each move of group ``g``'s rows from rank ``a`` to ``z`` carries.
+        NVLink: one move per expert. A move is one NVLink worker's task, and 2 ranks have
+        one group in flight per worker (16 at issue 17's size: about 15 MB each at the
+        expected fill, a whole group's rows arriving when all of them do); moves of one expert
+        spread a group over the workers, so the group's tiles (and returns, after them) start
+        sooner. Across nodes: the group, one RDMA write (the proxy's ~17 us a command)."""
+        j0, j1 = self._group_cols(g)
+        if self.topo.link(a, z) != "nvlink":
+            return [(j0, j1)]
+        return [(j, j + 1) for j in range(j0, j1)]
+
+    def experts(self, d: int, ready: list[list[Task]]) -> dict[int, list[list[Task]]]:
+        """Expert tiles on d for the rows each source s sent, per source and group (each after
+        ``ready[s][group]``); they write back[d] (own) or ret[d].
+
+        The tiles of every source on one (expert, row tile, weight slice) are emitted one after
+        another: they read the same weights, and run() makes them equally urgent, so the
+        scheduler (ties by id) queues them side by side, where the programs that take them at
+        about the same time can share the slice's reads through L2 instead of each streaming
+        it from HBM."""
         seg, H, F = self.seg, self.H, self.F
-        if s == d:
-            rows, meta, out, base = self.send[d], self.send_meta[d], self.back[d], d * self.block
-            counts, slot = self.counts[d], d
-        else:
-            rows, meta, out = self.recv[d], self.recv_meta[d], self.ret[d]
-            base = self._peer_slot(d, s)[0]
-            counts, slot = self.recv_counts[d], self._peer_index(d, s)
+        sources = self._sources(d)
+        io = {s: self._tile_io(d, s) for s in sources}
         expected = self.expected  # per (source, expert); <= T_loc as top_k <= E
-        by_group: list[list[Task]] = []
+        by_expert: dict[int, list[list[Task]]] = {s: [] for s in sources}
         for j in range(self.E_loc):
             if j % self.group == 0:
                 waits = self.b.after(d, ready[j // self.group])
-                by_group.append([])
+            for s in sources:
+                by_expert[s].append([])
             weights = [
                 self.w_gate[d].region((j * H, (j + 1) * H)),
                 self.w_up[d].region((j * H, (j + 1) * H)),
                 self.w_down[d].region((j * F, (j + 1) * F)),
             ]
-            count = counts.region((slot, slot + 1), cols=(j, j + 1))
             for r0, r1 in split(seg, self.tile_rows):
                 # The route tile packs routed rows at the front of a segment.
                 rows_expected = min(max(expected - r0, 0.0), float(r1 - r0))
-                span = (base + j * seg + r0, base + j * seg + r1)
-                scratch = s * self.block + j * seg
-                hidden = self.hidden[d].region((scratch + r0, scratch + r1))
-                name = f"expert r{d} e{d * self.E_loc + j} from r{s} [{r0}:{r1}]"
-                # source and capacity: for moe_tiles.weight_streams (not encoded)
-                params = {"local_expert": j, "row0": r0, "expected_rows": rows_expected,
-                          "source": s, "capacity": seg}  # fmt: skip
-                head = [rows.region(span), meta.region(span), count]
+                # source -> (head, span, out, meta, count, params, name)
+                tile: dict[int, tuple] = {}
+                for s in sources:
+                    rows, meta, out, base, counts, slot = io[s]
+                    span = (base + j * seg + r0, base + j * seg + r1)
+                    count = counts.region((slot, slot + 1), cols=(j, j + 1))
+                    # source and capacity: for moe_tiles.weight_streams (not encoded)
+                    params = {"local_expert": j, "row0": r0, "expected_rows": rows_expected,
+                              "source": s, "capacity": seg}  # fmt: skip
+                    name = f"expert r{d} e{d * self.E_loc + j} from r{s} [{r0}:{r1}]"
+                    head = [rows.region(span), meta.region(span), count]
+                    tile[s] = (head, span, out, meta, count, params, name)
+                scratch = {s: s * self.block + j * seg for s in sources}
+                rows_s = {s: (scratch[s] + r0, scratch[s] + r1) for s in sources}
                 if not self.cols_f:
-                    by_group[-1].append(
-                        self.b.task(
-                            d,
-                            Role.COMPUTE,
-                            EXPERT,
-                            [*head, *weights],
-                            [out.region(span), hidden],
-                            waits=waits,
-                            name=name,
-                            params={**params, "part": 0},
-                            flops=expert_flops(rows_expected, H, F),
+                    for s in sources:
+                        head, span, out, _, _, params, name = tile[s]
+                        hidden = self.hidden[d].region(rows_s[s])
+                        by_expert[s][-1].append(
+                            self.b.task(
+                                d,
+                                Role.COMPUTE,
+                                EXPERT,
+                                [*head, *weights],
+                                [out.region(span), hidden],
+                                waits=waits,
+                                name=name,
+                                params={**params, "part": 0},
+                                flops=expert_flops(rows_expected, H, F),
+                            )
                         )
-                    )
                     continue
                 # The column split: pass-1 tasks on slices of hidden columns, then pass-2 tasks
                 # on slices of output columns, each reading the whole hidden rows. The slices
                 # of one tile run on several programs at once, so they read the tile's rows
                 # (x, then hidden) from L2 while each streams its own slice of the weights.
-                first = [
-                    self.b.task(
-                        d,
-                        Role.COMPUTE,
-                        EXPERT,
-                        [
-                            *head,
-                            self.w_gate[d].region((j * H, (j + 1) * H), (f0, f1)),
-                            self.w_up[d].region((j * H, (j + 1) * H), (f0, f1)),
-                        ],
-                        [self.hidden[d].region((scratch + r0, scratch + r1), (f0, f1))],
-                        waits=waits,
-                        name=f"{name} hidden[{f0}:{f1}]",
-                        params={**params, "part": 1},
-                        flops=4.0 * rows_expected * H * (f1 - f0),
-                    )
-                    for f0, f1 in split(F, self.cols_f)
-                ]
-                ready_hidden = self.b.after(d, first)
-                for c0, c1 in split(H, self.cols_h):
-                    by_group[-1].append(
-                        self.b.task(
-                            d,
-                            Role.COMPUTE,
-                            EXPERT,
-                            [
-                                hidden,
-                                meta.region(span),
-                                count,
-                                self.w_down[d].region((j * F, (j + 1) * F), (c0, c1)),
-                            ],
-                            [out.region(span, cols=(c0, c1))],
-                            waits=ready_hidden,
-                            name=f"{name} y[{c0}:{c1}]",
-                            params={**params, "part": 2},
-                            flops=2.0 * rows_expected * F * (c1 - c0),
+                first: dict[int, list[Task]] = {s: [] for s in sources}
+                for f0, f1 in split(F, self.cols_f):
+                    for s in sources:
+                        head, _, _, _, _, params, name = tile[s]
+                        first[s].append(
+                            self.b.task(
+                                d,
+                                Role.COMPUTE,
+                                EXPERT,
+                                [
+                                    *head,
+                                    self.w_gate[d].region((j * H, (j + 1) * H), (f0, f1)),
+                                    self.w_up[d].region((j * H, (j + 1) * H), (f0, f1)),
+                                ],
+                                [self.hidden[d].region(rows_s[s], (f0, f1))],
+                                waits=waits,
+                                name=f"{name} hidden[{f0}:{f1}]",
+                                params={**params, "part": 1},
+                                flops=4.0 * rows_expected * H * (f1 - f0),
+                            )
                         )
-                    )
-        return by_group
+                ready_hidden = {s: self.b.after(d, first[s]) for s in sources}
+                for c0, c1 in split(H, self.cols_h):
+                    for s in sources:
+                        _, span, out, meta, count, params, name = tile[s]
+                        hidden = self.hidden[d].region(rows_s[s])
+                        by_expert[s][-1].append(
+                            self.b.task(
+                                d,
+                                Role.COMPUTE,
+                                EXPERT,
+                                [
+                                    hidden,
+                                    meta.region(span),
+                                    count,
+                                    self.w_down[d].region((j * F, (j + 1) * F), (c0, c1)),
+                                ],
+                                [out.region(span, cols=(c0, c1))],
+                                waits=ready_hidden[s],
+                                name=f"{name} y[{c0}:{c1}]",
+                                params={**params, "part": 2},
+                                flops=2.0 * rows_expected * F * (c1 - c0),
+                            )
+                        )
+        return by_expert
+
+    def _tile_io(self, d: int, s: int) -> tuple[Buffer, Buffer, Buffer, int, Buffer, int]:
+        """Where d's expert tiles for source s read rows and metadata, write outputs, the first
+        row of s's slot there, and where s's counts are (buffer, row)."""
+        if s == d:
+            return self.send[d], self.send_meta[d], self.back[d], d * self.block, self.counts[d], d
+        i = self._peer_index(d, s)
+        return (self.recv[d], self.recv_meta[d], self.ret[d], self._peer_slot(d, s)[0],
+                self.recv_counts[d], i)  # fmt: skip
 
     def give_back(self, d: int, s: int, tiles: list[list[Task]]) -> list[Task]:
-        """The expert outputs d computed for s, back into s's ``back`` buffer, per group."""
+        """The expert outputs d computed for s, back into s's ``back`` buffer, in the pieces
+        of ``_pieces`` (each after ``tiles`` of its experts, ``tiles[j]`` for local expert j)."""
         i = self._peer_index(d, s)
         moves = []
         for g in range(self.groups):
-            cols = self._group_cols(g)
-            # The counts are at both ends already: d received them, s wrote them.
-            counts = (
-                self.recv_counts[d].region((i, i + 1), cols=cols),
-                self.counts[s].region((d, d + 1), cols=cols),
-                [],
-            )
-            src, dst = self._group_rows(i, g), self._group_rows(d, g)
-            moves.append(self.move(self.ret[d].region(src), self.back[s].region(dst),
-                                   self.relay_ret, tiles[g], f"return r{d}->r{s} g{g}",
-                                   counts=counts, offset=g * self.group * self.seg))  # fmt: skip
+            for j0, j1 in self._pieces(d, s, g):
+                # The counts are at both ends already: s wrote them, d received them.
+                at_s, at_d = self._counts(s, d, j0, j1)
+                moves.append(self.move(self.ret[d].region(self._expert_rows(i, j0, j1)),
+                                       self.back[s].region(self._expert_rows(d, j0, j1)),
+                                       self.relay_ret, sum(tiles[j0:j1], []),
+                                       f"return r{d}->r{s} g{g} e{j0}:{j1}",
+                                       counts=(at_d, at_s, []), offset=j0 * self.seg))  # fmt: skip
         return moves
 
     def combine(self, s: int, finished: list[Task]) -> None:
