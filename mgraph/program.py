@@ -46,7 +46,8 @@ task that reads an element no task wrote shows as NaN in the first call's result
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ from .settings import Settings
 from .topology import Topology
 from .trace import OpGraph, trace
 from .trace.attention_map import additive_mask, token_major_attention
-from .trace.opgraph import Value
+from .trace.opgraph import ParamSource, Value
 from .trace.pointwise import fuse_pointwise
 from .validate import validate as validate_graph
 
@@ -179,6 +180,13 @@ class Program:
         self._chunk_ok: dict[tuple[str, int, int], bool] = {}
         # parameter name -> its module tensors as the runtime's buffers hold them (triton)
         self._loaded: dict[str, tuple[_Seen | None, ...]] = {}
+        # Worked out at the first call, kept for the Program's life (they read only the graph):
+        # each module input's checks, each parameter's recipe, and where its module tensors
+        # live (_Sources: followed again at every call, so replaced tensors are seen).
+        self._input_specs: list[_InputSpec] | None = None
+        self._param_specs: list[_ParamSpec] | None = None
+        self._sources: _Sources | None = None
+        self._gpu_seen = False  # torch saw a CUDA GPU at an earlier call
 
     @property
     def graph(self) -> TaskGraph:
@@ -233,32 +241,75 @@ class Program:
         self,
         out: dict[str, torch.Tensor],
         loaded: Mapping[str, tuple[_Seen | None, ...]] | None = None,
+        held: Collection[str] | None = None,
     ) -> dict[str, tuple[_Seen | None, ...]]:
         """The parameters the graph reads, built from the module now (global, flat 2-D) into
-        ``out``; with ``loaded`` (what the runtime's buffers hold, by parameter name) only the
-        parameters whose module tensors changed since. Returns what every wanted parameter is
-        built from now."""
-        og, wanted = self.opgraph, self.graph.inputs
-        dtype = torch_dtype(og.dtype)
+        ``out``; with ``loaded`` (what the runtime's buffers hold, by parameter name; only the
+        names in ``held`` when given) only the parameters whose module tensors changed since.
+        Returns what every wanted parameter is built from now."""
+        specs = self._param_specs
+        if specs is None:
+            specs = self._param_specs = self._build_param_specs()
+        tensors = self._source_tensors()
+        dtype = torch_dtype(self.opgraph.dtype)
+        now: dict[str, tuple[_Seen | None, ...]] = {}
+        for spec in specs:
+            parts = [tensors[i] for i in spec.sources]
+            if loaded is not None:
+                before = loaded.get(spec.name) if held is None or spec.name in held else None
+                if before is not None and _unchanged(before, parts):
+                    now[spec.name] = before
+                    continue
+                now[spec.name] = tuple(_Seen.of(t) for t in parts)
+            t = spec.source.build(dict(zip(spec.source.fqns, parts, strict=True))).to(dtype)
+            out[spec.name] = t.reshape(spec.flat)
+        return now
+
+    def _build_param_specs(self) -> list[_ParamSpec]:
+        wanted, fqns = self.graph.inputs, self._fqns()
+        at = {f: i for i, f in enumerate(fqns)}
+        specs = []
+        for value in self.opgraph.params:
+            if value.name in wanted:
+                assert value.source is not None
+                specs.append(
+                    _ParamSpec(
+                        value.name,
+                        value.source,
+                        tuple(at[f] for f in value.source.fqns),
+                        flat_shape(value.shape),
+                    )
+                )
+        return specs
+
+    def _fqns(self) -> list[str]:
+        """Every module tensor name the wanted parameters are built from, each once."""
+        wanted = self.graph.inputs
+        names = [
+            f
+            for value in self.opgraph.params
+            if value.name in wanted and value.source is not None
+            for f in value.source.fqns
+        ]
+        return list(dict.fromkeys(names))
+
+    def _source_tensors(self) -> list[torch.Tensor]:
+        """The module tensors named by ``_fqns()`` as the module holds them now: through the
+        kept _Sources while every module and table entry on their paths is the one it found,
+        else (first call, or the module changed shape) by name from ``named_parameters`` and
+        ``named_buffers`` (the OpGraph's constants over both), finding the paths again."""
+        if self._sources is not None:
+            got = self._sources.resolve()
+            if got is not None:
+                return got
+        og = self.opgraph
         tensors = dict(self.module.named_parameters(remove_duplicate=False))
         tensors.update(self.module.named_buffers(remove_duplicate=False))
         tensors.update(og.constants)
-        now: dict[str, tuple[_Seen | None, ...]] = {}
-        for value in og.params:
-            if value.name in wanted:
-                assert value.source is not None
-                if loaded is not None:
-                    held = loaded.get(value.name)
-                    sources = [tensors[f] for f in value.source.fqns]
-                    if held is not None and all(
-                        s is not None and s.matches(t) for s, t in zip(held, sources, strict=True)
-                    ):
-                        now[value.name] = held
-                        continue
-                    now[value.name] = tuple(_Seen.of(t) for t in sources)
-                t = value.source.build(tensors).to(dtype)
-                out[value.name] = t.reshape(flat_shape(value.shape))
-        return now
+        fqns = self._fqns()
+        found = [tensors[f] for f in fqns]
+        self._sources = _Sources.find(self.module, fqns, og.constants, found)
+        return found
 
     def reload_parameters(self) -> None:
         """Copy every parameter into the kernel's buffers again at the next call (backend
@@ -275,12 +326,27 @@ class Program:
 
     def _module_inputs(self, args: Sequence[Any]) -> dict[str, torch.Tensor]:
         self._check_count(args)
-        wanted = self.graph.inputs
+        specs = self._input_specs
+        if specs is None:
+            wanted, dtype = self.graph.inputs, torch_dtype(self.opgraph.dtype)
+            specs = self._input_specs = [
+                _InputSpec(v, v.name in wanted, flat_shape(v.shape), dtype)
+                for v in self.opgraph.inputs
+            ]
         out: dict[str, torch.Tensor] = {}
-        for value, arg in zip(self.opgraph.inputs, args, strict=True):
-            arg = self._arg(value, arg, [value.shape])
-            if value.name in wanted:
-                out[value.name] = arg.reshape(flat_shape(value.shape))
+        for spec, arg in zip(specs, args, strict=True):
+            value = spec.value
+            # the common case checked inline; anything else (a mismatch: its named error, a
+            # boolean mask: its additive form) through _arg
+            if not (
+                isinstance(arg, torch.Tensor)
+                and value.encoding is None
+                and arg.dtype == spec.dtype
+                and arg.shape == value.shape
+            ):
+                arg = self._arg(value, arg, [value.shape])
+            if spec.wanted:
+                out[value.name] = arg.reshape(spec.flat)
         return out
 
     # -- running ------------------------------------------------------------------------------
@@ -315,8 +381,9 @@ class Program:
 
         poison = opts.pop("poison", None)
         interpret = bool(opts.get("interpret"))
-        if not interpret:
+        if not interpret and not self._gpu_seen:
             _triton_available()
+            self._gpu_seen = True  # a GPU torch saw does not go away: checked once
         world = self.topology.world_size
         if world > 1 and not interpret:
             return self._run_spmd(args, settings, opts, poison)
@@ -344,7 +411,7 @@ class Program:
         at every launch with ``poison``."""
         runtime = self._runtime
         held = runtime.loaded_inputs()  # what the runtime can keep: never a buffer a task writes
-        now = self._params(inputs, {n: s for n, s in self._loaded.items() if n in held})
+        now = self._params(inputs, self._loaded, held)
         resident = [name for name in now if name not in inputs]
         # a run that fails part-way leaves the buffers in no known state: reload them all next
         self._loaded = {}
@@ -532,3 +599,123 @@ class _Seen:
             and t.dtype == self.dtype
             and t.device == self.device
         )
+
+
+def _unchanged(held: tuple[_Seen | None, ...], tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every module tensor is the one ``held`` saw (a None never matches)."""
+    if len(held) != len(tensors):
+        return False
+    for seen, t in zip(held, tensors, strict=True):
+        if seen is None or not seen.matches(t):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class _InputSpec:
+    """A module input's checks, worked out once: its traced value, whether the graph reads
+    it, its flat 2-D shape and the dtype it must have (the compiled one)."""
+
+    value: Value
+    wanted: bool
+    flat: tuple[int, int]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _ParamSpec:
+    """A parameter the graph reads: its name, how it is built, the indices of its module
+    tensors in ``Program._fqns()`` and its flat 2-D shape."""
+
+    name: str
+    source: ParamSource
+    sources: tuple[int, ...]
+    flat: tuple[int, int]
+
+
+_CONSTANT, _PARAMETER, _BUFFER = 0, 1, 2
+
+
+class _Sources:
+    """Where each module tensor a Program builds parameters from lives, found once: the names
+    of the ``_modules`` entries from the root module down to its owner and its key in the
+    owner's ``_parameters`` or ``_buffers`` (the tables ``named_parameters`` and
+    ``named_buffers`` read), or an OpGraph constant. ``resolve`` walks the same names at every
+    call, so a new Parameter, buffer tensor or submodule is what it finds, without a walk over
+    every module and tensor of the module; where the names no longer lead to one tensor of the
+    same table (a submodule removed, a tensor deleted or set to None, a parameter shadowed by a
+    buffer of its name) it returns None and the Program looks every name up again."""
+
+    __slots__ = ("root", "edges", "entries")
+
+    def __init__(self, root: nn.Module, edges: list, entries: list) -> None:
+        self.root = root
+        self.edges: list[tuple[int, str]] = edges  # (parent's index in the walk, child's name)
+        self.entries: list[tuple[int, Any, str]] = entries  # (where, module index or constant, key)
+
+    @staticmethod
+    def find(
+        root: nn.Module,
+        fqns: Sequence[str],
+        constants: Mapping[str, torch.Tensor],
+        found: Sequence[torch.Tensor],
+    ) -> _Sources | None:
+        """The walks to ``fqns``, whose tensors were just looked up by name as ``found``;
+        None when a walk does not lead to the same tensor (a module whose ``named_*`` methods
+        report something else than its tables): such a Program looks names up at every
+        call."""
+        index: dict[tuple[str, ...], int] = {(): 0}
+        modules = [root]
+        edges: list[tuple[int, str]] = []
+        entries: list[tuple[int, Any, str]] = []
+        for fqn, tensor in zip(fqns, found, strict=True):
+            if fqn in constants:
+                entries.append((_CONSTANT, constants[fqn], fqn))
+                continue
+            *path, key = fqn.split(".")
+            at = 0
+            for depth, name in enumerate(path):
+                prefix = tuple(path[: depth + 1])
+                if prefix not in index:
+                    child = modules[at]._modules.get(name)
+                    if child is None:
+                        return None
+                    edges.append((at, name))
+                    index[prefix] = len(modules)
+                    modules.append(child)
+                at = index[prefix]
+            owner = modules[at]
+            if owner._buffers.get(key) is not None:
+                where, held = _BUFFER, owner._buffers[key]
+            else:
+                where, held = _PARAMETER, owner._parameters.get(key)
+            if held is not tensor:
+                return None
+            entries.append((where, at, key))
+        return _Sources(root, edges, entries)
+
+    def resolve(self) -> list[torch.Tensor] | None:
+        """The tensors the same names lead to now, in ``fqns`` order; None where a name leads
+        nowhere or to the other table."""
+        modules = [self.root]
+        for parent, name in self.edges:
+            child = modules[parent]._modules.get(name)
+            if child is None:
+                return None
+            modules.append(child)
+        out = []
+        for where, at, key in self.entries:
+            if where == _CONSTANT:
+                out.append(at)
+                continue
+            owner = modules[at]
+            if where == _BUFFER:
+                t = owner._buffers.get(key)
+            else:  # a buffer of the same name would win in the lookup by name
+                t = owner._parameters.get(key)
+                if owner._buffers.get(key) is not None:
+                    return None
+            if t is None:
+                return None
+            out.append(t)
+        return out

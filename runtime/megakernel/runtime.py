@@ -115,6 +115,7 @@ class TritonRuntime:
     """One rank's compiled schedule: tables on the GPU, arena, flags; ``run`` launches it."""
 
     _plan: _CallPlan | None = None  # the per-call bookkeeping, built at the first load
+    _record_host: torch.Tensor | None = None  # pinned host copy of the watchdog record (GPU)
 
     def __init__(
         self,
@@ -322,7 +323,7 @@ class TritonRuntime:
         can be resident: anything else is an InputError, never a stale value."""
         plan = self._call_plan()
         graph = self.graph
-        skip = [n for n in resident if n not in inputs]
+        skip = [n for n in dict.fromkeys(resident) if n not in inputs]
         if skip:
             never = sorted(n for n in skip if n not in plan.loaded)
             if never:
@@ -332,14 +333,16 @@ class TritonRuntime:
                     hint="pass these inputs",
                 )
         if self.world == 1 or self.rank is None:
-            # resident inputs are checked as the placeholders of what was loaded
-            check_inputs(graph, {**{n: plan.placeholders[n] for n in skip}, **inputs})
-            for name, bufs in plan.inputs.items():
+            if not plan.accepts(inputs, skip):
+                # the named error; resident inputs are checked as the placeholders of what
+                # was loaded
+                check_inputs(graph, {**{n: plan.placeholders[n] for n in skip}, **inputs})
+            for name, targets in plan.targets.items():
                 if name not in inputs:
                     continue
                 plan.loaded.discard(name)  # until every buffer of it holds the new value
-                for buf in bufs:
-                    self.views[buf.id].copy_(buffer_shard(buf, inputs).reshape(buf.rows, buf.cols))
+                for buf, view in targets:
+                    view.copy_(buffer_shard(buf, inputs).reshape(buf.rows, buf.cols))
                 if name not in plan.volatile:
                     plan.loaded.add(name)
             return
@@ -371,7 +374,7 @@ class TritonRuntime:
     def _call_plan(self) -> _CallPlan:
         """The graph's per-call bookkeeping, worked out at the first load and kept."""
         if self._plan is None:
-            self._plan = _CallPlan.of(self.graph, self.mine)
+            self._plan = _CallPlan.of(self.graph, self.mine, self.views)
         return self._plan
 
     def launch(self, poison: bool = False) -> None:
@@ -549,9 +552,11 @@ class TritonRuntime:
             self._scratch_buf = torch.empty(size, dtype=torch.int8, device=self.device)
         return self._scratch_buf
 
-    def check(self) -> None:
-        """Raise the proxy's error or the kernel's watchdog record, if any (synchronises)."""
-        err = self.d["err"].cpu().tolist()
+    def check(self, record: torch.Tensor | None = None) -> None:
+        """Raise the proxy's error or the kernel's watchdog record, if any. ``record``: a host
+        copy of the record that the caller has waited for (``run``'s); without it the record
+        is read from the device (synchronises)."""
+        err = (self.d["err"].cpu() if record is None else record).tolist()
         if self.net is not None:
             try:
                 self.net.check()
@@ -622,19 +627,20 @@ class TritonRuntime:
         watchdog record. The outputs: GLOBAL tensors of their own on one rank or every rank in
         one process; under SPMD the rank's local shards, views of its buffers (valid until the
         next launch). ``wall_s`` runs from the launch to the kernel's end (with a copied
-        output's copy, which is queued behind the kernel)."""
+        output's copy and the watchdog record's, which are queued behind the kernel)."""
         from mgraph.runtime.reference import RunResult
 
         self.load_inputs(inputs, resident)
         start = time.perf_counter()
         self.launch(poison=poison)
-        # queued before the host waits: the GPU runs it right after the kernel, not after a
-        # round trip to the host
+        # queued before the host waits: the GPU runs them right after the kernel, not after a
+        # round trip to the host (the record's copy: one wait for both, not a second one)
         whole = self._whole_outputs()
+        record = self._queue_record()
         if not self.interpret:
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - start
-        self.check()  # before reading anything else: a timeout is the root cause
+        self.check(record)  # before reading anything else: a timeout is the root cause
         if whole is not None:
             outputs = whole
         elif self.world == 1 or self.rank is None:
@@ -651,15 +657,29 @@ class TritonRuntime:
     def _whole_outputs(self) -> dict[str, torch.Tensor] | None:
         """Each output as a copy of the one buffer that holds all of it, when every output has
         such a buffer (one rank, or every rank in one process with unreplicated outputs);
-        otherwise None (gather_outputs assembles them)."""
+        otherwise None (gather_outputs assembles them). A copy, not the buffer: the caller's
+        outputs must stay as they are when the next launch writes the buffers."""
         plan = self._call_plan()
         if plan.whole is None or not (self.world == 1 or self.rank is None):
             return None
-        check_outputs_written(self.graph)  # once per graph (memory.py caches it)
-        return {
-            name: self.views[bid].reshape(self.graph.outputs[name].shape).clone()
-            for name, bid in plan.whole.items()
-        }
+        if not plan.written_checked:
+            check_outputs_written(self.graph)
+            plan.written_checked = True
+        return {name: view.clone() for name, view in plan.whole_views.items()}
+
+    def _queue_record(self) -> torch.Tensor | None:
+        """On a GPU: the watchdog record's copy into pinned host memory, queued behind the
+        kernel (valid once the host has waited for the stream); None in the interpreter, whose
+        record is host memory already."""
+        if self.interpret:
+            return None
+        host = self._record_host
+        if host is None:
+            host = self._record_host = torch.empty(
+                self.d["err"].shape, dtype=self.d["err"].dtype, pin_memory=True
+            )
+        host.copy_(self.d["err"], non_blocking=True)
+        return host
 
     def trace(self) -> Trace:
         """Per-task records of the last launch (when built with trace=True)."""
@@ -682,23 +702,48 @@ class TritonRuntime:
 class _CallPlan:
     """What every run reads of the graph, worked out once per runtime.
 
-    ``inputs``: each input's buffers on the ranks this runtime runs. ``volatile``: inputs with a
-    buffer that a task writes or that is zeroed before each launch; they are never resident
-    (reloaded at every run). ``loaded``: inputs whose buffers hold what the last load copied.
-    ``placeholders``: meta tensors of the inputs' global shapes and dtypes (a resident input's
-    stand-in for check_inputs). ``whole``: output name -> the id of the one buffer that holds
-    the whole output in one piece and in its dtype, or None when some output has no such
-    buffer.
+    ``inputs``: each input's buffers on the ranks this runtime runs; ``targets``: the same with
+    each buffer's view. ``volatile``: inputs with a buffer that a task writes or that is zeroed
+    before each launch; they are never resident (reloaded at every run). ``loaded``: inputs
+    whose buffers hold what the last load copied. ``placeholders``: meta tensors of the inputs'
+    global shapes and dtypes (a resident input's stand-in for check_inputs); ``specs``: the
+    same as (shape, dtype) pairs, for ``accepts``. ``whole``: output name -> the id of the one
+    buffer that holds the whole output in one piece and in its dtype, or None when some output
+    has no such buffer; ``whole_views``: those buffers viewed in the outputs' global shapes.
+    ``written_checked``: check_outputs_written has passed for the graph.
     """
 
     inputs: dict[str, list[Buffer]]
+    targets: dict[str, list[tuple[Buffer, torch.Tensor]]]
     volatile: set[str]
     placeholders: dict[str, torch.Tensor]
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
     whole: dict[str, str] | None
+    whole_views: dict[str, torch.Tensor]
     loaded: set[str] = field(default_factory=set)
+    written_checked: bool = False
+
+    def accepts(self, inputs: dict[str, torch.Tensor], resident: list[str]) -> bool:
+        """Whether ``inputs`` and the ``resident`` names (distinct, none of them in
+        ``inputs``) are exactly the graph's inputs, each passed tensor of its global shape
+        and dtype: check_inputs' checks without building its dict. False for anything else
+        (check_inputs then names the error)."""
+        specs = self.specs
+        if len(inputs) + len(resident) != len(specs):
+            return False
+        for name in resident:
+            if name not in specs:
+                return False
+        for name, t in inputs.items():
+            spec = specs.get(name)
+            if spec is None or not isinstance(t, torch.Tensor):
+                return False
+            if t.dtype != spec[1] or t.shape != spec[0]:
+                return False
+        return True
 
     @staticmethod
-    def of(graph: TaskGraph, ranks: set[int]) -> _CallPlan:
+    def of(graph: TaskGraph, ranks: set[int], views: dict[str, torch.Tensor]) -> _CallPlan:
         inputs: dict[str, list[Buffer]] = {}
         for buf in graph.buffers.values():
             if buf.rank in ranks and buf.role == "input" and buf.binding is not None:
@@ -708,10 +753,15 @@ class _CallPlan:
             name for name, bufs in inputs.items()
             if any(b.zeroed or b.id in written for b in bufs)
         }
-        placeholders = {
-            name: torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device="meta")
+        specs = {
+            name: (tuple(spec.shape), torch_dtype(spec.dtype))
             for name, spec in graph.inputs.items()
         }
+        placeholders = {
+            name: torch.empty(shape, dtype=dtype, device="meta")
+            for name, (shape, dtype) in specs.items()
+        }
+        targets = {name: [(b, views[b.id]) for b in bufs] for name, bufs in inputs.items()}
         holders: dict[str, list[Buffer]] = {}
         for buf in graph.buffers.values():
             if buf.rank in ranks and buf.role == "output" and buf.binding is not None:
@@ -728,7 +778,13 @@ class _CallPlan:
                 whole = None
                 break
             whole[name] = bufs[0].id
-        return _CallPlan(inputs, volatile, placeholders, whole)
+        whole_views = {
+            name: views[bid].reshape(graph.outputs[name].shape)
+            for name, bid in (whole or {}).items()
+        }
+        return _CallPlan(
+            inputs, targets, volatile, placeholders, specs, whole, whole_views
+        )
 
 
 class _SharedMemory:
