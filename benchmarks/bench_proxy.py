@@ -16,6 +16,13 @@ latency_us_median/p10/p90, ok, error):
             the destination flag on the proxy's stream): push -> destination flag, per command.
             ``roundtrip_us_median`` (push -> done flag, both on GPU0's clock) bounds it.
   bandwidth 64 KiB / 256 KiB / 1 MiB WRITEs, uncapped and paced at 50 GB/s, data checked.
+Protocols (``--protocols``, NativeProxy options; the first runs every bench, the others the
+latency bench only, to compare in one run): ``new`` fused flags (the default: a WRITE with its
+destination and done words is 2 CUDA calls, data then one call for both flags), ``old`` one call
+per flag word (3), ``new+driver`` fused with the data copy through the driver's cuMemcpyAsync.
+Every row carries ``cuda_calls_per_cmd`` (the proxy's queueing calls / commands) and the latency
+rows a canary: the consumer reads the first and last element of a command's destination chunk
+(NaN until written) right after its flag arrives, and counts arrivals that came before the data.
 ``--streams 1 4`` runs every case with each number of proxy copy streams (NativeProxy
 ``streams``, Settings.proxy_streams): commands carry lanes as netplan.py assigns them (flag word
 f on lane (f // LANE_BLOCK) % LANES, so a word keeps one stream and neighbouring words of a lane
@@ -61,6 +68,12 @@ from mgraph.runtime.proxy.command import encode  # noqa: E402
 from mgraph.runtime.proxy.native import NativeProxy  # noqa: E402
 
 KiB, MiB = 1024, 1024 * 1024
+# NativeProxy options per protocol (module docstring): "old" is the one before issue 15 item 2.
+PROTOCOLS = {
+    "new": {"fuse_flags": True, "driver_copy": False},
+    "old": {"fuse_flags": False, "driver_copy": False},
+    "new+driver": {"fuse_flags": True, "driver_copy": True},
+}
 MAX_FLAGS = 1024  # flag words per side; command k of those raising an event uses word k % 1024
 TARGETS = {"drain": 200e3, "latency": 10.0, "bandwidth": 45.0}  # k cmd/s, median us, GB/s@256K
 _EPOCH = 1
@@ -94,10 +107,11 @@ def _producer(ring, dhead, tail, capacity, rows, n_cmds, epoch, push_ns, done_ns
 
 
 @triton.jit(do_not_specialize=["n_watch"])
-def _consumer(flags, watch_flag, watch_target, n_watch, arrive_ns, status, abort, limit,
-              ASM: tl.constexpr):  # fmt: skip
+def _consumer(flags, watch_flag, watch_target, n_watch, arrive_ns, status, abort, limit, dst,
+              cols, n_slots, ASM: tl.constexpr, CANARY: tl.constexpr):  # fmt: skip
     k = 0
     ok = 1
+    early = 0
     while (k < n_watch) & (ok == 1):
         target = tl.load(watch_target + k)
         seen = wait(flags + tl.load(watch_flag + k), target, limit, abort, ASM)
@@ -106,7 +120,13 @@ def _consumer(flags, watch_flag, watch_target, n_watch, arrive_ns, status, abort
             tl.store(status, k)
             tl.store(status + 1, seen.to(tl.int64))
             ok = 0
+        elif CANARY:  # watch k is command k, whose chunk is k % n_slots: written by now?
+            row = dst + (k % n_slots).to(tl.int64) * cols
+            first = tl.load(row, volatile=True)
+            last = tl.load(row + cols - 1, volatile=True)
+            early += ((first != first) | (last != last)).to(tl.int32)  # NaN: not yet written
         k += 1
+    tl.store(status + 2, early.to(tl.int64))
 
 
 @dataclass
@@ -120,6 +140,7 @@ class Case:
     producers: int = 8
     flags: str = "copy"  # how the proxy raises GPU flags: copy-engine copy | stream memop
     streams: int = 1  # the proxy's copy streams
+    protocol: str = "new"  # PROTOCOLS: the proxy's CUDA calls per command
 
 
 class Rig:
@@ -220,7 +241,8 @@ def run_case(case: Case, rig: Rig) -> dict:
     # idle_sleep_us=0: the loop spins, as a GPU's proxy must to see a push within microseconds.
     proxy = NativeProxy(fifo, transport, 32, rank=0, timeout=30, coalesce=False,
                         bandwidth=case.cap_gbps * 1e9, idle_sleep_us=0,
-                        flag_copy=case.flags == "copy", streams=case.streams)  # fmt: skip
+                        flag_copy=case.flags == "copy", streams=case.streams,
+                        **PROTOCOLS[case.protocol])  # fmt: skip
 
     def full(size: int, dtype: torch.dtype, dev: torch.device, fill: int = 0) -> torch.Tensor:
         return torch.full((size,), fill, dtype=dtype, device=dev)
@@ -232,9 +254,12 @@ def run_case(case: Case, rig: Rig) -> dict:
     dhead = full(1, torch.int64, src_dev)
     push_ns, done_ns = full(n, torch.int64, src_dev), full(n, torch.int64, src_dev)
     arrive_ns = full(n_watch, torch.int64, dst_dev)
-    p_status, c_status = full(1, torch.int64, src_dev, -1), full(2, torch.int64, dst_dev, -1)
+    p_status, c_status = full(1, torch.int64, src_dev, -1), full(3, torch.int64, dst_dev, -1)
     p_abort, c_abort = full(1, torch.int32, src_dev), full(1, torch.int32, dst_dev)
     asm = not rig.cpu
+    # One command per watch, and no chunk reused (rig.slot_bytes holds them all): the consumer
+    # can tell whether command k's data was there when its flag arrived.
+    canary = case.bench == "latency" and case.kind == "write" and n <= n_slots
 
     def producer(count: int) -> None:
         with torch.cuda.device(src_dev) if asm else nullcontext():
@@ -246,7 +271,7 @@ def run_case(case: Case, rig: Rig) -> dict:
     def consumer(count: int) -> None:
         with torch.cuda.device(dst_dev) if asm else nullcontext():
             _consumer[(1,)](flags[1], *w_dst, count, arrive_ns, c_status, c_abort, rig.limit,
-                            ASM=asm, num_warps=1)  # fmt: skip
+                            dst, cols, n_slots, ASM=asm, CANARY=canary, num_warps=1)  # fmt: skip
 
     # Load both kernels on their devices with these very specialisations before either spins:
     # a first launch on a device whose kernel spins can wait forever for the device to idle.
@@ -279,6 +304,9 @@ def run_case(case: Case, rig: Rig) -> dict:
             errors.append(f"proxy: {err}")
     finally:
         faulthandler.cancel_dump_traceback_later()
+    early = int(c_status[2].item()) if canary else 0
+    if early > 0:
+        errors.append(f"{early} of {n} flags arrived before their chunk's data (canary)")
     if c_status[0].item() >= 0:
         k = c_status[0].item()
         errors.append(f"consumer gave up at watch {k}: flag {watch[k, 0].item()} was "
@@ -305,7 +333,9 @@ def run_case(case: Case, rig: Rig) -> dict:
     ls, nb = proxy.loop_stats(), max(proxy.stats.batches, 1)
     row.update(proxy_us=round((ls["busy_ns"] - ls["paced_ns"]) / nb / 1e3, 2),
                cuda_calls_per_batch=round(ls["cuda_calls"] / nb, 2),
-               cuda_call_us=round(ls["cuda_call_ns"] / max(ls["cuda_calls"], 1) / 1e3, 2))  # fmt: skip
+               cuda_calls_per_cmd=round(ls["cuda_calls"] / max(proxy.stats.commands, 1), 3),
+               cuda_call_us=round(ls["cuda_call_ns"] / max(ls["cuda_calls"], 1) / 1e3, 2),
+               cuda_apis=proxy.cuda_apis, canary=canary)  # fmt: skip
     if errors:
         return {**row, "error": "; ".join(errors)}
     push_t, arrive_t = push_ns.cpu(), arrive_ns.cpu()
@@ -346,9 +376,14 @@ def _launch(producer, consumer, n, n_watch, asm, devices, deadline, proxy) -> fl
     return time.perf_counter() - start
 
 
-def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",), streams=(1,)) -> list[Case]:
-    return [Case(**{**asdict(c), "streams": k}) for k in streams
+def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",), streams=(1,),
+         protocols=("new",)) -> list[Case]:  # fmt: skip
+    """Every case with protocols[0]; the latency cases again with each other protocol."""
+    base = [Case(**{**asdict(c), "streams": k, "protocol": protocols[0]}) for k in streams
             for c in _plan(rig, quick, two_gpus, flag_modes)]  # fmt: skip
+    more = [Case(**{**asdict(c), "protocol": p}) for p in protocols[1:] for c in base
+            if c.bench == "latency"]  # fmt: skip
+    return base + more
 
 
 def _plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",)) -> list[Case]:
@@ -403,12 +438,13 @@ def target(row: dict, cpu: bool) -> str:
 
 
 def table(rows: list[dict], cpu: bool) -> str:
-    lines = ["| bench | kind | flags | streams | path | chunk | cap GB/s | cmds | ms | k cmd/s | "
-             "GB/s | lat p10 / med / p90 us | proxy us/batch (CUDA calls x us) | target |",
-             "|---" * 14 + "|"]  # fmt: skip
+    lines = ["| bench | kind | flags | protocol | streams | path | chunk | cap GB/s | cmds | ms | "
+             "k cmd/s | GB/s | lat p10 / med / p90 us | proxy us/batch (CUDA calls/cmd x us) | "
+             "target |", "|---" * 15 + "|"]  # fmt: skip
     for r in rows:
         flags = r["flags"] if r["kind"] != "nop" else "-"
-        head = f"| {r['bench']} | {r['kind']} | {flags} | {r.get('streams', 1)} | {r['path']} | " \
+        head = f"| {r['bench']} | {r['kind']} | {flags} | {r.get('protocol', 'new')} | " \
+               f"{r.get('streams', 1)} | {r['path']} | " \
                f"{r['chunk_bytes']} | " \
                f"{r['cap_gbps'] or '-'} | {r['commands']} |"  # fmt: skip
         if not r["ok"]:
@@ -417,7 +453,7 @@ def table(rows: list[dict], cpu: bool) -> str:
         lat = "-" if r["latency_us_median"] is None else \
             f"{r['latency_us_p10']} / {r['latency_us_median']} / {r['latency_us_p90']}"  # fmt: skip
         host = "-" if r.get("proxy_us") is None else \
-            f"{r['proxy_us']} ({r['cuda_calls_per_batch']} x {r['cuda_call_us']})"  # fmt: skip
+            f"{r['proxy_us']} ({r['cuda_calls_per_cmd']} x {r['cuda_call_us']})"  # fmt: skip
         lines.append(f"{head} {r['ms']} | {r['commands_per_s'] / 1e3:.1f} | {r['gb_per_s']} | "
                      f"{lat} | {host} | {target(r, cpu)} |")  # fmt: skip
     note = "\nTimings are meaningless: Triton interpreter on the CPU (protocol check only).\n"
@@ -425,27 +461,29 @@ def table(rows: list[dict], cpu: bool) -> str:
 
 
 def summary(rows: list[dict]) -> str:
-    """Issue 15's numbers per setting (flag mode, streams): GB/s of 256 KiB WRITEs uncapped and
-    paced at 50 GB/s, 64 KiB WRITE drain commands/s, loopback push-to-flag median of the smallest
-    chunk."""
-    lines = ["| flags | streams | 256 KiB uncapped GB/s | 256 KiB at 50 GB/s cap | "
-             "64 KiB WRITE drain k cmd/s | loopback push->flag median us |",
-             "|---" * 6 + "|"]  # fmt: skip
-    settings = dict.fromkeys((r["flags"], r.get("streams", 1)) for r in rows if r["kind"] != "nop")
-    for flags, streams in settings:
-        mine = [r for r in rows if r["ok"] and (r["flags"], r.get("streams", 1)) == (flags, streams)]
+    """Issue 15's numbers per setting (flag mode, streams, protocol): GB/s of 256 KiB WRITEs
+    uncapped and paced at 50 GB/s, 64 KiB WRITE drain commands/s (the first protocol only), and
+    the loopback push-to-flag median of the smallest chunk with the proxy's CUDA calls per
+    command there."""
+    lines = ["| flags | streams | protocol | 256 KiB uncapped GB/s | 256 KiB at 50 GB/s cap | "
+             "64 KiB WRITE drain k cmd/s | loopback push->flag median us | CUDA calls/cmd |",
+             "|---" * 8 + "|"]  # fmt: skip
+    key = lambda r: (r["flags"], r.get("streams", 1), r.get("protocol", "new"))  # noqa: E731
+    for setting in dict.fromkeys(key(r) for r in rows if r["kind"] != "nop"):
+        mine = [r for r in rows if r["ok"] and key(r) == setting]
         bw = [r["gb_per_s"] for r in mine if r["bench"] == "bandwidth" and not r["cap_gbps"]
               and r["chunk_bytes"] == 256 * KiB]  # fmt: skip
         capped = [r["gb_per_s"] for r in mine if r["bench"] == "bandwidth" and r["cap_gbps"] == 50
                   and r["chunk_bytes"] == 256 * KiB]  # fmt: skip
         drain = [r["commands_per_s"] / 1e3 for r in mine if r["bench"] == "drain"
                  and r["kind"] == "write"]  # fmt: skip
-        lat = sorted((r["chunk_bytes"], r["latency_us_median"]) for r in mine
-                     if r["bench"] == "latency" and r["path"] == "loopback")  # fmt: skip
+        lat = sorted((r["chunk_bytes"], r["latency_us_median"], r.get("cuda_calls_per_cmd"))
+                     for r in mine if r["bench"] == "latency" and r["path"] == "loopback")  # fmt: skip
         cell = [f"{bw[0]}" if bw else "-", f"{capped[0]}" if capped else "-",
                 f"{drain[0]:.1f}" if drain else "-",
-                f"{lat[0][1]} ({lat[0][0] // KiB} KiB)" if lat else "-"]  # fmt: skip
-        lines.append(f"| {flags} | {streams} | " + " | ".join(cell) + " |")
+                f"{lat[0][1]} ({lat[0][0] // KiB} KiB)" if lat else "-",
+                f"{lat[0][2]}" if lat else "-"]  # fmt: skip
+        lines.append(f"| {setting[0]} | {setting[1]} | {setting[2]} | " + " | ".join(cell) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -458,6 +496,9 @@ def main() -> None:
                         choices=["copy", "memop"], help="how the proxy raises GPU flag words")
     parser.add_argument("--streams", nargs="+", type=int, default=[1],
                         help="proxy copy streams to run every case with (e.g. 1 4)")
+    parser.add_argument("--protocols", nargs="+", default=["new", "old", "new+driver"],
+                        choices=list(PROTOCOLS),
+                        help="the first runs every case, the others the latency cases")
     args = parser.parse_args()
     rig = Rig(args.cpu)
     if not args.cpu and not torch.cuda.is_available():
@@ -471,7 +512,9 @@ def main() -> None:
     modes = ["copy"] if args.cpu else args.gpu_flags  # host flags have one mode
     if not all(1 <= k <= LANES for k in args.streams):
         parser.error(f"--streams {args.streams}: each in [1, {LANES}]")
-    for case in plan(rig, args.quick, two_gpus, modes, args.streams):
+    # Host flags (--cpu) make no CUDA call: one protocol is all there is to see.
+    protocols = args.protocols[:1] if args.cpu else list(dict.fromkeys(args.protocols))
+    for case in plan(rig, args.quick, two_gpus, modes, args.streams, protocols):
         if case.bench == "drain" and not args.cpu:
             case = calibrate(case, rig, 0.05 if args.quick else 0.2)
         row = run_case(case, rig)

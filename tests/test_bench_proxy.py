@@ -6,6 +6,7 @@ shape, their correctness checks and their counts do."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_proxy.py"
 FIELDS = {
     "bench": str, "kind": str, "chunk_bytes": int, "commands": int, "cap_gbps": (int, float),
     "path": str, "producers": int, "ms": float, "commands_per_s": int, "gb_per_s": float,
-    "ok": bool, "batches": int, "n_watch": int,
+    "ok": bool, "batches": int, "n_watch": int, "protocol": str, "cuda_calls_per_cmd": float,
 }  # fmt: skip
 LATENCY = ("latency_us_median", "latency_us_p10", "latency_us_p90")
 
@@ -49,6 +50,7 @@ def test_rows_are_well_formed_and_correct(rows: list[dict]) -> None:
         assert row["commands"] > 0 and row["ms"] > 0 and row["commands_per_s"] > 0, row
         if row["bench"] == "latency":
             assert all(row[k] is not None for k in (*LATENCY, "roundtrip_us_median")), row
+            assert row["canary"] is True, row  # the consumer checked each command's data
         else:
             assert all(row[k] is None for k in LATENCY), row
 
@@ -75,3 +77,55 @@ def test_counts_are_consistent(rows: list[dict]) -> None:
         if row["kind"] != "write":
             assert row["chunk_bytes"] == 0 and row["gb_per_s"] == 0, row
         assert n > 16, row  # the CPU's ring holds 16: every run wraps it
+
+
+CANARY = """if True:
+    import sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    import bench_proxy as bp
+    n, cols, n_slots = 6, 5, 4  # watch k checks chunk k % 4: chunk 1 serves watches 1 and 5
+    dst = torch.randn(n_slots, cols)
+    flags = torch.ones(n, dtype=torch.int32)
+    watch = torch.arange(n, dtype=torch.int32), torch.ones(n, dtype=torch.int32)
+    for bad in (None, (1, 0), (2, cols - 1), (3, 2)):  # NaN: a chunk not yet written
+        d = dst.clone()
+        if bad is not None:
+            d[bad] = float("nan")
+        status = torch.full((3,), -1, dtype=torch.int64)
+        bp._consumer[(1,)](flags, *watch, n, torch.zeros(n, dtype=torch.int64), status,
+                           torch.zeros(1, dtype=torch.int32), 100, d, cols, n_slots,
+                           ASM=False, CANARY=True, num_warps=1)
+        print(status.tolist())
+"""
+
+
+def test_the_latency_canary_sees_a_flag_ahead_of_its_data() -> None:
+    """The consumer's canary (first and last element of each watched command's chunk, NaN until
+    written) counts the flags that arrived before their data; it samples the chunk's ends, so a
+    hole in the middle goes unseen (the last case)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", CANARY, str(SCRIPT.parent)], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads(line) for line in proc.stdout.splitlines()]
+    # status: [failed watch, its value, early arrivals]; watches 1 and 5 read chunk 1.
+    assert got == [[-1, -1, 0], [-1, -1, 2], [-1, -1, 1], [-1, -1, 0]]
+
+
+def test_the_gpu_plan_compares_protocols_on_latency() -> None:
+    """On a GPU the first protocol runs every case, each other one the latency cases again."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_proxy as bp
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    protocols = ("new", "old", "new+driver")
+    cases = bp.plan(bp.Rig(cpu=False), True, False, ("copy", "memop"), (1, 4), protocols)
+    base = [c for c in cases if c.protocol == "new"]
+    latency = [c for c in base if c.bench == "latency"]
+    assert {c.bench for c in base} == {"drain", "latency", "bandwidth"} and latency
+    for p in protocols[1:]:
+        mine = [c for c in cases if c.protocol == p]
+        assert [bp.asdict(c) | {"protocol": "new"} for c in mine] == [bp.asdict(c) for c in latency]
+    assert set(bp.PROTOCOLS) == set(protocols)
