@@ -48,10 +48,13 @@ def kind_breakdown(runtime) -> list[dict]:
 
 def row_label(kind: str, task) -> str:
     """The row a task counts in: its kind; an ewise task's also names its tile and its reads
-    (a layer's RoPE, SwiGLU and residual chains differ in both), so each chain gets a row."""
-    if kind != "ewise" or not getattr(task, "writes", None):
+    (a layer's RoPE, SwiGLU and residual chains differ in both), so each chain gets a row; a
+    gemm task's names its tile and K range (a layer's projections differ in them)."""
+    if kind not in ("ewise", "gemm") or not getattr(task, "writes", None):
         return kind
     rows, cols = task.writes[0].shape
+    if kind == "gemm":
+        return f"gemm {rows}x{cols} k{task.reads[0].shape[1]}"
     return f"ewise {rows}x{cols} {len(task.reads)} reads"
 
 
