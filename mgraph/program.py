@@ -187,6 +187,9 @@ class Program:
         self._param_specs: list[_ParamSpec] | None = None
         self._sources: _Sources | None = None
         self._gpu_seen = False  # torch saw a CUDA GPU at an earlier call
+        self._runs: dict[tuple[str, int], tuple] = {}  # _output_runs by (output, rank)
+        # (output, rank) -> whether the rank's buffer holds what eager TP returns (_spmd_output)
+        self._output_as_wanted: dict[tuple[str, int], bool] = {}
 
     @property
     def graph(self) -> TaskGraph:
@@ -519,8 +522,11 @@ class Program:
         shape = list(value.shape)
         if want.kind == "shard":
             shape[want.dim] //= world
-        mine = self._output_runs(name, rank)
-        if mine == layout_runs(value.shape, want, rank, world):
+        key = (name, rank)
+        if key not in self._output_as_wanted:  # the graph's: worked out at the first call
+            mine = self._output_runs(name, rank)
+            self._output_as_wanted[key] = mine == layout_runs(value.shape, want, rank, world)
+        if self._output_as_wanted[key]:
             return local.reshape(shape).clone()
         # Held in another layout: every rank's output buffer, gathered, then cut as wanted.
         flat_local = local.reshape(-1).contiguous()
@@ -546,6 +552,11 @@ class Program:
         return full
 
     def _output_runs(self, name: str, rank: int) -> tuple:
+        """The (row, row end, column, column end) runs of output ``name`` that ``rank``'s
+        output buffer holds, in its order (kept: they read only the graph)."""
+        key = (name, rank)
+        if key in self._runs:
+            return self._runs[key]
         buf = next(
             b
             for b in self.graph.buffers.values()
@@ -554,7 +565,9 @@ class Program:
             and b.binding is not None
             and b.binding.tensor == name
         )
-        return binding_runs(self.graph.outputs[name].shape, buf.binding.pieces, buf.binding.cat_dim)
+        runs = binding_runs(self.graph.outputs[name].shape, buf.binding.pieces, buf.binding.cat_dim)
+        self._runs[key] = runs
+        return runs
 
     def view(self, path: str | None = None, **kw: Any):
         """Write the offline HTML viewer of this program's graph, schedule and last run's

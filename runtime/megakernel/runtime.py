@@ -645,13 +645,17 @@ class TritonRuntime:
             outputs = whole
         elif self.world == 1 or self.rank is None:
             outputs = gather_outputs(self.graph, self.views)
-        else:
-            outputs = {
-                buf.binding.tensor: assemble_local(self.graph, self.rank, buf.binding.tensor,
-                                                   self.views[buf.id])
-                for buf in self.graph.buffers.values()
-                if buf.rank == self.rank and buf.role == "output"
-            }
+        else:  # views of the rank's buffers, worked out once (a dict of the caller's own)
+            plan = self._call_plan()
+            if plan.local_outputs is None:
+                plan.local_outputs = {
+                    buf.binding.tensor: assemble_local(
+                        self.graph, self.rank, buf.binding.tensor, self.views[buf.id]
+                    )
+                    for buf in self.graph.buffers.values()
+                    if buf.rank == self.rank and buf.role == "output"
+                }
+            outputs = dict(plan.local_outputs)
         return RunResult(outputs, self.trace(), wall, self.epoch, {})
 
     def _whole_outputs(self) -> dict[str, torch.Tensor] | None:
@@ -710,7 +714,9 @@ class _CallPlan:
     same as (shape, dtype) pairs, for ``accepts``. ``whole``: output name -> the id of the one
     buffer that holds the whole output in one piece and in its dtype, or None when some output
     has no such buffer; ``whole_views``: those buffers viewed in the outputs' global shapes.
-    ``written_checked``: check_outputs_written has passed for the graph.
+    ``written_checked``: check_outputs_written has passed for the graph. ``local_outputs``
+    (one rank of an SPMD graph, at its first run): output name -> its buffer viewed as the
+    rank's local shard.
     """
 
     inputs: dict[str, list[Buffer]]
@@ -721,6 +727,7 @@ class _CallPlan:
     whole: dict[str, str] | None
     whole_views: dict[str, torch.Tensor]
     loaded: set[str] = field(default_factory=set)
+    local_outputs: dict[str, torch.Tensor] | None = None
     written_checked: bool = False
 
     def accepts(self, inputs: dict[str, torch.Tensor], resident: list[str]) -> bool:
@@ -782,9 +789,7 @@ class _CallPlan:
             name: views[bid].reshape(graph.outputs[name].shape)
             for name, bid in (whole or {}).items()
         }
-        return _CallPlan(
-            inputs, targets, volatile, placeholders, specs, whole, whole_views
-        )
+        return _CallPlan(inputs, targets, volatile, placeholders, specs, whole, whole_views)
 
 
 class _SharedMemory:
