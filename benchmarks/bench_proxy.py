@@ -19,7 +19,10 @@ latency_us_median/p10/p90, ok, error):
 Protocols (``--protocols``, NativeProxy options; the first runs every bench, the others the
 latency bench only, to compare in one run): ``new`` fused flags (the default: a WRITE with its
 destination and done words is 2 CUDA calls, data then one call for both flags), ``old`` one call
-per flag word (3), ``new+driver`` fused with the data copy through the driver's cuMemcpyAsync.
+per flag word (3), ``new+driver`` fused with the data copy through the driver's cuMemcpyAsync,
+``new+gpufence`` fused memop flags after one GPU-scope barrier per call instead of a system-wide
+one per store (in force where all memory is on the proxy's GPU: loopback; ``cuda_apis`` says;
+memop rows only, copy-engine flags have no barrier).
 Every row carries ``cuda_calls_per_cmd`` (the proxy's queueing calls / commands) and the latency
 rows a canary: the consumer reads the first and last element of a command's destination chunk
 (NaN until written) right after its flag arrives, and counts arrivals that came before the data.
@@ -73,6 +76,7 @@ PROTOCOLS = {
     "new": {"fuse_flags": True, "driver_copy": False},
     "old": {"fuse_flags": False, "driver_copy": False},
     "new+driver": {"fuse_flags": True, "driver_copy": True},
+    "new+gpufence": {"fuse_flags": True, "gpu_fence": True},  # memop flags only
 }
 MAX_FLAGS = 1024  # flag words per side; command k of those raising an event uses word k % 1024
 TARGETS = {"drain": 200e3, "latency": 10.0, "bandwidth": 45.0}  # k cmd/s, median us, GB/s@256K
@@ -382,7 +386,7 @@ def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",), streams=(1
     base = [Case(**{**asdict(c), "streams": k, "protocol": protocols[0]}) for k in streams
             for c in _plan(rig, quick, two_gpus, flag_modes)]  # fmt: skip
     more = [Case(**{**asdict(c), "protocol": p}) for p in protocols[1:] for c in base
-            if c.bench == "latency"]  # fmt: skip
+            if c.bench == "latency" and (c.flags == "memop" or "gpu_fence" not in PROTOCOLS[p])]  # fmt: skip
     return base + more
 
 
@@ -496,7 +500,7 @@ def main() -> None:
                         choices=["copy", "memop"], help="how the proxy raises GPU flag words")
     parser.add_argument("--streams", nargs="+", type=int, default=[1],
                         help="proxy copy streams to run every case with (e.g. 1 4)")
-    parser.add_argument("--protocols", nargs="+", default=["new", "old", "new+driver"],
+    parser.add_argument("--protocols", nargs="+", default=list(PROTOCOLS),
                         choices=list(PROTOCOLS),
                         help="the first runs every case, the others the latency cases")
     args = parser.parse_args()

@@ -72,7 +72,9 @@ class FakeCudaTransport:
 
     name = "fake_cuda"
 
-    def __init__(self, fake: FakeCuda, *, driver: Path | None = None, device: int = 0):
+    def __init__(
+        self, fake: FakeCuda, *, driver: Path | None = None, device: int = 0, local: bool = False
+    ):
         gen = torch.Generator().manual_seed(device)
         self.src = torch.randn(ROWS, COLS, generator=gen)
         self.dst = torch.zeros(ROWS, COLS)
@@ -80,10 +82,12 @@ class FakeCudaTransport:
         self.shadow = {r: torch.zeros(N_FLAGS, dtype=torch.int64) for r in (0, 1)}
         self.libs = ([str(fake.runtime)], [str(driver or fake.driver)])
         self.device = device
+        self.local = local  # claim every buffer and flag is on the proxy's GPU (as cuda_ipc)
 
     def attach_native(self, drain: object, rank: int, counters: dict) -> None:
         failure = drain.use_cuda(self.device, *self.libs)
         assert not failure, failure
+        drain.local_memory = self.local
         add_tensor(drain, 0, native.PLACE_CUDA, 0, self.src, self.device)
         add_tensor(drain, 1, native.PLACE_CUDA, 1, self.dst, self.device)
         for r in (0, 1):
@@ -176,8 +180,10 @@ class Rig:
         capacity: int = 1024,
         fuse_flags: bool = True,
         driver_copy: bool = False,
+        gpu_fence: bool = False,
+        local: bool = False,
     ) -> None:
-        self.transport = FakeCudaTransport(fake, driver=driver, device=device)
+        self.transport = FakeCudaTransport(fake, driver=driver, device=device, local=local)
         self.fifo = CommandFifo(capacity)
         self.proxy = NativeProxy(
             self.fifo,
@@ -189,6 +195,7 @@ class Rig:
             flag_copy=flag_copy,
             fuse_flags=fuse_flags,
             driver_copy=driver_copy,
+            gpu_fence=gpu_fence,
             # A deadline for a hang, not a speed check: the 70000-command staging-ring runs
             # took over 10 s to drain on two busy cores (a second pytest-xdist worker and other
             # processes beside them).
@@ -386,14 +393,22 @@ def queue_calls(fake: FakeCuda) -> int:
 
 
 # -- data and flags ----------------------------------------------------------------------------
+# NativeProxy options (and the transport's claim that all memory is local) per protocol.
+PROTOCOL_OPTIONS = {
+    "fused": {},
+    "per-word": {"fuse_flags": False},
+    "fused-driver": {"driver_copy": True},
+    "fused-gpufence": {"gpu_fence": True, "local": True},
+    "fused-gpufence-remote": {"gpu_fence": True, "local": False},  # not allowed: system scope
+}
 # (flag_copy, delay_us, protocol): fused flags (the default) with and without a lagging stream;
-# one call per word (the protocol before, kept to measure against) and driver-API data copies
-# with a lag only.
+# one call per word (the protocol before, kept to measure against), driver-API data copies and
+# GPU-scope barriers (PROTOCOL_OPTIONS) with a lag only.
 DATA_CASES = [
     (flag_copy, delay, protocol)
     for flag_copy in (False, True)
     for delay, protocol in ((0, "fused"), (300, "fused"), (300, "per-word"), (300, "fused-driver"))
-]
+] + [(False, 300, "fused-gpufence")]
 
 
 @pytest.mark.parametrize(
@@ -408,7 +423,7 @@ def test_data_lands_before_its_flags(
     fake.start_trace(100_000)
     plan = data_plan()
     fuse, by_driver = protocol != "per-word", protocol == "fused-driver"
-    rig = Rig(fake, flag_copy=flag_copy, fuse_flags=fuse, driver_copy=by_driver)
+    rig = Rig(fake, flag_copy=flag_copy, **PROTOCOL_OPTIONS[protocol])
     with Watcher(plan, rig.transport) as watcher:
         rig.run(plan)
     assert torch.equal(rig.transport.dst, rig.transport.src)  # the tiles cover the buffer
@@ -468,6 +483,8 @@ CALL_CASES = [
     (False, "fused", "", 2),  # data, then one cuStreamBatchMemOp for both words
     (True, "fused", "", 2),  # data, then one cudaMemcpyBatchAsync for both staged words
     (False, "fused-driver", "", 2),  # the data copy through cuMemcpyAsync
+    (False, "fused-gpufence", "", 2),  # one GPU-scope barrier, then both stores, in one call
+    (False, "fused-gpufence-remote", "", 2),
     (False, "per-word", "", 3),  # the protocol before: one call per word
     (True, "per-word", "", 3),
     (False, "fused", "driver-v1", 3),  # no cuStreamBatchMemOp: one store call per word
@@ -489,8 +506,7 @@ def test_cuda_calls_per_command_are_pinned(
         fake.set_runtime_version(12040)
     fake.start_trace(10_000)
     plan = calls_plan()
-    rig = Rig(fake, flag_copy=flag_copy, coalesce=False, fuse_flags=protocol != "per-word",
-              driver_copy=protocol == "fused-driver",
+    rig = Rig(fake, flag_copy=flag_copy, coalesce=False, **PROTOCOL_OPTIONS[protocol],
               driver=fake.driver_v1 if old == "driver-v1" else None)  # fmt: skip
     rig.run(plan)
     check_final(rig, plan)
@@ -500,10 +516,18 @@ def test_cuda_calls_per_command_are_pinned(
     assert (writes, signals, s["coalesced"], s["raises"]) == (48, 12, 0, 2 * 48 + 12)
     assert s["cuda_calls"] == per_write * writes + signals == queue_calls(fake)
     assert fake.stat("driver_copies") == (writes if protocol == "fused-driver" else 0)
+    fence = protocol == "fused-gpufence"  # in force: every flag call starts with one barrier
+    assert fake.stat("gpu_barriers") == fake.stat("memop_barriers")
+    assert fake.stat("gpu_barriers") == (writes + signals if fence else 0)
+    assert fake.stat("enq_store_batch") == (writes + signals if fence else 0) + (
+        writes if protocol in ("fused", "fused-driver", "fused-gpufence-remote") and not flag_copy
+        and old != "driver-v1" else 0
+    )  # fmt: skip
     assert rig.proxy.cuda_apis == {
         "batch_copy": protocol != "per-word" and old != "runtime-12.4",
         "batch_memop": old != "driver-v1",
         "driver_copy": old != "driver-v1",
+        "gpu_fence": fence,
     }
 
 

@@ -295,6 +295,11 @@ class CudaIpcTransport(Transport):
         if self.bandwidth > 0:
             drain.bytes_per_s = self.bandwidth
         reach = {rank} | {p for pair in self.connections if rank in pair for p in pair}
+        # Every buffer and flag word on the proxy's GPU: a flag's readers are all there, so a
+        # GPU-scope barrier orders data before flags for them (NativeProxy gpu_fence).
+        mine = [t for r in reach for t in self.memory.get(r, {}).values()]
+        mine += [self.flags[r] for r in reach if r in self.flags]
+        drain.local_memory = all(t.device == torch.device("cuda", device) for t in mine)
         for r in sorted(reach & set(self.memory)):
             for index, tensor in self.memory[r].items():
                 add_tensor(drain, r, place, index, tensor, device)

@@ -22,9 +22,11 @@ correctness rests on:
   cudaMemcpyAsync / cudaMemcpy2DAsync read the source when they EXECUTE (a pinned staging word
   rewritten before its copy ran is read with the new value);
 - cuStreamWriteValue32 queues a 4-byte release store; a 4-byte copy is a release store too, so a
-  reader that sees a flag also sees the data copied before it; cuStreamBatchMemOp (WRITE_VALUE_32
-  operations with flags 0 only, fewer than 256) queues ONE operation storing them in array order,
-  each traced as its own STORE_32 row; cuMemcpyAsync queues a 1-D copy like cudaMemcpyAsync;
+  reader that sees a flag also sees the data copied before it; cuStreamBatchMemOp (fewer than
+  256 WRITE_VALUE_32 operations, and with _v2 BARRIER ones, counted; a store without its own
+  barrier is refused unless a barrier came before it in the call) queues ONE operation storing
+  them in array order, each traced as its own STORE_32 row; cuMemcpyAsync queues a 1-D copy like
+  cudaMemcpyAsync;
 - cudaEventRecord queues a marker, cudaEventSynchronize waits until the stream executed it,
   cudaStreamSynchronize until the queue is empty; an execution failure is sticky for the stream;
 - cudaHostAlloc is page-aligned memory filled with 0xA5 (never a plausible count); a 1-D copy

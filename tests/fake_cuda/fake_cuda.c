@@ -32,33 +32,50 @@ FAKE_EXPORT int cuStreamWriteValue32_v2(void* stream, uint64_t address, uint32_t
 #endif
 
 #ifndef FAKE_CUDA_V1_ONLY
-// CUstreamBatchMemOpParams (cuda.h): a 48-byte union; the writeValue member spelled out.
-typedef struct {
-  int operation;  // 2: CU_STREAM_MEM_OP_WRITE_VALUE_32
-  uint64_t address;
-  uint64_t value;  // union {cuuint32_t value; cuuint64_t value64}
-  unsigned flags;
-  uint64_t alias;
-  uint64_t pad;
+// CUstreamBatchMemOpParams (cuda.h): a 48-byte union; its writeValue and memoryBarrier members.
+typedef union {
+  struct {
+    int operation;  // 2: CU_STREAM_MEM_OP_WRITE_VALUE_32
+    uint64_t address;
+    uint64_t value;  // union {cuuint32_t value; cuuint64_t value64}
+    unsigned flags;  // 1: CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
+    uint64_t alias;
+  } write;
+  struct {
+    int operation;   // 6: CU_STREAM_MEM_OP_BARRIER (the _v2 entry point only)
+    unsigned flags;  // 0: system scope, 1: GPU scope
+  } barrier;
+  uint64_t pad[6];
 } FakeMemOp;
 _Static_assert(sizeof(FakeMemOp) == 48, "CUstreamBatchMemOpParams is 48 bytes");
 
-// Only WRITE_VALUE_32 operations with flags 0 (a barrier before each) are accepted: the proxy
-// never needs another, and one without the barrier could pass its data.
+// WRITE_VALUE_32 stores and (v2) barriers. A store without its own barrier (flags 1) is refused
+// unless a barrier came before it in the call: the proxy must never let a flag pass its data.
+// The fake's stores are release stores anyway; a barrier executes as nothing, and is counted.
 static int batch_memop(void* stream, unsigned count, const FakeMemOp* ops, unsigned flags,
                        int version) {
   if (ops == NULL || count == 0 || count >= 256 || flags != 0) return kFakeInvalidValue;
   uint64_t addresses[256];
   uint32_t values[256];
+  unsigned n = 0, barriers = 0, gpu_barriers = 0;
   for (unsigned i = 0; i < count; ++i) {
-    if (ops[i].operation != 2 || ops[i].flags != 0) return kFakeInvalidValue;
-    addresses[i] = ops[i].address;
-    values[i] = (uint32_t)ops[i].value;
+    if (ops[i].barrier.operation == 6 && version == 2 && ops[i].barrier.flags <= 1) {
+      barriers += 1;
+      gpu_barriers += ops[i].barrier.flags;
+      continue;
+    }
+    if (ops[i].write.operation != 2 || ops[i].write.flags > 1 ||
+        (ops[i].write.flags == 1 && barriers == 0))
+      return kFakeInvalidValue;
+    addresses[n] = ops[i].write.address;
+    values[n++] = (uint32_t)ops[i].write.value;
   }
-  return fakecuda_enqueue_store_batch(stream, addresses, values, count, version);
+  if (n == 0) return kFakeInvalidValue;  // the proxy never sends a call without a store
+  const int status = fakecuda_enqueue_store_batch(stream, addresses, values, n, version);
+  if (status == 0) fakecuda_count_barriers(barriers, gpu_barriers);
+  return status;
 }
 
-// CUresult cuStreamBatchMemOp(CUstream, unsigned count, CUstreamBatchMemOpParams*, unsigned).
 FAKE_EXPORT int cuStreamBatchMemOp(void* stream, unsigned count, const FakeMemOp* ops,
                                    unsigned flags) {
   return batch_memop(stream, count, ops, flags, 1);

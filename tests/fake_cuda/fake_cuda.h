@@ -32,6 +32,9 @@ FAKE_EXPORT int fakecuda_enqueue_store32(void* stream, uint64_t address, uint32_
 FAKE_EXPORT int fakecuda_enqueue_store_batch(void* stream, const uint64_t* addresses,
                                              const uint32_t* values, unsigned n, int version);
 
+// Counts memory barriers of a cuStreamBatchMemOp call ("memop_barriers", "gpu_barriers").
+FAKE_EXPORT void fakecuda_count_barriers(unsigned barriers, unsigned gpu_barriers);
+
 // Queues a 1-D copy of ``bytes`` (the driver's cuMemcpyAsync; statistic "driver_copies").
 FAKE_EXPORT int fakecuda_enqueue_driver_copy(void* dst, const void* src, uint64_t bytes,
                                              void* stream);

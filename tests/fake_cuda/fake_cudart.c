@@ -60,6 +60,8 @@ enum Stat {
   kEnqStoreBatch,    // cuStreamBatchMemOp calls queued (one operation each)
   kBatchStores,      // ... the stores inside them
   kDriverCopies,     // 1-D copies queued through the driver's cuMemcpyAsync (also in enq_copy)
+  kMemopBarriers,    // memory barrier operations in cuStreamBatchMemOp calls
+  kGpuBarriers,      // ... of them of GPU scope
   kStatCount
 };
 
@@ -71,7 +73,8 @@ static const char* const kStatNames[kStatCount] = {
     "store_v1",     "store_v2",           "null_stream_ops", "live_streams",
     "live_events",  "live_host",          "trace_dropped",  "enq_batch",
     "batch_copies", "streams_created", "batch13",      "dmabuf_handles",
-    "enq_store_batch", "batch_stores",  "driver_copies",
+    "enq_store_batch", "batch_stores",  "driver_copies", "memop_barriers",
+    "gpu_barriers",
 };
 
 static int64_t stats[kStatCount];
@@ -874,6 +877,11 @@ EXPORT int fakecuda_enqueue_store_batch(void* stream, const uint64_t* addresses,
     return 0;
   }
   return enqueue(s, op);
+}
+
+EXPORT void fakecuda_count_barriers(unsigned barriers, unsigned gpu_barriers) {
+  bump(kMemopBarriers, barriers);
+  bump(kGpuBarriers, gpu_barriers);
 }
 
 EXPORT int fakecuda_enqueue_driver_copy(void* dst, const void* src, uint64_t bytes, void* stream) {

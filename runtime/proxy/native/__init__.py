@@ -128,6 +128,9 @@ class NativeProxy:
     protocol, one call per word (3 for that WRITE), kept to measure against. ``driver_copy``:
     1-D data copies through the driver's cuMemcpyAsync instead of the runtime's
     cudaMemcpyAsync (``cuda_apis`` says whether the driver has it; else the runtime's).
+    ``gpu_fence``: fused cuStreamWriteValue32 flags take ONE GPU-scope memory barrier per call
+    instead of a system-wide one per store, where the transport found every buffer and flag
+    word on the proxy's own GPU (``cuda_apis["gpu_fence"]`` says whether it is in force).
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class NativeProxy:
         allow_batch: bool = True,
         fuse_flags: bool = True,
         driver_copy: bool = False,
+        gpu_fence: bool = False,
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
@@ -191,6 +195,7 @@ class NativeProxy:
         self._drain.allow_batch = bool(allow_batch)
         self._drain.fuse_flags = bool(fuse_flags)  # read when the loop starts
         self._drain.driver_copy = bool(driver_copy)
+        self._drain.gpu_fence = bool(gpu_fence)
         self.streams = streams
         # Keep what the loop points into alive as long as the loop.
         self._keep = (fifo, dict(counters or {}))
@@ -286,10 +291,11 @@ class NativeProxy:
     def cuda_apis(self) -> dict[str, bool]:
         """Which optional CUDA entry points the loop uses or found (known once the transport
         attached CUDA): ``batch_copy`` (cudaMemcpyBatchAsync, used), ``batch_memop``
-        (cuStreamBatchMemOp), ``driver_copy`` (cuMemcpyAsync)."""
+        (cuStreamBatchMemOp), ``driver_copy`` (cuMemcpyAsync), ``gpu_fence`` (GPU-scope
+        barriers, in force: asked for, memory all local, a driver with the _v2 batch API)."""
         d = self._drain
         return {"batch_copy": bool(d.batch_api), "batch_memop": bool(d.batch_memop),
-                "driver_copy": bool(d.driver_copy_api)}  # fmt: skip
+                "driver_copy": bool(d.driver_copy_api), "gpu_fence": bool(d.gpu_scope)}  # fmt: skip
 
     def __enter__(self) -> NativeProxy:
         return self.start()

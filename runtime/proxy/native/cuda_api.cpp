@@ -83,6 +83,7 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
   // Optional: batched stream memory operations (v2 where the driver has it, as for
   // cuStreamWriteValue32) and the driver's own 1-D copy.
   batch_memop_ = reinterpret_cast<decltype(batch_memop_)>(dlsym(driver_, "cuStreamBatchMemOp_v2"));
+  batch_memop_v2_ = batch_memop_ != nullptr;
   if (batch_memop_ == nullptr)
     batch_memop_ = reinterpret_cast<decltype(batch_memop_)>(dlsym(driver_, "cuStreamBatchMemOp"));
   memcpy_driver_ = reinterpret_cast<decltype(memcpy_driver_)>(dlsym(driver_, "cuMemcpyAsync"));
@@ -152,7 +153,8 @@ void CudaApi::write_value32(void* stream, unsigned long long address, unsigned v
 
 
 namespace {
-// CUstreamBatchMemOpParams (cuda.h): a 48-byte union; its writeValue member, spelled out.
+// CUstreamBatchMemOpParams (cuda.h): a 48-byte union; its writeValue and memoryBarrier members,
+// spelled out.
 struct WriteValueOp {
   int operation;  // CUstreamBatchMemOpType
   unsigned long long address;
@@ -161,13 +163,42 @@ struct WriteValueOp {
   unsigned long long alias;    // driver internal
   unsigned long long pad;      // to the union's 48 bytes
 };
-static_assert(sizeof(WriteValueOp) == 48, "CUstreamBatchMemOpParams is 48 bytes");
-constexpr int kWriteValue32 = 2;  // CU_STREAM_MEM_OP_WRITE_VALUE_32
+struct BarrierOp {
+  int operation;
+  unsigned flags;  // CUstreamMemoryBarrier_flags
+  unsigned long long pad[5];
+};
+union MemOp {
+  WriteValueOp write;
+  BarrierOp barrier;
+};
+static_assert(sizeof(MemOp) == 48, "CUstreamBatchMemOpParams is 48 bytes");
+constexpr int kWriteValue32 = 2;    // CU_STREAM_MEM_OP_WRITE_VALUE_32
+constexpr int kBarrier = 6;         // CU_STREAM_MEM_OP_BARRIER (the _v2 API only)
+constexpr unsigned kNoBarrier = 1;  // CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER
+constexpr unsigned kGpuScope = 1;   // CU_STREAM_MEMORY_BARRIER_TYPE_GPU
 }  // namespace
 
 void CudaApi::write_values32(void* stream, const unsigned long long* addresses,
-                             const unsigned* values, size_t n, size_t& failed) const {
+                             const unsigned* values, size_t n, size_t& failed,
+                             bool gpu_scope) const {
   failed = n;
+  if (gpu_scope && has_memop_barrier()) {
+    MemOp ops[kMaxMemOps];
+    for (size_t at = 0; at < n; at += kMaxMemOps - 1) {
+      const size_t count = std::min(kMaxMemOps - 1, n - at);
+      ops[0].barrier = BarrierOp{kBarrier, kGpuScope, {0, 0, 0, 0, 0}};
+      for (size_t i = 0; i < count; ++i)
+        ops[1 + i].write =
+            WriteValueOp{kWriteValue32, addresses[at + i], values[at + i], 0, kNoBarrier, 0, 0};
+      failed = at;
+      const CallTimer timer(*this);
+      check_driver(batch_memop_(stream, static_cast<unsigned>(count + 1), ops, 0),
+                   "cuStreamBatchMemOp");
+    }
+    failed = n;
+    return;
+  }
   if (batch_memop_ == nullptr || n == 1) {
     for (size_t i = 0; i < n; ++i) {
       failed = i;

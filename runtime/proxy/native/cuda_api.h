@@ -26,8 +26,10 @@ class CudaApi {
   bool loaded() const { return memcpy_2d_async != nullptr; }
   // cudaMemcpyBatchAsync was found and the runtime's version says which signature it has.
   bool has_batch() const { return memcpy_batch_ != nullptr || memcpy_batch13_ != nullptr; }
-  // cuStreamBatchMemOp was found: several flag writes in one call (write_values32).
+  // cuStreamBatchMemOp was found: several flag writes in one call (write_values32); _v2, which
+  // also has memory barrier operations (write_values32's ``gpu_scope``).
   bool has_batch_memop() const { return batch_memop_ != nullptr; }
+  bool has_memop_barrier() const { return batch_memop_ != nullptr && batch_memop_v2_; }
   // cuMemcpyAsync (the driver's) was found: copy_driver can queue 1-D copies.
   bool has_driver_copy() const { return memcpy_driver_ != nullptr; }
   // cuMemGetHandleForAddressRange was found (the verbs backend's dma-buf registration).
@@ -48,13 +50,16 @@ class CudaApi {
   void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                size_t height, void* stream) const;
   void write_value32(void* stream, unsigned long long address, unsigned value) const;
-  // ``n`` stores as cuStreamWriteValue32 makes them (each after a memory barrier: the data
-  // queued before them on ``stream`` is visible first), in ONE cuStreamBatchMemOp per
+  // ``n`` stores as cuStreamWriteValue32 makes them (each after a system-wide memory barrier:
+  // the data queued before them on ``stream`` is visible first), in ONE cuStreamBatchMemOp per
   // kMaxMemOps of them, executed in array order; without the symbol, one write_value32 each.
-  // On failure ``failed`` holds the index of the first store of the failing call.
+  // ``gpu_scope`` (has_memop_barrier() only, else ignored): each call starts with ONE barrier
+  // of GPU scope and its stores have none of their own, which orders the stream's earlier
+  // writes before them for readers on this GPU only (Mover::local_memory says when that is
+  // every reader). On failure ``failed`` holds the index of the first store of the failing call.
   static constexpr size_t kMaxMemOps = 255;  // CUDA: "count ... must be less than 256"
   void write_values32(void* stream, const unsigned long long* addresses, const unsigned* values,
-                      size_t n, size_t& failed) const;
+                      size_t n, size_t& failed, bool gpu_scope = false) const;
   // For flags written by the copy engine from pinned host memory (Mover::flag_copy).
   void* host_alloc(size_t bytes) const;
   void free_host(void* ptr) const;
@@ -109,6 +114,7 @@ class CudaApi {
   // Driver: CUresult cuStreamBatchMemOp(CUstream, unsigned count, CUstreamBatchMemOpParams*,
   // unsigned flags) and cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t, CUstream).
   int (*batch_memop_)(void*, unsigned, void*, unsigned) = nullptr;
+  bool batch_memop_v2_ = false;
   int (*memcpy_driver_)(unsigned long long, unsigned long long, size_t, void*) = nullptr;
   // Driver: CUresult cuMemGetHandleForAddressRange(void*, CUdeviceptr, size_t, type, flags).
   int (*get_handle_)(void*, unsigned long long, size_t, int, unsigned long long) = nullptr;

@@ -296,6 +296,21 @@ PYBIND11_MODULE(_drain, m) {
                         throw py::value_error("driver_copy is fixed once the loop has started");
                       d.mover.driver_copy = v;
                     })
+      .def_property("gpu_fence", [](const Drain& d) { return d.mover.gpu_fence; },
+                    [](Drain& d, bool v) {
+                      if (d.started())
+                        throw py::value_error("gpu_fence is fixed once the loop has started");
+                      d.mover.gpu_fence = v;
+                    })
+      .def_property("local_memory", [](const Drain& d) { return d.mover.local_memory; },
+                    [](Drain& d, bool v) {
+                      if (d.started())
+                        throw py::value_error("local_memory is fixed once the loop has started");
+                      d.mover.local_memory = v;
+                    }, "every buffer and flag word the loop reaches is on the proxy's GPU "
+                       "(the transport says so when it attaches)")
+      .def_property_readonly("gpu_scope", [](const Drain& d) { return d.mover.gpu_scope(); },
+                             "fused memop flags take one GPU-scope barrier per call")
       .def_property_readonly("batch_api", [](const Drain& d) { return d.mover.batch_api(); },
                              "cudaMemcpyBatchAsync will be used (several streams or fused "
                              "flags, a CUDA runtime >= 12.8 that has it, allow_batch)")

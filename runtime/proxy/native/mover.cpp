@@ -686,7 +686,8 @@ void Mover::flush_raises(StreamState& st) {
     }
     size_t failed = raises.size();
     try {
-      cuda.write_values32(st.stream, addresses.data(), values.data(), raises.size(), failed);
+      cuda.write_values32(st.stream, addresses.data(), values.data(), raises.size(), failed,
+                          gpu_scope());
     } catch (const Failure& f) {
       const StreamRaise& r = raises[std::min(failed, raises.size() - 1)];
       throw Failure{r.index, "raising flag word " + std::to_string(r.key.event) + " of rank " +

@@ -50,6 +50,10 @@
 // group of k WRITEs 2. Words that become due together go out in no promised order among
 // themselves (sorted by rank and word), as with several streams; a word due later still goes
 // out after them. ``fuse_flags`` false keeps one call per word, in first-raise order.
+// ``gpu_fence`` (with fused cuStreamWriteValue32 flags, and only where ``local_memory``): a call's
+// stores follow ONE GPU-scope barrier instead of each a system-wide one; a flag's reader on
+// this GPU still sees the data first, and none is elsewhere. It changes what the GPU executes,
+// not the number of calls.
 #pragma once
 
 #include <atomic>
@@ -136,6 +140,12 @@ class Mover {
   // 1-D data copies through the driver's cuMemcpyAsync instead of cudaMemcpyAsync, where the
   // driver has it (fixed once the loop starts).
   bool driver_copy = false;
+  // Fused cuStreamWriteValue32 flags: ONE GPU-scope memory barrier per call in place of each
+  // store's system-wide one, when ``local_memory`` (the transport found every buffer and flag
+  // word this loop reaches on the proxy's own GPU, so every reader of a flag is on that GPU).
+  bool gpu_fence = false;
+  bool local_memory = false;
+  bool gpu_scope() const { return gpu_fence && local_memory && cuda.has_memop_barrier(); }
   bool allow_batch = true;  // use cudaMemcpyBatchAsync for several flag copies where it exists
   bool multi() const { return n_streams > 1; }
   bool fused() const { return fuse_flags && !multi(); }
