@@ -20,12 +20,12 @@ there.
    destination d's experts are contiguous: one block per (s, d) pair.
 2. dispatch: d's row of the counts, then each group's rows and metadata, go to ``recv[d]`` (slot
    of s). Inside a node: NVLink ``moe_move`` tasks that copy only the filled rows of each
-   segment, one per expert for the rows (so a group's rows move on several NVLink workers at
-   once) and one per group for the metadata. Across nodes: RDMA to s's rail peer on d's node (the only peers a rail network
-   joins), which forwards over NVLink (a ``moe_move`` reading the count that landed at d), or
-   lands directly when that rail peer is d. The RDMA legs move whole group regions: the proxy
-   encodes its WRITEs at launch from static regions, so a count-sized WRITE needs the proxy to
-   read the count.
+   segment, one task per expert for the rows (a group's rows move on several NVLink workers
+   at once) and one per group for the metadata. Across nodes: RDMA to s's rail peer on d's
+   node (the only peers a rail network joins), which forwards over NVLink (a ``moe_move``
+   reading the count that landed at d), or lands directly when that rail peer is d. The RDMA
+   legs move whole group regions: the proxy encodes its WRITEs at launch from static regions,
+   so a count-sized WRITE needs the proxy to read the count.
 3. experts (compute, d): one task per (source, local expert, row tile) computes the SwiGLU expert
    on the tile's filled rows (its segment's count); a tile past the count exits at once. Tiles
    start when their group's rows from every source arrived, and the tiles of all sources on
@@ -410,13 +410,16 @@ class _Lowering:
                      for g, t in enumerate(mine)]  # fmt: skip
             tiles = self.experts(d, ready)
             finished[d] += sum(tiles[d], [])
-            # Each return of a group waits for every source's tiles of the group, its own
-            # rows' too: without that, a remote source's tiles have the longer path (the
-            # return, then the combine) and the scheduler queues them, every expert's, before
-            # any tile of d's own rows, so d streams each expert's weights once per source.
-            # Equally urgent, each weight slice's tiles of all sources queue side by side
-            # (experts emits them so). The cost: a group's rows go back when all of its
-            # sources' tiles are done, which the interleaved queue makes about the same time.
+            # Each return of an expert's rows waits for every source's tiles of the expert, d's
+            # own rows' too. Without that (and without the joint wait above), a remote
+            # source's tiles have the longer path (the return, then the combine) and the
+            # scheduler queued them, every expert's, before any tile of d's own rows (or,
+            # placing tasks on workers, the own rows first, as they are there earlier): d
+            # streamed each expert's weights once per source. With both, the tiles of all
+            # sources on one weight slice wait for the same tasks and are waited for by the
+            # same tasks: equally urgent under any policy, they queue side by side (experts
+            # emits them so, and ties go by id). The cost: an expert's rows go back when all
+            # its sources' tiles are done, which that queue makes about the same time.
             together = [sum((tiles[s][j] for s in sources), []) for j in range(self.E_loc)]
             for s in sources[1:]:
                 finished[s] += self.give_back(d, s, together)
@@ -586,7 +589,7 @@ class _Lowering:
             rows = [
                 self.move(self.send[s].region(self._expert_rows(d, j0, j1)),
                           self.recv[d].region(self._expert_rows(i, j0, j1)), self.relay,
-                          [mine[g]], f"dispatch {tag} e{j0}:{j1}",
+                          [mine[g]], f"dispatch {tag} {self._experts_tag(d, j0, j1)}",
                           counts=(*self._counts(s, d, j0, j1), [count]), offset=j0 * self.seg)
                 for j0, j1 in self._pieces(s, d, g)
             ]  # fmt: skip
@@ -610,21 +613,27 @@ class _Lowering:
         """Rows of the slot's local experts [j0, j1) inside ``slot``."""
         return (slot * self.block + j0 * self.seg, slot * self.block + j1 * self.seg)
 
+    def _experts_tag(self, d: int, j0: int, j1: int) -> str:
+        """Rank d's local experts [j0, j1) in a task's name, by their global indices."""
+        return f"e{d * self.E_loc + j0}:{d * self.E_loc + j1}"
+
     def _pieces(self, a: int, z: int, g: int) -> list[tuple[int, int]]:
         """The local experts each move of group ``g``'s rows from rank ``a`` to ``z`` carries.
-        NVLink: one move per expert. A move is one NVLink worker's task, and 2 ranks have
-        one group in flight per worker (16 at issue 17's size: about 15 MB each at the
-        expected fill, a whole group's rows arriving when all of them do); moves of one expert
-        spread a group over the workers, so the group's tiles (and returns, after them) start
-        sooner. Across nodes: the group, one RDMA write (the proxy's ~17 us a command)."""
+        Over NVLink, one expert: a move is one NVLink worker's task, so a move per group put
+        each group on one worker (at issue 17's size on 2 GPUs, 16 groups of ~15 MB at the
+        expected fill, each at one worker's rate, all landing at about the same time); a move
+        per expert spreads each group over the workers, and the NVLink queue takes the groups
+        in order, so the first groups' tiles start sooner (the simulator: the first tiles at
+        2.6 ms, not 6.2, and the returns, after the tiles of their expert, also spread).
+        Across nodes, the group: one RDMA write (the proxy's ~17 us a command)."""
         j0, j1 = self._group_cols(g)
         if self.topo.link(a, z) != "nvlink":
             return [(j0, j1)]
         return [(j, j + 1) for j in range(j0, j1)]
 
     def experts(self, d: int, ready: list[list[Task]]) -> dict[int, list[list[Task]]]:
-        """Expert tiles on d for the rows each source s sent, per source and group (each after
-        ``ready[s][group]``); they write back[d] (own) or ret[d].
+        """Expert tiles on d for the rows each source s sent, per source and local expert (each
+        after ``ready[group]``); they write back[d] (own) or ret[d].
 
         The tiles of every source on one (expert, row tile, weight slice) are emitted one after
         another: they read the same weights, and run() makes them equally urgent, so the
@@ -752,7 +761,7 @@ class _Lowering:
                 moves.append(self.move(self.ret[d].region(self._expert_rows(i, j0, j1)),
                                        self.back[s].region(self._expert_rows(d, j0, j1)),
                                        self.relay_ret, sum(tiles[j0:j1], []),
-                                       f"return r{d}->r{s} g{g} e{j0}:{j1}",
+                                       f"return r{d}->r{s} g{g} {self._experts_tag(d, j0, j1)}",
                                        counts=(at_d, at_s, []), offset=j0 * self.seg))  # fmt: skip
         return moves
 
