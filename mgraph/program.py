@@ -28,7 +28,10 @@ A Program runs on the backend it was compiled for:
     comes back whole.
 
 The parameters are read from the module at every call (so updated weights are used), laid out
-as the ops read them. On ``triton`` with one runtime per process (one rank, or SPMD under
+as the ops read them: each module tensor by its name, following the submodules on its path and
+the owner's parameters and buffers, so a new Parameter, buffer tensor or submodule is what the
+call reads (the whole module is walked only at the first call and when a name stops leading to
+a tensor). On ``triton`` with one runtime per process (one rank, or SPMD under
 torchrun; the interpreter's multi-rank runs build every rank's runtime afresh at each call), a
 parameter is copied into the megakernel's buffers at the first call and again only when its
 module tensor changed since: another tensor object or storage (a new ``nn.Parameter``,

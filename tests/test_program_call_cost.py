@@ -12,7 +12,9 @@ never hides a change or a bad input:
 - on any CPU, no launch: _Sources against named_parameters/named_buffers after each kind of
   change; TritonRuntime.load_inputs' named errors for every bad input (its fast path accepts
   only what check_inputs accepts); the watchdog record read from the host copy ``run`` waits
-  for.
+  for;
+- on a GPU (``test_gpu_calls_match_eager_and_a_timed_out_launch_raises``): calls that replay
+  the CUDA graph against eager torch, and a launch that times out raising through that copy.
 
 How to measure the host time of a call (not a test; numbers in the commit that added this):
 ``TRITON_INTERPRET=1 python tests/test_program_call_cost.py --time``: prog(x) of the
@@ -286,6 +288,35 @@ def test_the_watchdog_record_is_read_from_the_copy_run_waited_for(runtime):
     with pytest.raises(mg.WatchdogTimeout, match="value 7, target 9, epoch 3"):
         runtime.check(record)
     runtime.failed = None  # only this test's record: the runtime itself never timed out
+
+
+@pytest.mark.gpu
+def test_gpu_calls_match_eager_and_a_timed_out_launch_raises():
+    """On a GPU the watchdog record comes back through the pinned host copy ``run`` queues
+    behind the kernel: good calls (the third replays the CUDA graph) match eager torch; then a
+    wait raised past what the graph signals times out inside the replayed kernel, and that
+    call raises WatchdogTimeout, as does the next (the runtime stays failed)."""
+    from mgraph.settings import Settings
+
+    torch.manual_seed(0)
+    net = Net(1024, 4096).to("cuda", torch.bfloat16).eval()
+    x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16)
+    prog = mg.compile(net, (x,), backend="triton")
+    for call in range(3):
+        x = torch.randn_like(x)
+        # the settings are read when the runtime is built, at the first call
+        got = prog.run(x, settings=Settings(watchdog_s=1.0) if call == 0 else None)
+        with torch.no_grad():
+            want = net(x).float()
+        error = ((got.outputs["out"].float() - want).norm() / want.norm()).item()
+        assert error < 2e-2, (call, error)
+    runtime = prog._runtime
+    assert runtime._graph is not None and runtime.tables.waits.shape[0] > 0
+    runtime.d["waits"][0, 1] += 1  # one more signal than the graph ever sends
+    with pytest.raises(mg.WatchdogTimeout):
+        prog(x)
+    with pytest.raises(mg.WatchdogTimeout):
+        prog(x)
 
 
 # -- the host time of a call (a measurement, not a test) ------------------------------------------
