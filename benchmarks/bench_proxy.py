@@ -491,6 +491,25 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def protocols_line(rows: list[dict]) -> str:
+    """The comparison the protocols are for, one line per (flags, streams): loopback push->flag
+    median of the smallest chunk, the push->done-flag round trip and CUDA calls per command, per
+    protocol (printed last, so a log's tail shows it)."""
+    lat = [r for r in rows if r["ok"] and r["bench"] == "latency" and r["path"] == "loopback"]
+    if not lat:
+        return ""
+    small = min(r["chunk_bytes"] for r in lat)
+    out = [f"loopback push->flag median us ({small // KiB} KiB; rt: push->done flag) "
+           "[CUDA calls/cmd] by protocol:"]  # fmt: skip
+    for flags, streams in dict.fromkeys((r["flags"], r.get("streams", 1)) for r in lat):
+        cells = [f"{r['protocol']} {r['latency_us_median']} (rt {r.get('roundtrip_us_median')})"
+                 f" [{r['cuda_calls_per_cmd']}]"
+                 for r in lat if r["chunk_bytes"] == small and r["flags"] == flags
+                 and r.get("streams", 1) == streams]  # fmt: skip
+        out.append(f"  {flags} flags, {streams} stream(s): " + ", ".join(cells))
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for bench_proxy.json / .md")
@@ -527,7 +546,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_proxy.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = table(rows, args.cpu) + "\n" + summary(rows)
+    md = table(rows, args.cpu) + "\n" + summary(rows) + "\n" + protocols_line(rows)
     (out / "bench_proxy.md").write_text(md)
     print(md, flush=True)
     failed = [r for r in rows if not r["ok"]]
