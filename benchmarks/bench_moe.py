@@ -3,6 +3,9 @@ GEMMs alone, and mgraph's moe_dispatch_combine on backend="triton", same inputs,
 
 Run (the issue's shape, about 1-2 minutes):
     PYTHONUNBUFFERED=1 torchrun --nproc_per_node=2 benchmarks/bench_moe.py --out $OUT
+``--nvlink-workers 0 16 24`` runs each mgraph configuration once per value: that many NVLink
+workers a GPU and the other SMs compute (0: the scheduler's own split, 32 NVLink workers at the
+issue's shape on 2 GPUs; the row's ``workers`` says what ran).
 On one GPU (all experts local: per GPU the same expert work as on two, where each rank runs
 its 128 experts once per source rank), with the time per task kind and per expert part:
     PYTHONUNBUFFERED=1 torchrun --nproc_per_node=1 benchmarks/bench_moe.py --warmup 1 --reps 2 \
@@ -242,7 +245,9 @@ class Bench:
         want: torch.Tensor,
         expert_rows: int | None,
         split: tuple[int, int] | None,
+        nvlink_workers: int = 0,
     ) -> None:
+        from mgraph.hardware import H200
         from mgraph.ops.moe_dispatch_combine import rank_bytes
         from mgraph.runtime.megakernel import TritonRuntime
         from mgraph.runtime.memory import worst_tile_error
@@ -256,9 +261,10 @@ class Bench:
             options["expert_cols_f"], options["expert_cols_h"] = split
         if a.capacity_factor is not None:
             options["capacity_factor"] = a.capacity_factor
-        # the op's default configuration: every option at its lowering's default (the chart
-        # and the notes quote it first; the other rows are a sweep beside it)
-        options["default"] = op_default(options)
+        # the op's default configuration: every option at its lowering's default and the
+        # scheduler's own worker split (the chart and the notes quote it first; the other rows
+        # are a sweep beside it)
+        options["default"] = op_default(options) and not nvlink_workers
         start = time.time()
         try:
             graph = mg.ops.get_op(OP)(
@@ -280,7 +286,15 @@ class Bench:
                 sizes["capacity_factor"] = a.capacity_factor
             memory = {"segment_rows": segment, "dropped_picks": int(summed(lost.sum())),
                       "gib_per_rank": round(rank_bytes(1, self.world, **sizes) / 2**30, 2)}  # fmt: skip
-            sched = mg.schedule(graph)
+            # --nvlink-workers: that many NVLink workers a GPU, the other SMs compute (0: the
+            # scheduler's own split)
+            workers = None
+            if nvlink_workers:
+                workers = {"compute": H200.sms - nvlink_workers, "nvlink": nvlink_workers,
+                           "rdma": 0}  # fmt: skip
+            sched = mg.schedule(graph, workers=workers)
+            options["workers"] = dict(sched.ranks[0].workers)
+            options["nvlink_workers"] = options["workers"].get("nvlink", 0)  # the chart's label
             built = time.time() - start
             rt = TritonRuntime(sched)
             first = rt.run(local).outputs  # outputs NaN-poisoned before the launch
@@ -297,7 +311,8 @@ class Bench:
                      "dropped_kernel_after": int(summed(last["dropped"].sum())),
                      "dropped_agree": summed(torch.tensor(float(agree)), dist.ReduceOp.MIN) == 1}  # fmt: skip
         except Exception as exc:  # a graph the runtime refuses (or fails on) is reported
-            self.add("mgraph", float("nan"), **options, error=repr(exc)[:400])
+            self.add("mgraph", float("nan"), **{"nvlink_workers": nvlink_workers, **options},
+                     error=repr(exc)[:400])  # fmt: skip
             return
         self.add("mgraph", ms, **options, tasks=len(graph.tasks), rel_err=round(err, 5),
                  worst_tile_err=round(tile, 5), rel_err_after=round(err_again, 5),
@@ -318,8 +333,8 @@ class Bench:
                 rows = kind_breakdown.kind_breakdown(rt)
             finally:
                 kind_breakdown.kind_rows = kind_rows
-            config = {k: options[k] for k in ("expert_rows", "expert_cols_f", "expert_cols_h")
-                      if k in options}  # fmt: skip
+            config = {k: options[k] for k in ("expert_rows", "expert_cols_f", "expert_cols_h",
+                                              "nvlink_workers") if k in options}  # fmt: skip
             for row in rows + expert_parts(traces[0], graph.tasks):
                 self.add("mgraph_kind", row["busy_ms"], **config, **row)
         del rt
@@ -413,7 +428,7 @@ def table(rows: list[dict]) -> str:
         vs_base = f"{base / ms:.2f}x" if base and ms == ms and whole else ""
         vs_gemm = f"{ms / gemm:.2f}x" if gemm and ms == ms and whole else ""
         notes = ", ".join(f"{k}={r[k]}" for k in ("grouped", "expert_rows", "expert_cols_f",
-                                                  "expert_cols_h", "rel_err",
+                                                  "expert_cols_h", "workers", "rel_err",
                                                   "worst_tile_err",
                                                   "rel_err_after", "segment_rows", "dropped_picks",
                                                   "dropped_kernel", "dropped_agree", "gib_per_rank",
@@ -442,6 +457,9 @@ def main() -> None:
                         help="rows per expert tile, one task per tile: the same as --configs "
                         "with these values")  # fmt: skip
     parser.add_argument("--expert-group", type=int, default=8)
+    parser.add_argument("--nvlink-workers", type=int, nargs="+", default=[0],
+                        help="per mgraph configuration, one row per value: NVLink workers a "
+                        "GPU, the other SMs compute (0: the scheduler's own split)")  # fmt: skip
     parser.add_argument("--combine-rows", type=int, default=64)
     parser.add_argument("--combine-cols", type=int, default=256)
     parser.add_argument("--capacity-factor", type=float, default=None,
@@ -475,7 +493,8 @@ def main() -> None:
             else [(rows, None) for rows in args.expert_rows]
         )
         for expert_rows, split in runs:
-            bench.mgraph(local, want, expert_rows, split)
+            for nvlink in args.nvlink_workers:
+                bench.mgraph(local, want, expert_rows, split, nvlink)
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
