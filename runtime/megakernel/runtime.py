@@ -785,8 +785,8 @@ class _CallPlan:
                 whole = None
                 break
             whole[name] = bufs[0].id
-        whole_views = {
-            name: views[bid].reshape(graph.outputs[name].shape)
+        whole_views = {  # view, never reshape: a copy here would be a stale output
+            name: views[bid].view(graph.outputs[name].shape)
             for name, bid in (whole or {}).items()
         }
         return _CallPlan(inputs, targets, volatile, placeholders, specs, whole, whole_views)
