@@ -392,7 +392,7 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
           break;
         }
       }
-      st.data.push_back(Copy1D{to, from, static_cast<size_t>(nbytes), index, ""});
+      st.data.push_back(Copy1D{to, from, static_cast<size_t>(nbytes), index});
     } else {
       // Strided: now, after what the stream already holds.
       flush_data(st);
@@ -608,6 +608,12 @@ void Mover::finish() {
     if (st.stream != nullptr) cuda.synchronize(st.stream);
 }
 
+std::string Mover::Copy1D::what() const {
+  if (rank < 0) return "";
+  return "raising flag words " + std::to_string(first) + ".." + std::to_string(last) +
+         " of rank " + std::to_string(rank) + ": ";
+}
+
 size_t Mover::take_stage(StreamState& st, size_t n) {
   // Runs never straddle a region: one that does not fit closes the region (its event is
   // recorded after the copies already taken from it are queued) and starts the next.
@@ -642,7 +648,7 @@ void Mover::submit(StreamState& st, std::vector<Copy1D>& copies, bool flags) {
         cuda.copy_batch(dsts.data(), srcs.data(), sizes.data(), copies.size(), st.stream, failed);
       } catch (const Failure& f) {
         const Copy1D& c = copies[failed < copies.size() ? failed : 0];
-        throw Failure{c.index, c.what + f.message};
+        throw Failure{c.index, c.what() + f.message};
       }
       stats.batch_calls.fetch_add(1, std::memory_order_relaxed);
     } else {
@@ -650,7 +656,7 @@ void Mover::submit(StreamState& st, std::vector<Copy1D>& copies, bool flags) {
         try {
           copy_1d(c.dst, c.src, c.bytes, st.stream);
         } catch (const Failure& f) {
-          throw Failure{c.index, c.what + f.message};
+          throw Failure{c.index, c.what() + f.message};
         }
       }
     }
@@ -669,15 +675,20 @@ void Mover::flush_data(StreamState& st) { submit(st, st.data, false); }
 
 void Mover::flush_raises(StreamState& st) {
   if (st.raises.empty()) return;
-  std::vector<StreamRaise> raises;
+  // Scratch kept between calls (its capacity, swapped into st.raises): no allocation per raise
+  // on the latency path. Nothing below re-enters flush_raises.
+  std::vector<StreamRaise>& raises = flush_raises_;
+  raises.clear();
   raises.swap(st.raises);
   st.raise_at.clear();
   std::sort(raises.begin(), raises.end(), [](const StreamRaise& a, const StreamRaise& b) {
     return a.key.rank != b.key.rank ? a.key.rank < b.key.rank : a.key.event < b.key.event;
   });
   if (!flag_copy && fuse_flags) {  // every word in one cuStreamBatchMemOp (per 255)
-    std::vector<unsigned long long> addresses;
-    std::vector<unsigned> values;
+    std::vector<unsigned long long>& addresses = flush_addresses_;
+    std::vector<unsigned>& values = flush_values_;
+    addresses.clear();
+    values.clear();
     for (const StreamRaise& r : raises) {
       RankMemory& m = ranks.at(r.key.rank);
       const int64_t value = __atomic_add_fetch(&m.shadow[r.key.event], r.count, __ATOMIC_RELAXED);
@@ -722,9 +733,7 @@ void Mover::flush_raises(StreamState& st) {
         st.stage[slot + (k - i)] = static_cast<uint32_t>(value);
       }
       copies.push_back(Copy1D{reinterpret_cast<void*>(address), &st.stage[slot], 4 * (j - i), index,
-                              "raising flag words " + std::to_string(raises[i].key.event) + ".." +
-                                  std::to_string(raises[j - 1].key.event) + " of rank " +
-                                  std::to_string(raises[i].key.rank) + ": "});
+                              raises[i].key.rank, raises[i].key.event, raises[j - 1].key.event});
     } else {
       for (size_t k = i; k < j; ++k) {
         const int64_t value =

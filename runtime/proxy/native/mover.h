@@ -227,7 +227,10 @@ class Mover {
     const void* src;
     size_t bytes;
     int index;  // command (batch index) named if it fails
-    std::string what;  // flags: which words, for the error
+    // Flags: which words (rank, first, last), named only if the copy fails: building the
+    // text on every raise would cost the latency path a few hundred ns.
+    int64_t rank = -1, first = 0, last = 0;
+    std::string what() const;
   };
   struct StreamRaise {
     EventKey key;
@@ -250,6 +253,10 @@ class Mover {
   // (``stream`` is stream_; its own staging ring with copy-engine flags).
   StreamState single_;
   std::unordered_map<EventKey, int, EventKeyHash> word_stream_;  // GPU word -> its stream
+  // flush_raises' scratch (kept for its capacity).
+  std::vector<StreamRaise> flush_raises_;
+  std::vector<unsigned long long> flush_addresses_;
+  std::vector<unsigned> flush_values_;
 
   void defer_raise(int64_t rank, int64_t event, int stream = 0, int index = 0);
   size_t take_stage(StreamState& st, size_t n);
