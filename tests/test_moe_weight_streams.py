@@ -10,7 +10,8 @@ H = 7168, F = 2048) and the weights' reads bound the expert time.
 Run as a script for issue 17's bench shape (benchmarks/bench_moe.py: T = 4096 tokens per rank,
 H = 7168, 256 experts, top-8, F = 2048, 2 ranks, a uniformly random routing as bench_moe draws
 it): streams per expert, bytes and the predicted expert time, before (v11's rule) and after,
-per expert_rows:
+per expert_rows, then for the op's defaults with each task alone and with the schedule's queue
+(tasks on one weight slice side by side share its reads):
     python tests/test_moe_weight_streams.py
 """
 
@@ -94,6 +95,40 @@ def test_bench_shape_streams_per_expert():
     assert after["filled_rows"] == before["filled_rows"] == 2 * 4096 * 8
 
 
+def test_queue_order_streams_each_slice_once_for_all_sources():
+    """With the queues, expert tasks on the same weights that follow each other among a rank's
+    expert tasks count one stream: moe_dispatch_combine queues every source's tiles of a
+    slice side by side, so at issue 17's size on 2 GPUs each expert's weights stream once
+    (twice without the queue: once per source rank). Small case first: the rule on orders
+    made by hand."""
+    g = mg.ops.get_op(OP)(topology="1x2", dtype=torch.bfloat16, T=128, H=16, E=8, top_k=4, F=24,
+                          expert_rows=32, capacity_factor=8.0)  # fmt: skip
+    picks = torch.tensor([[0, 1, 32, 33, 64, 70, 5, 0], [31, 0, 0, 63, 2, 3, 4, 5]])
+    alone = weight_streams(g, picks)
+    assert alone["streams"] == 16.0  # one per filled 32-row tile (the first test)
+    # the lowering's order: per expert, per row tile, per source (the whole expert's weights
+    # in each task here: no column split), so every expert's tasks follow each other and each
+    # expert with a filled row (all 8) streams once
+    emitted = [[t.id for t in g.tasks if t.rank == r and t.role == "compute"] for r in (0, 1)]
+    by_source = [sorted(q, key=lambda t: (g.tasks[t].params.get("source", -1), t))
+                 for q in emitted]  # fmt: skip
+    got = {name: weight_streams(g, picks, queues=q)
+           for name, q in (("emitted", emitted), ("by_source", by_source))}  # fmt: skip
+    assert got["emitted"]["streams"] == 8.0, got
+    # one source's tasks, then the other's: an expert's two row tiles of one source still
+    # follow each other (experts 3, 4, 5 of source 0, 3 of source 1: 16 - 4)
+    assert got["by_source"]["streams"] == 12.0, got
+    for key in ("filled_rows", "block_rows", "reread_bytes"):  # the work is the same
+        assert got["emitted"][key] == got["by_source"][key] == alone[key], key
+    # issue 17's size, bench_moe's routing, the op's defaults on 2 GPUs
+    big = mg.ops.get_op(OP)(topology="1x2", dtype=torch.bfloat16, T=8192, H=7168, E=256,
+                            top_k=8, F=2048)  # fmt: skip
+    picks = bench_picks(4096, 256, 8, 2)
+    queues = [rs.queues["compute"] for rs in mg.schedule(big).ranks]
+    assert weight_streams(big, picks)["streams"] == 2.0 * 256
+    assert weight_streams(big, picks, queues=queues)["streams"] == 1.0 * 256
+
+
 def combined(picks: torch.Tensor, H: int, F: int) -> dict[str, float]:
     """weight_streams' sums if ONE task per expert took its rows from all sources (not built:
     the lowering gives each (source, expert) segment its own tasks), in the body's blocks."""
@@ -134,3 +169,10 @@ if __name__ == "__main__":
         for name, rule in (("v11", v11_row_blocks), ("now", expert_row_blocks)):
             print(f"expert_rows={rows} {name}:", predict(weight_streams(g, picks, rule)))
     print("one task per expert, all sources (not built):", predict(combined(picks, 7168, 2048)))
+    # the op's defaults (512 rows, groups of 8, the 128/512 split), each task alone and in
+    # the schedule's queue (every source's tiles of one weight slice side by side)
+    g = mg.ops.get_op(OP)(topology="1x2", dtype=torch.bfloat16, T=8192, H=7168, E=256, top_k=8,
+                          F=2048)  # fmt: skip
+    queues = [rs.queues["compute"] for rs in mg.schedule(g).ranks]
+    print("defaults, each task alone:", predict(weight_streams(g, picks)))
+    print("defaults, the queue's neighbours share:", predict(weight_streams(g, picks, queues=queues)))

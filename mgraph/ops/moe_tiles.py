@@ -122,7 +122,10 @@ def expert_row_blocks(rows: int, itemsize: int) -> list[int]:
 
 
 def weight_streams(
-    graph: TaskGraph, picks: torch.Tensor, row_blocks: object = expert_row_blocks
+    graph: TaskGraph,
+    picks: torch.Tensor,
+    row_blocks: object = expert_row_blocks,
+    queues: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, float]:
     """How many times a routing makes the expert tasks of ``graph`` (a moe_dispatch_combine
     graph) read their expert's weights, from the host alone. ``picks [W, E]``: how many of
@@ -137,14 +140,26 @@ def weight_streams(
     output columns (``reread_bytes``: an upper bound, none found in L2; tasks of one slice
     each share their rows through L2 only when they run at the same time, not modelled), the
     blocks' rows (filled and padding: the MMA work; a split task counts its share of the
-    expert's work) and the filled rows (once per row tile)."""
+    expert's work) and the filled rows (once per row tile).
+
+    ``queues`` (each rank's compute queue, ``[rs.queues["compute"] for rs in schedule.ranks]``):
+    expert tasks reading the same weight regions that come one after another among their
+    rank's expert tasks in its queue (as moe_dispatch_combine queues one slice's tiles of every
+    source) are taken by programs at about the same time: they count as streaming those
+    weights once per row block of the largest of them, the others reading them from L2. An
+    upper bound on what running side by side saves: two programs on one slice share its reads
+    only while their loops stay in step. None: every task streams its own."""
     itemsize = ITEMSIZE[graph.dtype]
     H, F = graph.params["H"], graph.params["F"]
     # the body's column blocks (hidden, output): moe_bodies' pass 1 and pass 2 tiles
     cols_f, cols_h = (128, 256) if itemsize == 2 else (64, 128)
     whole = 3 * H * F  # one expert's weight elements
     stream_elems = reread = padded = filled = 0.0
-    for task in graph.tasks:
+    # (rank, weight regions) of the previous expert task in its rank's queue, and its blocks
+    run: dict[int, tuple[tuple, int]] = {}
+    order = [t.id for t in graph.tasks] if queues is None else [i for q in queues for i in q]
+    for tid in order:
+        task = graph.tasks[tid]
         if task.kind != EXPERT.name:
             continue
         e = task.rank * (graph.params["E"] // graph.topology.world_size)
@@ -166,7 +181,15 @@ def weight_streams(
         else:
             per_row, share = -(-F // cols_f) * H + -(-H // cols_h) * F, 1.0
         blocks = row_blocks(n, itemsize)
-        stream_elems += len(blocks) * elems
+        streams = len(blocks)
+        if queues is not None:
+            same, before = run.get(task.rank, ((), 0))
+            if same == tuple(weights):  # its row blocks after the run's first read from L2
+                streams, blocks_run = max(streams - before, 0), max(before, streams)
+            else:
+                blocks_run = streams
+            run[task.rank] = (tuple(weights), blocks_run)
+        stream_elems += streams * elems
         reread += sum(blocks) * per_row * itemsize
         padded += sum(blocks) * share
         filled += n if part == 0 or (part == 1 and weights[0].col0 == 0) else 0
