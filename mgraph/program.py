@@ -300,10 +300,10 @@ class Program:
         return list(dict.fromkeys(names))
 
     def _source_tensors(self) -> list[torch.Tensor]:
-        """The module tensors named by ``_fqns()`` as the module holds them now: through the
-        kept _Sources while every module and table entry on their paths is the one it found,
-        else (first call, or the module changed shape) by name from ``named_parameters`` and
-        ``named_buffers`` (the OpGraph's constants over both), finding the paths again."""
+        """The module tensors named by ``_fqns()`` as the module holds them now: by walking
+        their names with the kept _Sources, else (the first call, or a name that no longer
+        leads to a tensor of the table it was found in) from ``named_parameters`` and
+        ``named_buffers`` (the OpGraph's constants over both), finding the walks again."""
         if self._sources is not None:
             got = self._sources.resolve()
             if got is not None:
