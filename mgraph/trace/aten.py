@@ -75,6 +75,24 @@ def _view(tr: Tracer, n: CNode) -> Any:
 # -- linear layers -----------------------------------------------------------------------------
 
 
+# Wide GEMM tasks for traced linears on one GPU (bench_layer --gemm-tiles, benchmarks/NOTES.md
+# v14): a 128 x 1024 task (4 kernel blocks, run one after another by the dynamic GEMM body) pays
+# the per-task costs once for 4 blocks; in the Llama layer its blocks ran 49 us against 55 at
+# K=4096. It is chosen only where the op still gives every SM a task (a phase with fewer tasks
+# than SMs would idle the rest) and its columns split into whole wide tasks (no short block
+# that a TMA reduce-add could not take). Several GPUs keep the op's default tile: not measured.
+_WIDE_TILE = [128, 1024]
+
+
+def _default_tile(tr: Tracer, M: int, N: int, options: dict) -> dict:
+    from ..hardware import H200
+
+    if "tile" in options or tr.world != 1 or N % _WIDE_TILE[1]:
+        return {}
+    tasks = -(-M // _WIDE_TILE[0]) * (N // _WIDE_TILE[1])
+    return {"tile": list(_WIDE_TILE)} if tasks >= H200.sms else {}
+
+
 @handles("linear", "matmul", "mm")
 def _linear(tr: Tracer, n: CNode) -> Any:
     x = tr.tensor(n, n.args[0], "input")
@@ -98,6 +116,8 @@ def _linear(tr: Tracer, n: CNode) -> Any:
     style = tr.plan.get(path) if n.op == "linear" else None
     where = f"plan {path!r} {type(style).__name__}"
     dims = {"M": M, "N": N, "K": K}
+    options = style.options if style is not None else {}
+    dims.update(_default_tile(tr, M, N, options))
     if isinstance(style, ColwiseParallel):
         if N % tr.world:
             raise ShapeError(
