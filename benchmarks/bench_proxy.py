@@ -23,7 +23,8 @@ per flag word (3), ``new+driver`` fused with the data copy through the driver's 
 ``new+gpufence`` fused memop flags after one GPU-scope barrier per call instead of a system-wide
 one per store (in force where all memory is on the proxy's GPU: loopback; ``cuda_apis`` says;
 memop rows only, copy-engine flags have no barrier).
-Every row carries ``cuda_calls_per_cmd`` (the proxy's queueing calls / commands) and the latency
+Every row carries ``cuda_calls_per_cmd`` (the proxy's queueing calls / commands), the host time
+of a data call and of a flag call (``data_call_us``, ``flag_call_us``), and the latency
 rows a canary: the consumer reads the first and last element of a command's destination chunk
 (NaN until written) right after its flag arrives, and counts arrivals that came before the data.
 ``--streams 1 4`` runs every case with each number of proxy copy streams (NativeProxy
@@ -339,6 +340,9 @@ def run_case(case: Case, rig: Rig) -> dict:
                cuda_calls_per_batch=round(ls["cuda_calls"] / nb, 2),
                cuda_calls_per_cmd=round(ls["cuda_calls"] / max(proxy.stats.commands, 1), 3),
                cuda_call_us=round(ls["cuda_call_ns"] / max(ls["cuda_calls"], 1) / 1e3, 2),
+               flag_call_us=round(ls["flag_call_ns"] / max(ls["flag_calls"], 1) / 1e3, 2),
+               data_call_us=round((ls["cuda_call_ns"] - ls["flag_call_ns"])
+                                  / max(ls["cuda_calls"] - ls["flag_calls"], 1) / 1e3, 2),
                cuda_apis=proxy.cuda_apis, canary=canary)  # fmt: skip
     if errors:
         return {**row, "error": "; ".join(errors)}
@@ -500,10 +504,11 @@ def protocols_line(rows: list[dict]) -> str:
         return ""
     small = min(r["chunk_bytes"] for r in lat)
     out = [f"loopback push->flag median us ({small // KiB} KiB; rt: push->done flag) "
-           "[CUDA calls/cmd] by protocol:"]  # fmt: skip
+           "[CUDA calls/cmd: host us per data call + per flag call] by protocol:"]  # fmt: skip
     for flags, streams in dict.fromkeys((r["flags"], r.get("streams", 1)) for r in lat):
         cells = [f"{r['protocol']} {r['latency_us_median']} (rt {r.get('roundtrip_us_median')})"
-                 f" [{r['cuda_calls_per_cmd']}]"
+                 f" [{r['cuda_calls_per_cmd']}: data {r.get('data_call_us')} + flags "
+                 f"{r.get('flag_call_us')} us/call]"
                  for r in lat if r["chunk_bytes"] == small and r["flags"] == flags
                  and r.get("streams", 1) == streams]  # fmt: skip
         out.append(f"  {flags} flags, {streams} stream(s): " + ", ".join(cells))

@@ -515,6 +515,9 @@ def test_cuda_calls_per_command_are_pinned(
     writes, signals = s["writes"], s["signals"]
     assert (writes, signals, s["coalesced"], s["raises"]) == (48, 12, 0, 2 * 48 + 12)
     assert s["cuda_calls"] == per_write * writes + signals == queue_calls(fake)
+    # The flag calls among them: all but each WRITE's data copy.
+    assert s["flag_calls"] == (per_write - 1) * writes + signals
+    assert 0 < s["flag_call_ns"] < s["cuda_call_ns"]
     assert fake.stat("driver_copies") == (writes if protocol == "fused-driver" else 0)
     fence = protocol == "fused-gpufence"  # in force: every flag call starts with one barrier
     assert fake.stat("gpu_barriers") == fake.stat("memop_barriers")

@@ -279,7 +279,8 @@ class NativeProxy:
         stores with one stream) and ``batch_calls`` (cudaMemcpyBatchAsync calls);
         ``busy_ns`` (host time from reading each batch to its end, summed), ``paced_ns`` (the
         part of it spent holding copies for the emulated NIC), ``cuda_calls`` and
-        ``cuda_call_ns`` (the calls queueing copies or flag writes, and their host time)."""
+        ``cuda_call_ns`` (the calls queueing copies or flag writes, and their host time), and
+        ``flag_calls``/``flag_call_ns`` (of those, the ones raising GPU flags)."""
         return dict(self._drain.stats())
 
     @property

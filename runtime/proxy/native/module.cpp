@@ -360,6 +360,8 @@ PYBIND11_MODULE(_drain, m) {
         s["paced_ns"] = d.mover.stats.paced_ns.load();
         s["cuda_call_ns"] = d.mover.cuda.call_ns.load();
         s["cuda_calls"] = d.mover.cuda.calls.load();
+        s["flag_calls"] = d.mover.stats.flag_calls.load();
+        s["flag_call_ns"] = d.mover.stats.flag_call_ns.load();
         return s;
       })
       .def("sent_to", [](const Drain& d) {

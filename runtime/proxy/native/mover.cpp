@@ -35,6 +35,25 @@ const char* place_name(Place p) {
   }
 }
 
+// Adds the CUDA queueing calls made in its scope (and their host time) to the flag counters.
+class FlagCalls {
+ public:
+  FlagCalls(const CudaApi& cuda, MoverStats& stats)
+      : cuda_(cuda), stats_(stats), calls_(cuda.calls.load(std::memory_order_relaxed)),
+        ns_(cuda.call_ns.load(std::memory_order_relaxed)) {}
+  ~FlagCalls() {
+    stats_.flag_calls.fetch_add(cuda_.calls.load(std::memory_order_relaxed) - calls_,
+                                std::memory_order_relaxed);
+    stats_.flag_call_ns.fetch_add(cuda_.call_ns.load(std::memory_order_relaxed) - ns_,
+                                  std::memory_order_relaxed);
+  }
+
+ private:
+  const CudaApi& cuda_;
+  MoverStats& stats_;
+  int64_t calls_, ns_;
+};
+
 }  // namespace
 
 Mover::~Mover() {
@@ -287,6 +306,7 @@ void Mover::raise_now(const EventKey& key, int64_t count) {
     // proxy is its only writer, so it can write the new value instead of adding.
     const int64_t value = __atomic_add_fetch(&m.shadow[key.event], count, __ATOMIC_RELAXED);
     const unsigned long long address = m.flags + 4ull * static_cast<unsigned long long>(key.event);
+    const FlagCalls counted(cuda, stats);
     if (!flag_copy) {
       cuda.write_value32(stream_, address, static_cast<unsigned>(value));
     } else {
@@ -675,6 +695,7 @@ void Mover::flush_data(StreamState& st) { submit(st, st.data, false); }
 
 void Mover::flush_raises(StreamState& st) {
   if (st.raises.empty()) return;
+  const FlagCalls counted(cuda, stats);
   // Scratch kept between calls (its capacity, swapped into st.raises): no allocation per raise
   // on the latency path. Nothing below re-enters flush_raises.
   std::vector<StreamRaise>& raises = flush_raises_;

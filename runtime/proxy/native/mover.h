@@ -104,6 +104,9 @@ struct MoverStats {
   std::atomic<int64_t> data_copies{0}, flag_copies{0}, batch_calls{0};
   // Host time pace() held commands for the emulated NIC.
   std::atomic<int64_t> paced_ns{0};
+  // Of CudaApi's queueing calls (calls, call_ns), those that raised GPU flags: the rest queued
+  // data, so a command's host time splits into its data call and its flag call.
+  std::atomic<int64_t> flag_calls{0}, flag_call_ns{0};
 };
 
 struct EventKey {
