@@ -29,8 +29,8 @@ there.
 3. experts (compute, d): one task per (source, local expert, row tile) computes the SwiGLU expert
    on the tile's filled rows (its segment's count); a tile past the count exits at once. Tiles
    start when their group's rows from every source arrived, and the tiles of all sources on
-   one expert's weights (or one slice of them, below) follow each other in the queue (see
-   ``_Lowering.run``): the programs that take them at about the same time read the weights
+   one expert's weights (or one slice of them, below) follow each other in the queue under
+   the builtin policies (see ``_Lowering.run``): the programs that take them at about the same time read the weights
    once from HBM, not once per source. With ``expert_cols_f`` and ``expert_cols_h``,
    a tile is instead pass-1 tasks on slices of ``expert_cols_f`` hidden columns, then (after
    all of them) pass-2 tasks on slices of ``expert_cols_h`` output columns: several programs
