@@ -30,8 +30,10 @@ there.
    on the tile's filled rows (its segment's count); a tile past the count exits at once. Tiles
    start when their group's rows from every source arrived, and the tiles of all sources on
    one expert's weights (or one slice of them, below) follow each other in the queue under
-   the builtin policies (see ``_Lowering.run``): the programs that take them at about the same time read the weights
-   once from HBM, not once per source. With ``expert_cols_f`` and ``expert_cols_h``,
+   the builtin policies (see ``_Lowering.run``), so the programs that take them at about the
+   same time can share the weights' reads through L2 instead of streaming them once per
+   source (``moe_tiles.weight_streams`` with the queues; not yet measured on a GPU). With
+   ``expert_cols_f`` and ``expert_cols_h``,
    a tile is instead pass-1 tasks on slices of ``expert_cols_f`` hidden columns, then (after
    all of them) pass-2 tasks on slices of ``expert_cols_h`` output columns: several programs
    work on one expert at once, each streaming its own slice of the weights while the tile's
