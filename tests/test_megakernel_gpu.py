@@ -30,6 +30,9 @@ def rel(got, want):
         ("gemm", dict(M=1024, N=768, K=512, tile=[128, 128])),
         ("gemm", dict(M=8192, N=8192, K=4096)),
         ("gemm_allreduce", dict(M=1024, N=1024, K=512)),
+        # tasks of several kernel blocks (encode.MAX_BLOCK is 128 x 256), short at the edges
+        ("gemm", dict(M=1000, N=2000, K=520, tile=[256, 1024])),
+        ("gemm", dict(M=4096, N=4096, K=4096, tile=[128, 1024])),
     ],
 )
 def test_one_gpu_matches_torch(op, kw):
