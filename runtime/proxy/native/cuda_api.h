@@ -38,8 +38,9 @@ class CudaApi {
   std::string dmabuf_fd(unsigned long long ptr, size_t bytes, int& fd) const;
   int runtime_version() const { return runtime_version_; }
   // Host time spent inside the calls that queue copies or flag writes (copy, copy_2d,
-  // copy_batch, copy_driver, write_value32, each cuStreamBatchMemOp of write_values32) and how many there were: the proxy's own share of a command's
-  // latency (bench_proxy reports it per batch). Written by the drain thread, read by any.
+  // copy_batch, copy_driver, write_value32, each cuStreamBatchMemOp of write_values32) and how
+  // many there were: the proxy's own share of a command's latency (bench_proxy reports it per
+  // command). Written by the drain thread, read by any.
   mutable std::atomic<int64_t> call_ns{0}, calls{0};
 
   // Each throws Failure{-1, ...} naming the call when CUDA reports an error.

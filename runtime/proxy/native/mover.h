@@ -47,9 +47,11 @@
 // barrier, in array order), with copy-engine flags one staged copy per run of neighbouring words
 // and, for several runs, one cudaMemcpyBatchAsync where the runtime has it. So a WRITE raising a
 // destination word and a done word is 2 calls (it was 3: one per word), a SIGNAL 1, a coalesced
-// group of k WRITEs 2. Words that become due together go out in no promised order among
-// themselves (sorted by rank and word), as with several streams; a word due later still goes
-// out after them. ``fuse_flags`` false keeps one call per word, in first-raise order.
+// group of k WRITEs 2 (a word that a later command of the batch raises again waits for that
+// one, as before). With several streams, a stream's words of a batch likewise go out in one
+// cuStreamBatchMemOp (memop flags). Words that become due together go out in no promised
+// order among themselves (sorted by rank and word), as with several streams; a word due later
+// still goes out after them. ``fuse_flags`` false keeps one call per word, in first-raise order.
 // ``gpu_fence`` (with fused cuStreamWriteValue32 flags, and only where ``local_memory``): a call's
 // stores follow ONE GPU-scope barrier instead of each a system-wide one; a flag's reader on
 // this GPU still sees the data first, and none is elsewhere. It changes what the GPU executes,
