@@ -45,13 +45,18 @@ def ref_lengths(costs: list[float], order: list[int], succ: list[list[int]]) -> 
     return length
 
 
-def ref_waves(graph: mg.TaskGraph, order: list[int], succ: list[list[int]]) -> list[int]:
-    rdma, tasks, never = "rdma", graph.tasks, 1 << 30
-    level = [0] * len(tasks)
+def ref_levels(graph: mg.TaskGraph, order: list[int], succ: list[list[int]]) -> list[int]:
+    level = [0] * len(graph.tasks)
     for tid in order:
-        level[tid] += tasks[tid].role == rdma
+        level[tid] += graph.tasks[tid].role == "rdma"
         for s in succ[tid]:
             level[s] = max(level[s], level[tid])
+    return level
+
+
+def ref_waves(graph: mg.TaskGraph, order: list[int], succ: list[list[int]]) -> list[int]:
+    rdma, tasks, never = "rdma", graph.tasks, 1 << 30
+    level = ref_levels(graph, order, succ)
     need = [never] * len(tasks)
     for tid in reversed(order):
         best = level[tid] if tasks[tid].role == rdma else never
@@ -59,6 +64,50 @@ def ref_waves(graph: mg.TaskGraph, order: list[int], succ: list[list[int]]) -> l
             best = min(best, need[s])
         need[tid] = best
     return need
+
+
+def ref_lag_slots(graph, order, succ, lag: int) -> list[int]:
+    """network_slots(lag=...): a rank's j-th wave-w send (id order) ranks at j + lag (w - 1),
+    ties by wave then id; each task takes the smallest slot among itself and its successors."""
+    tasks, never = graph.tasks, 1 << 30
+    waves = ref_waves(graph, order, succ)
+    own = [never] * len(tasks)
+    for rank in graph.topology.ranks:
+        sends = sorted((waves[t.id], t.id) for t in tasks if t.rank == rank and t.role == "rdma")
+        keyed = [(sum(1 for w2, u in sends if w2 == w and u < tid) + lag * (w - 1), w, tid)
+                 for w, tid in sends]  # fmt: skip
+        for slot, (_, _, tid) in enumerate(sorted(keyed)):
+            own[tid] = slot
+    need = list(own)
+    for tid in reversed(order):
+        for s in succ[tid]:
+            need[tid] = min(need[tid], need[s])
+    return need
+
+
+def ref_network_makespan(graph, order, costs, workers, hw) -> float:
+    """ref_queue_makespan with a network: a rank's RDMA tasks in ``order``, each starting once
+    its waits are met and the rank's proxy and NIC are free, holding them for max(one proxy
+    command, bytes / 2 at rdma_gbps) and landing ``costs`` after its start."""
+    tasks = graph.tasks
+    total = {e: len(s) for e, s in graph.signalers().items()}
+    free, nic, signals, end = {}, {}, {}, {}
+    for tid in order:
+        t = tasks[tid]
+        met = max((max(signals[e]) if c == total[e] else sorted(signals[e])[c - 1]
+                   for e, c in t.waits), default=0.0)  # fmt: skip
+        if t.role == "rdma":
+            start = max(nic.get(t.rank, 0.0), met)
+            wire = t.bytes / 2 / (hw.rdma_gbps * 1e9)
+            nic[t.rank] = start + max(hw.proxy_command_us * 1e-6, wire)
+        else:
+            heap = free.setdefault((t.rank, t.role), [0.0] * workers[t.rank][t.role])
+            start = max(heapq.heappop(heap), met)
+            heapq.heappush(heap, start + costs[tid])
+        end[tid] = start + costs[tid]
+        for e in t.signals:
+            signals.setdefault(e, []).append(end[tid])
+    return max(end.values(), default=0.0)
 
 
 def ref_list_order(graph: mg.TaskGraph, priority) -> list[int]:
@@ -163,7 +212,18 @@ def ref_queue_makespan(graph, order, costs, workers) -> float:
 def ref_critical_path(graph, costs, order, succ, length, turn, plain, workers) -> list[int]:
     """critical_path: longest_path's order ``plain``, or, on a graph without RDMA tasks, the
     order by backward ends (ties in ``plain``) where the queue model predicts it shorter by
-    PLACED_MARGIN."""
+    PLACED_MARGIN; on a graph with RDMA tasks and nodes of several GPUs, the staged order
+    (compute and NVLink tasks by network level descending, then lag-1 slots, path length,
+    rotation) where the queue model with a network predicts that shorter by PLACED_MARGIN."""
+    if any(t.role == "rdma" for t in graph.tasks) and graph.topology.gpus_per_node > 1:
+        level = ref_levels(graph, order, succ)
+        slot = ref_lag_slots(graph, order, succ, 1)
+        stage = [0 if t.role == "rdma" else -level[t.id] for t in graph.tasks]
+        staged = ref_list_order(graph, [(stage[t], slot[t], -length[t], turn[t])
+                                        for t in range(len(graph.tasks))])  # fmt: skip
+        a = ref_network_makespan(graph, plain, costs, workers, mg.H200)
+        b = ref_network_makespan(graph, staged, costs, workers, mg.H200)
+        return staged if b < a * (1 - policies.PLACED_MARGIN) else plain
     if any(t.role == "rdma" for t in graph.tasks):
         return plain
     rank_order = sorted(range(len(graph.tasks)), key=lambda t: (-length[t], turn[t], t))
@@ -324,7 +384,7 @@ def test_a_partial_wait_does_not_bound_the_placed_order():
                for n, rows in (("src", 1), ("dst", 6)) for r in (0, 1)}  # fmt: skip
     # (rank, waits, signals, flops) of tasks t0..t5, each copying src row 0 to dst row id
     spec = [(0, [], [1], 5.0), (1, [], [0, 1], 0.0), (1, [], [0], 6985123.0),
-            (0, [], [], 10.0), (0, [(0, 1)], [1], 0.0), (0, [(1, 3)], [], 12942089.0)]
+            (0, [], [], 10.0), (0, [(0, 1)], [1], 0.0), (0, [(1, 3)], [], 12942089.0)]  # fmt: skip
     tasks = [mg.Task(id=i, name=f"t{i}", rank=r, role="compute", kind="copy",
                      reads=[mg.Region(buffer=f"src@{r}", row0=0, row1=1, col0=0, col1=4)],
                      writes=[mg.Region(buffer=f"dst@{r}", row0=i, row1=i + 1, col0=0, col1=4)],

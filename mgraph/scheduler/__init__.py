@@ -93,7 +93,7 @@ def _schedule(
     # the partition first: critical_path places the tasks on these workers to order them
     partition = static_partition(graph, hardware, costs) if override is None else None
     workers = [dict(override) if override is not None else partition[r] for r in range(world)]
-    order = choose(graph, policy_input(graph, costs, topo, workers))
+    order = choose(graph, policy_input(graph, costs, topo, workers, hardware))
     queues: list[dict[str, list[int]]] = [{r: [] for r in _ROLE_NAMES} for _ in range(world)]
     tasks = graph.tasks
     for tid in order:

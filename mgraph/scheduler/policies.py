@@ -29,11 +29,17 @@ wave-major send order) that needs a task, then as ``critical_path``. Longest-pat
 GEMM tile before the node sums and rail sends waiting on them (a tile's path is longer by its own
 cost), so on several nodes the network starts only when the GEMM ends (simulated 2x8 GEMM+AR
 32768x2048x32768: the first node sum at 9.0 of 9.2 ms of GEMM). With no RDMA tasks (one node)
-its order is ``critical_path``'s. Not the default yet (benchmarks/NOTES.md, "Predictions and the
-2x8 schedules"): the megakernel runs only the compute queue's leading GEMM tasks as its static
-prefix and signals them once, after the prefix (runtime/megakernel/encode.py), so the node sums
-network_first interleaves cut that prefix to the first chunk's tiles; the simulator models
-neither the prefix nor its late signals.
+its order is ``critical_path``'s.
+
+On graphs with RDMA tasks and nodes of several GPUs, ``critical_path`` (the default) chooses
+between longest_path's order and ``staged_order`` (rail sums and broadcasts as soon as the
+counters allow, tiles by network slot with the waves interleaved one send apart) by the
+prediction of ``placement.network_makespan``; the simulated 2x8 GEMM+AR and GEMM+RS take the
+staged order, ring attention, AG+GEMM and MoE keep longest_path's (benchmarks/simulated.md).
+Caveat for a GPU: the megakernel runs only the compute queue's leading GEMM tasks as its static
+prefix and signals them once, after the prefix (runtime/megakernel/encode.py), so the node and
+rail sums the staged order (like network_first) interleaves cut that prefix to the first
+chunk's tiles; the simulator models neither the prefix nor its late signals.
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ from typing import Any
 
 from ..errors import RegistrationError, UnknownNameError
 from ..graph import TaskGraph
+from ..hardware import HardwareProfile
 from ..kinds import Role
 from ..validate import CounterOrder, topo_order
-from .placement import Pools, constrained_lengths, queue_makespan
+from .placement import Pools, constrained_lengths, network_makespan, queue_makespan
 
 __all__ = [
     "PolicyInput",
@@ -60,8 +67,10 @@ __all__ = [
     "list_order",
     "Columns",
     "critical_path_lengths",
+    "network_levels",
     "network_waves",
     "network_slots",
+    "staged_order",
     "push_rotation",
     "topological",
     "critical_path",
@@ -95,6 +104,9 @@ class PolicyInput:
     # rank -> role -> workers (the schedule's SM partition); None: unknown, and the policies
     # that place tasks on workers (``critical_path``) assume a worker for every task
     workers: list[dict[str, int]] | None = field(default=None, repr=False)
+    # the profile ``costs`` come from; None: unknown, and ``critical_path`` does not predict
+    # the network (it keeps longest_path's order on graphs with RDMA tasks)
+    hardware: HardwareProfile | None = field(default=None, repr=False)
 
     @cached_property
     def succ(self) -> list[list[int]]:
@@ -149,9 +161,11 @@ def policy_input(
     costs: list[float],
     order: list[int] | None = None,
     workers: list[dict[str, int]] | None = None,
+    hardware: HardwareProfile | None = None,
 ) -> PolicyInput:
     """What the policies read; ``order`` is ``topo_order(graph)`` when the caller has it,
-    ``workers`` each rank's workers per role (``schedule`` passes its SM partition)."""
+    ``workers`` each rank's workers per role (``schedule`` passes its SM partition),
+    ``hardware`` the profile ``costs`` come from (``schedule`` passes its own)."""
     if order is None:
         order = topo_order(graph)  # raises CycleError / UnsatisfiableWaitError for broken graphs
     pos = [0] * len(graph.tasks)
@@ -186,6 +200,7 @@ def policy_input(
         released=released,
         waits=waits,
         workers=workers,
+        hardware=hardware,
     )
 
 
@@ -316,14 +331,10 @@ PLACED_MARGIN = 0.01
 _NEVER = 1 << 30  # the wave of a task no network transfer depends on
 
 
-def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
-    """For each task, the earliest network wave that needs it (``_NEVER`` if none).
-
-    An rdma task's wave is the number of rdma tasks on the longest chain ending at it: wave 1
-    sends data produced locally, wave 2 sends what wave 1 made possible (a reduce-scatter's
-    all-gather), and so on. A task's wave is the smallest wave among the rdma tasks that depend
-    on it: the lower, the sooner the network waits for it.
-    """
+def network_levels(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """For each task, the number of rdma tasks on the longest chain ending at it (itself
+    included): 0 for what needs no network data, 1 for a first-wave send and for what waits on
+    one (a rail reduce-scatter's sums), and so on."""
     rdma = Role.RDMA.value
     tasks, pos, partial = graph.tasks, facts.pos, facts.partial
     signalers = graph.signalers() if partial else {}
@@ -346,8 +357,21 @@ def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
         for e in t.signals:
             if reached[e] < lv:
                 reached[e] = lv
+    return level
+
+
+def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+    """For each task, the earliest network wave that needs it (``_NEVER`` if none).
+
+    An rdma task's wave is its ``network_levels`` value: wave 1 sends data produced locally,
+    wave 2 sends what wave 1 made possible (a reduce-scatter's all-gather), and so on. A task's
+    wave is the smallest wave among the rdma tasks that depend on it: the lower, the sooner the
+    network waits for it.
+    """
+    rdma = Role.RDMA.value
+    level = network_levels(graph, facts)
     return _earliest_downstream(
-        graph, facts, [level[t.id] if t.role == rdma else _NEVER for t in tasks]
+        graph, facts, [level[t.id] if t.role == rdma else _NEVER for t in graph.tasks]
     )
 
 
@@ -372,7 +396,7 @@ def _earliest_downstream(graph: TaskGraph, facts: PolicyInput, own: list[int]) -
     return need
 
 
-def network_slots(graph: TaskGraph, facts: PolicyInput) -> list[int]:
+def network_slots(graph: TaskGraph, facts: PolicyInput, lag: int | None = None) -> list[int]:
     """For each task, the earliest slot among the RDMA tasks that depend on it (itself
     included; ``_NEVER`` if none), where a rank's RDMA tasks take slots in (network wave, id)
     order: every first-wave send of the rank, then the second wave (a reduce-scatter's
@@ -382,6 +406,13 @@ def network_slots(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     leaves while later tiles compute. Wave-major, so the one RDMA worker's queue never holds a
     send behind a second-wave task that waits a network round trip (slots in id order
     interleave them: simulated 2x8 GEMM+AR 4096x256x4096 0.81 ms against 0.58 wave-major).
+
+    With ``lag`` k the waves interleave instead, k sends apart: the j-th send (in id order) of
+    wave w takes the slot after the (j + k)-th of wave w - 1, so a later wave's send follows
+    k more sends of the wave before it (``staged_order``: k = 1). Wave-major put every tile
+    of a chunk that only a second-wave send needs (the chunks a rank reduces for its own node)
+    after every first-wave chunk, so nothing of the node broadcast could start before half of
+    the GEMM had run (simulated 2x8 GEMM+AR 32768x2048x32768: first broadcast at 5.8 ms).
     """
     rdma = Role.RDMA.value
     waves = network_waves(graph, facts)
@@ -391,9 +422,43 @@ def network_slots(graph: TaskGraph, facts: PolicyInput) -> list[int]:
             by_rank.setdefault(t.rank, []).append((waves[t.id], t.id))
     own = [_NEVER] * len(graph.tasks)
     for sends in by_rank.values():
-        for slot, (_, tid) in enumerate(sorted(sends)):
+        sends.sort()
+        if lag is not None:
+            index: dict[int, int] = {}  # wave -> its sends so far, in id order
+            keyed = []
+            for w, tid in sends:
+                j = index.get(w, 0)
+                index[w] = j + 1
+                keyed.append((j + lag * (w - 1), w, tid))
+            keyed.sort()
+            sends = [(w, tid) for _, w, tid in keyed]
+        for slot, (_, tid) in enumerate(sends):
             own[tid] = slot
     return _earliest_downstream(graph, facts, own)
+
+
+def staged_order(
+    graph: TaskGraph, facts: PolicyInput, length: list[float], turn: list[int]
+) -> list[int]:
+    """``critical_path``'s candidate order for a graph with RDMA tasks: the compute and NVLink
+    tasks by ``network_levels`` descending first (a rail sum, or a broadcast of network data,
+    as soon as the counters allow, before any tile that needs no network data), then every
+    task by ``network_slots`` with the waves one send apart (lag 1), then by ``length``
+    (critical_path_lengths) and ``turn`` (push_rotation). RDMA tasks rank by slot alone, so a
+    rank's sends go wave by wave, each later wave's send one first-wave send behind.
+
+    Simulated 2x8 GEMM+AR (simulated.md's options) against the wave-major ``network_first``:
+    4096x256x4096 0.296 -> 0.266 ms, 8192x512x8192 0.817 -> 0.750, 16384x1024x16384 3.337 ->
+    2.996, 32768x2048x32768 16.56 -> 14.24 (the node broadcast runs beside the GEMM instead
+    of after it). On graphs whose compute waits on network data for most of its tiles it loses
+    (a tile placed as soon as its counters allow holds its worker for a network transfer):
+    2x8 ring attention S=12288 3.2 -> 6.6 ms, AG+GEMM 4096 0.38 -> 0.52 ms. ``critical_path``
+    keeps it only where ``network_makespan`` predicts it shorter."""
+    rdma = Role.RDMA.value
+    level = network_levels(graph, facts)
+    stage = [0 if t.role == rdma else -level[t.id] for t in graph.tasks]
+    slot = network_slots(graph, facts, lag=1)
+    return list_order(graph, Columns(stage, slot, [-x for x in length], turn), facts)
 
 
 def push_rotation(graph: TaskGraph) -> list[int]:
@@ -455,13 +520,31 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     go, counting that a wide stage behind a task takes its tiles over the workers' count.
 
     It is ``longest_path``'s order with ``facts.workers`` None (a caller that knows no
-    partition), with a worker for every task, and on graphs with RDMA tasks: the queue model
-    that judges the placed order knows no network (runtime/sim ranked 2-node GEMM+AR orders
-    the other way round), and on a 2x8 layer (80k tasks) the placing doubled the schedule's
-    time (0.3 -> 0.75 s; issue 16's compile target is < 3 s cold there)."""
+    partition), with a worker for every task. Graphs with RDMA tasks are not placed: the
+    queue model that judges the placed order knows no network (runtime/sim ranked 2-node
+    GEMM+AR orders the other way round), and on a 2x8 layer (80k tasks) the placing doubled
+    the schedule's time (0.3 -> 0.75 s; issue 16's compile target is < 3 s cold there).
+    There, on nodes of several GPUs and given ``facts.workers`` and ``facts.hardware``, it
+    takes ``staged_order`` (the network's later waves interleaved with the tiles) where
+    ``network_makespan`` (the queue model with each rank's proxy and NIC) predicts it shorter
+    than ``longest_path``'s order by ``PLACED_MARGIN``, else ``longest_path``'s order: a
+    prediction, no timing run. Nodes of one GPU (2x1, what bench_emulated measures on 2 GPUs)
+    keep longest_path's order: the simulator predicts the staged one faster there too
+    (GEMM+AR 8192x8192x4096 per rank, 256 KiB chunks: 9.43 -> 8.80 ms), but it cuts the
+    megakernel's static GEMM prefix (runtime/megakernel/encode.py: the compute queue's leading
+    GEMM tasks) from 2048 tiles to 4 there, which the simulator does not model, so the measured
+    schedules stay until a GPU run compares."""
     length = critical_path_lengths(facts)
     turn = push_rotation(graph)
-    if facts.workers is None or any(t.role == _RDMA for t in graph.tasks):
+    rdma = any(t.role == _RDMA for t in graph.tasks)
+    if (
+        rdma
+        and graph.topology.gpus_per_node > 1
+        and facts.workers is not None
+        and facts.hardware is not None
+    ):
+        return _network_choice(graph, facts, length, turn)
+    if facts.workers is None or rdma:
         return list_order(graph, Columns([-x for x in length], turn), facts)
     # the backward schedule breaks ties as the mirror of longest_path's order, so tasks it
     # cannot tell apart keep that order (a lowering's tile bands, push_rotation)
@@ -495,6 +578,22 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     # margin (float noise, and what the queue model does not model: module docstring)
     better = queue_makespan(graph, pools, placed_order, facts.costs)
     return placed_order if better < plain * (1.0 - PLACED_MARGIN) else plain_order
+
+
+def _network_choice(
+    graph: TaskGraph, facts: PolicyInput, length: list[float], turn: list[int]
+) -> list[int]:
+    """``critical_path`` on a graph with RDMA tasks: longest_path's order or ``staged_order``,
+    whichever ``network_makespan`` predicts shorter (staged only by more than the margin)."""
+    assert facts.workers is not None and facts.hardware is not None
+    plain = list_order(graph, Columns([-x for x in length], turn), facts)
+    staged = staged_order(graph, facts, length, turn)
+    if staged == plain:
+        return plain
+    pools = Pools(graph, facts.workers)
+    before = network_makespan(graph, pools, plain, facts.costs, facts.hardware)
+    after = network_makespan(graph, pools, staged, facts.costs, facts.hardware)
+    return staged if after < before * (1.0 - PLACED_MARGIN) else plain
 
 
 def _bound(length: list[float], pools: Pools, costs: list[float]) -> float:
