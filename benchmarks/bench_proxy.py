@@ -127,9 +127,10 @@ def _consumer(flags, watch_flag, watch_target, n_watch, arrive_ns, status, abort
             ok = 0
         elif CANARY:  # watch k is command k, whose chunk is k % n_slots: written by now?
             row = dst + (k % n_slots).to(tl.int64) * cols
-            first = tl.load(row, volatile=True)
-            last = tl.load(row + cols - 1, volatile=True)
-            early += ((first != first) | (last != last)).to(tl.int32)  # NaN: not yet written
+            # NaN (not yet written) by its bits: no compiler may fold the test away
+            first = tl.load(row, volatile=True).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            last = tl.load(row + cols - 1, volatile=True).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            early += ((first > 0x7F800000) | (last > 0x7F800000)).to(tl.int32)
         k += 1
     tl.store(status + 2, early.to(tl.int64))
 
