@@ -396,7 +396,12 @@ def _earliest_downstream(graph: TaskGraph, facts: PolicyInput, own: list[int]) -
     return need
 
 
-def network_slots(graph: TaskGraph, facts: PolicyInput, lag: int | None = None) -> list[int]:
+def network_slots(
+    graph: TaskGraph,
+    facts: PolicyInput,
+    lag: int | None = None,
+    level: list[int] | None = None,
+) -> list[int]:
     """For each task, the earliest slot among the RDMA tasks that depend on it (itself
     included; ``_NEVER`` if none), where a rank's RDMA tasks take slots in (network wave, id)
     order: every first-wave send of the rank, then the second wave (a reduce-scatter's
@@ -413,13 +418,16 @@ def network_slots(graph: TaskGraph, facts: PolicyInput, lag: int | None = None) 
     of a chunk that only a second-wave send needs (the chunks a rank reduces for its own node)
     after every first-wave chunk, so nothing of the node broadcast could start before half of
     the GEMM had run (simulated 2x8 GEMM+AR 32768x2048x32768: first broadcast at 5.8 ms).
+    ``level``: ``network_levels(graph, facts)`` when the caller has it.
     """
     rdma = Role.RDMA.value
-    waves = network_waves(graph, facts)
+    if level is None:
+        level = network_levels(graph, facts)
+    # an rdma task's wave is its own level: every rdma task that depends on it is a level up
     by_rank: dict[int, list[tuple[int, int]]] = {}
     for t in graph.tasks:
         if t.role == rdma:
-            by_rank.setdefault(t.rank, []).append((waves[t.id], t.id))
+            by_rank.setdefault(t.rank, []).append((level[t.id], t.id))
     own = [_NEVER] * len(graph.tasks)
     for sends in by_rank.values():
         sends.sort()
@@ -457,7 +465,7 @@ def staged_order(
     rdma = Role.RDMA.value
     level = network_levels(graph, facts)
     stage = [0 if t.role == rdma else -level[t.id] for t in graph.tasks]
-    slot = network_slots(graph, facts, lag=1)
+    slot = network_slots(graph, facts, lag=1, level=level)
     return list_order(graph, Columns(stage, slot, [-x for x in length], turn), facts)
 
 
