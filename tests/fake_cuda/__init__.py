@@ -28,7 +28,8 @@ correctness rests on:
   them in array order, each traced as its own STORE_32 row; cuMemcpyAsync queues a 1-D copy like
   cudaMemcpyAsync;
 - cudaEventRecord queues a marker, cudaEventSynchronize waits until the stream executed it,
-  cudaStreamSynchronize until the queue is empty; an execution failure is sticky for the stream;
+  cudaStreamSynchronize until the queue is empty, cudaEventQuery / cudaStreamQuery say whether
+  that is so (600, cudaErrorNotReady, if not); an execution failure is sticky for the stream;
 - cudaHostAlloc is page-aligned memory filled with 0xA5 (never a plausible count); a 1-D copy
   from it (a staged flag word, or a run of them) stores word by word with release stores and is
   traced one row per word;

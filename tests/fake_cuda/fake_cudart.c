@@ -62,6 +62,7 @@ enum Stat {
   kDriverCopies,     // 1-D copies queued through the driver's cuMemcpyAsync (also in enq_copy)
   kMemopBarriers,    // memory barrier operations in cuStreamBatchMemOp calls
   kGpuBarriers,      // ... of them of GPU scope
+  kQueries,          // cudaStreamQuery and cudaEventQuery calls
   kStatCount
 };
 
@@ -74,7 +75,7 @@ static const char* const kStatNames[kStatCount] = {
     "live_events",  "live_host",          "trace_dropped",  "enq_batch",
     "batch_copies", "streams_created", "batch13",      "dmabuf_handles",
     "enq_store_batch", "batch_stores",  "driver_copies", "memop_barriers",
-    "gpu_barriers",
+    "gpu_barriers",  "queries",
 };
 
 static int64_t stats[kStatCount];
@@ -965,6 +966,35 @@ EXPORT int cudaEventRecord(void* event, void* stream) {
   pthread_mutex_unlock(&s->mu);
   if (status == 0) bump(kEnqMark, 1);
   return set_error(status);
+}
+
+// cudaStreamQuery / cudaEventQuery: 0 once the stream executed everything queued before (the
+// event's last record), else 600 (cudaErrorNotReady, which CUDA does not keep as last error);
+// a stream that failed reports its failure.
+enum { kFakeNotReady = 600 };
+
+EXPORT int cudaStreamQuery(void* stream) {
+  FAIL_POINT("cudaStreamQuery");
+  FakeStream* s = stream_of(stream);
+  if (s == NULL) return set_error(kFakeInvalidHandle);
+  bump(kQueries, 1);
+  pthread_mutex_lock(&s->mu);
+  const int status = s->sticky != 0 ? s->sticky : (s->executed == s->enqueued ? 0 : kFakeNotReady);
+  pthread_mutex_unlock(&s->mu);
+  return status == kFakeNotReady ? status : set_error(status);
+}
+
+EXPORT int cudaEventQuery(void* event) {
+  FAIL_POINT("cudaEventQuery");
+  FakeEvent* e = event_of(event);
+  if (e == NULL) return set_error(kFakeInvalidHandle);
+  bump(kQueries, 1);
+  FakeStream* s = e->stream;
+  if (s == NULL) return 0;  // never recorded: complete, as in CUDA
+  pthread_mutex_lock(&s->mu);
+  const int status = s->sticky != 0 ? s->sticky : (e->completed >= e->recorded ? 0 : kFakeNotReady);
+  pthread_mutex_unlock(&s->mu);
+  return status == kFakeNotReady ? status : set_error(status);
 }
 
 EXPORT int cudaEventSynchronize(void* event) {

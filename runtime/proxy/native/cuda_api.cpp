@@ -71,6 +71,8 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
   resolve(runtime_, "cudaEventDestroy", event_destroy_, missing);
   resolve(runtime_, "cudaEventRecord", event_record_, missing);
   resolve(runtime_, "cudaEventSynchronize", event_synchronize_, missing);
+  resolve(runtime_, "cudaEventQuery", event_query_, missing);
+  resolve(runtime_, "cudaStreamQuery", stream_query_, missing);
   resolve(runtime_, "cudaGetDeviceCount", device_count_, missing);
   resolve(runtime_, "cudaDeviceCanAccessPeer", can_access_peer_, missing);
   resolve(runtime_, "cudaDeviceEnablePeerAccess", enable_peer_, missing);
@@ -247,7 +249,26 @@ void CudaApi::destroy_event(void* event) const {
 }
 
 void CudaApi::record(void* event, void* stream) const {
+  const CallTimer timer(*this);
   check(event_record_(event, stream), "cudaEventRecord");
+}
+
+namespace {
+constexpr int kNotReady = 600;  // cudaErrorNotReady: not an error, and not sticky
+}  // namespace
+
+bool CudaApi::stream_done(void* stream) const {
+  const Status status = stream_query_(stream);
+  if (status == kNotReady) return false;
+  check(status, "cudaStreamQuery");
+  return true;
+}
+
+bool CudaApi::event_done(void* event) const {
+  const Status status = event_query_(event);
+  if (status == kNotReady) return false;
+  check(status, "cudaEventQuery");
+  return true;
 }
 
 void CudaApi::wait_event(void* event) const {

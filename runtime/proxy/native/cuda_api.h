@@ -66,7 +66,11 @@ class CudaApi {
   void free_host(void* ptr) const;
   void* create_event() const;
   void destroy_event(void* event) const;
-  void record(void* event, void* stream) const;
+  void record(void* event, void* stream) const;  // counted with the queueing calls
+  // Whether everything queued on ``stream`` (before ``event``'s record) has executed: polls,
+  // not counted as queueing calls; any status but "not ready" throws.
+  bool stream_done(void* stream) const;
+  bool event_done(void* event) const;
   void wait_event(void* event) const;
   void copy(void* dst, const void* src, size_t bytes, void* stream) const;
   // The same 1-D copy through the driver's cuMemcpyAsync (unified addressing infers the
@@ -100,6 +104,8 @@ class CudaApi {
   Status (*event_destroy_)(void*) = nullptr;
   Status (*event_record_)(void*, void*) = nullptr;
   Status (*event_synchronize_)(void*) = nullptr;
+  Status (*event_query_)(void*) = nullptr;
+  Status (*stream_query_)(void*) = nullptr;
   Status (*device_count_)(int*) = nullptr;
   Status (*can_access_peer_)(int*, int, int) = nullptr;
   Status (*enable_peer_)(int, unsigned) = nullptr;

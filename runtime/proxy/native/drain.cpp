@@ -139,6 +139,14 @@ void Drain::run() {
         err = {true, -1, f.message};  // no command of ours failed: the network did
         break;
       }
+      if (mover.completions_pending()) {  // host-resident flags whose data may be done now
+        try {
+          if (mover.poll_completions() > 0) backoff.reset();
+        } catch (const Failure& f) {
+          err = {true, -1, f.message};  // the stream failed; its commands were released
+          break;
+        }
+      }
       int n = 0;
       const double read_at = now_s();
       try {

@@ -214,6 +214,17 @@ PYBIND11_MODULE(_drain, m) {
         r.shadow = reinterpret_cast<int64_t*>(shadow);
         r.n_events = n;
       })
+      .def("set_cuda_host_flags", [](Drain& d, int64_t rank, uint64_t ptr, int64_t n) {
+        // A GPU rank whose int32 flag words are pinned host memory (mover.h, "Host-resident
+        // flags"): the loop raises them with host stores once the stream is past their data.
+        check_words(rank, ptr, n, sizeof(int32_t));
+        if (d.started()) throw py::value_error("set_cuda_host_flags after the loop started");
+        RankMemory& r = d.mover.rank(rank);
+        r.host_flags = reinterpret_cast<int32_t*>(ptr);
+        r.flags = 0;
+        r.shadow = nullptr;
+        r.n_events = n;
+      })
       .def("set_socket", [](Drain& d, int64_t rank, int fd, int64_t n_events) {
         RankMemory& r = d.mover.rank(rank);
         r.place = Place::kSocket;

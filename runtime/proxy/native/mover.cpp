@@ -64,6 +64,8 @@ Mover::~Mover() {
       cuda.free_host(stage_);
       for (void* e : single_.marks) cuda.destroy_event(e);  // single_.stream is stream_
       cuda.free_host(single_.stage);
+      for (const Completion& c : closed_) cuda.destroy_event(c.event);
+      for (void* e : free_events_) cuda.destroy_event(e);
       cuda.destroy_stream(stream_);
     } catch (const Failure&) {
       // The process may be tearing CUDA down already; nothing useful to report.
@@ -192,6 +194,7 @@ void Mover::begin_batch(const std::vector<Command>& cmds, int n, bool backlog) {
   // transfer, which a real NIC (posted to in a microsecond, not in this loop's time per
   // command) would have started back to back.
   if (!backlog || seen_at_ == 0) seen_at_ = now_s();
+  if (!open_.empty()) close_completions();  // before this batch queues work behind them
   last_use_.clear();
   for (int i = 0; i < n; ++i) {
     const Command& c = cmds[static_cast<size_t>(i)];
@@ -228,9 +231,13 @@ void Mover::defer_raise(int64_t rank, int64_t event, int stream, int index) {
   const RankMemory& m = ranks.at(rank);
   const bool host = m.place == Place::kHost && (m.counters != nullptr || m.host_flags != nullptr);
   const bool gpu = m.place == Place::kCuda && m.shadow != nullptr && cuda.loaded();
-  if (!host && !gpu)
+  const bool hosted = m.place == Place::kCuda && m.host_flags != nullptr && cuda.loaded();
+  if (!host && !gpu && !hosted)
     fail("cannot raise event " + std::to_string(event) + " on rank " + std::to_string(rank) +
          " from here (" + place_name(m.place) + " memory without matching event words)");
+  if (hosted && multi())
+    fail("rank " + std::to_string(rank) + "'s flag words are in host memory, raised once the "
+         "stream has executed the work before them: that needs one copy stream (streams=1)");
   const EventKey key{rank, event};
   if (gpu && multi()) {  // raised with its stream's flags at the end of the batch
     StreamState& st = streams_.at(static_cast<size_t>(stream));
@@ -267,7 +274,8 @@ void Mover::raise_ready(int done_upto) {
 }
 
 void Mover::emit(const PendingRaise& p, int index) {
-  if (!fused() || ranks.at(p.key.rank).place != Place::kCuda) {
+  const RankMemory& m = ranks.at(p.key.rank);
+  if (!fused() || m.place != Place::kCuda || m.host_flags != nullptr) {
     raise_now(p.key, p.count);
     return;
   }
@@ -293,6 +301,10 @@ void Mover::copy_1d(void* dst, const void* src, size_t bytes, void* stream) {
 
 void Mover::raise_now(const EventKey& key, int64_t count) {
   RankMemory& m = ranks.at(key.rank);
+  if (m.place == Place::kCuda && m.host_flags != nullptr) {  // once the stream got this far
+    open_.push_back(PendingRaise{key, count});
+    return;
+  }
   if (m.place == Place::kHost) {
     // Release: the data written before this add is visible to whoever reads the new count.
     if (m.host_flags != nullptr) {
@@ -626,6 +638,57 @@ void Mover::finish() {
   if (stream_ != nullptr) cuda.synchronize(stream_);
   for (StreamState& st : streams_)
     if (st.stream != nullptr) cuda.synchronize(st.stream);
+  if (completions_pending()) poll_completions();  // all executed: every host-resident word
+}
+
+void Mover::close_completions() {
+  void* event = nullptr;
+  if (free_events_.empty()) {
+    event = cuda.create_event();
+  } else {
+    event = free_events_.back();
+    free_events_.pop_back();
+  }
+  try {
+    cuda.record(event, stream_);
+  } catch (const Failure&) {
+    free_events_.push_back(event);
+    throw;
+  }
+  closed_.push_back(Completion{event, std::move(open_)});
+  open_.clear();
+}
+
+int Mover::raise_hosted(const std::vector<PendingRaise>& raises) {
+  for (const PendingRaise& p : raises) {
+    // Release: the host saw the stream complete the data before this store (cf. raise_now).
+    __atomic_fetch_add(ranks.at(p.key.rank).host_flags + p.key.event,
+                       static_cast<int32_t>(p.count), __ATOMIC_RELEASE);
+    stats.raises.fetch_add(1, std::memory_order_relaxed);
+    stats.events.fetch_add(p.count, std::memory_order_relaxed);
+  }
+  return static_cast<int>(raises.size());
+}
+
+int Mover::poll_completions() {
+  if (!completions_pending()) return 0;
+  int n = 0;
+  if (cuda.stream_done(stream_)) {  // everything queued so far has executed
+    for (const Completion& c : closed_) {
+      n += raise_hosted(c.raises);
+      free_events_.push_back(c.event);
+    }
+    closed_.clear();
+    n += raise_hosted(open_);
+    open_.clear();
+    return n;
+  }
+  while (!closed_.empty() && cuda.event_done(closed_.front().event)) {  // in recording order
+    n += raise_hosted(closed_.front().raises);
+    free_events_.push_back(closed_.front().event);
+    closed_.pop_front();
+  }
+  return n;
 }
 
 std::string Mover::Copy1D::what() const {

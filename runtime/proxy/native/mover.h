@@ -56,10 +56,20 @@
 // stores follow ONE GPU-scope barrier instead of each a system-wide one; a flag's reader on
 // this GPU still sees the data first, and none is elsewhere. It changes what the GPU executes,
 // not the number of calls.
+//
+// Host-resident flags (a CUDA rank whose flag words are in pinned host memory, which its GPU
+// polls with sys-scope loads; one stream only). No flag call at all: a WRITE is its data copy,
+// and its words are raised by the loop itself, with host release stores, once cudaStreamQuery
+// says the stream has executed everything queued (the data included); between batches the loop
+// polls for that. If a new batch arrives while such words still wait, one event is recorded
+// behind them first (cudaEventRecord, counted as a call), so a stream kept busy by later work
+// cannot hold them back: they go out when that event completes. So a WRITE in flight alone
+// (the latency bench) is 1 CUDA call, and a SIGNAL 0.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -90,7 +100,10 @@ struct RankMemory {
   std::unordered_map<int64_t, Buffer> buffers;
   int64_t n_events = -1;        // -1: events not registered
   int64_t* counters = nullptr;  // host: int64 event words
-  int32_t* host_flags = nullptr;  // host: int32 net flag words (used instead of counters)
+  // host: int32 net flag words (used instead of counters); cuda: the rank's flag words live in
+  // pinned host memory (set_cuda_host_flags), raised by the loop once the stream completed the
+  // work before them (see "Host-resident flags" above)
+  int32_t* host_flags = nullptr;
   unsigned long long flags = 0; // cuda: device address of uint32 flag words
   int64_t* shadow = nullptr;    // cuda: host copy of each flag word (one writer per word)
   int fd = -1;                  // socket
@@ -185,6 +198,10 @@ class Mover {
              int64_t lane = 0, int index = 0);
   void signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t epoch, int64_t lane = 0,
               int index = 0);
+  // Host-resident flags: raise the words whose data the stream has executed; returns how many
+  // (polls cudaStreamQuery / cudaEventQuery; throws if the stream failed).
+  int poll_completions();
+  bool completions_pending() const { return !open_.empty() || !closed_.empty(); }
   // Commands up to index ``done_upto`` of the batch have executed: raise what is complete.
   void raise_ready(int done_upto);
   void start_thread();   // in the drain thread: CUDA device and stream
@@ -201,6 +218,17 @@ class Mover {
   };
 
   void* stream_ = nullptr;
+  // Host-resident flags waiting for the stream: ``open_`` behind everything queued so far,
+  // ``closed_`` each behind an event recorded before later work (oldest first); events reused.
+  struct Completion {
+    void* event;
+    std::vector<PendingRaise> raises;
+  };
+  std::vector<PendingRaise> open_;
+  std::deque<Completion> closed_;
+  std::vector<void*> free_events_;
+  void close_completions();
+  int raise_hosted(const std::vector<PendingRaise>& raises);
   // flag_copy: a ring of pinned staging words; a word is reused only after the event recorded
   // behind its region's last copy (one lap ago) completed, so no copy reads a newer count.
   static constexpr size_t kStageWords = 1 << 16, kRegionWords = 1 << 10;
