@@ -22,7 +22,9 @@ destination and done words is 2 CUDA calls, data then one call for both flags), 
 per flag word (3), ``new+driver`` fused with the data copy through the driver's cuMemcpyAsync,
 ``new+gpufence`` fused memop flags after one GPU-scope barrier per call instead of a system-wide
 one per store (in force where all memory is on the proxy's GPU: loopback; ``cuda_apis`` says;
-memop rows only, copy-engine flags have no barrier).
+memop rows only, copy-engine flags have no barrier), ``hostflags`` both sides' flag words in
+pinned host memory, raised by the proxy with host stores once its stream executed the data
+(no flag call: 1 CUDA call per WRITE in flight; rows with flags "host", one stream).
 Every row carries ``cuda_calls_per_cmd`` (the proxy's queueing calls / commands), the host time
 of a data call and of a flag call (``data_call_us``, ``flag_call_us``), and the latency
 rows a canary: the consumer reads the first and last element of a command's destination chunk
@@ -78,6 +80,7 @@ PROTOCOLS = {
     "old": {"fuse_flags": False, "driver_copy": False},
     "new+driver": {"fuse_flags": True, "driver_copy": True},
     "new+gpufence": {"fuse_flags": True, "gpu_fence": True},  # memop flags only
+    "hostflags": {"fuse_flags": True},  # flags in pinned host memory (rows: flags "host")
 }
 MAX_FLAGS = 1024  # flag words per side; command k of those raising an event uses word k % 1024
 TARGETS = {"drain": 200e3, "latency": 10.0, "bandwidth": 45.0}  # k cmd/s, median us, GB/s@256K
@@ -239,8 +242,10 @@ def run_case(case: Case, rig: Rig) -> dict:
     n, n_flags, n_watch = case.commands, counts.numel(), watch.shape[0]
     src = torch.randn(n_slots, cols, device=src_dev)
     dst = torch.full((n_slots, cols), float("nan"), device=dst_dev)
-    flags = {0: torch.zeros(n_flags, dtype=torch.int32, device=src_dev),
-             1: torch.zeros(n_flags, dtype=torch.int32, device=dst_dev)}  # fmt: skip
+    # "host" flags: pinned host words the kernels poll and the proxy raises itself (hostflags)
+    pin = case.flags == "host" and not rig.cpu
+    flags = {r: torch.zeros(n_flags, dtype=torch.int32, device="cpu" if pin else dev,
+                            pin_memory=pin) for r, dev in ((0, src_dev), (1, dst_dev))}  # fmt: skip
     transport = rig.transport(src_dev, dst_dev, {0: src, 1: dst}, flags)
     fifo = CommandFifo(rig.capacity) if rig.cpu else CommandFifo(rig.capacity, pinned=True)
     # coalesce=False: each command is one transfer, so the chunk size is what gets measured.
@@ -391,7 +396,12 @@ def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",), streams=(1
     base = [Case(**{**asdict(c), "streams": k, "protocol": protocols[0]}) for k in streams
             for c in _plan(rig, quick, two_gpus, flag_modes)]  # fmt: skip
     more = [Case(**{**asdict(c), "protocol": p}) for p in protocols[1:] for c in base
-            if c.bench == "latency" and (c.flags == "memop" or "gpu_fence" not in PROTOCOLS[p])]  # fmt: skip
+            if c.bench == "latency" and (c.flags == "memop" or "gpu_fence" not in PROTOCOLS[p])
+            and p != "hostflags"]  # fmt: skip
+    if "hostflags" in protocols[1:]:  # no GPU flag to raise: once, on one stream (its limit)
+        first = next(c.flags for c in base if c.bench == "latency")
+        more += [Case(**{**asdict(c), "protocol": "hostflags", "flags": "host"}) for c in base
+                 if c.bench == "latency" and c.streams == 1 and c.flags == first]  # fmt: skip
     return base + more
 
 

@@ -120,13 +120,19 @@ def test_the_gpu_plan_compares_protocols_on_latency() -> None:
         import bench_proxy as bp
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    protocols = ("new", "old", "new+driver", "new+gpufence")
+    protocols = ("new", "old", "new+driver", "new+gpufence", "hostflags")
     cases = bp.plan(bp.Rig(cpu=False), True, False, ("copy", "memop"), (1, 4), protocols)
     base = [c for c in cases if c.protocol == "new"]
     latency = [c for c in base if c.bench == "latency"]
     assert {c.bench for c in base} == {"drain", "latency", "bandwidth"} and latency
-    for p in protocols[1:]:
+    for p in protocols[1:-1]:
         mine = [c for c in cases if c.protocol == p]
         want = [c for c in latency if p != "new+gpufence" or c.flags == "memop"]  # a memop option
         assert [bp.asdict(c) | {"protocol": "new"} for c in mine] == [bp.asdict(c) for c in want]
+    # Host flags: the latency cases of one stream, once (flag modes do not apply)
+    host = [c for c in cases if c.protocol == "hostflags"]
+    want = [c for c in latency if c.streams == 1 and c.flags == "copy"]
+    assert [bp.asdict(c) | {"protocol": "new", "flags": "copy"} for c in host] == [
+        bp.asdict(c) for c in want
+    ] and all(c.flags == "host" for c in host)
     assert set(bp.PROTOCOLS) == set(protocols)

@@ -511,6 +511,8 @@ class RecordingDrain:
     def __init__(self) -> None:
         self.buffers: list[tuple[int, int, int, int]] = []  # rank, place, index, rows
         self.flags: list[tuple[int, int]] = []  # rank, n
+        self.host_flags: list[tuple[int, int]] = []  # rank, n: pinned host flag words
+        self.local_memory: bool | None = None
 
     def use_cuda(self, device: int, runtime_libs: list[str], driver_libs: list[str]) -> str:
         return ""
@@ -520,6 +522,9 @@ class RecordingDrain:
 
     def set_cuda_flags(self, rank: int, flags: int, n: int, shadow: int) -> None:
         self.flags.append((rank, n))
+
+    def set_cuda_host_flags(self, rank: int, flags: int, n: int) -> None:
+        self.host_flags.append((rank, n))
 
 
 def cuda_ipc_on_cpu(monkeypatch):  # noqa: ANN001, ANN201
@@ -535,10 +540,12 @@ def test_register_mapped_validates_before_any_cuda_call(monkeypatch) -> None:
     t = cuda_ipc_on_cpu(monkeypatch)
     with pytest.raises(ProxyError, match="rank 1 buffer 0 is on cpu, not a CUDA device"):
         t.register_mapped(1, {0: torch.zeros(2, 2)}, None)
+    with pytest.raises(ProxyError, match="flags are host memory that is not pinned"):
+        t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int32))  # host memory, pageable
+    with pytest.raises(ProxyError, match="1-D contiguous int32 CPU tensor"):
+        t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int64))  # pinned or not: int32
     with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor"):
-        t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int32))  # host memory
-    with pytest.raises(ProxyError, match="1-D contiguous int32 CUDA tensor"):
-        t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int64))
+        t.register_mapped(1, {}, torch.zeros(4, dtype=torch.int64, device="meta"))
     assert t.memory == {} and t.mapped == set()
 
 
@@ -566,7 +573,18 @@ def test_mapped_ranks_connect_and_attach_without_the_store(monkeypatch) -> None:
     t.attach_native(drain, 0, {})
     cuda = native.PLACE_CUDA
     assert sorted(drain.buffers) == [(0, cuda, 0, 8), (0, cuda, 1, 4), (5, cuda, 0, 8)]
-    assert sorted(drain.flags) == [(0, 32), (5, 16)]
+    assert sorted(drain.flags) == [(0, 32), (5, 16)] and drain.host_flags == []
+    assert drain.local_memory is True  # every tensor on cuda:0, the proxy's device
+
+    # Rank 5's flags in pinned host memory (pinning needs CUDA: claimed here): attached as
+    # host-resident flags, which the Python data path refuses to raise.
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    t.register_mapped(5, peer, torch.zeros(16, dtype=torch.int32))
+    drain = RecordingDrain()
+    t.attach_native(drain, 0, {})
+    assert drain.flags == [(0, 32)] and drain.host_flags == [(5, 16)]
+    with pytest.raises(ProxyError, match="only the native proxy raises in order"):
+        t._raise_flags(5, [0])
 
 
 @pytest.mark.gpu

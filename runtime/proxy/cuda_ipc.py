@@ -130,7 +130,11 @@ class CudaIpcTransport(Transport):
         or a peer's that torch symmetric memory mapped here (``symm_mem.rendezvous(t)
         .get_buffer(peer, ...)``: a tensor on the LOCAL device index that points at the peer's
         memory). ``buffers`` are 2-D CUDA tensors on any device; ``flags`` is the rank's net
-        flag words (1-D int32 CUDA tensor, zero when the first event is raised) or None.
+        flag words (1-D int32 CUDA tensor, zero when the first event is raised) or None. Flags
+        may also be a pinned host tensor (``pin_memory=True``, which the rank's kernels poll
+        with sys-scope loads): the native loop then raises them itself, with host stores once
+        its stream has executed their data (mover.h, "Host-resident flags"; one copy stream;
+        the Python path refuses them).
 
         Why this path exists: the rendezvous has already done the mapping (it exchanged the
         handles and opened them, for every rank, once), so opening IPC handles again would only
@@ -154,10 +158,17 @@ class CudaIpcTransport(Transport):
                     "host memory belongs to the inprocess or tcp transport",
                 )
         if flags is not None:
+            hosted = isinstance(flags, torch.Tensor) and flags.device.type == "cpu"
             check_flag_words(
-                flags, "cuda", f"cuda_ipc: rank {rank}'s flags (or None)",
+                flags, "cpu" if hosted else "cuda", f"cuda_ipc: rank {rank}'s flags (or None)",
                 "pass the rank's net flag words, e.g. flags[lo:hi] of its symmetric flags",
             )
+            if hosted and not flags.is_pinned():
+                raise ProxyError(
+                    f"cuda_ipc: rank {rank}'s flags are host memory that is not pinned: its GPU "
+                    "cannot poll them",
+                    hint="allocate them with pin_memory=True, or pass GPU flag words",
+                )
         Transport.register(self, rank, buffers)  # shape checks only: no handles published
         self.mapped.add(rank)
         if flags is None:
@@ -216,6 +227,12 @@ class CudaIpcTransport(Transport):
             raise ProxyError(
                 f"cuda_ipc: rank {rank} registered no flags",
                 hint="register_flags(rank, flags) and connect() first",
+            )
+        if flags.device.type == "cpu":  # a host fill would land before the queued copy
+            raise ProxyError(
+                f"cuda_ipc: rank {rank}'s flags are in host memory, which only the native "
+                "proxy raises in order (after its stream executed the data)",
+                hint="use NativeProxy, or register GPU flag words",
             )
         for e in events:
             if not 0 <= e < flags.numel():
@@ -298,12 +315,14 @@ class CudaIpcTransport(Transport):
         # Every buffer and flag word on the proxy's GPU: a flag's readers are all there, so a
         # GPU-scope barrier orders data before flags for them (NativeProxy gpu_fence).
         mine = [t for r in reach for t in self.memory.get(r, {}).values()]
-        mine += [self.flags[r] for r in reach if r in self.flags]
+        mine += [self.flags[r] for r in reach if r in self.flags and self.flags[r].is_cuda]
         drain.local_memory = all(t.device == torch.device("cuda", device) for t in mine)
         for r in sorted(reach & set(self.memory)):
             for index, tensor in self.memory[r].items():
                 add_tensor(drain, r, place, index, tensor, device)
-            if r in self.flags:
+            if r in self.flags and not self.flags[r].is_cuda:  # pinned host flag words
+                drain.set_cuda_host_flags(r, self.flags[r].data_ptr(), self.flags[r].numel())
+            elif r in self.flags:
                 drain.set_cuda_flags(
                     r, self.flags[r].data_ptr(), self.flags[r].numel(), self.shadow[r].data_ptr()
                 )
