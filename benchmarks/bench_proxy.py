@@ -119,7 +119,7 @@ def _consumer(flags, watch_flag, watch_target, n_watch, arrive_ns, status, abort
               cols, n_slots, ASM: tl.constexpr, CANARY: tl.constexpr):  # fmt: skip
     k = 0
     ok = 1
-    early = 0
+    early = tl.zeros((), dtype=tl.int32)  # a tensor even where CANARY prunes its updates
     while (k < n_watch) & (ok == 1):
         target = tl.load(watch_target + k)
         seen = wait(flags + tl.load(watch_flag + k), target, limit, abort, ASM)
