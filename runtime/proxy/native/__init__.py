@@ -122,15 +122,18 @@ class NativeProxy:
     with data copies and flags batched per stream and batch; 1 keeps the single-stream path.
     ``allow_batch``: use cudaMemcpyBatchAsync where the CUDA runtime has it, for the data copies
     of several streams and for several flag copies due together (``batch_api`` says whether it
-    will). ``fuse_flags`` (default): the GPU flag words due at one point (one command's, or one
+    will). ``fuse_flags``: the GPU flag words due at one point (one command's, or one
     coalesced group's) go out in ONE CUDA call: a WRITE with a destination and a done word is
-    2 calls (data, flags), a SIGNAL 1 (mover.h, "CUDA calls per command"); False is the earlier
-    protocol, one call per word (3 for that WRITE), kept to measure against. ``driver_copy``:
+    2 calls (data, flags), a SIGNAL 1 (mover.h, "CUDA calls per command"). Off by default: one
+    call per word (3 for that WRITE), the protocol that measured faster on one H200 (NOTES v14:
+    loopback push->flag 13.7 against 17.7 us with copy-engine flags, equal with memop flags). ``driver_copy``:
     1-D data copies through the driver's cuMemcpyAsync instead of the runtime's
     cudaMemcpyAsync (``cuda_apis`` says whether the driver has it; else the runtime's).
     ``gpu_fence``: fused cuStreamWriteValue32 flags take ONE GPU-scope memory barrier per call
     instead of a system-wide one per store, where the transport found every buffer and flag
-    word on the proxy's own GPU (``cuda_apis["gpu_fence"]`` says whether it is in force).
+    word on the proxy's own GPU (``cuda_apis["gpu_fence"]`` says whether it is in force). On
+    the H200 of NOTES v14 the driver refused every such call ("invalid argument"): the proxy
+    stops with a ProxyError naming the command; not usable there.
     """
 
     def __init__(
@@ -151,7 +154,7 @@ class NativeProxy:
         flag_copy: bool = False,
         streams: int = 1,
         allow_batch: bool = True,
-        fuse_flags: bool = True,
+        fuse_flags: bool = False,
         driver_copy: bool = False,
         gpu_fence: bool = False,
     ) -> None:
