@@ -1,7 +1,9 @@
 """What the simulated 2x8 configurations (benchmarks/simulate_mkernel.py) rest on, checked on
 small 2x8 graphs: the default policy staggers each GPU's first pushes over its node (no NVLink
-incast), and the simulator pushes exactly the commands the megakernel's network plan encodes (one
-per RDMA write). The node broadcast split per (chunk, peer): tests/test_node_broadcast_split.py."""
+incast), the simulator pushes exactly the commands the megakernel's network plan encodes (one
+per RDMA write), and the default policy takes the staged order where its network model predicts
+it faster (GEMM+AR) and longest_path's where not (AG+GEMM). The node broadcast split per
+(chunk, peer): tests/test_node_broadcast_split.py."""
 
 from __future__ import annotations
 
