@@ -34,7 +34,9 @@ with head-of-line blocking, on the same costs. ``critical_path`` keeps the place
 where it predicts it shorter than the unconstrained one by ``policies.PLACED_MARGIN``, and only
 on graphs without RDMA tasks: the model knows neither bandwidth sharing nor the network's
 proxies (runtime/sim, which models both, ranked 2-node GEMM+AR orders the other way round when
-this model saw them 0.2% apart).
+this model saw them 0.2% apart). ``network_makespan`` adds each rank's proxy and NIC to the
+forward check: ``critical_path`` judges its two orders of a multi-node graph with RDMA tasks by it
+(policies.staged_order).
 """
 
 from __future__ import annotations
