@@ -452,8 +452,8 @@ def staged_order(
     tasks by ``network_levels`` descending first (a rail sum, or a broadcast of network data,
     as soon as the counters allow, before any tile that needs no network data), then every
     task by ``network_slots`` with the waves one send apart (lag 1), then by ``length``
-    (critical_path_lengths) and ``turn`` (push_rotation). RDMA tasks rank by slot alone, so a
-    rank's sends go wave by wave, each later wave's send one first-wave send behind.
+    (critical_path_lengths) and ``turn`` (push_rotation). RDMA tasks skip the level key, so a
+    rank's sends go by slot: a later wave's send one send of the wave before it behind.
 
     Simulated 2x8 GEMM+AR (simulated.md's options) against the wave-major ``network_first``:
     4096x256x4096 0.296 -> 0.266 ms, 8192x512x8192 0.817 -> 0.750, 16384x1024x16384 3.337 ->
