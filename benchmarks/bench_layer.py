@@ -322,7 +322,7 @@ class Bench:
         return max(errs)
 
     # -- implementations ----------------------------------------------------------------------
-    def mgraph(self, impl: str, tile: list[int] | None = None) -> dict:
+    def mgraph(self, impl: str, tile: list[int] | None = None, glu: bool = True) -> dict:
         """mg.compile of a freshly built layer: its stages, first and second call, error.
         ``tile``: the linears' GEMM task tile (a sweep point beside the default; its kernel
         relaunches are timed as ``impl``, per-kind breakdown kept for ``kinds``)."""
@@ -335,6 +335,7 @@ class Bench:
                 layer,
                 (self.x,),
                 plan=mgraph_plan({"tile": tile} if tile else None),
+                glu=glu,
                 policy=args.policy,
                 topology=f"1x{self.world}",
                 backend=args.backend,
@@ -369,15 +370,17 @@ class Bench:
                     kernel_output(prog, self.rank).reshape(self.want.shape), self.want
                 )
                 out.update(runtime.kernel_info())
-        elif tile is not None:  # a sweep point: its kernel alone, beside the default's
+        elif tile is not None or not glu:  # a sweep point: its kernel alone, beside the default's
             runtime = prog._runtime
             self.timed[impl] = runtime.launch
             self.after[impl] = lambda: rel(
                 kernel_output(prog, self.rank).reshape(self.want.shape), self.want
             )
             self.variants[impl] = (prog, layer)
-            out["tile"] = list(tile)
-            out["note"] = f"megakernel relaunches alone, linears' GEMM tasks tile={list(tile)}"
+            out["tile"] = list(tile) if tile else None
+            out["glu"] = glu
+            out["note"] = (f"megakernel relaunches alone, linears' GEMM tasks tile={tile}, "
+                           f"gated units fused: {glu}")
             out.update(runtime.kernel_info())
         else:
             del prog, layer
@@ -629,6 +632,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "set; on several ranks every process runs all ranks with the global input)",
     )
     p.add_argument(
+        "--no-glu-row",
+        action="store_true",
+        help="also time the megakernel of mg.compile(..., glu=False): SwiGLU as two GEMMs and a "
+        "pointwise pass (the default fuses it into one GEMM op)",
+    )
+    p.add_argument(
         "--gemm-tiles",
         nargs="*",
         default=[],
@@ -686,6 +695,8 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(args, device)
         # mgraph first: its cold compile and kernel build run before torch.compile warms Triton
         bench.step("mgraph", lambda: bench.mgraph("mgraph"))
+        if args.no_glu_row:  # the gated unit as two GEMMs and a pointwise pass, beside it
+            bench.step("mgraph_kernel_noglu", lambda: bench.mgraph("mgraph_kernel_noglu", glu=False))
         for tile in args.gemm_tiles:  # sweep points beside the default, timed in its rounds
             impl = f"mgraph_kernel_tile{tile[0]}x{tile[1]}"
             bench.step(impl, lambda tile=tile, impl=impl: bench.mgraph(impl, tile))

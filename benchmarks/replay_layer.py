@@ -98,20 +98,28 @@ def task_times(graph, kind_us: dict[str, float], hardware=None) -> list[float]:
     costs = task_costs(graph, hardware or H200)
     total: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
-    labels = [row_label(t.kind, t) for t in graph.tasks]
+    # a task counts in its row (kind_breakdown.row_label) where that row was measured, else in
+    # its kind's row where that was (measurements by kind alone keep the model's proportions)
+    labels = []
+    for t in graph.tasks:
+        label = row_label(t.kind, t)
+        labels.append(t.kind if label not in kind_us and t.kind in kind_us else label)
     for t, k in zip(graph.tasks, labels, strict=True):
         total[k] += costs[t.id]
         count[k] += 1
     scale = {
         k: kind_us[k] * 1e-6 * count[k] / total[k] for k in total if k in kind_us and total[k] > 0
     }
-    # a label never measured (an ewise tile shape of another lowering) takes its kind's mean
-    # over the measured ewise rows, else the cost model's time
+    # a label never measured (an ewise or gemm tile shape of another lowering) takes its kind's
+    # measured mean, or the mean over the kind's measured rows, else the cost model's time
     for k in total:
-        if k not in scale and k.startswith("ewise "):
-            means = [v for m, v in kind_us.items() if m.startswith("ewise")]
-            if means and total[k] > 0:
-                scale[k] = sum(means) / len(means) * 1e-6 * count[k] / total[k]
+        kind = k.split(" ")[0]
+        if k in scale or kind == k or total[k] <= 0:
+            continue
+        means = [kind_us[kind]] if kind in kind_us else [
+            v for m, v in kind_us.items() if m.startswith(kind + " ")]
+        if means:
+            scale[k] = sum(means) / len(means) * 1e-6 * count[k] / total[k]
     return [costs[t.id] * scale.get(k, 1.0) for t, k in zip(graph.tasks, labels, strict=True)]
 
 

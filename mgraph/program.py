@@ -69,6 +69,7 @@ from .settings import Settings
 from .topology import Topology
 from .trace import OpGraph, trace
 from .trace.attention_map import additive_mask, token_major_attention
+from .trace.glu import fuse_glu
 from .trace.opgraph import ParamSource, Value
 from .trace.pointwise import fuse_pointwise
 from .validate import validate as validate_graph
@@ -88,10 +89,11 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     workers: Mapping[str, int] | None = None,
     validate: bool = True,
     fuse: bool = True,
+    glu: bool = True,
     backend_options: Mapping[str, Any] | None = None,
 ) -> Program:
-    """Trace ``module`` under ``plan``, fuse chains of pointwise ops and fold head splits into
-    the attention (``fuse``), lower it to ONE
+    """Trace ``module`` under ``plan``, fuse chains of pointwise ops, fold head splits into
+    the attention and gated units into one GEMM op (``fuse``), lower it to ONE
     TaskGraph on ``topology``, validate and schedule it; the Program runs it on ``backend``
     with ``backend_options`` (triton: ``interpret``, ``trace``, ``gemm_config``,
     ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords; ``poison``: NaN-fill
@@ -101,8 +103,11 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     check_backend(backend)
     opgraph = trace(module, example_inputs, plan, topology)
     # pointwise chains first (they may take in q's and k's head splits), then the attention
-    # reads what head splits and merges are left in the projections' layout
+    # reads what head splits and merges are left in the projections' layout; gated units
+    # (silu(gate) * up of two linears) become one GEMM op whose epilogue applies the unit
     lowered = token_major_attention(fuse_pointwise(opgraph)) if fuse else opgraph
+    if fuse and glu:  # (glu=False keeps the two linears and the pointwise chain)
+        lowered = fuse_glu(lowered)
     with gc_paused():  # the graph is 10^6 small long-lived objects: mgraph.graph.gc_paused
         graph = lower(lowered)
         # validation's counter order is the one scheduling starts from: computed once

@@ -15,6 +15,7 @@ from .gemm_allreduce import gemm_allreduce
 from .gemm_reduce_scatter import gemm_reduce_scatter
 from .layer_norm import layer_norm
 from .matmul import matmul
+from .matmul_glu import matmul_glu
 from .moe_dispatch_combine import moe_dispatch_combine
 from .registry import OPS, OpDef, get_op, op_names
 from .relayout import relayout
@@ -39,6 +40,7 @@ __all__ = [
     "elementwise",
     "layer_norm",
     "matmul",
+    "matmul_glu",
     "relayout",
     "rms_norm",
     "row_reduce",

@@ -48,6 +48,7 @@ _COMPUTE, _NVLINK, _RDMA = Role.COMPUTE.value, Role.NVLINK.value, Role.RDMA.valu
 # reuse their operands through L2 and shared memory, so their region bytes are not HBM traffic.
 MATH_RATE: dict[str, str] = {
     TaskKind.GEMM.value: "tile_gemm_tflops",
+    "gemm_glu": "tile_gemm_tflops",  # two GEMM products a tile (mgraph/ops/matmul_glu.py)
     TaskKind.ATTN_BLOCK.value: "attention_tflops",
     TaskKind.MOE_EXPERT.value: "grouped_gemm_tflops",
 }

@@ -8,7 +8,7 @@ from mgraph.graph import ITEMSIZE, TaskGraph
 from mgraph.kinds import KINDS, TaskKind
 
 from .dispatch import body_params, has_body
-from .encode import gemm_block, tma_exact
+from .encode import GEMM_KINDS, gemm_block, tma_exact
 
 __all__ = ["supported_kinds", "check_graph", "buffer_dtype_code", "DT_DATA", "DT_F32"]
 
@@ -91,8 +91,8 @@ def check_graph(graph: TaskGraph, bk: int) -> None:
     _check_dtypes(graph)
     # TMA (16-byte aligned rows) is used only for what GEMM tasks read and write; the other
     # bodies use masked pointer loads and stores (a row reduction's [rows, 1] output).
-    tma = {r.buffer for t in graph.tasks if t.kind == TaskKind.GEMM.value
-           for r in (*t.reads, *t.writes)}
+    tma = {r.buffer for t in graph.tasks if t.kind in GEMM_KINDS for r in t.reads}
+    tma |= {r.buffer for t in graph.tasks if t.kind == TaskKind.GEMM.value for r in t.writes}
     for b in graph.buffers.values():
         if b.id in tma and (b.cols * ITEMSIZE[b.dtype]) % 16:
             raise ScheduleError(

@@ -27,7 +27,7 @@ import torch
 
 from mgraph.errors import InputError, MgraphError, WatchdogTimeout
 from mgraph.graph import Buffer, TaskGraph, torch_dtype
-from mgraph.kinds import ROLES, TaskKind
+from mgraph.kinds import ROLES
 from mgraph.ops.abi import POS_FIELDS, Q_WORKERS, S_K0, S_K1, S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
@@ -35,6 +35,7 @@ from ..memory import check_inputs, check_outputs_written, gather_outputs
 from ..trace import TaskRecord, Trace
 from .dispatch import PUSH_KIND, body_constexprs, body_params, megakernel_for
 from .encode import (
+    GEMM_KINDS,
     PUSH_ID,
     ROLE_ALL,
     RankTables,
@@ -309,7 +310,7 @@ class TritonRuntime:
         self.d["ctl"] = self._control_words().to(dev)
         # per task: start, waits met, end (%globaltimer ns), program
         self.d["trace"] = torch.zeros(max(len(t.local_tasks), 1) * 4, dtype=torch.int64, device=dev)
-        gemms = [x for x in self.graph.tasks if x.kind == TaskKind.GEMM.value]
+        gemms = [x for x in self.graph.tasks if x.kind in GEMM_KINDS]
         self.bm, self.bn = gemm_block(gemms) if gemms else (16, 16)
 
     # -- launches -----------------------------------------------------------------------------
