@@ -89,11 +89,12 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     workers: Mapping[str, int] | None = None,
     validate: bool = True,
     fuse: bool = True,
-    glu: bool = True,
+    glu: bool = False,
     backend_options: Mapping[str, Any] | None = None,
 ) -> Program:
-    """Trace ``module`` under ``plan``, fuse chains of pointwise ops, fold head splits into
-    the attention and gated units into one GEMM op (``fuse``), lower it to ONE
+    """Trace ``module`` under ``plan``, fuse chains of pointwise ops and fold head splits into
+    the attention (``fuse``; with ``glu`` also gated units into one GEMM op, mgraph/trace/glu.py:
+    off by default, measured slower so far), lower it to ONE
     TaskGraph on ``topology``, validate and schedule it; the Program runs it on ``backend``
     with ``backend_options`` (triton: ``interpret``, ``trace``, ``gemm_config``,
     ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords; ``poison``: NaN-fill
@@ -103,10 +104,12 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     check_backend(backend)
     opgraph = trace(module, example_inputs, plan, topology)
     # pointwise chains first (they may take in q's and k's head splits), then the attention
-    # reads what head splits and merges are left in the projections' layout; gated units
-    # (silu(gate) * up of two linears) become one GEMM op whose epilogue applies the unit
+    # reads what head splits and merges are left in the projections' layout
     lowered = token_major_attention(fuse_pointwise(opgraph)) if fuse else opgraph
-    if fuse and glu:  # (glu=False keeps the two linears and the pointwise chain)
+    if fuse and glu:
+        # Gated units (silu(gate) * up of two linears) as one GEMM op whose epilogue applies the
+        # unit. Off by default: its tile body measured slower than the two GEMMs and the
+        # pointwise pass it replaces (benchmarks/NOTES.md v14: 4.20 against 3.51 ms, the layer).
         lowered = fuse_glu(lowered)
     with gc_paused():  # the graph is 10^6 small long-lived objects: mgraph.graph.gc_paused
         graph = lower(lowered)

@@ -11,6 +11,11 @@ Layouts as ``matmul``'s (``shard="none"``: ``b``/``b2`` replicated, ``a`` keeps 
 block (BM x BN); a ``gemm_glu`` block is BM x BN/2 output columns with one BM x BN/2
 accumulator per product, so it holds as many registers and loads as many B bytes per K step as
 a BM x BN ``gemm`` block, and writes half as many columns.
+
+Measured (benchmarks/NOTES.md v14, one H200, the Llama layer): SLOWER than the two GEMMs and the
+pointwise pass it replaces, 4.20 against 3.51 ms for the whole layer's megakernel. The sm_90
+code of its K loop waits for both products' MMAs to finish every step (``wgmma.wait_group 0``),
+where gemm's keeps one step in flight; so ``mg.compile`` fuses only with ``glu=True``.
 """
 
 from __future__ import annotations

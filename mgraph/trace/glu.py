@@ -1,5 +1,7 @@
 """Gated linear units as one op: ``silu(x @ Wg) * (x @ Wu)`` traced from two linears and a
-pointwise chain becomes one ``matmul_glu`` node (mgraph/ops/matmul_glu.py).
+pointwise chain becomes one ``matmul_glu`` node (mgraph/ops/matmul_glu.py), with
+``mg.compile(..., glu=True)``. Off by default: on one H200 the fused op made the Llama layer
+slower (benchmarks/NOTES.md v14: megakernel 4.20 ms against 3.51 without it).
 
 The pattern is the Llama MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` after fuse_pointwise: an
 ``elementwise`` node whose chain is exactly ``silu(x) * y`` (either operand order) over two
