@@ -93,6 +93,10 @@ GRAPHS = {
     "concat-1x2-bf16": lambda: mg.ops.concat(
         topology="1x2", rows=256, cols=512, cols_y=256, dtype=BF16
     ),
+    # gated units (mg.compile glu=True): two products a tile, the unit in the epilogue
+    "matmul_glu-1x2-bf16": lambda: mg.ops.matmul_glu(
+        topology="1x2", M=512, N=512, K=256, shard="cols", tile=[128, 128], dtype=BF16
+    ),
 }
 # The configs compiled, each with the dispatch of every kind and its own kernel arguments:
 # name -> (last stage, trace=True, what it adds to the kernel that the others leave out).
