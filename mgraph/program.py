@@ -108,8 +108,9 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     lowered = token_major_attention(fuse_pointwise(opgraph)) if fuse else opgraph
     if fuse and glu:
         # Gated units (silu(gate) * up of two linears) as one GEMM op whose epilogue applies the
-        # unit. Off by default: its tile body measured slower than the two GEMMs and the
-        # pointwise pass it replaces (benchmarks/NOTES.md v14: 4.20 against 3.51 ms, the layer).
+        # unit. Off by default: its first form measured slower than the two GEMMs and the
+        # pointwise pass it replaces (benchmarks/NOTES.md v14: 4.20 against 3.51 ms, the layer);
+        # the packed form that replaced it has not run on a GPU.
         lowered = fuse_glu(lowered)
     with gc_paused():  # the graph is 10^6 small long-lived objects: mgraph.graph.gc_paused
         graph = lower(lowered)
@@ -283,7 +284,7 @@ class Program:
         wanted, fqns = self.graph.inputs, self._fqns()
         at = {f: i for i, f in enumerate(fqns)}
         specs = []
-        for value in self.opgraph.params:
+        for value in self.lowered.params:  # (what lowering read: fused ops may pack weights)
             if value.name in wanted:
                 assert value.source is not None
                 specs.append(
@@ -301,7 +302,7 @@ class Program:
         wanted = self.graph.inputs
         names = [
             f
-            for value in self.opgraph.params
+            for value in self.lowered.params
             if value.name in wanted and value.source is not None
             for f in value.source.fqns
         ]

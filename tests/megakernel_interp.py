@@ -39,9 +39,10 @@ CASES = {
     # 2 x 2, 2 x 1, 1 x 2 and 1 x 1 blocks, short at the edges; on 1x2 each block reduce-adds
     "gemm-1x1-multiblock": ("gemm", "1x1", dict(M=300, N=600, K=72, tile=[256, 512])),
     "gemm_reduce_scatter-1x2-multiblock": ("gemm_reduce_scatter", "1x2", dict(M=512, N=768, K=64, tile=[256, 512])),
-    # silu(a @ b) * (a @ b2) in one task kind: blocks of BM x BN/2 outputs, short edges, K tail
-    "matmul_glu-1x1": ("matmul_glu", "1x1", dict(M=300, N=200, K=72, tile=[256, 256])),
-    "matmul_glu-1x2-cols": ("matmul_glu", "1x2", dict(M=64, N=256, K=64, shard="cols", tile=[64, 64])),
+    # silu(a @ gate) * (a @ up) from packed weights: blocks of BM x BN/2 outputs, short row
+    # edges, a K tail
+    "matmul_glu-1x1": ("matmul_glu", "1x1", dict(M=300, N=384, K=72, tile=[256, 256])),
+    "matmul_glu-1x2-cols": ("matmul_glu", "1x2", dict(M=64, N=512, K=64, shard="cols", tile=[64, 128])),
     # multi-node: rdma tasks push FIFO commands that the native proxy executes (net.py)
     "gemm_allreduce-2x1": ("gemm_allreduce", "2x1", dict(M=64, N=64, K=128, tile=[32, 32], chunk_bytes=4096)),
     "allgather_gemm-2x1": ("allgather_gemm", "2x1", dict(M=64, N=64, K=64, tile=[16, 32])),

@@ -1,9 +1,10 @@
 """Gated linear units traced as one op (``mg.compile(..., glu=True)``; off by default, measured
-slower so far): ``act(gate_proj(x)) * up_proj(x)`` with SiLU becomes one
-``matmul_glu`` node (mgraph/trace/glu.py), whose ``gemm_glu`` tasks compute both products of a
-tile and apply the unit in the epilogue. Checked against eager torch on random inputs on the
-reference runtime (and under tensor parallelism), in the megakernel under TRITON_INTERPRET=1
-(this file re-run as a script), and the forms that must NOT fuse stay as they were."""
+slower so far): ``act(gate_proj(x)) * up_proj(x)`` with SiLU becomes one ``matmul_glu`` node
+(mgraph/trace/glu.py) reading the two weights packed block by block, whose ``gemm_glu`` tasks
+compute both products of a tile in one dot and apply the unit in the epilogue. Checked against
+eager torch on random inputs on the reference runtime (and under tensor parallelism), in the
+megakernel under TRITON_INTERPRET=1 (this file re-run as a script), and the forms that must NOT
+fuse stay as they were."""
 
 from __future__ import annotations
 
@@ -53,8 +54,26 @@ def test_silu_gate_times_up_is_one_op_and_matches_eager(swap):
     assert _ops(unfused) == ["matmul", "matmul", "elementwise", "matmul"]
 
 
+def test_packing_round_trips_and_weight_updates_reach_the_packed_copy():
+    from mgraph.ops.matmul_glu import pack_glu, unpack_glu
+
+    gate, up = torch.randn(32, 256), torch.randn(32, 256)
+    w = pack_glu(gate, up)
+    assert torch.equal(w[:, :128], gate[:, :128]) and torch.equal(w[:, 128:256], up[:, :128])
+    assert all(torch.equal(a, b) for a, b in zip(unpack_glu(w), (gate, up), strict=True))
+    torch.manual_seed(3)
+    mlp, x = MLP(), torch.randn(2, 48, 64)
+    prog = mg.compile(mlp, (x,), glu=True)
+    with torch.no_grad():
+        prog(x)
+        mlp.up_proj.weight.mul_(0.5)  # in place: the version counter says it changed
+        assert rel_err(prog(x), mlp(x)) < 1e-5
+
+
 def test_other_forms_are_left_alone():
     x = torch.randn(2, 48, 64)
+    ragged = mg.compile(MLP(ffn=192), (x,), glu=True)  # not whole 128-column packed blocks
+    assert "matmul_glu" not in _ops(ragged)
     gelu = mg.compile(MLP(act=F.gelu), (x,), glu=True)  # another activation
     assert "matmul_glu" not in _ops(gelu)
     leak = mg.compile(MLP(leak=True), (x,), glu=True)  # up's activation is also an output
@@ -63,7 +82,7 @@ def test_other_forms_are_left_alone():
 
 def test_tensor_parallel_glu_matches_eager():
     torch.manual_seed(1)
-    mlp, x = MLP(), torch.randn(2, 48, 64)
+    mlp, x = MLP(ffn=256), torch.randn(2, 48, 64)  # 128 columns a rank: whole packed blocks
     plan = {"gate_proj": mg.ColwiseParallel(), "up_proj": mg.ColwiseParallel(),
             "down_proj": mg.RowwiseParallel()}
     prog = mg.compile(mlp, (x,), plan=plan, topology="1x2", glu=True)
@@ -89,7 +108,7 @@ def test_glu_in_the_megakernel_under_the_interpreter():
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run under TRITON_INTERPRET=1"
     torch.manual_seed(2)
-    mlp, x = MLP(hidden=64, ffn=320), torch.randn(1, 200, 64)  # edges: 200 rows, 320 columns
+    mlp, x = MLP(hidden=64, ffn=384), torch.randn(1, 200, 64)  # 200 rows: a short row edge
     for case, plan in (("mlp", None),
                        ("mlp-tile", {p: mg.ColwiseParallel(options={"tile": [128, 256]})
                                      for p in ("gate_proj", "up_proj")})):

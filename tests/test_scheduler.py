@@ -32,7 +32,7 @@ BUILTIN = ["topological", "critical_path", "remote_first"]
 SMALL = {
     "gemm": lambda w: dict(M=16 * w, N=64, K=32, tile=[8, 32]),
     "matmul": lambda w: dict(M=16 * w, N=64, K=32, tile=[8, 32]),
-    "matmul_glu": lambda w: dict(M=16 * w, N=64, K=32, tile=[8, 32]),
+    "matmul_glu": lambda w: dict(M=16 * w, N=128, K=32, tile=[8, 128]),
     "attention": lambda w: dict(B=2, H=2, S=32, D=16, block=8, causal=True),
     "elementwise": lambda w: dict(rows=16 * w, cols=24, fn="mul", other="full", tile_rows=8),
     "layer_norm": lambda w: dict(rows=16 * w, cols=24, tile_rows=8),

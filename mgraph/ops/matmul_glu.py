@@ -1,21 +1,25 @@
-"""A gated linear unit in one GEMM op: ``out = silu(a @ b) * (a @ b2)``.
+"""A gated linear unit in one GEMM op: ``out = silu(a @ gate) * (a @ up)``.
 
 A Llama-style MLP computes ``act(gate_proj(x)) * up_proj(x)``: two GEMMs that each write an
 ``[M, F]`` activation, then a pointwise pass that reads both and writes a third. This op (the
-tracer fuses the pattern into it: mgraph/trace/glu.py) computes both products of one output tile
-in one ``gemm_glu`` task, from the same A tile, and applies SiLU and the product in the
-epilogue: the gate and up activations never reach memory, and the pointwise pass is gone.
+tracer fuses the pattern into it with ``mg.compile(..., glu=True)``: mgraph/trace/glu.py)
+computes both products of one output tile in one ``gemm_glu`` task and applies SiLU and the
+product in the epilogue: the gate and up activations never reach memory, and the pointwise pass
+is gone.
 
-Layouts as ``matmul``'s (``shard="none"``: ``b``/``b2`` replicated, ``a`` keeps whole rows;
-``shard="cols"``: ``b``, ``b2`` and ``out`` sharded along N). The megakernel's block is the GEMM
-block (BM x BN); a ``gemm_glu`` block is BM x BN/2 output columns with one BM x BN/2
-accumulator per product, so it holds as many registers and loads as many B bytes per K step as
-a BM x BN ``gemm`` block, and writes half as many columns.
+The weights come PACKED, ``w`` of shape ``[K, 2N]``: for each block of ``GLU_BLOCK`` (128)
+output columns, that block of ``gate`` then the same block of ``up`` (``pack_glu``). A task's B
+tile is then one contiguous ``[K, 2 x 128]`` region, so a ``gemm_glu`` block is exactly a gemm
+block (ONE 128 x 256 dot a K step, gemm's pipelined loop, its descriptor reuse); the epilogue
+splits the accumulator's two halves. N (each rank's N under ``shard="cols"``) must be a
+multiple of 128. Layouts as ``matmul``'s (``shard="none"``: ``w`` replicated, ``a`` keeps whole
+rows; ``shard="cols"``: ``w`` and ``out`` sharded along N, each rank's packed columns
+contiguous).
 
-Measured (benchmarks/NOTES.md v14, one H200, the Llama layer): SLOWER than the two GEMMs and the
-pointwise pass it replaces, 4.20 against 3.51 ms for the whole layer's megakernel. The sm_90
-code of its K loop waits for both products' MMAs to finish every step (``wgmma.wait_group 0``),
-where gemm's keeps one step in flight; so ``mg.compile`` fuses only with ``glu=True``.
+Measured (benchmarks/NOTES.md v14, one H200, the Llama layer): the first form of this op (two
+weights, two 128 x 128 dots a K step) made the layer SLOWER, 4.20 against 3.51 ms: its K loop
+waited for both products' MMAs to finish every step. This packed form has not run on a GPU yet,
+so ``mg.compile`` fuses only with ``glu=True``.
 """
 
 from __future__ import annotations
@@ -36,13 +40,33 @@ from .collectives import check_options, grouped, tile_grid, tile_region
 from .registry import OpDef
 from .tilewise import parse_shape
 
-__all__ = ["matmul_glu", "GEMM_GLU"]
+__all__ = ["matmul_glu", "GEMM_GLU", "GLU_BLOCK", "pack_glu", "unpack_glu"]
 
 OP = "matmul_glu"
-matmul_glu = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "b", "b2"), outputs=("out",))
+matmul_glu = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "w"), outputs=("out",))
 GEMM_GLU = define_kind(
-    "gemm_glu", [Role.COMPUTE], "out = silu(A @ B) * (A @ B2), both products fp32-accumulated"
+    "gemm_glu", [Role.COMPUTE],
+    "out = silu(A @ gate) * (A @ up) from packed [gate | up] blocks of B, fp32-accumulated",
 )
+# Output columns per packed block: half the megakernel's GEMM block (encode.MAX_BLOCK[1] = 256),
+# so one block of w is one gemm B tile. (Also the width the block's epilogue stores.)
+GLU_BLOCK = 128
+
+
+def pack_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``[K, 2N]``: per GLU_BLOCK output columns, that block of ``gate`` then of ``up`` (both
+    ``[K, N]``, N a multiple of GLU_BLOCK)."""
+    k, n = gate.shape
+    nb = n // GLU_BLOCK
+    return torch.stack([gate.reshape(k, nb, GLU_BLOCK), up.reshape(k, nb, GLU_BLOCK)],
+                       dim=2).reshape(k, 2 * n)
+
+
+def unpack_glu(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) of a packed ``[K, 2N]`` tensor (or a region of whole packed blocks)."""
+    k, n2 = w.shape
+    blocks = w.reshape(k, n2 // (2 * GLU_BLOCK), 2, GLU_BLOCK)
+    return blocks[:, :, 0].reshape(k, n2 // 2), blocks[:, :, 1].reshape(k, n2 // 2)
 
 
 @matmul_glu.shapes
@@ -76,13 +100,21 @@ def _shapes(
             )
     else:
         raise ShapeError(f"{OP}: shard={shard!r} must be 'none' or 'cols'")
-    return {"a": (M, K), "b": (K, N), "b2": (K, N), "out": (M, N)}
+    local = N // world if shard == "cols" else N
+    if local % GLU_BLOCK or tile[1] % GLU_BLOCK:
+        raise ShapeError(
+            f"{OP}: each rank's N ({local}) and the tile's columns ({tile[1]}) must be multiples "
+            f"of {GLU_BLOCK} (the packed weight's block)",
+            hint="use two linears and a pointwise product (mg.compile glu=False) for this size",
+        )
+    return {"a": (M, K), "w": (K, 2 * N), "out": (M, N)}
 
 
 @matmul_glu.reference
-def _reference(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor, **_: object) -> dict:
+def _reference(a: torch.Tensor, w: torch.Tensor, **_: object) -> dict:
     x = a.float()
-    return {"out": (F.silu(x @ b.float()) * (x @ b2.float())).to(a.dtype)}
+    gate, up = unpack_glu(w.float())
+    return {"out": (F.silu(x @ gate) * (x @ up)).to(a.dtype)}
 
 
 @matmul_glu.lower
@@ -98,8 +130,7 @@ def _lower(
 ) -> None:
     world = b.world
     b.global_input("a", (M, K))
-    b.global_input("b", (K, N))
-    b.global_input("b2", (K, N))
+    b.global_input("w", (K, 2 * N))
     b.global_output("out", (M, N))
     nd = parse_shape(OP, M, K, shape)
     lay = Layout.from_json(layout)
@@ -107,14 +138,13 @@ def _lower(
         if shard == "cols":
             cols = shard_range(N, r, world)
             a = b.bound_buffer("a", r, "a", [piece((M, K))])
-            gate = b.bound_buffer("b", r, "b", [piece((K, N), d1=cols)])
-            up = b.bound_buffer("b2", r, "b2", [piece((K, N), d1=cols)])
+            packed = (2 * cols[0], 2 * cols[1])  # whole packed blocks: N / world % 128 == 0
+            w = b.bound_buffer("w", r, "w", [piece((K, 2 * N), d1=packed)])
             out = b.bound_buffer("out", r, "out", [piece((M, N), d1=cols)], role="output")
         else:
             runs = layout_runs(nd, lay, r, world)
             a = b.bound_buffer("a", r, "a", runs_pieces(runs))
-            gate = b.bound_buffer("b", r, "b", [piece((K, N))])
-            up = b.bound_buffer("b2", r, "b2", [piece((K, N))])
+            w = b.bound_buffer("w", r, "w", [piece((K, 2 * N))])
             out_pieces = tuple(((r0, r1), (0, N)) for r0, r1, _, _ in runs)
             out = b.bound_buffer("out", r, "out", out_pieces, role="output")
         bm, bn = min(tile[0], out.rows), min(tile[1], out.cols)
@@ -124,11 +154,7 @@ def _lower(
                 r,
                 Role.COMPUTE,
                 GEMM_GLU.name,
-                [
-                    a.region((t[0], t[1]), (0, K)),
-                    gate.region((0, K), (t[2], t[3])),
-                    up.region((0, K), (t[2], t[3])),
-                ],
+                [a.region((t[0], t[1]), (0, K)), w.region((0, K), (2 * t[2], 2 * t[3]))],
                 [tile_region(out, t)],
                 name=f"matmul_glu r{r} [{t[0]}:{t[1]},{t[2]}:{t[3]}]",
             )
@@ -136,7 +162,8 @@ def _lower(
 
 @GEMM_GLU.cpu
 def _glu_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
-    a, gate, up = (x.float() for x in reads)
+    a = reads[0].float()
+    gate, up = unpack_glu(reads[1].float())
     out = F.silu(a @ gate) * (a @ up)
     for w in writes:
         w.copy_(out)
@@ -144,8 +171,8 @@ def _glu_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch.T
 
 @GEMM_GLU.flops
 def _glu_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict):
-    (m, k), (_, n) = reads[0], reads[1]
-    return 4.0 * m * n * k
+    (m, k), (_, n2) = reads[0], reads[1]
+    return 2.0 * m * n2 * k  # both products: n2 = 2 x the output columns
 
 
 if HAVE_TRITON:
@@ -159,17 +186,17 @@ if HAVE_TRITON:
 
     @GEMM_GLU.triton
     @triton.jit
-    def gemm_glu_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, a0_slot, DT: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """silu(A @ B) * (A @ B2) over the task's region, block by block (BM x BN/2 output
-        columns a block, one fp32 accumulator per product), K as gemm_tile reads it (a masked
-        short last step). The products never leave registers: the epilogue applies SiLU and
-        the product in fp32 and stores once, 16 bytes at a time where the region allows."""
+    def gemm_glu_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
+                      DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """silu(A @ gate) * (A @ up) over the task's region, block by block: a block is ONE
+        BM x BN dot over the packed weight's [gate | up] columns (gemm_tile's loop, and its
+        descriptors where the buffers are the rank's usual ones), whose accumulator halves are
+        the two products; the epilogue applies the unit in fp32 and stores BM x BN/2 once, 16
+        bytes at a time where the region allows."""
         HB: tl.constexpr = BN // 2
         r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
-        g_slot, gk0, gk1, gn0, gn1 = load_region(regions, r0 + 1)
-        u_slot, uk0, uk1, un0, un1 = load_region(regions, r0 + 2)
+        w_slot, wk0, wk1, wn0, wn1 = load_region(regions, r0 + 1)
         if a_slot == a0_slot:
             ad = ad0
         else:
@@ -177,34 +204,33 @@ if HAVE_TRITON:
             ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
                                            [tl.load(bufrows + a_slot), a_cols], [a_cols, 1],
                                            [BM, BK])
-        g_cols = tl.load(bufcols + g_slot)
-        gd = tl.make_tensor_descriptor(buffer_base(bufaddr, g_slot, DT),
-                                       [tl.load(bufrows + g_slot), g_cols], [g_cols, 1], [BK, HB])
-        u_cols = tl.load(bufcols + u_slot)
-        ud = tl.make_tensor_descriptor(buffer_base(bufaddr, u_slot, DT),
-                                       [tl.load(bufrows + u_slot), u_cols], [u_cols, 1], [BK, HB])
+        if w_slot == b0_slot:
+            wd = bd0
+        else:
+            w_cols = tl.load(bufcols + w_slot)
+            wd = tl.make_tensor_descriptor(buffer_base(bufaddr, w_slot, DT),
+                                           [tl.load(bufrows + w_slot), w_cols], [w_cols, 1],
+                                           [BK, BN])
         ksize = ak1 - ak0
         kfull = ksize - ksize % BK
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)
-        nbn = tl.cdiv(gn1 - gn0, HB)
+        nbn = tl.cdiv(wn1 - wn0, BN)  # packed blocks: BN packed columns, HB outputs each
         for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
             sm = (blk // nbn) * BM
-            sn = (blk % nbn) * HB
-            accg = tl.zeros((BM, HB), dtype=tl.float32)
-            accu = tl.zeros((BM, HB), dtype=tl.float32)
-            for kk in range(0, kfull, BK):
-                x = ad.load([am0 + sm, ak0 + kk])
-                accg = tl.dot(x, gd.load([gk0 + kk, gn0 + sn]), accg)
-                accu = tl.dot(x, ud.load([uk0 + kk, un0 + sn]), accu)
+            sw = (blk % nbn) * BN
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop
+                acc = tl.dot(ad.load([am0 + sm, ak0 + kk]), wd.load([wk0 + kk, wn0 + sw]), acc)
             if kfull < ksize:  # the short last K step, both operands masked to K
                 kin = tl.arange(0, BK) < ksize - kfull
-                x = tl.where(kin[None, :], ad.load([am0 + sm, ak0 + kfull]), 0.0).to(DT)
-                y = tl.where(kin[:, None], gd.load([gk0 + kfull, gn0 + sn]), 0.0).to(DT)
-                z = tl.where(kin[:, None], ud.load([uk0 + kfull, un0 + sn]), 0.0).to(DT)
-                accg = tl.dot(x, y, accg)
-                accu = tl.dot(x, z, accu)
-            out = (accg * tl.sigmoid(accg) * accu).to(DT)
+                x = tl.where(kin[None, :], ad.load([am0 + sm, ak0 + kfull]), 0.0)
+                y = tl.where(kin[:, None], wd.load([wk0 + kfull, wn0 + sw]), 0.0)
+                acc = tl.dot(x.to(DT), y.to(DT), acc)
+            # columns [0, HB) of the block are the gate's, [HB, BN) the up's
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, HB)), (0, 2, 1)))
+            out = (gate * tl.sigmoid(gate) * up).to(DT)
+            sn = sw // 2
             for q in range(nwrite):
                 ca, cpitch, cvec = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
                 _, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)

@@ -1,20 +1,23 @@
 """Gated linear units as one op: ``silu(x @ Wg) * (x @ Wu)`` traced from two linears and a
 pointwise chain becomes one ``matmul_glu`` node (mgraph/ops/matmul_glu.py), with
-``mg.compile(..., glu=True)``. Off by default: on one H200 the fused op made the Llama layer
-slower (benchmarks/NOTES.md v14: megakernel 4.20 ms against 3.51 without it).
+``mg.compile(..., glu=True)``, reading the two weights packed block by block (a new parameter
+built from both: ParamSource ``glu_pack_t``). Off by default: on one H200 the op's first form
+made the Llama layer slower (benchmarks/NOTES.md v14: megakernel 4.20 ms against 3.51 without
+it); the packed form has not run on a GPU. Each rank's output columns must be whole 128-column
+blocks, else the pattern is left as it was.
 
 The pattern is the Llama MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` after fuse_pointwise: an
 ``elementwise`` node whose chain is exactly ``silu(x) * y`` (either operand order) over two
 ``matmul`` outputs of the same input and the same layout, each read by nothing else. Fused, the
 gate and up activations are never written: one task computes both products of its tile and the
 epilogue applies the unit. Anything else (another activation, a scale in the chain, an
-activation read elsewhere, the sequence-parallel ``allgather_gemm`` form of the linears) is left
-as it was.
+activation read elsewhere, weights that are not plain module weights, the sequence-parallel
+``allgather_gemm`` form of the linears) is left as it was.
 """
 
 from __future__ import annotations
 
-from .opgraph import OpGraph, OpNode, Value
+from .opgraph import OpGraph, OpNode, ParamSource, Value
 
 __all__ = ["fuse_glu"]
 
@@ -42,11 +45,33 @@ def _silu_mul_operands(node: OpNode) -> tuple[Value, Value] | None:
 
 def _glu_tile(params: dict) -> dict:
     """The fused op's tile: half as many output columns as the linears' tile (a gemm_glu
-    column costs two GEMM columns), so a task does the work of one of theirs."""
+    column costs two GEMM columns), so a task does the work of one of theirs; whole packed
+    blocks (GLU_BLOCK columns) a task."""
+    from ..ops.matmul_glu import GLU_BLOCK
+
     tile = params.get("tile")
     if tile is None:
         return {}
-    return {"tile": [int(tile[0]), max(int(tile[1]) // 2, 64)]}
+    return {"tile": [int(tile[0]), max(int(tile[1]) // 2 // GLU_BLOCK, 1) * GLU_BLOCK]}
+
+
+def _packed(gate: Value, up: Value) -> Value | None:
+    """The packed weight of the two linears' weights (matmul_glu's ``w``), or None when they
+    are not plain module weights of one form."""
+    gs, us = gate.source, up.source
+    if gs is None or us is None or len(gs.fqns) != 1 or len(us.fqns) != 1:
+        return None
+    if gs.transform != us.transform or gs.transform not in ("none", "t"):
+        return None
+    k, n = gate.shape
+    return Value(
+        name=f"{gate.name}.glu_{up.name}",
+        shape=(k, 2 * n),
+        dtype=gate.dtype,
+        layout=None,
+        kind="param",
+        source=ParamSource(gs.fqns + us.fqns, "glu_pack_t" if gs.transform == "t" else "glu_pack"),
+    )
 
 
 def fuse_glu(og: OpGraph) -> OpGraph:
@@ -58,8 +83,11 @@ def fuse_glu(og: OpGraph) -> OpGraph:
             uses[v.root().name] = uses.get(v.root().name, 0) + 1
     for v in og.outputs:
         uses[v.root().name] = uses.get(v.root().name, 0) + 1
+    from ..ops.matmul_glu import GLU_BLOCK
+
     fused: dict[str, OpNode] = {}  # elementwise node name -> its replacement
     dropped: set[str] = set()
+    new_params: list[Value] = []
     for n in og.nodes:
         operands = _silu_mul_operands(n)
         if operands is None:
@@ -77,13 +105,19 @@ def fuse_glu(og: OpGraph) -> OpGraph:
         out = n.outputs["out"]
         if tuple(out.shape) != tuple(gate.shape) or out.layout != gate.layout:
             continue
+        wg, wu = g.inputs["b"], u.inputs["b"]
+        local = wg.shape[1] // (og.topology.world_size if g.params.get("shard") == "cols" else 1)
+        packed = _packed(wg, wu)
+        if packed is None or local % GLU_BLOCK:
+            continue
         params = {k: v for k, v in g.params.items() if k != "tile"}
         params.update(_glu_tile(g.params))
+        new_params.append(packed)
         node = OpNode(
             name=n.name,
             op="matmul_glu",
             params=params,
-            inputs={"a": g.inputs["a"], "b": g.inputs["b"], "b2": u.inputs["b"]},
+            inputs={"a": g.inputs["a"], "w": packed},
             outputs={"out": out},
             path=n.path,
             origin=f"silu({g.path or g.name}) * {u.path or u.name}",
@@ -94,13 +128,15 @@ def fuse_glu(og: OpGraph) -> OpGraph:
     if not fused:
         return og
     nodes = [fused.get(n.name, n) for n in og.nodes if n.name not in dropped]
+    read = {v.root().name for n in nodes for v in n.inputs.values()}
+    params = [v for v in og.params if v.name in read] + new_params  # the linears' own: if read
     return OpGraph(
         name=og.name,
         topology=og.topology,
         dtype=og.dtype,
         nodes=nodes,
         inputs=og.inputs,
-        params=og.params,
+        params=params,
         outputs=og.outputs,
         single_output=og.single_output,
         note=og.note,

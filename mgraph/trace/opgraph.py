@@ -30,7 +30,9 @@ class ParamSource:
     ``transform``: ``none`` (as stored), ``t`` (a linear's weight, transposed to [in, out] as the
     GEMM ops read it), ``stack_t`` (expert weights, each transposed, stacked on a new dim 0);
     from one stacked ``[E, 2F, H]`` gate-up tensor: ``gate_t`` / ``up_t`` (its first / last F
-    rows per expert, as [E, H, F]); ``batch_t`` (an [E, H, F] down tensor as [E, F, H]).
+    rows per expert, as [E, H, F]); ``batch_t`` (an [E, H, F] down tensor as [E, F, H]); from a
+    gated unit's two weights: ``glu_pack`` ([K, N] each) / ``glu_pack_t`` (linear weights, [N, K]
+    each), packed block by block as mgraph.ops.matmul_glu.pack_glu lays them out.
     """
 
     fqns: tuple[str, ...]
@@ -44,6 +46,11 @@ class ParamSource:
             return parts[0].t().contiguous()
         if self.transform == "stack_t":
             return torch.stack([p.t() for p in parts]).contiguous()
+        if self.transform in ("glu_pack", "glu_pack_t"):
+            from ..ops.matmul_glu import pack_glu
+
+            gate, up = (p.t() if self.transform == "glu_pack_t" else p for p in parts)
+            return pack_glu(gate.contiguous(), up.contiguous())
         w = parts[0]
         half = w.shape[1] // 2
         if self.transform == "gate_t":

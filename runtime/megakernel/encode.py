@@ -270,11 +270,9 @@ def encode_rank(
     b_use: dict[int, int] = {}
     for tid in order:
         t = graph.tasks[tid]
-        if t.kind in GEMM_KINDS:
-            a = slot_of[t.reads[0].buffer]
+        if t.kind in GEMM_KINDS:  # (gemm_glu's packed B tile is a gemm B tile too)
+            a, b = slot_of[t.reads[0].buffer], slot_of[t.reads[1].buffer]
             a_use[a] = a_use.get(a, 0) + 1
-        if t.kind == "gemm":  # (gemm_glu's B blocks are BN/2 wide: its own descriptors)
-            b = slot_of[t.reads[1].buffer]
             b_use[b] = b_use.get(b, 0) + 1
     return RankTables(
         rank=rank,
@@ -317,7 +315,8 @@ GEMM_KINDS = ("gemm", "gemm_glu")  # kinds whose bodies run on the GEMM block (B
 def gemm_block(gemms) -> tuple[int, int]:
     """The GEMM block (BM, BN) for tasks of GEMM_KINDS: the largest tile, capped at MAX_BLOCK;
     smaller tiles are the short edge tiles, larger ones run as several blocks. A gemm_glu
-    column needs two B columns (its block is BM x BN/2 outputs), so its width counts twice."""
+    output column reads two packed B columns (its block is BM x BN/2 outputs), so its width
+    counts twice; its tiles are multiples of 128 columns, so BN is 256 wherever it runs."""
     return (min(max(t.writes[0].shape[0] for t in gemms), MAX_BLOCK[0]),
             min(max(t.writes[0].shape[1] * (2 if t.kind == "gemm_glu" else 1) for t in gemms),
                 MAX_BLOCK[1]))
