@@ -37,6 +37,7 @@ from .collectives import (
     Tile,
     bounding,
     check_options,
+    default_chunk_bytes,
     gemm_task,
     group_chunks,
     grouped,
@@ -69,7 +70,7 @@ def _shapes(
     N: int,
     K: int,
     tile: list[int] = (128, 256),
-    chunk_bytes: int = 256 * 1024,
+    chunk_bytes: int | None = None,
     **_: object,
 ) -> dict[str, tuple]:
     world = topology.world_size
@@ -97,7 +98,7 @@ def _lower(
     K: int,
     tile: list[int] = (128, 256),
     hierarchical: bool = True,
-    chunk_bytes: int = 256 * 1024,
+    chunk_bytes: int | None = None,
     algorithm: str = "auto",
 ) -> None:
     topo, world = b.topo, b.world
@@ -125,7 +126,7 @@ def _lower(
         b.bound_buffer("out", r, "out", [piece((M, N), d0=shard_range(M, r, world))], role="output")
         for r in topo.ranks
     ]
-    plan = _Plan(b, M // world, N, (bm, bn), chunk_bytes)
+    plan = _Plan(b, M // world, N, (bm, bn), default_chunk_bytes(topo, chunk_bytes))
     ks = K // world
     if topo.nodes == 1 and algorithm == "accumulate":
         plan.accumulate(a, w, out, ks)
