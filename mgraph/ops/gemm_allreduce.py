@@ -12,8 +12,8 @@ node, N nodes); slot (l, j) belongs to local GPU l on every node and is finally 
 3. rail all-gather (rdma): (j, l) sends the finished chunks back to its rail peers;
 4. node broadcast (nvlink): GPU l of each node pushes the finished tiles to its node peers, one
    copy task per (piece, peer); a piece is ``broadcast_bytes`` of consecutive tiles (default:
-   ``chunk_bytes`` on one node, 256 KiB on several, where ``chunk_bytes``, the network chunk,
-   is 1 MiB by default: collectives.default_chunk_bytes).
+   ``chunk_bytes`` on one node, at most 256 KiB on several, where ``chunk_bytes``, the network
+   chunk, is 1 MiB by default: collectives.default_chunk_bytes).
 RDMA bytes sent per node = 2 D (N-1)/N for D output bytes: exactly D on 2 nodes. ``hierarchical=
 False`` runs the rail stages on the full partials first (every GPU's partial crosses the network)
 and the node stages after, moving G times more over RDMA: the baseline the design improves on.
@@ -110,11 +110,11 @@ def _lower(
             row[t] = gemm_task(b, r, a[r], w[r], ks, t, part[r])
         gemms.append(row)
     chunk_bytes = default_chunk_bytes(topo, chunk_bytes)
-    # The node broadcast is NVLink work: on several nodes its pieces stay node-sized while the
-    # network moves larger chunks (simulated 2x8, NOTES v14: 1.53x over sequential at 4096
-    # against 1.28x with 1 MiB pieces); on one node they follow chunk_bytes, as measured.
+    # The node broadcast is NVLink work: on several nodes its pieces stay at most node-sized
+    # while the network moves larger chunks (simulated 2x8, NOTES v14: 1.53x over sequential at
+    # 4096 against 1.28x with 1 MiB pieces); on one node they follow chunk_bytes, as measured.
     if broadcast_bytes is None:
-        broadcast_bytes = chunk_bytes if topo.nodes == 1 else NODE_CHUNK_BYTES
+        broadcast_bytes = chunk_bytes if topo.nodes == 1 else min(chunk_bytes, NODE_CHUNK_BYTES)
     lower = _Stages(b, tiles, itemsize, chunk_bytes, broadcast_bytes)
     if topo.nodes == 1 and algorithm == "accumulate":
         lower.accumulate(part, gemms, out)
