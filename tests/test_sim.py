@@ -76,6 +76,23 @@ def test_busy_never_exceeds_wall(op):
         assert all(0 < v <= 1 + 1e-9 for v in rank_busy.values()), rank_busy
 
 
+@pytest.mark.parametrize("op", ["gemm_reduce_scatter", "gemm_allreduce"])
+def test_busy_counts_sm_time_not_the_epilogue_stores_drain(op):
+    """On one node the GEMM epilogues store (or reduce-add) into peers: a task's record ends when
+    its stores have drained, after its SM has moved on, so record spans overlap on one SM; the
+    busy fraction counts the SM's time only, never more than the SMs held."""
+    graph = mg.ops.get_op(op)(topology="1x2", dtype=torch.bfloat16, M=2048, N=8192, K=8192)
+    res = simulate(mg.schedule(graph))
+    lanes = defaultdict(list)
+    for r in res.trace.records:
+        lanes[(r.rank, r.worker)].append((r.start, r.end))
+    overlap = any(s1 < e0 - 1e-12 for spans in lanes.values()
+                  for (_, e0), (s1, _) in zip(sorted(spans), sorted(spans)[1:], strict=False))
+    assert overlap, "the case must have tasks whose stores drain after their SM moved on"
+    for rank_busy in res.busy:
+        assert all(0 < v <= 1 + 1e-9 for v in rank_busy.values()), rank_busy
+
+
 # -- critical paths on hand graphs, one worker per role ------------------------------------------
 # Round numbers: 1 GFLOP/s and 1 GB/s per SM (an NVLink worker pulls at 1 GB/s and pushes at 2),
 # so a 64x64x64 gemm takes 524.288 us.

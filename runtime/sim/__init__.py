@@ -74,8 +74,8 @@ def simulate(
     makespan = engine.run()
     graph = schedule.graph
     busy_s = [dict.fromkeys(_ROLE_NAMES, 0.0) for _ in graph.topology.ranks]
-    for r in engine.records:
-        busy_s[r.rank][r.role] += r.end - r.start
+    for r in engine.records:  # SM time: a task with epilogue stores frees its SM before its end
+        busy_s[r.rank][r.role] += engine.sm_free.get(r.task, r.end) - r.start
     busy = [
         {role: busy_s[rank][role] / held for code, role in enumerate(_ROLE_NAMES)
          if (held := engine.held[rank][code]) > 0}

@@ -145,6 +145,9 @@ class Engine:
         self.commands = 0
         self.finished = 0
         self.draining: set[int] = set()  # compute tasks whose epilogue stores are in flight
+        # when a draining task's SM moved on (its record ends when the stores have drained):
+        # the SM's busy time ends here, not at the record's end
+        self.sm_free: dict[int, float] = {}
         self.push_free = [0.0] * graph.topology.world_size  # when each GPU's push port frees
         self.beside = hw.nvlink_beside_compute
         self.nvl_flows: list[dict[int, Flow]] = [{} for _ in range(world)]  # in flight, per GPU
@@ -264,6 +267,7 @@ class Engine:
         graph, for the same throughput."""
         rank, code = self.graph.tasks[tid].rank, self.m.role[tid]
         self.draining.add(tid)
+        self.sm_free[tid] = now
         self.claim(rank, code, self.owner[tid], now)
         start = max(now, self.push_free[rank])
         end = start + self.m.remote[tid] / self.m.epilogue_demand
