@@ -234,14 +234,22 @@ def queue_times(
 
 
 def queue_makespan(
-    graph: TaskGraph, pools: Pools, order: Sequence[int], costs: Sequence[float]
+    graph: TaskGraph,
+    pools: Pools,
+    order: Sequence[int],
+    costs: Sequence[float],
+    hardware: HardwareProfile | None = None,
 ) -> float:
     """``max(queue_times(...)[2])``, in about half the time (critical_path runs it twice per
     schedule): one heapreplace per task, and per-signal work only for events with partial
-    waits."""
+    waits. With ``hardware``, the network too (``network_makespan``)."""
     tasks = graph.tasks
     total, pool_of, size = pools.total, pools.of, pools.size
     free = [[0.0] * k for k in size]
+    if hardware is not None:
+        command = hardware.proxy_command_us * 1e-6
+        wire = hardware.rdma_gbps * 1e9
+        nic = [0.0] * graph.topology.world_size  # when each rank's proxy and NIC are free
     latest = [0.0] * len(graph.events)
     signals: dict[int, list[float]] = {e: [] for e in pools.partial}
     heapreplace = heapq.heapreplace
@@ -259,6 +267,13 @@ def queue_makespan(
             at = heap[0]
             done = (at if at > met else met) + costs[tid]
             heapreplace(heap, done)
+        elif hardware is not None:
+            # one RDMA worker per rank posts in queue order, so a write starts no earlier than
+            # the proxy and NIC are free from the one before it (costmodel: bytes / 2 on the wire)
+            at = nic[t.rank]
+            start = at if at > met else met
+            nic[t.rank] = start + max(command, t.bytes / 2 / wire)
+            done = start + costs[tid]
         else:
             done = met + costs[tid]
         if done > last:
@@ -283,46 +298,8 @@ def network_makespan(
     """``queue_makespan`` with a network: each rank's writes leave in its RDMA queue's order
     through the rank's one host proxy and NIC, a write holding them for the larger of one proxy
     command and its wire time (the proxy encodes the next command while the NIC sends) and
-    landing its cost (costmodel: command + latency + wire) after it starts. Enough to see what ``queue_makespan`` cannot: a send queued behind one that waits a
-    network round trip holds every later send, and sends compete for the rank's NIC.
-    ``critical_path`` compares its two orders of a graph with RDMA tasks by it."""
-    tasks = graph.tasks
-    total, pool_of, size = pools.total, pools.of, pools.size
-    free = [[0.0] * k for k in size]
-    command = hardware.proxy_command_us * 1e-6
-    wire = hardware.rdma_gbps * 1e9
-    nic = [0.0] * graph.topology.world_size  # when each rank's proxy and NIC are free
-    latest = [0.0] * len(graph.events)
-    signals: dict[int, list[float]] = {e: [] for e in pools.partial}
-    heapreplace = heapq.heapreplace
-    last = 0.0
-    for tid in order:
-        t = tasks[tid]
-        met = 0.0
-        for e, c in t.waits:
-            at = latest[e] if c >= total[e] else sorted(signals[e])[c - 1]
-            if at > met:
-                met = at
-        p = pool_of[tid]
-        if size[p]:
-            heap = free[p]
-            at = heap[0]
-            done = (at if at > met else met) + costs[tid]
-            heapreplace(heap, done)
-        else:
-            # one RDMA worker per rank posts in queue order, so a write starts no earlier than
-            # the proxy and NIC are free from the one before it (costmodel: bytes / 2 on the wire)
-            at = nic[t.rank]
-            start = at if at > met else met
-            nic[t.rank] = start + max(command, t.bytes / 2 / wire)
-            done = start + costs[tid]
-        if done > last:
-            last = done
-        for e in t.signals:
-            if done > latest[e]:
-                latest[e] = done
-        if signals:
-            for e in t.signals:
-                if e in signals:
-                    signals[e].append(done)
-    return last
+    landing its cost (costmodel: command + latency + wire) after it starts. Enough to see what
+    ``queue_makespan`` cannot: a send queued behind one that waits a network round trip holds
+    every later send, and sends compete for the rank's NIC. ``critical_path`` compares its two
+    orders of a graph with RDMA tasks by it."""
+    return queue_makespan(graph, pools, order, costs, hardware)
