@@ -29,16 +29,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..builder import GraphBuilder, piece, shard_range
+from ..builder import GraphBuilder, piece
 from ..errors import ShapeError
-from ..graph import Task
+from ..graph import Buffer, Task
 from ..kinds import Role, define_kind
-from ..layout import Layout, check_layout, layout_runs, runs_pieces
 from ..topology import Topology
 from .abi import F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
-from .collectives import check_options, grouped, tile_grid, tile_region
+from .collectives import grouped, tile_grid, tile_region
+from .matmul import bind_linear, check_linear
 from .registry import OpDef
-from .tilewise import parse_shape
 
 __all__ = ["matmul_glu", "GEMM_GLU", "GLU_BLOCK", "pack_glu", "unpack_glu"]
 
@@ -81,25 +80,9 @@ def _shapes(
     tile: list[int] = (128, 128),
     **_: object,
 ) -> dict[str, tuple]:
+    check_linear(OP, topology, M, N, K, shard, shape, layout, tile,
+                 "a gated unit needs whole products before its SiLU: gather K first")
     world = topology.world_size
-    check_options(OP, tile, 1)
-    nd = parse_shape(OP, M, K, shape)
-    if shard == "cols":
-        if N % world:
-            raise ShapeError(
-                f"{OP}: N={N} is not divisible by the world size {world}",
-                hint=f"a column-parallel linear shards its output features: use a multiple of {world}",
-            )
-    elif shard == "none":
-        lay = Layout.from_json(layout)
-        check_layout(nd, lay, world, OP, "choose the token count as a multiple of the world size")
-        if lay.kind == "shard" and lay.dim == len(nd) - 1:
-            raise ShapeError(
-                f"{OP}: a is sharded along K, so every rank would hold partial products",
-                hint="a gated unit needs whole products before its SiLU: gather K first",
-            )
-    else:
-        raise ShapeError(f"{OP}: shard={shard!r} must be 'none' or 'cols'")
     local = N // world if shard == "cols" else N
     if local % GLU_BLOCK or tile[1] % GLU_BLOCK:
         raise ShapeError(
@@ -128,25 +111,17 @@ def _lower(
     layout: list | None = None,
     tile: list[int] = (128, 128),
 ) -> None:
-    world = b.world
     b.global_input("a", (M, K))
     b.global_input("w", (K, 2 * N))
     b.global_output("out", (M, N))
-    nd = parse_shape(OP, M, K, shape)
-    lay = Layout.from_json(layout)
+
+    def weight(r: int, cols: tuple[int, int] | None) -> Buffer:
+        # the rank's packed columns: whole packed blocks, since N / world % GLU_BLOCK == 0
+        packed = {"d1": (2 * cols[0], 2 * cols[1])} if cols else {}
+        return b.bound_buffer("w", r, "w", [piece((K, 2 * N), **packed)])
+
     for r in b.topo.ranks:
-        if shard == "cols":
-            cols = shard_range(N, r, world)
-            a = b.bound_buffer("a", r, "a", [piece((M, K))])
-            packed = (2 * cols[0], 2 * cols[1])  # whole packed blocks: N / world % 128 == 0
-            w = b.bound_buffer("w", r, "w", [piece((K, 2 * N), d1=packed)])
-            out = b.bound_buffer("out", r, "out", [piece((M, N), d1=cols)], role="output")
-        else:
-            runs = layout_runs(nd, lay, r, world)
-            a = b.bound_buffer("a", r, "a", runs_pieces(runs))
-            w = b.bound_buffer("w", r, "w", [piece((K, 2 * N))])
-            out_pieces = tuple(((r0, r1), (0, N)) for r0, r1, _, _ in runs)
-            out = b.bound_buffer("out", r, "out", out_pieces, role="output")
+        a, w, out = bind_linear(b, r, OP, M, N, K, shard, shape, layout, weight)
         bm, bn = min(tile[0], out.rows), min(tile[1], out.cols)
         # bands of tile rows, column by column (gemm's L2-friendly order)
         for t in grouped(tile_grid(out.rows, out.cols, bm, bn)):
