@@ -155,7 +155,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import buffer_base, load_region
-    from .tilewise import block_ptrs, row_operand, vec_width
+    from .tiles import gemm_block_acc, store_block
 
     _READ0, _WRITE0, _NWRITE = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0), tl.constexpr(F_NWRITE)
 
@@ -186,36 +186,17 @@ if HAVE_TRITON:
             wd = tl.make_tensor_descriptor(buffer_base(bufaddr, w_slot, DT),
                                            [tl.load(bufrows + w_slot), w_cols], [w_cols, 1],
                                            [BK, BN])
-        ksize = ak1 - ak0
-        kfull = ksize - ksize % BK
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)
         nbn = tl.cdiv(wn1 - wn0, BN)  # packed blocks: BN packed columns, HB outputs each
         for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
             sm = (blk // nbn) * BM
             sw = (blk % nbn) * BN
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop
-                acc = tl.dot(ad.load([am0 + sm, ak0 + kk]), wd.load([wk0 + kk, wn0 + sw]), acc)
-            if kfull < ksize:  # the short last K step, both operands masked to K
-                kin = tl.arange(0, BK) < ksize - kfull
-                x = tl.where(kin[None, :], ad.load([am0 + sm, ak0 + kfull]), 0.0)
-                y = tl.where(kin[:, None], wd.load([wk0 + kfull, wn0 + sw]), 0.0)
-                acc = tl.dot(x.to(DT), y.to(DT), acc)
+            acc = gemm_block_acc(ad, wd, am0 + sm, ak0, wk0, wn0 + sw, ak1 - ak0, DT, BM, BN, BK)
             # columns [0, HB) of the block are the gate's, [HB, BN) the up's
             gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, HB)), (0, 2, 1)))
             out = (gate * tl.sigmoid(gate) * up).to(DT)
-            sn = sw // 2
             for q in range(nwrite):
-                ca, cpitch, cvec = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
                 _, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
-                ca = ca + (sm.to(tl.int64) * cpitch + sn) * (DT.primitive_bitwidth // 8)
-                om = tl.arange(0, BM)
-                on = tl.arange(0, HB)
-                if cvec:
-                    tl.store(block_ptrs(ca, cpitch, om, on, DT, True), out,
-                             mask=(om < cm1 - cm0 - sm)[:, None]
-                             & (on < vec_width(cn1 - cn0 - sn, DT, True))[None, :])
-                else:
-                    tl.store(block_ptrs(ca, cpitch, om, on, DT, False), out,
-                             mask=(om < cm1 - cm0 - sm)[:, None] & (on < cn1 - cn0 - sn)[None, :])
+                store_block(regions, bufaddr, bufcols, w0 + q, sm, sw // 2, cm1 - cm0,
+                            cn1 - cn0, out, DT, BM, HB)

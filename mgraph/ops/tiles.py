@@ -121,7 +121,6 @@ if HAVE_TRITON:
             bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
                                            [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
         ksize = ak1 - ak0
-        kfull = ksize - ksize % BK
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)
         accumulate = param_i32(params, tp, 0)
@@ -132,17 +131,8 @@ if HAVE_TRITON:
         for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
             sm = (blk // nbn) * BM  # the block's offset inside the task's region
             sn = (blk % nbn) * BN
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop
-                acc = tl.dot(ad.load([am0 + sm, ak0 + kk]), bd.load([bk0 + kk, bn0 + sn]), acc)
-            if kfull < ksize:
-                # The short last K step. TMA zero-fills only past the buffer's end; the region
-                # may end inside it (or the buffer hold NaN there), so both operands are masked.
-                kin = tl.arange(0, BK) < ksize - kfull
-                x = tl.where(kin[None, :], ad.load([am0 + sm, ak0 + kfull]), 0.0)
-                y = tl.where(kin[:, None], bd.load([bk0 + kfull, bn0 + sn]), 0.0)
-                acc = tl.dot(x.to(DT), y.to(DT), acc)
-            out = acc.to(DT)
+            out = gemm_block_acc(ad, bd, am0 + sm, ak0, bk0, bn0 + sn, ksize, DT, BM, BN,
+                                 BK).to(DT)
             # Rows past the region's end and columns past its last column were computed from
             # whatever the loads returned (other tiles' rows, or TMA's zeros past the buffer):
             # the store masks them off, so a short edge block writes exactly its region.
@@ -164,20 +154,47 @@ if HAVE_TRITON:
                                  (cd.load([cm0 + sm, cn0 + sn]).to(tl.float32)
                                   + out.to(tl.float32)).to(DT))
                 else:
-                    ca, cpitch, cvec = row_operand(regions, bufaddr, bufcols, w0 + q, DT)
-                    ca = ca + (sm.to(tl.int64) * cpitch + sn) * (DT.primitive_bitwidth // 8)
-                    om = tl.arange(0, BM)
-                    on = tl.arange(0, BN)
-                    if cvec:  # 16-byte stores (2-byte ones otherwise: the table's address
-                        # and pitch carry no alignment Triton can see); sm * pitch and sn
-                        # (a multiple of BN) keep the corner 16-byte aligned
-                        tl.store(block_ptrs(ca, cpitch, om, on, DT, True), out,
-                                 mask=(om < cm1 - cm0 - sm)[:, None]
-                                 & (on < vec_width(cn1 - cn0 - sn, DT, True))[None, :])
-                    else:
-                        tl.store(block_ptrs(ca, cpitch, om, on, DT, False), out,
-                                 mask=(om < cm1 - cm0 - sm)[:, None]
-                                 & (on < cn1 - cn0 - sn)[None, :])
+                    store_block(regions, bufaddr, bufcols, w0 + q, sm, sn, cm1 - cm0,
+                                cn1 - cn0, out, DT, BM, BN)
+
+    @triton.jit
+    def gemm_block_acc(ad, bd, am, ak0, bk0, bn, ksize, DT: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BK: tl.constexpr):
+        """A[am:am+BM, ak0:ak0+ksize] @ B[bk0:bk0+ksize, bn:bn+BN] in fp32, through the TMA
+        descriptors ``ad`` and ``bd``: the pipelined loop of whole K steps, then the short last
+        one. TMA zero-fills only past a buffer's end; the region may end inside it (or the
+        buffer hold NaN there), so that step masks both operands to K. (gemm_tile's block, and
+        matmul_glu's over its packed weight.)"""
+        kfull = ksize - ksize % BK
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop
+            acc = tl.dot(ad.load([am, ak0 + kk]), bd.load([bk0 + kk, bn]), acc)
+        if kfull < ksize:
+            kin = tl.arange(0, BK) < ksize - kfull
+            x = tl.where(kin[None, :], ad.load([am, ak0 + kfull]), 0.0)
+            y = tl.where(kin[:, None], bd.load([bk0 + kfull, bn]), 0.0)
+            acc = tl.dot(x.to(DT), y.to(DT), acc)
+        return acc
+
+    @triton.jit
+    def store_block(regions, bufaddr, bufcols, index, sm, sn, rows, cols, out, DT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+        """``out`` (BM x BN) into region ``index`` at block offset (sm, sn), masked to the
+        region's ``rows`` x ``cols``: a short edge block writes exactly its region. 16-byte
+        stores where the region allows (2-byte ones otherwise: the table's address and pitch
+        carry no alignment Triton can see); sm * pitch and sn (a multiple of BN) keep the
+        corner 16-byte aligned."""
+        ca, cpitch, cvec = row_operand(regions, bufaddr, bufcols, index, DT)
+        ca = ca + (sm.to(tl.int64) * cpitch + sn) * (DT.primitive_bitwidth // 8)
+        om = tl.arange(0, BM)
+        on = tl.arange(0, BN)
+        if cvec:
+            tl.store(block_ptrs(ca, cpitch, om, on, DT, True), out,
+                     mask=(om < rows - sm)[:, None]
+                     & (on < vec_width(cols - sn, DT, True))[None, :])
+        else:
+            tl.store(block_ptrs(ca, cpitch, om, on, DT, False), out,
+                     mask=(om < rows - sm)[:, None] & (on < cols - sn)[None, :])
 
     @REDUCE.triton
     @triton.jit
