@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from mgraph.errors import InputError, MgraphError, WatchdogTimeout
-from mgraph.graph import Buffer, TaskGraph, torch_dtype
+from mgraph.graph import TaskGraph, torch_dtype
 from mgraph.kinds import ROLES
 from mgraph.ops.abi import POS_FIELDS, Q_WORKERS, S_K0, S_K1, S_NW, SEG_FIELDS
 from mgraph.settings import Settings
 
 from ..memory import check_inputs, check_outputs_written, gather_outputs
 from ..trace import TaskRecord, Trace
+from .calls import _CallPlan, arena_views, assemble_local, buffer_shard, local_shards
 from .dispatch import PUSH_KIND, body_constexprs, body_params, megakernel_for
 from .encode import (
     GEMM_KINDS,
@@ -56,60 +56,6 @@ GEMM_CONFIG = {"flatten": True, "num_stages": 3, "num_warps": 8}
 # Sub-block of the reduce/copy bodies: 32 KiB bf16 per load, 128 B per thread in flight. 32x128
 # measured latency-bound on H200 (about 2 GB/s per program pulling over NVLink).
 RB_M, RB_N = 64, 256
-
-
-def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``rank``'s buffers (by id) as 2-D views of its arena (its own, or a peer's mapped one)."""
-    views = {}
-    for buf in graph.buffers.values():
-        if buf.rank == rank:
-            dt = torch_dtype(buf.dtype)
-            start = lay.offset[buf.id]
-            nbytes = buf.rows * buf.cols * torch.empty((), dtype=dt).element_size()
-            views[buf.id] = arena[start : start + nbytes].view(dt).view(buf.rows, buf.cols)
-    return views
-
-
-def buffer_shard(buf, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The part of a GLOBAL input that input buffer ``buf`` holds."""
-    b = buf.binding
-    parts = [inputs[b.tensor][tuple(slice(lo, hi) for lo, hi in p)] for p in b.pieces]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=b.cat_dim)
-
-
-def local_shards(graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor]) -> dict:
-    """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs; a
-    name missing from ``inputs`` is missing from the result too. A rank with two buffers of one
-    input (a chunk and the whole, say) cannot be fed one tensor per name: a named error
-    (single-process runs fill each buffer from the global input)."""
-    out, seen = {}, {}
-    for buf in graph.buffers.values():
-        if buf.rank == rank and buf.role == "input" and buf.binding is not None:
-            name = buf.binding.tensor
-            if name in seen and seen[name] != buf.binding.pieces:
-                raise InputError(
-                    f"{graph.op}: rank {rank} holds input {name!r} in two buffers with different "
-                    "parts; one local tensor per name cannot feed both",
-                    hint="run it from one process with global inputs (mg.run, a Program), "
-                    "which fills each buffer from the global tensor",
-                )
-            seen[name] = buf.binding.pieces
-            if name in inputs:  # one left out stays out (a resident input, see load_inputs)
-                out[name] = buffer_shard(buf, inputs)
-    return out
-
-
-def assemble_local(graph: TaskGraph, rank: int, name: str, data: torch.Tensor) -> torch.Tensor:
-    """A rank's 2-D output buffer viewed as its local shard of the global output."""
-    buf = next(
-        b for b in graph.buffers.values()
-        if b.rank == rank and b.role == "output" and b.binding and b.binding.tensor == name
-    )
-    shape = [hi - lo for lo, hi in buf.binding.pieces[0]]
-    shape[buf.binding.cat_dim] = sum(
-        p[buf.binding.cat_dim][1] - p[buf.binding.cat_dim][0] for p in buf.binding.pieces
-    )
-    return data.reshape(shape)
 
 
 class TritonRuntime:
@@ -701,96 +647,6 @@ class TritonRuntime:
                                       roles.index(roles[pid]), (s - t0) / 1e9, (e - t0) / 1e9,
                                       (ready - t0) / 1e9))
         return Trace(records, backend="triton")
-
-
-@dataclass
-class _CallPlan:
-    """What every run reads of the graph, worked out once per runtime.
-
-    ``inputs``: each input's buffers on the ranks this runtime runs; ``targets``: the same with
-    each buffer's view. ``volatile``: inputs with a buffer that a task writes or that is zeroed
-    before each launch; they are never resident (reloaded at every run). ``loaded``: inputs
-    whose buffers hold what the last load copied. ``placeholders``: meta tensors of the inputs'
-    global shapes and dtypes (a resident input's stand-in for check_inputs); ``specs``: the
-    same as (shape, dtype) pairs, for ``accepts``. ``whole``: output name -> the id of the one
-    buffer that holds the whole output in one piece and in its dtype, or None when some output
-    has no such buffer; ``whole_views``: those buffers viewed in the outputs' global shapes.
-    ``written_checked``: check_outputs_written has passed for the graph. ``local_outputs``
-    (one rank of an SPMD graph, at its first run): output name -> its buffer viewed as the
-    rank's local shard.
-    """
-
-    inputs: dict[str, list[Buffer]]
-    targets: dict[str, list[tuple[Buffer, torch.Tensor]]]
-    volatile: set[str]
-    placeholders: dict[str, torch.Tensor]
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    whole: dict[str, str] | None
-    whole_views: dict[str, torch.Tensor]
-    loaded: set[str] = field(default_factory=set)
-    local_outputs: dict[str, torch.Tensor] | None = None
-    written_checked: bool = False
-
-    def accepts(self, inputs: dict[str, torch.Tensor], resident: list[str]) -> bool:
-        """Whether ``inputs`` and the ``resident`` names (distinct, none of them in
-        ``inputs``) are exactly the graph's inputs, each passed tensor of its global shape
-        and dtype: check_inputs' checks without building its dict. False for anything else
-        (check_inputs then names the error)."""
-        specs = self.specs
-        if len(inputs) + len(resident) != len(specs):
-            return False
-        for name in resident:
-            if name not in specs:
-                return False
-        for name, t in inputs.items():
-            spec = specs.get(name)
-            if spec is None or not isinstance(t, torch.Tensor):
-                return False
-            if t.dtype != spec[1] or t.shape != spec[0]:
-                return False
-        return True
-
-    @staticmethod
-    def of(graph: TaskGraph, ranks: set[int], views: dict[str, torch.Tensor]) -> _CallPlan:
-        inputs: dict[str, list[Buffer]] = {}
-        for buf in graph.buffers.values():
-            if buf.rank in ranks and buf.role == "input" and buf.binding is not None:
-                inputs.setdefault(buf.binding.tensor, []).append(buf)
-        written = {w.buffer for t in graph.tasks for w in t.writes}
-        volatile = {
-            name for name, bufs in inputs.items()
-            if any(b.zeroed or b.id in written for b in bufs)
-        }
-        specs = {
-            name: (tuple(spec.shape), torch_dtype(spec.dtype))
-            for name, spec in graph.inputs.items()
-        }
-        placeholders = {
-            name: torch.empty(shape, dtype=dtype, device="meta")
-            for name, (shape, dtype) in specs.items()
-        }
-        targets = {name: [(b, views[b.id]) for b in bufs] for name, bufs in inputs.items()}
-        holders: dict[str, list[Buffer]] = {}
-        for buf in graph.buffers.values():
-            if buf.rank in ranks and buf.role == "output" and buf.binding is not None:
-                holders.setdefault(buf.binding.tensor, []).append(buf)
-        whole: dict[str, str] | None = {}
-        for name, spec in graph.outputs.items():
-            bufs = holders.get(name, [])
-            everything = tuple((0, n) for n in spec.shape)
-            if (
-                len(bufs) != 1
-                or bufs[0].dtype != spec.dtype
-                or [tuple(map(tuple, p)) for p in bufs[0].binding.pieces] != [everything]
-            ):
-                whole = None
-                break
-            whole[name] = bufs[0].id
-        whole_views = {  # view, never reshape: a copy here would be a stale output
-            name: views[bid].view(graph.outputs[name].shape)
-            for name, bid in (whole or {}).items()
-        }
-        return _CallPlan(inputs, targets, volatile, placeholders, specs, whole, whole_views)
 
 
 class _SharedMemory:
