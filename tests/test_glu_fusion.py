@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgraph as mg
-from helpers import rel_err
+from helpers import interpreter_rows, rel_err
 
 
 class MLP(nn.Module):
@@ -95,13 +93,9 @@ def test_tensor_parallel_glu_matches_eager():
 
 def test_glu_in_the_megakernel_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in rows] == ["mlp", "mlp-tile"], rows
-    for r in rows:
+    rows = interpreter_rows("test_glu_fusion.py")
+    assert list(rows) == ["mlp", "mlp-tile"], rows
+    for r in rows.values():
         assert r["kinds"] == ["gemm", "gemm_glu"] and r["error"] < 1e-5, r
 
 
