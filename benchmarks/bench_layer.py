@@ -237,6 +237,27 @@ def samples(fn: Callable[[], object], warmup: int, reps: int, device: torch.devi
     return times
 
 
+def back_to_back(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """ms per call of ``calls`` calls issued back to back between one pair of CUDA events (the
+    wall clock on the CPU): each call's host work overlaps the GPU work of the calls before
+    it, as in a training step, where ``samples`` starts every call on an idle device."""
+    fn()
+    dist.barrier()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
 def stage_times(times: StageTimes, wall: float) -> dict:
     """mg.compile's stages as the row reports them (seconds, wall)."""
     w = times.wall
@@ -418,6 +439,7 @@ class Bench:
         """Two rounds over every implementation that passed, pooled per implementation."""
         args = self.args
         pooled: dict[str, list[float]] = {impl: [] for impl in self.timed}
+        chained: dict[str, list[float]] = {impl: [] for impl in self.timed}
         failed: dict[str, str] = {}
         for _ in range(args.rounds):
             for impl, fn in self.timed.items():
@@ -426,6 +448,8 @@ class Bench:
                 try:
                     with torch.no_grad():
                         pooled[impl] += samples(fn, args.warmup, args.reps, self.device)
+                        if args.back_to_back:
+                            chained[impl].append(back_to_back(fn, args.back_to_back, self.device))
                     mine = None
                 except Exception as exc:  # noqa: BLE001 - e.g. a watchdog record read by prog()
                     mine = f"FAIL while timing: {type(exc).__name__}: {str(exc)[:300]}"
@@ -440,6 +464,9 @@ class Bench:
                 row["status"] = failed[row["impl"]]
             elif row["impl"] in pooled:
                 row["ms"] = self.slowest(statistics.median(pooled[row["impl"]]))
+                if chained[row["impl"]]:
+                    row["ms_back_to_back"] = round(
+                        self.slowest(statistics.median(chained[row["impl"]])), 4)
         if "mgraph_kernel" in pooled:
             parent = next(r for r in self.rows if r["impl"] == "mgraph")
 
@@ -451,6 +478,8 @@ class Bench:
                     "error": self.after["mgraph_kernel"](),
                     "tasks": parent.get("tasks"),
                     "ms": statistics.median(pooled["mgraph_kernel"]),
+                    **({"ms_back_to_back": round(statistics.median(chained["mgraph_kernel"]), 4)}
+                       if chained["mgraph_kernel"] else {}),
                     "note": "megakernel relaunches alone (inputs loaded once)",
                 }
 
@@ -574,6 +603,8 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         ms = f"{r['ms']:.3f}" if r["ms"] is not None else "-"
+        if r.get("ms_back_to_back") is not None:
+            ms += f" (back to back {r['ms_back_to_back']:.3f})"
         ratio = f"{r['vs_eager_tp']:.2f}x" if r["vs_eager_tp"] is not None else "-"
         err = f"{r['error']:.2e}" if r["error"] is not None else "-"
         comp = ""
@@ -644,6 +675,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=lambda v: [int(x) for x in v.split(",")],
         help="sweep points beside the default: the linears' GEMM task tile, e.g. 128,512 "
         "(each its own Program; its megakernel timed alone in the same rounds)",
+    )
+    p.add_argument(
+        "--back-to-back",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N calls issued back to back between one pair of events, per round "
+        "(ms_back_to_back: host work hidden behind the GPU), beside the idle-start samples",
     )
     p.add_argument("--policy", default="critical_path",
                    help="the scheduler's queue order policy (mg.compile's; the default's)")
