@@ -499,6 +499,67 @@ class Bench:
                 row["ms"] = round(row["ms"], 4)
         self.save()
 
+    def timeline(self, calls: int) -> None:
+        """Where each implementation's back-to-back time goes on the GPU: ``calls`` calls under
+        torch.profiler, then from its trace the span (first GPU activity's start to the last's
+        end), the busy time (union of kernels, copies and memsets), and the longest activity
+        per call (the megakernel, for mgraph). CUDA events around the same calls beside them,
+        so a gap the profiler does not see (events >> span) shows too."""
+        import tempfile
+
+        if self.device.type != "cuda":
+            return
+        rows = []
+        for impl, fn in self.timed.items():
+            with torch.no_grad():
+                fn()
+                sync(self.device)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts) as prof:
+                    start.record()
+                    for _ in range(calls):
+                        fn()
+                    end.record()
+                    torch.cuda.synchronize(self.device)
+            events_ms = start.elapsed_time(end) / calls
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                prof.export_chrome_trace(f.name)
+                trace = json.load(open(f.name))
+            gpu = sorted(
+                (e["ts"], e["ts"] + e["dur"], e.get("name", ""))
+                for e in trace.get("traceEvents", [])
+                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            )
+            if not gpu:
+                continue
+            busy, cur_s, cur_e = 0.0, gpu[0][0], gpu[0][1]
+            for s0, e0, _ in gpu[1:]:
+                if s0 > cur_e:
+                    busy += cur_e - cur_s
+                    cur_s, cur_e = s0, e0
+                else:
+                    cur_e = max(cur_e, e0)
+            busy += cur_e - cur_s
+            longest = sorted((e0 - s0 for s0, e0, _ in gpu), reverse=True)[:calls]
+            row = {
+                "impl": impl,
+                "calls": calls,
+                "events_ms_per_call": round(events_ms, 4),
+                "span_ms_per_call": round((gpu[-1][1] - gpu[0][0]) / 1e3 / calls, 4),
+                "busy_ms_per_call": round(busy / 1e3 / calls, 4),
+                "gpu_activities_per_call": round(len(gpu) / calls, 1),
+                "longest_ms": [round(x / 1e3, 4) for x in longest],
+            }
+            rows.append(row)
+            if self.rank == 0:
+                print("timeline:", json.dumps(row), flush=True)
+        if self.rank == 0:
+            out = Path(self.args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_layer_timeline.json").write_text(json.dumps(rows, indent=1) + "\n")
+
     def profile_call(self) -> None:
         """Where a Program call's time goes beyond its kernel's (the ``mgraph`` row against
         ``mgraph_kernel``): the host's Python by function, then CPU and CUDA time per op."""
@@ -684,6 +745,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time N calls issued back to back between one pair of events, per round "
         "(ms_back_to_back: host work hidden behind the GPU), beside the idle-start samples",
     )
+    p.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, N back-to-back calls of every impl under torch.profiler: GPU span, "
+        "busy time and longest activities per call beside CUDA events (bench_layer_timeline.json)",
+    )
     p.add_argument("--policy", default="critical_path",
                    help="the scheduler's queue order policy (mg.compile's; the default's)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -758,6 +827,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.time_all()
         if args.kinds and bench.program is not None and bench.program._runtime is not None:
             bench.kinds()
+        if args.timeline and bench.timed:
+            bench.timeline(args.timeline)
         if args.profile_call and "mgraph" in bench.timed:
             bench.profile_call()
         if args.warm:
