@@ -543,6 +543,10 @@ class Bench:
                     cur_e = max(cur_e, e0)
             busy += cur_e - cur_s
             longest = sorted((e0 - s0 for s0, e0, _ in gpu), reverse=True)[:calls]
+            by_name: dict[str, float] = {}
+            for s0, e0, name in gpu:
+                by_name[name] = by_name.get(name, 0.0) + (e0 - s0)
+            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
             row = {
                 "impl": impl,
                 "calls": calls,
@@ -551,6 +555,8 @@ class Bench:
                 "busy_ms_per_call": round(busy / 1e3 / calls, 4),
                 "gpu_activities_per_call": round(len(gpu) / calls, 1),
                 "longest_ms": [round(x / 1e3, 4) for x in longest],
+                # per GPU activity name, ms per call: where a baseline's time goes
+                "top_ms_per_call": {n[:90]: round(v / 1e3 / calls, 4) for n, v in top},
             }
             rows.append(row)
             if self.rank == 0:
