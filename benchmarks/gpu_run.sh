@@ -68,8 +68,14 @@ proxy)
         --streams 1 4 2>&1 | tee "$OUT/proxy.log" | tail -10
     ;;
 layer)
+    # SM clock and power every 100 ms beside the run: back-to-back launches of a kernel that
+    # keeps every tensor core busy may run at a lower clock than launches from an idle GPU
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader \
+        -lms 100 >"$OUT/clocks.csv" 2>/dev/null &
+    smi=$!
     timeout "${LAYER_LIMIT:-400}" torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" \
         benchmarks/bench_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/layer.log" | grep -v '^{' | tail -30
+    kill "$smi" 2>/dev/null
     ;;
 mega)
     timeout "${MEGA_LIMIT:-200}" python3 benchmarks/bench_attention.py tile mega --out "$OUT" "$@" \
