@@ -557,6 +557,12 @@ class Bench:
                 "longest_ms": [round(x / 1e3, 4) for x in longest],
                 # per GPU activity name, ms per call: where a baseline's time goes
                 "top_ms_per_call": {n[:90]: round(v / 1e3 / calls, 4) for n, v in top},
+                # the longest activity's name, every run of it in time order: a kernel whose
+                # duration drifts over back-to-back calls (clocks) against one that varies
+                "longest_name_in_order_ms": [
+                    round((e0 - s0) / 1e3, 4) for s0, e0, n in gpu
+                    if n == max(gpu, key=lambda g: g[1] - g[0])[2]
+                ],
             }
             rows.append(row)
             if self.rank == 0:
