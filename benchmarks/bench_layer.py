@@ -543,6 +543,7 @@ class Bench:
                     cur_e = max(cur_e, e0)
             busy += cur_e - cur_s
             longest = sorted((e0 - s0 for s0, e0, _ in gpu), reverse=True)[:calls]
+            longest_name = max(gpu, key=lambda g: g[1] - g[0])[2]
             by_name: dict[str, float] = {}
             for s0, e0, name in gpu:
                 by_name[name] = by_name.get(name, 0.0) + (e0 - s0)
@@ -560,8 +561,7 @@ class Bench:
                 # the longest activity's name, every run of it in time order: a kernel whose
                 # duration drifts over back-to-back calls (clocks) against one that varies
                 "longest_name_in_order_ms": [
-                    round((e0 - s0) / 1e3, 4) for s0, e0, n in gpu
-                    if n == max(gpu, key=lambda g: g[1] - g[0])[2]
+                    round((e0 - s0) / 1e3, 4) for s0, e0, n in gpu if n == longest_name
                 ],
             }
             rows.append(row)
