@@ -400,8 +400,10 @@ class Bench:
             self.variants[impl] = (prog, layer)
             out["tile"] = list(tile) if tile else None
             out["glu"] = glu
-            out["note"] = (f"megakernel relaunches alone, linears' GEMM tasks tile={tile}, "
-                           f"gated units fused: {glu}")
+            out["note"] = (
+                f"megakernel relaunches alone, linears' GEMM tasks tile={tile}, "
+                f"gated units fused: {glu}"
+            )
             out.update(runtime.kernel_info())
         else:
             del prog, layer
@@ -466,7 +468,8 @@ class Bench:
                 row["ms"] = self.slowest(statistics.median(pooled[row["impl"]]))
                 if chained[row["impl"]]:
                     row["ms_back_to_back"] = round(
-                        self.slowest(statistics.median(chained[row["impl"]])), 4)
+                        self.slowest(statistics.median(chained[row["impl"]])), 4
+                    )
         if "mgraph_kernel" in pooled:
             parent = next(r for r in self.rows if r["impl"] == "mgraph")
 
@@ -478,8 +481,11 @@ class Bench:
                     "error": self.after["mgraph_kernel"](),
                     "tasks": parent.get("tasks"),
                     "ms": statistics.median(pooled["mgraph_kernel"]),
-                    **({"ms_back_to_back": round(statistics.median(chained["mgraph_kernel"]), 4)}
-                       if chained["mgraph_kernel"] else {}),
+                    **(
+                        {"ms_back_to_back": round(statistics.median(chained["mgraph_kernel"]), 4)}
+                        if chained["mgraph_kernel"]
+                        else {}
+                    ),
                     "note": "megakernel relaunches alone (inputs loaded once)",
                 }
 
@@ -601,8 +607,11 @@ class Bench:
             pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(30)
             print("profile_call: cProfile of 3 Program calls\n" + text.getvalue(), flush=True)
             key = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
-            print("profile_call: torch.profiler, 3 Program calls\n"
-                  + prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
+            print(
+                "profile_call: torch.profiler, 3 Program calls\n"
+                + prof.key_averages().table(sort_by=key, row_limit=20),
+                flush=True,
+            )
 
     def kinds(self) -> None:
         """Where the megakernel's time goes, per task kind (one traced launch, this rank), for
@@ -765,8 +774,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after timing, N back-to-back calls of every impl under torch.profiler: GPU span, "
         "busy time and longest activities per call beside CUDA events (bench_layer_timeline.json)",
     )
-    p.add_argument("--policy", default="critical_path",
-                   help="the scheduler's queue order policy (mg.compile's; the default's)")
+    p.add_argument(
+        "--policy",
+        default="critical_path",
+        help="the scheduler's queue order policy (mg.compile's; the default's)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args(argv)
     sizes = (
