@@ -134,6 +134,20 @@ def test_times_chart_layer_rows_ratios_and_failures_listed(tmp_path):
     assert png_size(png)[0] > 400
 
 
+def test_times_chart_layer_back_to_back_is_its_own_panel():
+    rows = [
+        dict(LAYER, impl="mgraph", ms=3.7, ms_back_to_back=3.7, error=1e-3, status="ok"),
+        dict(LAYER, impl="eager_tp", ms=4.2, ms_back_to_back=3.2, error=1e-3, status="ok"),
+    ]
+    idle, chained = times_table(rows)
+    assert idle["title"].startswith("timing=idle start") and idle["reference"] == "eager_tp"
+    assert chained["title"].startswith("timing=back to back")
+    ratios = {b["impl"]: b["ratio"] for b in chained["bars"]}
+    # back to back, eager's launch costs hide behind its kernels: mgraph is the slower one
+    assert ratios["mgraph"] == pytest.approx(3.2 / 3.7) and ratios["eager_tp"] == 1.0
+    assert {b["impl"]: b["ratio"] for b in idle["bars"]}["mgraph"] == pytest.approx(4.2 / 3.7)
+
+
 def test_times_chart_moe_rows_drop_kind_rows_and_default_is_first_mgraph(tmp_path):
     cfg = {"expert_group": 8, "combine_rows": 64}  # the same in every mgraph row: no label
     rows = [
