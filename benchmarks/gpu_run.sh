@@ -13,6 +13,8 @@
 #   bash benchmarks/gpu_run.sh proxy            # bench_proxy.py, 1 and 4 copy streams
 #   bash benchmarks/gpu_run.sh layer [ARGS]     # bench_layer.py on every GPU of the machine
 #   bash benchmarks/gpu_run.sh mega [ARGS]      # bench_attention.py tile mega (one GPU)
+#   bash benchmarks/gpu_run.sh gemm [ARGS]      # bench_gemm_tasks.py: GEMM task tiles (one GPU)
+#   bash benchmarks/gpu_run.sh bodies [ARGS]    # bench_bodies.py: memory-bound bodies alone
 # On a 1-GPU machine "tests" runs the single-GPU tests (multi_gpu ones skip themselves) and
 # "attention" the tile part only.
 # The GPU tests need about 400 s for all 24 (TEST_LIMIT); pytest arguments after "tests" select;
@@ -77,12 +79,20 @@ layer)
         benchmarks/bench_layer.py --out "$OUT" "$@" 2>&1 | tee "$OUT/layer.log" | grep -v '^{' | tail -30
     kill "$smi" 2>/dev/null
     ;;
+gemm)
+    timeout "${GEMM_LIMIT:-300}" python3 benchmarks/bench_gemm_tasks.py --out "$OUT" "$@" 2>&1 \
+        | tee "$OUT/gemm_tasks.log" | grep -v '^{' | cut -c1-400 | tail -40
+    ;;
+bodies)
+    timeout "${BODIES_LIMIT:-200}" python3 benchmarks/bench_bodies.py --out "$OUT" "$@" 2>&1 \
+        | tee "$OUT/bodies.log" | grep -v '^{' | cut -c1-300 | tail -30
+    ;;
 mega)
     timeout "${MEGA_LIMIT:-200}" python3 benchmarks/bench_attention.py tile mega --out "$OUT" "$@" \
         2>&1 | tee "$OUT/attn_mega.log" | grep -v '^{' | tail -30
     ;;
 *)
-    echo "unknown step $step: tests, bench, net, programs, attention, moe, calibrate, proxy, layer, mega" >&2
+    echo "unknown step $step: tests, bench, net, programs, attention, moe, calibrate, proxy, layer, mega, gemm, bodies" >&2
     exit 2
     ;;
 esac
