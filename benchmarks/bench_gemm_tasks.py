@@ -178,6 +178,20 @@ def baselines(args, m: int, n: int, k: int, device, dtype) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--shapes",
+        nargs="*",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=SHAPES,
+        help="M,N,K per point (default: the layer's q/o, gate/up and down shapes)",
+    )
+    p.add_argument(
+        "--tiles",
+        nargs="*",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=TILES,
+        help="task tiles R,C",
+    )
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--chain", type=int, default=10)
     p.add_argument("--tol", type=float, default=2e-2)
@@ -192,7 +206,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # GPU.md: lazy loading can hang
         device, dtype = torch.device("cuda", 0), torch.bfloat16
         torch.cuda.set_device(device)
-        shapes, tiles = SHAPES, TILES
+        shapes, tiles = args.shapes, args.tiles
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
