@@ -123,7 +123,7 @@ def point(args, m: int, n: int, k: int, tile, norm: bool, device, dtype) -> dict
         "M": m,
         "N": n,
         "K": k,
-        "tile": list(tile),
+        "tile": f"{tile[0]}x{tile[1]}",
         "dtype": str(dtype).split(".")[-1],
     }
     try:
@@ -164,6 +164,7 @@ def baselines(args, m: int, n: int, k: int, device, dtype) -> list[dict]:
             {
                 "bench": "gemm_tasks",
                 "impl": name,
+                "dtype": str(dtype).split(".")[-1],
                 "M": m,
                 "N": n,
                 "K": k,
@@ -224,7 +225,7 @@ def main(argv=None) -> int:
                     for g in row.get("gemm", [])
                 )
                 print(
-                    f"gemm_tasks {m}x{n}x{k} {row['module']} tile {tile[0]}x{tile[1]}: "
+                    f"gemm_tasks {m}x{n}x{k} {row['module']} tile {row['tile']}: "
                     f"{row.get('ms', float('nan')):.3f} ms (back to back "
                     f"{row.get('ms_back_to_back', float('nan')):.3f}) {row['status'][:80]} "
                     f"| {gemm}",

@@ -26,7 +26,7 @@ TIMES_GROUP_KEYS = ("timing", "op", "part", "S", "causal", "T", "H", "E", "top_k
 # ... and those that tell a group's rows of one impl apart (shown where they vary in the group)
 TIMES_LABEL_KEYS = ("variant", "task", "expert_rows", "expert_cols_f", "expert_cols_h",
                     "expert_group", "combine_rows", "combine_cols", "segment_rows", "block",
-                    "kv_block", "warps", "stages", "nvlink_workers")
+                    "kv_block", "warps", "stages", "nvlink_workers", "module", "tile")
 
 
 def _kind_row(r: Row) -> bool:
