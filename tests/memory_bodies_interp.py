@@ -92,9 +92,10 @@ WIDTHS = {"vec": 328, "odd": 102}
 
 def rms_norm_cases() -> None:
     for dt in (F32, BF16):
-        # vecwide: 1096 columns, two of the fast path's 1024-column blocks (the second masked):
-        # its next-block loads cross a column block
-        for name, cols in (*WIDTHS.items(), ("vecwide", 1096)):
+        # vec, vecwide (1096): whole rows in registers (_rms_rows); vecwider: rows past its
+        # 4096 bf16 / 2048 fp32 columns (_rms_vec: four of its 1024-column blocks and a masked
+        # one, its next-block loads crossing column blocks)
+        for name, cols in (*WIDTHS.items(), ("vecwide", 1096), ("vecwider", 4112)):
             for w in (True, False):
                 g = mg.ops.rms_norm(topology="1x1", rows=40, cols=cols, tile_rows=24, dtype=dt,
                                     eps=1e-5, has_weight=w)

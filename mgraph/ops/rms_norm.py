@@ -100,9 +100,70 @@ if HAVE_TRITON:
     import triton.language as tl
 
     from .abi import load_region, param_f32
-    from .tilewise import row_operand, tile_ptrs, vec_cols, vec_ptr
+    from .tilewise import (
+        pack2,
+        row_operand,
+        tile_ptrs,
+        unpack_hi,
+        unpack_lo,
+        vec_cols,
+        vec_ptr,
+        word_ptr,
+    )
 
     _READ0, _NREAD, _WRITE0 = tl.constexpr(F_READ0), tl.constexpr(F_NREAD), tl.constexpr(F_WRITE0)
+
+    # Whole rows (_rms_rows): _RW 32-bit words a row (4096 bf16 columns, 2048 fp32) in blocks
+    # of _RR rows, 32 KiB; the loop over them software-pipelined _RS deep by Triton (the
+    # blocks' loads become asynchronous copies to shared memory issued _RS - 1 blocks ahead:
+    # 96 KiB a program in flight, no registers held for them).
+    _RW: tl.constexpr = tl.constexpr(2048)
+    _RR: tl.constexpr = tl.constexpr(4)
+    _RS: tl.constexpr = tl.constexpr(4)
+
+    @triton.jit
+    def _rms_block(x, om, ow, m, nw, n, eps, wlo, whi, op, opitch, DT: tl.constexpr):
+        """One _RR-row block of whole rows (``x``: its words) normalised and stored."""
+        lo = unpack_lo(x, DT)
+        ss = lo * lo
+        if DT.primitive_bitwidth < 32:
+            hi = unpack_hi(x, DT)
+            ss += hi * hi
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / n.to(tl.float32) + eps)[:, None]
+        ylo = lo * rstd * wlo
+        yhi = ylo
+        if DT.primitive_bitwidth < 32:
+            yhi = hi * rstd * whi
+        mask = (om < m)[:, None] & (ow < nw)[None, :]
+        tl.store(op + (om * opitch)[:, None] + ow[None, :], pack2(ylo, yhi, DT), mask=mask)
+
+    @triton.jit
+    def _rms_rows(xa, xpitch, wa, oa, opitch, m, n, eps, has_w, DT: tl.constexpr):
+        """The fast path for rows of up to _RW words: each row read once, whole, as 16-byte
+        loads of 32-bit words (tilewise.unpack_lo) in blocks of _RR rows, reduced, scaled and
+        stored; the loop pipelined _RS deep (v13's loop read each row twice, 1,024 columns at
+        a time, the next block loaded into registers a block ahead: ptxas waited for it at
+        the iteration's end, one memory latency a block). The weight is read once a task."""
+        EPW: tl.constexpr = 32 // DT.primitive_bitwidth  # elements a word
+        WV: tl.constexpr = 4  # words a 16-byte vector
+        xp = word_ptr(xa, DT)
+        op = word_ptr(oa, DT)
+        xpitch = xpitch // (EPW * WV) * WV  # words, provably multiples of WV
+        opitch = opitch // (EPW * WV) * WV
+        nw = n // (EPW * WV) * WV
+        ow = vec_cols(0, _RW, WV)
+        wlo = tl.full((1, _RW), 1.0, tl.float32)
+        whi = wlo
+        if has_w:  # the weight: a row operand, read once, broadcast over the rows
+            w = tl.load(word_ptr(wa, DT) + ow, mask=ow < nw, other=0)[None, :]
+            wlo = unpack_lo(w, DT)
+            if DT.primitive_bitwidth < 32:
+                whi = unpack_hi(w, DT)
+        for i in tl.range(0, m, _RR, num_stages=_RS):
+            om = tl.arange(0, _RR) + i
+            x = tl.load(xp + (om * xpitch)[:, None] + ow[None, :],
+                        mask=(om < m)[:, None] & (ow < nw)[None, :], other=0)
+            _rms_block(x, om, ow, m, nw, n, eps, wlo, whi, op, opitch, DT)
 
     @triton.jit
     def _rms_vec(xa, xpitch, wa, oa, opitch, m, n, eps, has_w, DT: tl.constexpr,
@@ -185,9 +246,10 @@ if HAVE_TRITON:
     def rms_norm_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr,
                       RB_M: tl.constexpr, RB_N: tl.constexpr):
         """x * rsqrt(mean(x^2) + eps) * weight. Assumes the task's x region holds whole rows
-        (the tilewise lowering guarantees it): per RB_M-row block, one pass over the row in
-        RB_N-column blocks sums the squares, a second one scales and stores. Rows of whole
-        16-byte vectors take _rms_vec; others the general path (tile_ptrs, element by
+        (the tilewise lowering guarantees it). Rows of whole 16-byte vectors up to _RW words
+        wide (4096 bf16 columns) take _rms_rows (each row read once, whole); wider ones
+        _rms_vec: per row block, one pass over the row in column blocks sums the squares, a
+        second one scales and stores; others the general path (tile_ptrs, element by
         element)."""
         r0 = tl.load(tp + _READ0)
         nread = tl.load(tp + _NREAD)
@@ -199,9 +261,11 @@ if HAVE_TRITON:
         wa, _wpitch, wvec = row_operand(regions, bufaddr, bufcols, tl.where(nread > 1, r0 + 1, r0),
                                         DT)
         oa, opitch, ovec = row_operand(regions, bufaddr, bufcols, w0, DT)
-        if xvec & wvec & ovec:
-            _rms_vec(xa, xpitch, wa, oa, opitch, xm1 - xm0, xn1 - xn0, eps, nread > 1, DT, RB_M,
-                     RB_N)
+        n = xn1 - xn0
+        if xvec & wvec & ovec & (n <= _RW * (32 // DT.primitive_bitwidth)):
+            _rms_rows(xa, xpitch, wa, oa, opitch, xm1 - xm0, n, eps, nread > 1, DT)
+        elif xvec & wvec & ovec:
+            _rms_vec(xa, xpitch, wa, oa, opitch, xm1 - xm0, n, eps, nread > 1, DT, RB_M, RB_N)
         else:
             # (a quarter of the rows: int64 pointers per element; at whole RB_M x RB_N blocks
             # ptxas spilled them beside _rms_vec's blocks)

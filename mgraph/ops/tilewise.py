@@ -193,6 +193,64 @@ if HAVE_TRITON:
         return tl.multiple_of(j + tl.arange(0, BLOCK), VEC)
 
     @triton.jit
+    def word_ptr(addr, DT: tl.constexpr):
+        """A row_operand address (its ``vec`` checked) as a 16-byte aligned pointer to 32-bit
+        words: two elements each in a 16-bit DT, one in fp32. Loads through it return
+        uint32 tiles; see unpack_lo."""
+        return tl.multiple_of(addr.to(tl.pointer_type(tl.uint32)), 16)
+
+    @triton.jit
+    def unpack_lo(w, DT: tl.constexpr):
+        """The first element (the lower address) of each 32-bit word ``w`` of DT, in fp32; the
+        element itself in fp32.
+
+        Why words: a loaded DT tile carried across a loop's back edge (loads issued one block
+        ahead) was a phi of 16-bit values, and ptxas unpacked each 16-byte load's registers
+        (PRMT) at the end of the iteration: a wait for the loads just issued, so each block
+        paid the whole memory latency after its arithmetic (sm_90 SASS of the generated ewise
+        loop and of rms_norm's). A uint32 tile's registers are the loads' own: the carry
+        costs no instruction and the wait moves to the first use."""
+        if DT.primitive_bitwidth == 32:
+            y = w.to(DT, bitcast=True).to(tl.float32)
+        elif DT == tl.bfloat16:
+            y = (w << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32 is exact: a shift
+        else:
+            y = (w & 0xFFFF).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+        return y
+
+    @triton.jit
+    def unpack_hi(w, DT: tl.constexpr):
+        """The second element of each 32-bit word ``w`` of a 16-bit DT, in fp32 (unused for
+        fp32 words)."""
+        if DT == tl.bfloat16:
+            y = ((w >> 16) << 16).to(tl.float32, bitcast=True)
+        else:
+            y = (w >> 16).to(tl.uint16).to(DT, bitcast=True).to(tl.float32)
+        return y
+
+    @triton.jit
+    def pack2(lo, hi, DT: tl.constexpr):
+        """fp32 tiles ``lo`` and ``hi`` rounded to DT and packed as the words unpack_lo and
+        unpack_hi read (``lo`` alone for fp32)."""
+        if DT.primitive_bitwidth == 32:
+            w = lo.to(DT).to(tl.uint32, bitcast=True)
+        else:
+            a = lo.to(DT).to(tl.uint16, bitcast=True).to(tl.uint32)
+            b = hi.to(DT).to(tl.uint16, bitcast=True).to(tl.uint32)
+            w = a | (b << 16)
+        return w
+
+    @triton.jit
+    def one_word(DT: tl.constexpr):
+        """The word of DT 1.0s (masked lanes' fill: finite through log and 1/x)."""
+        if DT.primitive_bitwidth == 32:
+            v = tl.full((), 1.0, tl.float32).to(DT).to(tl.uint32, bitcast=True)
+        else:
+            h = tl.full((), 1.0, tl.float32).to(DT).to(tl.uint16, bitcast=True).to(tl.uint32)
+            v = h | (h << 16)
+        return v
+
+    @triton.jit
     def block_ptrs(addr, pitch, om, on, DT: tl.constexpr, FAST: tl.constexpr):
         """Pointers to rows ``om`` and columns ``on`` of a row_operand region (a region more
         than one column wide, or one whose single column is all ``on`` reaches). FAST (the
@@ -252,5 +310,6 @@ if HAVE_TRITON:
                 tl.store(tile_ptrs(regions, bufaddr, bufcols, dst, om, col0 + on, DT), x,
                          mask=mask)
 
-    __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols", "block_ptrs", "vec_width",
-                "copy_vec", "copy_into"]
+    __all__ += ["tile_ptrs", "row_operand", "vec_ptr", "vec_cols", "word_ptr", "unpack_lo",
+                "unpack_hi", "pack2", "one_word", "block_ptrs", "vec_width", "copy_vec",
+                "copy_into"]
