@@ -15,8 +15,9 @@ rows, operand forms and ewise chains of mg.compile), on one GPU (topology 1x1):
 - ``rms_norm``: ``nn.RMSNorm(4096)`` over [2 x seq, 4096] (the layer's two norms' rows).
 
 Per body: its output checked against eager torch on the GPU (relative error), then the
-megakernel relaunched ``--reps`` times (CUDA events; the launch includes the kernel's queue
-set-up, so it is a floor on the rate, not the bodies' own) and one traced launch
+megakernel (built with its per-task timer on: TRACE) relaunched ``--reps`` times (CUDA events;
+the launch includes the kernel's queue set-up, so it is a floor on the rate, not the bodies'
+own) and one more traced launch
 (kind_breakdown: ``mean_work_us``, the body's time per task without waits). Bytes per task:
 every region the task reads and writes, once (rms_norm's x too, which its fast path reads
 once). ``gbs_per_program`` is a task's bytes over its body time: what one SM streams (an
@@ -97,12 +98,19 @@ def task_bytes(graph, task) -> int:
     return item * sum(r.shape[0] * r.shape[1] for r in (*task.reads, *task.writes))
 
 
-def event_ms(fn, warmup: int, reps: int) -> list[float]:
+def event_ms(fn, warmup: int, reps: int, cuda: bool) -> list[float]:
+    """Times (ms) of ``reps`` calls after ``warmup``: CUDA events, or the wall clock."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -115,16 +123,26 @@ def event_ms(fn, warmup: int, reps: int) -> list[float]:
 def bench(name: str, module: nn.Module, inputs: tuple, args) -> dict:
     from kind_breakdown import kind_breakdown
 
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.interpret else "cuda")
     module = module.to(dev)
     xs = tuple(x.to(dev) for x in inputs)
     t0 = time.perf_counter()
-    prog = mg.compile(module, xs, topology="1x1", backend="triton")
+    prog = mg.compile(
+        module,
+        xs,
+        topology="1x1",
+        backend="triton",
+        backend_options={"interpret": True} if args.interpret else None,
+    )
     row: dict = {"body": name, "compile_s": round(time.perf_counter() - t0, 2)}
     with torch.no_grad():
         want = module(*xs)
+        # the runtime built traced (its first run), so that kind_breakdown's traced runtime
+        # is the same kernel (Triton's cache) and each body compiles once
+        prog.run(*xs, trace=True)
         got = prog(*xs)
-    torch.cuda.synchronize()
+    if not args.interpret:
+        torch.cuda.synchronize()
     row["rel_err"] = round(((got.float() - want.float()).norm() / want.float().norm()).item(), 5)
     graph = prog.graph
     kinds = {t.kind for t in graph.tasks}
@@ -137,7 +155,7 @@ def bench(name: str, module: nn.Module, inputs: tuple, args) -> dict:
         bytes_per_task=max(nbytes),
     )
     rt = prog._runtime
-    ms = statistics.median(event_ms(rt.launch, args.warmup, args.reps))
+    ms = statistics.median(event_ms(rt.launch, args.warmup, args.reps, not args.interpret))
     rt.check()
     row["launch_ms"] = round(ms, 4)
     row["launch_tbs"] = round(sum(nbytes) / ms / 1e9, 3)
@@ -159,6 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bodies", nargs="+", default=["swiglu", "residual", "rope", "rms_norm"])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/mgraph_out"))
+    ap.add_argument(
+        "--interpret",
+        action="store_true",
+        help="on the CPU under TRITON_INTERPRET=1 (set it before running): a smoke run, "
+        "wall-clock times that mean nothing",
+    )
     args = ap.parse_args(argv)
     all_cases = cases(args.seq)
     unknown = set(args.bodies) - set(all_cases)
