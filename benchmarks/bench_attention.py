@@ -291,7 +291,8 @@ def bench_tile(args) -> list[dict]:
                             tb["tasks"], tb["order"], tb["starts"], tb["params"], tb["regions"],
                             addr, cols, BLOCK_ID=kind_id(TaskKind.ATTN_BLOCK.value),
                             DT=tl_bf16(), USE_TIMER=True, ATTN_D=D, PIPE=shape["PIPE"],
-                            QB=shape["QB"], KB=shape["KB"], num_warps=shape["num_warps"],
+                            QB=shape["QB"], KB=shape["KB"], OUT=shape["OUT"],
+                            num_warps=shape["num_warps"],
                             num_stages=shape["num_stages"])
 
                     out.fill_(float("nan"))

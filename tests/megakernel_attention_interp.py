@@ -165,8 +165,10 @@ def chain_cases() -> None:
     # the fast path's other shapes (attention_tiles.TILE_VARIANTS): the pipelined plain loop
     # and 64-row sub-blocks, with 64-key chunks, on 256-key blocks across the diagonal (plain
     # chunks, then masked ones) and on 128 keys of head size 40 (two plain chunks, masked
-    # columns); the wide path at D 160 has one shape
-    for variant in ("pipe-kb64", "q64-kb64-w4-pipe"):
+    # columns); plain-state, the default shape finalising through the stored state (the
+    # default writes a final task's out rows from registers); the wide path at D 160 has one
+    # shape
+    for variant in ("pipe-kb64", "q64-kb64-w4-pipe", "plain-state"):
         for name in ("kvblock-causal1", "d40-causal0"):
             g = mg.ops.ring_attention(dtype=bf16, **ring[name])
             x = _inputs(g, seed=len(name), dtype=bf16)

@@ -100,7 +100,7 @@ def sass_stats(cubin_bytes: bytes, tmp_path: Path, per_loop: bool = False) -> di
     texts = [text for _addr, text in ins]
     stats = dict(loops=len(loops), regs=max(int(r) for r in re.findall(r"REG:(\d+)", usage)),
                  stack=max(int(r) for r in re.findall(r"STACK:(\d+)", usage)))
-    for op in ("HGMMA", "HMMA", "UTMALDG", "LDG.E.U16", "LDL", "STL"):
+    for op in ("HGMMA", "HMMA", "UTMALDG", "UTMASTG", "LDG.E.U16", "LDL", "STL"):
         stats[op] = count(op, texts)
     for op in ("LDG", "LDGSTS.E.BYPASS.128", "LDL", "STL"):
         stats[f"loop {op}"] = count(op, in_loop)
@@ -192,7 +192,7 @@ def test_ring_megakernel_fast_loops_pipelined(tmp_path):
     ring_attention-1x2-bf16 graph: kinds attn_block and copy, no attn_finalize since the
     chains finalise inline by default; the runtime's kernel arguments, 8 warps, 3 stages),
     through ptxas: the fast loops' wgmma stay pipelined beside the queue loop, the waits and
-    the copy body, and the plain loop spills nothing. Its masked loops still reload registers (18-28 an iteration with ptxas 13.4 when the kernel
+    the copy body, the plain loop spills nothing, and a final task stores its out rows by TMA. Its masked loops still reload registers (18-28 an iteration with ptxas 13.4 when the kernel
     held attn_finalize too; with ptxas 13.0, 8-9 with it and 1-4 without it; they fold only the
     chunks a causal diagonal crosses). Before: every wgmma serialised, 32-71 LDL an iteration."""
     import test_gpu_compile as tgc
@@ -214,6 +214,8 @@ def test_ring_megakernel_fast_loops_pipelined(tmp_path):
     assert plain["LDL"] == 0 and plain["STL"] == 0, fast
     # the pointer path: a call to a function of its own, on mma.sync (HMMA), no wgmma
     assert stats["HMMA"] > 0 and cubin.count(b"_pointer_rows") > 0, stats
+    # a final task's out rows leave the fast path's registers by TMA (no state round trip)
+    assert stats["UTMASTG"] >= 1, stats
 
 
 def ring_d(D: int, dtype=None):

@@ -128,10 +128,11 @@ def test_bf16_ring_attention_variants():
 
 def test_bf16_fast_path_variants():
     # attention_tiles.TILE_VARIANTS other than the default, through run_chains: the pipelined
-    # plain loop with 64-key chunks (128- and 64-row sub-blocks), on a causal 256-key block
-    # (plain, then masked chunks) and on head size 40 over two plain chunks
+    # plain loop with 64-key chunks (128- and 64-row sub-blocks), and the default shape
+    # finalising through the stored state (plain-state), on a causal 256-key block (plain,
+    # then masked chunks) and on head size 40 over two plain chunks
     got = _select(rows("chains"), "chains-bf16-variant-")
-    _check(got, 4, ATTN, ["bfloat16", "float32"], TOL_BF16)
+    _check(got, 6, ATTN, ["bfloat16", "float32"], TOL_BF16)
 
 
 def test_run_chains_rejects_an_unknown_variant():

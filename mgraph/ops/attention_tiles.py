@@ -65,11 +65,18 @@ diagonal skip the mask, chunks wholly above it are not computed), ``first`` (ini
 state; the task then reads no acc/ml), ``scale`` (float), ``bias`` (a mask tile is the task's
 last read, one row wide when it broadcasts over the queries: 1 = additive, added to the scores;
 2 = boolean, nonzero = attend), ``final`` (the chain's last task finalises inline: its third
-write is the out rows; after storing the state as every task does, it waits for the program's
-threads (a CTA barrier: other threads stored it) and does attn_finalize's work on it, ``acc /
-l`` in ``DT`` and 0 where l = 0, while the rows are in L2. Storing out from the fast path's
-registers instead, skipping the state, raised the ring megakernel's stack from 232 to 656
-bytes and its spill loads from 107 to 274 (sm_90), so it is not done). A row still fully
+write is the out rows). The 128-column fast path writes them from its registers, ``acc / l``
+in ``DT`` (0 where l = 0) through a TMA descriptor over the out rows, and stores no state (no
+task reads a final task's state): in a one-task chain (every q block of a causal layer at S <=
+8192) that drops a 64 KB fp32 store, a CTA barrier and a reload of it. Stored through pointer
+tensors instead, the out rows raised the traced block's megakernel's spill loads by a fifth
+and put one more in the GEMM's K loop (sm_90, test_gpu_compile's block-sp); by TMA its spill
+loads fell (708 -> 654 SASS LDL), the GEMM's K loop is the same instructions, and the attention
+plain loop reloads 4 spilled registers an iteration against 3. Out rows TMA cannot address (corner or row stride not in 16-byte units), the wide
+path and the pointer path store the state as every task does, wait for the program's threads
+(a CTA barrier: other threads stored it) and do attn_finalize's work on it while the rows are
+in L2. The ``plain-state`` variant (``OUT`` off) is the default shape finalising that way, for
+bench_attention.py to time both in one run. A row still fully
 masked keeps m = -inf and is shifted by 0, so
 exp2 gives 0 rather than NaN, as the CPU body does. m is stored in the CPU body's units
 (natural-log scores) so the state means the same on both backends.
@@ -124,17 +131,19 @@ BIAS_NONE, BIAS_ADD, BIAS_BOOL = 0, 1, 2  # the ``bias`` param: what the task's 
 FAST_HEAD_SIZES = (128, 256)
 # Shapes of the 128-column fast path (run_chains' ``variant``, bench_attention.py's
 # ``--variants``): PIPE (the plain loop one chunk ahead: _fold_pipelined), QB q rows a
-# sub-block, KB keys a chunk, and the launch's warps and stages. DEFAULT_VARIANT is the
+# sub-block, KB keys a chunk, OUT (a final task writes the out rows from registers, not
+# through the stored state), and the launch's warps and stages. DEFAULT_VARIANT is the
 # megakernel's shape and chains_kernel's default; it must be one of 8 warps and 3 stages, the
 # megakernel's launch (runtime/megakernel). At 4 warps, 64 rows and 64-key chunks in 2 stages,
 # a program needs 91 KB of shared memory and 255 registers a thread (sm_90, Triton 3.6), so
 # two programs share an SM and each one's softmax can overlap the other's wgmma; one program
 # of 8 warps keeps its two warpgroups in step (a CTA barrier around each chunk's TMA loads).
 TILE_VARIANTS = {
-    "plain": dict(PIPE=False, QB=128, KB=128, num_warps=8, num_stages=3),
-    "pipe-kb64": dict(PIPE=True, QB=128, KB=64, num_warps=8, num_stages=3),
-    "q64-kb64-w4": dict(PIPE=False, QB=64, KB=64, num_warps=4, num_stages=2),
-    "q64-kb64-w4-pipe": dict(PIPE=True, QB=64, KB=64, num_warps=4, num_stages=2),
+    "plain": dict(PIPE=False, QB=128, KB=128, num_warps=8, num_stages=3, OUT=True),
+    "pipe-kb64": dict(PIPE=True, QB=128, KB=64, num_warps=8, num_stages=3, OUT=True),
+    "q64-kb64-w4": dict(PIPE=False, QB=64, KB=64, num_warps=4, num_stages=2, OUT=True),
+    "q64-kb64-w4-pipe": dict(PIPE=True, QB=64, KB=64, num_warps=4, num_stages=2, OUT=True),
+    "plain-state": dict(PIPE=False, QB=128, KB=128, num_warps=8, num_stages=3, OUT=False),
 }
 DEFAULT_VARIANT = "plain"
 _MEGA = TILE_VARIANTS[DEFAULT_VARIANT]
@@ -187,6 +196,7 @@ if HAVE_TRITON:
     # the megakernel's shape of the 128-column fast path (DEFAULT_VARIANT)
     _MEGA_PIPE = tl.constexpr(_MEGA["PIPE"])
     _MEGA_QB, _MEGA_KB = tl.constexpr(_MEGA["QB"]), tl.constexpr(_MEGA["KB"])
+    _MEGA_OUT = tl.constexpr(_MEGA["OUT"])
     _WIDE_STAGES = tl.constexpr(2)
 
     @triton.jit
@@ -353,6 +363,12 @@ if HAVE_TRITON:
         return m_i, l_i
 
     @triton.jit
+    def _store_state(ap, a_stride, mp, m_stride, om, od, row_ok, cmask, acc, m_i, l_i):
+        """Store the fast path's state: acc (rows ``om``, columns ``od``), then (m, l)."""
+        tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
+        _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
+
+    @triton.jit
     def _store_ml(mp, m_stride, om, row_ok, m_i, l_i):
         """Store (m, l), m in the CPU body's natural-log units."""
         tl.store(mp + om * m_stride, m_i / _LOG2E, mask=row_ok)
@@ -364,13 +380,15 @@ if HAVE_TRITON:
                    qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
                    USE_TIMER: tl.constexpr, DB: tl.constexpr, KB: tl.constexpr,
                    STAGES: tl.constexpr, BIAS_STAGES: tl.constexpr, PIPE: tl.constexpr = False,
-                   QB: tl.constexpr = _QB):
+                   QB: tl.constexpr = _QB, tp=None, params=None, regions=None, bufaddr=None,
+                   bufcols=None, OUT: tl.constexpr = False):
         """The fast path for the QB-row sub-block at row i0 (head size up to DB columns; KB-key
         chunks; STAGES / BIAS_STAGES pipeline stages for the loops without / with the mask
         tile, None: the kernel's): q and acc in registers, the plain chunks, then the masked
         ones, each range by a loop without the mask tile or, when the task has one, a loop
-        with it. Reads and writes the state's rows. Nothing but scalars and row vectors is
-        live across the loops. Columns past D are zeros (TMA fills them), so a head smaller
+        with it. Reads the state's rows and writes them, or, with ``OUT`` in a final task
+        whose out rows TMA can address, writes the out rows instead (from registers, by TMA)
+        and returns 1 (else 0). Nothing but scalars and row vectors is live across the loops. Columns past D are zeros (TMA fills them), so a head smaller
         than DB is correct here too, at DB's cost."""
         qd = tl.make_tensor_descriptor(qp, [nq, D], [q_stride, 1], [QB, DB])
         kd = tl.make_tensor_descriptor(kp, [nk, D], [k_stride, 1], [KB, DB])
@@ -413,8 +431,27 @@ if HAVE_TRITON:
             keep = tl.where(m_old == float("-inf"), 0.0, tl.math.exp2(m_old - m_i))
             acc += keep[:, None] * tl.load(sap + om[:, None] * sa_stride + od[None, :],
                                            mask=cmask, other=0.0)
-        tl.store(ap + om[:, None] * a_stride + od[None, :], acc, mask=cmask)
-        _store_ml(mp, m_stride, om, row_ok, m_i, l_i)
+        wrote = 0
+        if OUT:
+            # (the task's row read again here: nothing more is live through the loops; a task
+            # that is not final names its first write, never stored to)
+            final = param_i32(params, tp, 6) != 0
+            w_out = tl.load(tp + _WRITE0) + 2 * final.to(tl.int32)
+            op, o_stride, n_out, _do = _rows_cols(regions, bufaddr, bufcols, w_out, DT)
+            wrote = (final & _tma_ok(op, o_stride, DT)).to(tl.int32)
+            if wrote != 0:
+                # the chain's last task: out = acc / l from registers, in DT (0 where l = 0, as
+                # _finalize), stored by TMA (no pointer tensors: pointer stores here spilled
+                # the kernel's other loops, the GEMM's included); the state is not stored,
+                # since no task reads it after this one
+                inv = tl.where(l_i == 0.0, 0.0, 1.0 / tl.where(l_i == 0.0, 1.0, l_i))
+                outd = tl.make_tensor_descriptor(op, [n_out, D], [o_stride, 1], [QB, DB])
+                outd.store([i0, 0], (acc * inv[:, None]).to(DT))
+            else:
+                _store_state(ap, a_stride, mp, m_stride, om, od, row_ok, cmask, acc, m_i, l_i)
+        else:
+            _store_state(ap, a_stride, mp, m_stride, om, od, row_ok, cmask, acc, m_i, l_i)
+        return wrote
 
     @triton.jit
     def _finalize(regions, bufaddr, bufcols, state, out_index, DT: tl.constexpr):
@@ -524,12 +561,12 @@ if HAVE_TRITON:
         """attn_block in the megakernel: :func:`_attn_block` in the fast-path shape of
         :data:`DEFAULT_VARIANT` (the megakernel's dispatch passes only ABI values)."""
         _attn_block(tp, params, regions, bufaddr, bufcols, ATTN_D, DT, USE_TIMER, _MEGA_PIPE,
-                    _MEGA_QB, _MEGA_KB)
+                    _MEGA_QB, _MEGA_KB, _MEGA_OUT)
 
     @triton.jit
     def _attn_block(tp, params, regions, bufaddr, bufcols, ATTN_D: tl.constexpr,
                     DT: tl.constexpr, USE_TIMER: tl.constexpr, PIPE: tl.constexpr,
-                    QB: tl.constexpr, KB: tl.constexpr):
+                    QB: tl.constexpr, KB: tl.constexpr, OUT: tl.constexpr):
         """The attn_block body (module docstring). The 128-column fast path's shape: ``PIPE``,
         its plain loop issues the next chunk's scores before this chunk's softmax
         (_fold_pipelined); QB rows a sub-block, KB keys a chunk (the megakernel's: _QB, _KB)."""
@@ -562,6 +599,7 @@ if HAVE_TRITON:
         # path compiled: both in one function ran it out of registers, which serialised every
         # wgmma of it (C7512). Anything else takes the pointer path (any D), a call: its
         # registers are not the fast loops' (see _pointer_rows).
+        inline_out = tl.full([], 0, tl.int32)  # 1: the fast path wrote the out rows itself
         if ATTN_D > 0:
             per16 = 128 // DT.primitive_bitwidth
             vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
@@ -577,12 +615,16 @@ if HAVE_TRITON:
                                    i0, q_start, k_start, causal, qk_scale, has_bias, bp,
                                    b_stride, b_bool, DT, USE_TIMER, 2 * _DB, _KB_WIDE,
                                    _WIDE_STAGES, _WIDE_STAGES)
-                    else:
-                        _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
+                    else:  # (every sub-block's out corner and stride pass or fail alike)
+                        wrote = _fast_rows(
+                                   qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                    a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
                                    i0, q_start, k_start, causal, qk_scale, has_bias, bp,
                                    b_stride, b_bool, DT, USE_TIMER, _DB, KB, None,
-                                   _BIAS_STAGES, PIPE, QB)
+                                   _BIAS_STAGES, PIPE, QB, tp, params, regions, bufaddr,
+                                   bufcols, OUT)
+                        if OUT:
+                            inline_out = wrote
             else:
                 _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
@@ -592,10 +634,11 @@ if HAVE_TRITON:
             _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
                            sap, sa_stride, mp, m_stride, smp, sm_stride, first, q_start, k_start,
                            causal, qk_scale, has_bias, bp, b_stride, b_bool, DT, USE_TIMER)
-        if param_i32(params, tp, 6) != 0:
-            # final: attn_finalize's work on the state just stored, by every thread of the
-            # program (hence the barrier), its regions read again from the task's row rather
-            # than held through the loops; the out rows are the third write
+        if (param_i32(params, tp, 6) != 0) & (inline_out == 0):
+            # final, not done by the fast path: attn_finalize's work on the state just stored,
+            # by every thread of the program (hence the barrier), its regions read again from
+            # the task's row rather than held through the loops; the out rows are the third
+            # write
             tl.debug_barrier()
             w_state = tl.load(tp + _WRITE0)
             _finalize(regions, bufaddr, bufcols, w_state, w_state + 2, DT)
@@ -613,7 +656,8 @@ if HAVE_TRITON:
     def chains_kernel(tasks, order, starts, param_table, regions, bufaddr, bufcols,
                        BLOCK_ID: tl.constexpr, DT: tl.constexpr, USE_TIMER: tl.constexpr,
                        ATTN_D: tl.constexpr = 128, PIPE: tl.constexpr = _MEGA_PIPE,
-                       QB: tl.constexpr = _MEGA_QB, KB: tl.constexpr = _MEGA_KB):
+                       QB: tl.constexpr = _MEGA_QB, KB: tl.constexpr = _MEGA_KB,
+                       OUT: tl.constexpr = _MEGA_OUT):
         """Program c runs chain c: its attn_block tasks in order, then its attn_finalize if
         it has one (with ``inline_finalize``, the default, its last attn_block finalises).
         ``ATTN_D`` as the megakernel's (attn_head_size; run_chains passes it, 128 when a
@@ -626,7 +670,7 @@ if HAVE_TRITON:
             if tl.load(tp + _KIND) == BLOCK_ID:
                 # (not named ``params``: Triton 3.6's argument binder shadows that name)
                 _attn_block(tp, param_table, regions, bufaddr, bufcols, ATTN_D, DT, USE_TIMER,
-                            PIPE, QB, KB)
+                            PIPE, QB, KB, OUT)
             else:
                 attn_finalize_tile(tp, regions, bufaddr, bufcols, DT)
 
@@ -697,7 +741,7 @@ def run_chains(schedule, inputs: dict[str, torch.Tensor], *, device: str = "cpu"
             dev(tables.regions), dev(addr), dev(cols), BLOCK_ID=kind_id(ATTN_BLOCK.name),
             DT=_tl_dtype(graph.dtype), USE_TIMER=not interpret,
             ATTN_D=attn_head_size(graph, tables.local_tasks), PIPE=shape["PIPE"],
-            QB=shape["QB"], KB=shape["KB"], num_warps=shape["num_warps"],
+            QB=shape["QB"], KB=shape["KB"], OUT=shape["OUT"], num_warps=shape["num_warps"],
             num_stages=shape["num_stages"],
         )
     return gather_outputs(graph, mem)
