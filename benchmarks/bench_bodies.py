@@ -14,7 +14,8 @@ rows, operand forms and ewise chains of mg.compile), on one GPU (topology 1x1):
   over the heads (512 x 128 tasks);
 - ``rms_norm``: ``nn.RMSNorm(4096)`` over [2 x seq, 4096] (the layer's two norms' rows).
 
-Per body: its output checked against eager torch on the GPU (relative error), then the
+Per body: its output checked against eager torch on the GPU (relative error; the same module
+in eager torch is also timed, ``eager_ms``: its kernels, e.g. SwiGLU's silu and mul), then the
 megakernel (built with its per-task timer on: TRACE) relaunched ``--reps`` times (CUDA events;
 the launch includes the kernel's queue set-up, so it is a floor on the rate, not the bodies'
 own) and one more traced launch
@@ -159,6 +160,12 @@ def bench(name: str, module: nn.Module, inputs: tuple, args) -> dict:
     rt.check()
     row["launch_ms"] = round(ms, 4)
     row["launch_tbs"] = round(sum(nbytes) / ms / 1e9, 3)
+    with torch.no_grad():  # the baseline: the same module in eager torch, on the same inputs
+        eager = statistics.median(
+            event_ms(lambda: module(*xs), args.warmup, args.reps, not args.interpret)
+        )
+    row["eager_ms"] = round(eager, 4)
+    row["vs_eager"] = round(eager / ms, 3)
     for r in kind_breakdown(rt):
         if r.get("kind", "").split(" ")[0] in ("ewise", "rms_norm"):
             row["mean_work_us"] = r["mean_work_us"]
@@ -207,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['body']:>9}: {r['tasks']} tasks of {r['task_shape']}, "
                 f"{r.get('mean_work_us')} us a task = {r.get('gbs_per_program')} GB/s a program"
                 f" ({r.get('programs')} programs); launch {r['launch_ms']} ms = "
-                f"{r['launch_tbs']} TB/s; rel_err {r['rel_err']}"
+                f"{r['launch_tbs']} TB/s, eager torch {r['eager_ms']} ms ({r['vs_eager']}x); "
+                f"rel_err {r['rel_err']}"
             )
 
 
