@@ -71,7 +71,7 @@ task reads a final task's state): in a one-task chain (every q block of a causal
 8192) that drops a 64 KB fp32 store, a CTA barrier and a reload of it. Stored through pointer
 tensors instead, the out rows raised the traced block's megakernel's spill loads by a fifth
 and put one more in the GEMM's K loop (sm_90, test_gpu_compile's block-sp); by TMA its spill
-loads fell (708 -> 654 SASS LDL), the GEMM's K loop is the same instructions, and the attention
+loads fell (708 -> 653 SASS LDL), the GEMM's K loop is the same instructions, and the attention
 plain loop reloads 4 spilled registers an iteration against 3. Out rows TMA cannot address (corner or row stride not in 16-byte units), the wide
 path and the pointer path store the state as every task does, wait for the program's threads
 (a CTA barrier: other threads stored it) and do attn_finalize's work on it while the rows are
@@ -607,7 +607,9 @@ if HAVE_TRITON:
                     & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
                     & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
             if fast:
-                for i0 in range(0, nq, QB if ATTN_D <= _DB else _QB):
+                # one stage: Triton's pipeliner otherwise hoists the out rows' TMA store
+                # buffer (32 KB) out of this loop, live beside the fast loops' shared memory
+                for i0 in tl.range(0, nq, QB if ATTN_D <= _DB else _QB, num_stages=1):
                     if ATTN_D > _DB:  # one acc 2 _DB wide (two halves: ptxas serialised
                         # every wgmma, C7513), _KB_WIDE-key chunks, 2 stages (shared memory)
                         _fast_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
