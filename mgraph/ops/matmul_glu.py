@@ -16,10 +16,15 @@ multiple of 128. Layouts as ``matmul``'s (``shard="none"``: ``w`` replicated, ``
 rows; ``shard="cols"``: ``w`` and ``out`` sharded along N, each rank's packed columns
 contiguous).
 
-Measured (benchmarks/NOTES.md v14, one H200, the Llama layer): the first form of this op (two
+Measured (benchmarks/NOTES.md v14-v15, one H200, the Llama layer): the first form of this op (two
 weights, two 128 x 128 dots a K step) made the layer SLOWER, 4.20 against 3.51 ms: its K loop
-waited for both products' MMAs to finish every step. This packed form has not run on a GPU yet,
-so ``mg.compile`` fuses only with ``glu=True``.
+waited for both products' MMAs to finish every step. This packed form too, 4.383 against 3.688
+ms, and every other GEMM kind in its kernel ~25% slower. The cause, in the sm_90 code (Triton
+3.6's ptxas): this body inlines a second copy of gemm's pipelined K loop (gemm_block_acc) into
+the megakernel, ptxas runs out of registers for it and then serialises EVERY wgmma of the
+kernel (info C7512: each HGMMA waited for at once, gemm's and attention's loops included),
+where the kernel without this body keeps them in flight. So ``mg.compile`` fuses only with
+``glu=True``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Gated linear units as one op: ``silu(x @ Wg) * (x @ Wu)`` traced from two linears and a
 pointwise chain becomes one ``matmul_glu`` node (mgraph/ops/matmul_glu.py), with
 ``mg.compile(..., glu=True)``, reading the two weights packed block by block (a new parameter
-built from both: ParamSource ``glu_pack_t``). Off by default: on one H200 the op's first form
-made the Llama layer slower (benchmarks/NOTES.md v14: megakernel 4.20 ms against 3.51 without
-it); the packed form has not run on a GPU. Each rank's output columns must be whole 128-column
-blocks, else the pattern is left as it was.
+built from both: ParamSource ``glu_pack_t``). Off by default: on one H200 both of the op's forms
+made the Llama layer slower (benchmarks/NOTES.md v14-v15: megakernel 4.20 ms against 3.51
+without it, then 4.383 against 3.688 packed; mgraph/ops/matmul_glu.py says why). Each rank's
+output columns must be whole 128-column blocks, else the pattern is left as it was.
 
 The pattern is the Llama MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` after fuse_pointwise: an
 ``elementwise`` node whose chain is exactly ``silu(x) * y`` (either operand order) over two
