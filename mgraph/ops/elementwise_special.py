@@ -125,8 +125,7 @@ def block_shape(loads: int, bits: int, shape: tuple[int, int]) -> tuple[int, int
 # cp.async) issued STAGES - 1 blocks ahead, so up to 3 x 64 KiB a program stay in flight while a
 # block is computed, without holding them in registers (HBM's latency under load, ~2.5 us, times
 # an SM's share of its bandwidth, ~32 GB/s, is ~80 KiB; the attention body's 225 KiB bounds the
-# megakernel's shared memory, which these buffers share, not add to: sm_90 AOT of the Llama
-# layer's kernel, 230,400 bytes either way). v13's loop loaded the next block into
+# megakernel's shared memory, which these buffers share, not add to). v13's loop loaded the next block into
 # registers by hand: it carried the loaded tiles across the back edge, and ptxas unpacked them
 # (PRMT of each 16-byte load's registers) before the branch back, waiting there for the loads
 # just issued, so every block paid its arithmetic plus the whole memory latency (sm_90 SASS of
@@ -181,12 +180,13 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
     w("    nw = n // (EPW * WV) * WV")
     w("    hw = half // (EPW * WV) * WV  # half a rotation, in words")
     w("    one = one_word(DT)")
-    # Rows, columns and masks come from the block index in each iteration, hinted there (runs
-    # of 16-byte vectors). A chain whose usual tile is one column block wide (RoPE's 512 x 128)
-    # loops over row blocks inside a column-block loop, which computes what depends on the
-    # columns alone (a rotation's columns, a gather's column positions: integer divisions per
-    # element) once; wider ones (SwiGLU's 16 x 14336) run one loop over every block, so that
-    # the pipeline fills once a task.
+    # Rows, columns and masks are recomputed from the block index where a block's loads or
+    # store need them, so they keep the alignment hints the 16-byte accesses need and are not
+    # live across the arithmetic. A chain whose usual tile is one column block wide (RoPE's
+    # 512 x 128) loops over row blocks inside a column-block loop, which computes what depends
+    # on the columns alone (a rotation's columns, a gather's column positions: integer
+    # divisions per element) once; wider ones (SwiGLU's 16 x 14336) run one loop over every
+    # block, so a pair may span two column blocks.
     flat = shape[1] > bc
 
     def cols(sfx: str, cb: str, ind: str, full: bool) -> dict[tuple[int, bool], str]:
