@@ -6,13 +6,12 @@ registers. v12 measured what that costs (benchmarks/NOTES.md): 80 us a task in t
 on one H200, about ten times what the task's bytes need, the kernel bound by instructions, not
 memory. A chain is fixed when the graph is built, so the megakernel's generated copy
 (runtime/megakernel/dispatch.py) gets one function per chain its rank runs, written here from the
-bytecode: one loop over the tile's blocks of 32-bit words (block_shape: 64 KiB of loads a block
-for SwiGLU's two bf16 operands), software-pipelined by Triton (STAGES: each block's loads are
-asynchronous copies to shared memory issued STAGES - 1 blocks ahead, while the current block's
-fns and store run), the fns as plain expressions, no register file, no branches. The kind's
-dispatch picks the function whose bytecode (and operand forms) a task carries and falls back to
-the interpreter for any other chain, and for operands the fast path cannot vectorise (the same
-gate as ewise_tile).
+bytecode: one loop over the tile's blocks, each block's loads issued together and one block
+ahead (block_shape: 64 KiB a program in flight for SwiGLU's two bf16 operands, while the
+previous block's fns and store run), the fns as plain expressions, no register file, no
+branches. The kind's dispatch picks the function whose bytecode (and operand
+forms) a task carries and falls back to the interpreter for any other chain, and for operands
+the fast path cannot vectorise (the same gate as ewise_tile).
 
 Up to ``Settings.ewise_chains`` chains per kernel (MGRAPH_EWISE_CHAINS, default 6), the ones
 with the most tasks first: every function is inlined into the one megakernel function, so each
@@ -122,17 +121,15 @@ def block_shape(loads: int, bits: int, shape: tuple[int, int]) -> tuple[int, int
 
 # Software-pipelining depth of the generated loops (``tl.range(num_stages=...)``): Triton's
 # pipeliner turns each block's loads into asynchronous copies to shared memory (LDGSTS.128,
-# cp.async) issued STAGES - 1 blocks ahead, so up to 3 x 64 KiB a program stay in flight while a
-# block is computed, without holding them in registers (HBM's latency under load, ~2.5 us, times
-# an SM's share of its bandwidth, ~32 GB/s, is ~80 KiB; the attention body's 225 KiB bounds the
-# megakernel's shared memory, which these buffers share, not add to). v13's loop loaded the next block into
+# cp.async) issued STAGES - 1 blocks ahead, so up to 2 x 64 KiB a program stay in flight while a
+# block is computed, without holding them in registers. v13's loop loaded the next block into
 # registers by hand: it carried the loaded tiles across the back edge, and ptxas unpacked them
 # (PRMT of each 16-byte load's registers) before the branch back, waiting there for the loads
 # just issued, so every block paid its arithmetic plus the whole memory latency (sm_90 SASS of
 # SwiGLU's loop: 16 LDG.E.128 in its middle, ~40 PRMTs of their registers at its end). Issuing
 # two blocks' loads together in registers instead did not help: short of registers in the
 # megakernel, ptxas computed on the first two loaded vectors before issuing the other 30.
-STAGES = 4
+STAGES = 3
 
 
 def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int]) -> str:
