@@ -68,9 +68,7 @@ if HAVE_TRITON:
         if code == 0:
             y = -x
         elif code == 1:
-            # div.full (a reciprocal and a multiply, within 2 ulp of fp32) where an IEEE
-            # division's refinement and range checks doubled SwiGLU's arithmetic a block
-            y = tl.fdiv(x, 1.0 + tl.exp(-x))
+            y = x / (1.0 + tl.exp(-x))
         elif code == 2:
             y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
         elif code == 3:
@@ -78,7 +76,7 @@ if HAVE_TRITON:
         elif code == 4:
             y = tl.maximum(x, 0.0)
         elif code == 5:
-            y = tl.fdiv(1.0, 1.0 + tl.exp(-x))
+            y = 1.0 / (1.0 + tl.exp(-x))
         elif code == 6:
             y = _tanh(x)
         elif code == 7:
@@ -227,16 +225,6 @@ if HAVE_TRITON:
         VEC: tl.constexpr = 128 // DT.primitive_bitwidth
         p = vec_ptr(addr, DT) + (om * (pitch // VEC * VEC))[:, None] + on[None, :]
         return tl.load(p, mask=mask, other=1.0)  # 1: masked lanes finite through log, 1/x
-
-    @triton.jit
-    def _wload(wp, wpitch, om, ow, mask, other):
-        """A fast-path operand's block of 32-bit words (tilewise.word_ptr ``wp``, ``wpitch``
-        words a row) at rows ``om`` and word columns ``ow`` (runs of 4 from multiples of 4:
-        16-byte vectors, int32 offsets); masked lanes read ``other`` (tilewise.one_word: DT
-        1.0s, finite through log and 1/x).
-        The generated chains' loads (elementwise_special.py)."""
-        return tl.load(wp + (om * wpitch)[:, None] + ow[None, :], mask=mask,
-                       other=other)
 
     @triton.jit
     def _pick4(i, v0, v1, v2, v3):

@@ -37,11 +37,11 @@ __all__ = ["chain_keys", "special_source"]
 # arithmetic exactly, so both paths round alike.
 _FN = {
     "neg": "-{x}",
-    "silu": "tl.fdiv({x}, 1.0 + tl.exp(-{x}))",
+    "silu": "{x} / (1.0 + tl.exp(-{x}))",
     "gelu": "0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))",
     "gelu_tanh": "0.5 * {x} * (1.0 + _tanh(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})))",
     "relu": "tl.maximum({x}, 0.0)",
-    "sigmoid": "tl.fdiv(1.0, 1.0 + tl.exp(-{x}))",
+    "sigmoid": "1.0 / (1.0 + tl.exp(-{x}))",
     "tanh": "_tanh({x})",
     "exp": "tl.exp({x})",
     "log": "tl.log({x})",
@@ -105,11 +105,11 @@ def _pow2(x: int) -> int:
 
 
 def block_shape(loads: int, bits: int, shape: tuple[int, int]) -> tuple[int, int]:
-    """Rows and columns of a block of the generated loop (one an iteration), for a
-    chain with ``loads`` loads a block over tiles of ``shape``: 16 vectors of 16 bytes a thread
-    over all its loads in 16-bit dtypes, 8 in fp32 (64 registers either way, at the
-    megakernel's 8 warps), i.e. 64 KiB a program for two operands in bf16. Columns up to 1024
-    (whole rows of the tile where they fit), then rows."""
+    """Rows and columns of the block one iteration computes, for a chain with ``loads`` loads a
+    block over tiles of ``shape``: 16 vectors of 16 bytes a thread in flight over all its loads
+    in 16-bit dtypes, 8 in fp32 (64 registers either way, at the megakernel's 8 warps), i.e.
+    64 KiB a program for two operands in bf16: what covers HBM latency at an SM's share of its
+    bandwidth. Columns up to 1024 (whole rows of the tile where they fit), then rows."""
     vec = 128 // bits
     per_op = max(1, (16 if bits <= 16 else 8) // max(1, loads))
     per_op = 1 << (per_op.bit_length() - 1)  # Triton's blocks are powers of two
@@ -119,35 +119,14 @@ def block_shape(loads: int, bits: int, shape: tuple[int, int]) -> tuple[int, int
     return rows, cols
 
 
-# Software-pipelining depth of the generated loops (``tl.range(num_stages=...)``): Triton's
-# pipeliner turns each block's loads into asynchronous copies to shared memory (LDGSTS.128,
-# cp.async) issued STAGES - 1 blocks ahead, so up to 2 x 64 KiB a program stay in flight while a
-# block is computed, without holding them in registers. v13's loop loaded the next block into
-# registers by hand: it carried the loaded tiles across the back edge, and ptxas unpacked them
-# (PRMT of each 16-byte load's registers) before the branch back, waiting there for the loads
-# just issued, so every block paid its arithmetic plus the whole memory latency (sm_90 SASS of
-# SwiGLU's loop: 16 LDG.E.128 in its middle, ~40 PRMTs of their registers at its end). Issuing
-# two blocks' loads together in registers instead did not help: short of registers in the
-# megakernel, ptxas computed on the first two loaded vectors before issuing the other 30.
-STAGES = 3
-
-
 def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int]) -> str:
-    """The functions ``_ewise_chain_<i>`` (the task's gate and fallback) and its fast path.
-
-    The fast path moves 32-bit words (tilewise.word_ptr: two elements each in a 16-bit
-    dtype): a block of ``br`` rows and ``bc`` elements is ``bc // epw`` words a row, each
-    word's elements computed as two fp32 tiles (``_lo``, ``_hi``) and packed again for the
-    store. The loop over blocks is software-pipelined by Triton (STAGES)."""
+    """The functions ``_ewise_chain_<i>`` (the task's gate and fallback) and its fast path."""
     nops, result = key[0], key[1]
     maps = key[-1]
     code = [key[2 + 4 * k : 6 + 4 * k] for k in range(nops)]
     reads = sorted({a for op, _d, a, _b in code if op in (LOAD, ROT)})
     loads = [k for k, (op, _d, _a, _b) in enumerate(code) if op in (LOAD, ROT)]
     br, bc = block_shape(len(loads), bits, shape)
-    epw = 32 // bits  # elements a word
-    bw = max(4, bc // epw)  # words a block row (bc >= one 16-byte vector: 4 words)
-    halves = ("_lo", "_hi") if epw == 2 else ("_lo",)
     form = {a: (maps >> (2 * a)) & 3 for a in reads}
     out = []
     w = out.append
@@ -155,132 +134,127 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
     w(f"def _ewise_chain_{i}_vec(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, half, row0,")
     w("                        DT: tl.constexpr):")
     w(f'    """Chain {i}: {nops} instructions, {len(loads)} loads a block of {br} x {bc}."""')
-    w("    EPW: tl.constexpr = 32 // DT.primitive_bitwidth")
-    w("    WV: tl.constexpr = 4  # words a 16-byte vector")
+    w("    VEC: tl.constexpr = 128 // DT.primitive_bitwidth")
     for a in reads:
         if form[a] == GATHER:
             w(f"    ga{a}, pp{a} = _gather_at(params, tp, regions, bufaddr, r0 + {a})")
-            w(f"    gp{a} = word_ptr(ga{a}, DT)")
-            w(f"    gb{a} = tl.load(pp{a}) // EPW")
             continue
         w(f"    a{a}, p{a}, _v{a} = row_operand(regions, bufaddr, bufcols, r0 + {a}, DT)")
-        w(f"    wp{a} = word_ptr(a{a}, DT)")
-        w(f"    wq{a} = p{a} // (EPW * WV) * WV")
         if form[a]:  # a broadcast operand's row map, hoisted out of the blocks
             base = f"_P_MAP + {3 * (form[a] - 1)}"
             w(f"    ma{a} = param_i32(params, tp, {base})")
             w(f"    mm{a} = param_i32(params, tp, {base} + 1)")
             w(f"    lo{a} = param_i32(params, tp, {base} + 2)")
     w("    oa, opitch, _vo = row_operand(regions, bufaddr, bufcols, w0, DT)")
-    w("    out_p = word_ptr(oa, DT)")
-    w("    opitch = opitch // (EPW * WV) * WV")
-    w("    nw = n // (EPW * WV) * WV")
-    w("    hw = half // (EPW * WV) * WV  # half a rotation, in words")
-    w("    one = one_word(DT)")
-    # Rows, columns and masks are recomputed from the block index where a block's loads or
-    # store need them, so they keep the alignment hints the 16-byte accesses need and are not
-    # live across the arithmetic. A chain whose usual tile is one column block wide (RoPE's
-    # 512 x 128) loops over row blocks inside a column-block loop, which computes what depends
-    # on the columns alone (a rotation's columns, a gather's column positions: integer
-    # divisions per element) once; wider ones (SwiGLU's 16 x 14336) run one loop over every
-    # block, so a pair may span two column blocks.
+    w("    out_p = vec_ptr(oa, DT)")
+    w("    opitch = opitch // VEC * VEC")
+    w("    n = n // VEC * VEC")
+    w("    half = half // VEC * VEC")
+    for a in reads:
+        if form[a] == GATHER:
+            w(f"    gp{a} = vec_ptr(ga{a}, DT)")
+            w(f"    gb{a} = tl.load(pp{a})")
+    # The next block's loads are issued before this block's fns and store: a program keeps a
+    # block of loads in flight while it computes, instead of waiting out HBM latency once per
+    # block (v13: SwiGLU's tasks moved ~16 GB/s a program, latency-bound). Only the loaded
+    # blocks are carried between iterations; rows, columns and masks are recomputed, so they
+    # keep the alignment hints the 16-byte accesses need. A chain whose usual tile is one
+    # column block wide (RoPE's 512 x 128) loops over row blocks inside a column-block loop,
+    # which computes what depends on the columns alone (a rotation's columns, a gather's
+    # column positions: integer divisions per element) once; wider ones (SwiGLU's 16 x 14336)
+    # run one loop over every block, so the next block may be in the next column block.
     flat = shape[1] > bc
 
     def cols(sfx: str, cb: str, ind: str, full: bool) -> dict[tuple[int, bool], str]:
-        """Word columns of column block ``cb`` (and, ``full``, what the loads derive from them)."""
-        w(f"{ind}ow{sfx} = vec_cols(({cb}) * {bw}, {bw}, WV)")
+        """Columns of column block ``cb`` (and, ``full``, what the loads derive from them)."""
+        w(f"{ind}on{sfx} = vec_cols(({cb}) * {bc}, {bc}, VEC)")
         cv: dict[tuple[int, bool], str] = {}
         for k in loads if full else []:
             op, _d, a, _b = code[k]
             rot = op == ROT
-            src = f"ow{sfx}"
-            if rot:  # runs of WV words stay runs: half is a multiple of a vector
+            src = f"on{sfx}"
+            if rot:  # runs of VEC columns stay runs: half is a multiple of VEC
                 if (-1, True) not in cv:
                     w(f"{ind}rc{sfx} = tl.max_contiguous(")
-                    w(f"{ind}    tl.multiple_of(_rot_cols(ow{sfx}, hw), WV), WV)")
+                    w(f"{ind}    tl.multiple_of(_rot_cols(on{sfx}, half), VEC), VEC)")
                     cv[(-1, True)] = f"rc{sfx}"
                 src = f"rc{sfx}"
             if form[a] == GATHER and (a, rot) not in cv:
-                # the map's element position of each word's first element, in words (even:
-                # runs of whole vectors start on multiples of a vector)
                 name = f"gc{a}{'r' if rot else ''}{sfx}"
-                w(f"{ind}{name} = tl.max_contiguous(tl.multiple_of(")
-                w(f"{ind}    _digit_sum({src} * EPW, pp{a} + 1 + 2 * _DIGITS, EPW, 1) // EPW,")
-                w(f"{ind}    WV), WV)")
+                w(f"{ind}{name} = _digit_sum({src}, pp{a} + 1 + 2 * _DIGITS, VEC, VEC)")
                 cv[(a, rot)] = name
         return cv
 
-    def rows(sfx: str, rb: str, ind: str, ow: str, full: bool) -> None:
+    def rows(sfx: str, rb: str, ind: str, on: str, full: bool) -> None:
         """Rows and mask of row block ``rb`` (and, ``full``, each read's row positions)."""
-        w(f"{ind}om{sfx} = tl.arange(0, {br}) + ({rb}) * {br}")
-        w(f"{ind}mk{sfx} = (om{sfx} < m)[:, None] & ({ow} < nw)[None, :]")
+        w(f"{ind}om{sfx} = ({rb}) * {br} + tl.arange(0, {br})")
+        w(f"{ind}mk{sfx} = (om{sfx} < m)[:, None] & ({on} < n)[None, :]")
         for a in reads if full else []:
             if form[a] == GATHER:
                 w(f"{ind}gr{a}{sfx} = tl.multiple_of(")
-                w(f"{ind}    gb{a} + _digit_sum(om{sfx}, pp{a} + 1, EPW * WV, 1) // EPW, WV)")
+                w(f"{ind}    gb{a} + _digit_sum(om{sfx}, pp{a} + 1, VEC, 1), VEC)")
             elif form[a]:
                 w(
                     f"{ind}rr{a}{sfx} = ((row0 + om{sfx}) // ma{a}) * mm{a} "
                     f"+ (row0 + om{sfx}) % mm{a} - lo{a}"
                 )
 
-    def issue(dest: str, sfx: str, ow: str, cv: dict[tuple[int, bool], str], ind: str) -> None:
+    def issue(dest: str, sfx: str, on: str, cv: dict[tuple[int, bool], str], ind: str) -> None:
         """Block ``sfx``'s loads, all in flight together, into ``dest``<k>."""
         for k in loads:
             op, _d, a, _b = code[k]
             rot = op == ROT
-            c = cv[(-1, True)] if rot else ow
+            c = cv[(-1, True)] if rot else on
             if form[a] == GATHER:
                 w(
                     f"{ind}{dest}{k} = tl.load(gp{a} + gr{a}{sfx}[:, None] + "
-                    f"{cv[(a, rot)]}[None, :], mask=mk{sfx}, other=one)"
+                    f"{cv[(a, rot)]}[None, :], mask=mk{sfx}, other=1.0)"
                 )
                 continue
             r = f"rr{a}{sfx}" if form[a] else f"om{sfx}"
-            w(f"{ind}{dest}{k} = _wload(wp{a}, wq{a}, {r}, {c}, mk{sfx}, one)")
-
-    def compute(src: str, ind: str) -> None:
-        """The chain over the words ``src``<k> loaded for the block whose ``om``, ``ow`` and
-        ``mk`` are current: each half's fp32 tiles, then one packed store."""
-        res = {}
-        for h in halves:
-            unpack = "unpack_lo" if h == "_lo" else "unpack_hi"
-            reg: dict[int, str] = {}
-            for k, (op, dst, a, b) in enumerate(code):
-                name = f"t{k}{h}"
-                if op == LOAD:
-                    expr = f"{unpack}({src}{k}, DT)"
-                elif op == ROT:
-                    w(f"{ind}u{k}{h} = {unpack}({src}{k}, DT)")
-                    expr = f"tl.where((ow < hw)[None, :], -u{k}{h}, u{k}{h})"
-                elif op == CONST:
-                    expr = f"tl.full(({br}, {bw}), {_const(b)}, tl.float32)"
-                else:
-                    expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
-                w(f"{ind}{name} = {expr}")
-                reg[dst] = name
-            res[h] = reg[result]
-        hi = res.get("_hi", res["_lo"])
-        w(f"{ind}tl.store(out_p + (om * opitch)[:, None] + ow[None, :], "
-          f"pack2({res['_lo']}, {hi}, DT), mask=mk)")
+            w(f"{ind}{dest}{k} = _vload(a{a}, p{a}, {r}, {c}, mk{sfx}, DT)")
 
     w(f"    nrb = tl.cdiv(m, {br})")
     if flat:
-        w(f"    nb = tl.cdiv(nw, {bw}) * nrb")
-        w(f"    for b in tl.range(0, nb, num_stages={STAGES}):")
+        w(f"    nb = tl.cdiv(n, {bc}) * nrb")
+        cv = cols("", "0", "    ", True)
+        rows("", "0", "    ", "on", True)
+        issue("l", "", "on", cv, "    ")
+        w("    for b in range(0, nb):")
         ind = "        "
-        cvb = cols("", "b // nrb", ind, True)
-        rows("", "b % nrb", ind, "ow", True)
-        issue("l", "", "ow", cvb, ind)
-        compute("l", ind)
+        # past the last block: columns past n, every lane masked off
+        cvn = cols("_n", "(b + 1) // nrb", ind, True)
+        rows("_n", "(b + 1) % nrb", ind, "on_n", True)
+        issue("ln", "_n", "on_n", cvn, ind)
+        cols("", "b // nrb", ind, False)
+        rows("", "b % nrb", ind, "on", False)
     else:
-        w(f"    for cb in range(0, tl.cdiv(nw, {bw})):")
+        w(f"    for cb in range(0, tl.cdiv(n, {bc})):")
         cv = cols("", "cb", "        ", True)
-        w(f"        for rb in tl.range(0, nrb, num_stages={STAGES}):")
+        rows("", "0", "        ", "on", True)
+        issue("l", "", "on", cv, "        ")
+        w("        for rb in range(0, nrb):")
         ind = "            "
-        rows("", "rb", ind, "ow", True)
-        issue("l", "", "ow", cv, ind)
-        compute("l", ind)
+        rows("_n", "rb + 1", ind, "on", True)  # past the last row block: every lane masked
+        issue("ln", "_n", "on", cv, ind)
+        rows("", "rb", ind, "on", False)
+    reg: dict[int, str] = {}
+    for k, (op, dst, a, b) in enumerate(code):
+        name = f"t{k}"
+        if op == LOAD:
+            expr = f"l{k}.to(tl.float32)"
+        elif op == ROT:
+            w(f"{ind}u{k} = l{k}.to(tl.float32)")
+            expr = f"tl.where((on < half)[None, :], -u{k}, u{k})"
+        elif op == CONST:
+            expr = f"tl.full(({br}, {bc}), {_const(b)}, tl.float32)"
+        else:
+            expr = _FN[CODES[op]].format(x=reg[a], a=reg[a], b=reg.get(b, reg[a]))
+        w(f"{ind}{name} = {expr}")
+        reg[dst] = name
+    w(f"{ind}tl.store(out_p + (om * opitch)[:, None] + on[None, :], {reg[result]}.to(DT), mask=mk)")
+    for k in loads:
+        w(f"{ind}l{k} = ln{k}")
     w("")
     w("")
     w("@triton.jit")
@@ -305,14 +279,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from mgraph.ops.abi import F_PARAM0 as _sp_param0  # noqa: E402
 from mgraph.ops.elementwise_bodies import (  # noqa: E402
-    _DIGITS, _P_HALF, _P_MAP, _ewise_general, _gather_at, _pow, _rot_cols, _tanh, _wload,
+    _DIGITS, _P_HALF, _P_MAP, _ewise_general, _gather_at, _pow, _rot_cols, _tanh, _vload,
     ewise_gate, ewise_tile,
 )
 from mgraph.ops.abi import param_i32  # noqa: E402
 from mgraph.ops.relayout import _digit_sum  # noqa: E402
-from mgraph.ops.tilewise import (  # noqa: E402
-    one_word, pack2, row_operand, unpack_hi, unpack_lo, vec_cols, word_ptr,
-)
+from mgraph.ops.tilewise import row_operand, vec_cols, vec_ptr  # noqa: E402
 _SP_PARAM0 = tl.constexpr(_sp_param0)
 
 """
