@@ -1,7 +1,8 @@
 """Gated linear units traced as one op (``mg.compile(..., glu=True)``; off by default, measured
 slower so far): ``act(gate_proj(x)) * up_proj(x)`` with SiLU becomes one ``matmul_glu`` node
 (mgraph/trace/glu.py) reading the two weights packed block by block, whose ``gemm_glu`` tasks
-compute both products of a tile in one dot and apply the unit in the epilogue. Checked against
+compute both products of a tile in one dot and apply the unit in the epilogue (gemm's body runs
+them: one K loop in the kernel). Checked against
 eager torch on random inputs on the reference runtime (and under tensor parallelism), in the
 megakernel under TRITON_INTERPRET=1 (this file re-run as a script), and the forms that must NOT
 fuse stay as they were."""
@@ -89,6 +90,27 @@ def test_tensor_parallel_glu_matches_eager():
     assert glu.params["shard"] == "cols"
     with torch.no_grad():
         assert rel_err(prog(x), mlp(x)) < 1e-5
+
+
+def test_gemm_glu_runs_in_gemms_body_one_branch_one_k_loop():
+    """gemm_glu tasks run in gemm's Triton body, from ONE dispatch branch for both kinds: a body
+    of their own inlined a second copy of the pipelined K loop, and ptxas serialised every
+    wgmma of the kernel (mgraph/ops/matmul_glu.py). The glu epilogue is compiled only into
+    kernels that run gemm_glu tasks (the GLU constexpr), so others keep their code."""
+    pytest.importorskip("triton")
+    from mgraph.kinds import KINDS
+    from mgraph.runtime.megakernel.dispatch import body_constexprs, dispatch_source
+    from mgraph.runtime.megakernel.encode import kind_id
+
+    assert KINDS["gemm_glu"].triton_body is KINDS["gemm"].triton_body
+    kinds = {k: kind_id(k) for k in ("gemm", "gemm_glu", "ewise")}
+    block, _ = dispatch_source(kinds, "")
+    calls = [line for line in block.splitlines() if "_body_" in line]
+    assert len(calls) == 2 and f"kind == {kinds['gemm_glu']}" in block, block
+    x = torch.randn(2, 48, 64)
+    for glu in (True, False):
+        graph = mg.compile(MLP(), (x,), glu=glu).graph
+        assert body_constexprs(graph, [t.id for t in graph.tasks])["GLU"] is glu
 
 
 def test_glu_in_the_megakernel_under_the_interpreter():

@@ -19,12 +19,14 @@ contiguous).
 Measured (benchmarks/NOTES.md v14-v15, one H200, the Llama layer): the first form of this op (two
 weights, two 128 x 128 dots a K step) made the layer SLOWER, 4.20 against 3.51 ms: its K loop
 waited for both products' MMAs to finish every step. This packed form too, 4.383 against 3.688
-ms, and every other GEMM kind in its kernel ~25% slower. The cause, in the sm_90 code (Triton
-3.6's ptxas): this body inlines a second copy of gemm's pipelined K loop (gemm_block_acc) into
-the megakernel, ptxas runs out of registers for it and then serialises EVERY wgmma of the
-kernel (info C7512: each HGMMA waited for at once, gemm's and attention's loops included),
-where the kernel without this body keeps them in flight. So ``mg.compile`` fuses only with
-``glu=True``.
+ms, and every other GEMM kind in its kernel ~25% slower: it had its own body, a second copy of
+gemm's pipelined K loop inlined into the megakernel, for which ptxas (Triton 3.6) ran out of
+registers and then serialised EVERY wgmma of the kernel (info C7512). So gemm's body runs
+``gemm_glu`` tasks now (tiles.gemm_tile, the unit as its epilogue; both kinds one dispatch
+branch): in the sm_90 code of the layer's kernel the K loop is there once, as pipelined as in
+the kernel without this op (4 HGMMA a K step, one wait to depth 1), and a kernel without
+``gemm_glu`` tasks compiles to the same code as before. Not yet timed on a GPU in this form,
+so ``mg.compile`` fuses only with ``glu=True``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ..errors import ShapeError
 from ..graph import Buffer, Task
 from ..kinds import Role, define_kind
 from ..topology import Topology
-from .abi import F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
+from .abi import HAVE_TRITON
 from .collectives import grouped, tile_grid, tile_region
 from .matmul import bind_linear, check_linear
 from .registry import OpDef
@@ -156,52 +158,9 @@ def _glu_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int
 
 
 if HAVE_TRITON:
-    import triton
-    import triton.language as tl
+    from .tiles import gemm_tile
 
-    from .abi import buffer_base, load_region
-    from .tiles import gemm_block_acc, store_block
-
-    _READ0, _WRITE0, _NWRITE = tl.constexpr(F_READ0), tl.constexpr(F_WRITE0), tl.constexpr(F_NWRITE)
-
-    @GEMM_GLU.triton
-    @triton.jit
-    def gemm_glu_tile(tp, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
-                      DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """silu(A @ gate) * (A @ up) over the task's region, block by block: a block is ONE
-        BM x BN dot over the packed weight's [gate | up] columns (gemm_tile's loop, and its
-        descriptors where the buffers are the rank's usual ones), whose accumulator halves are
-        the two products; the epilogue applies the unit in fp32 and stores BM x BN/2 once, 16
-        bytes at a time where the region allows."""
-        HB: tl.constexpr = BN // 2
-        r0 = tl.load(tp + _READ0)
-        a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
-        w_slot, wk0, wk1, wn0, wn1 = load_region(regions, r0 + 1)
-        if a_slot == a0_slot:
-            ad = ad0
-        else:
-            a_cols = tl.load(bufcols + a_slot)
-            ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
-                                           [tl.load(bufrows + a_slot), a_cols], [a_cols, 1],
-                                           [BM, BK])
-        if w_slot == b0_slot:
-            wd = bd0
-        else:
-            w_cols = tl.load(bufcols + w_slot)
-            wd = tl.make_tensor_descriptor(buffer_base(bufaddr, w_slot, DT),
-                                           [tl.load(bufrows + w_slot), w_cols], [w_cols, 1],
-                                           [BK, BN])
-        w0 = tl.load(tp + _WRITE0)
-        nwrite = tl.load(tp + _NWRITE)
-        nbn = tl.cdiv(wn1 - wn0, BN)  # packed blocks: BN packed columns, HB outputs each
-        for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
-            sm = (blk // nbn) * BM
-            sw = (blk % nbn) * BN
-            acc = gemm_block_acc(ad, wd, am0 + sm, ak0, wk0, wn0 + sw, ak1 - ak0, DT, BM, BN, BK)
-            # columns [0, HB) of the block are the gate's, [HB, BN) the up's
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, HB)), (0, 2, 1)))
-            out = (gate * tl.sigmoid(gate) * up).to(DT)
-            for q in range(nwrite):
-                _, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
-                store_block(regions, bufaddr, bufcols, w0 + q, sm, sw // 2, cm1 - cm0,
-                            cn1 - cn0, out, DT, BM, HB)
+    # A gemm_glu block IS a gemm block (over the packed weight), so gemm's body runs these tasks
+    # too, with the unit as its epilogue (tiles.glu_unit): the dispatch gives both kinds one
+    # branch, so the kernel holds ONE copy of the pipelined K loop (the module docstring: why).
+    GEMM_GLU.triton(gemm_tile)

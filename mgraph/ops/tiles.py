@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from ..graph import Task
-from ..kinds import TaskKind, kind_spec
-from .abi import F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
+from ..kinds import KINDS, TaskKind, kind_spec
+from .abi import F_KIND, F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
 
 if HAVE_TRITON:
     from .abi import buffer_base, load_region, param_i32
@@ -96,15 +96,25 @@ if HAVE_TRITON:
     # jit code may only read globals that are constexpr objects
     _READ0, _NREAD = tl.constexpr(F_READ0), tl.constexpr(F_NREAD)
     _WRITE0, _NWRITE = tl.constexpr(F_WRITE0), tl.constexpr(F_NWRITE)
+    # the task row's kind field holds the kind's registry position (encode.kind_id)
+    _KIND, _GEMM_KIND = tl.constexpr(F_KIND), tl.constexpr(list(KINDS).index(GEMM.name))
 
     @GEMM.triton
     @triton.jit
     def gemm_tile(tp, params, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
                   DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  USE_TIMER: tl.constexpr):
+                  USE_TIMER: tl.constexpr, GLU: tl.constexpr):
         """C = A @ B over the task's K range. ``ad0``/``bd0`` are descriptors the kernel built once
         for the rank's usual A and B buffers: building one costs a global-memory write and a
-        fence, so a task only builds its own when it reads another buffer."""
+        fence, so a task only builds its own when it reads another buffer.
+
+        Also the body of gemm_glu tasks (mgraph/ops/matmul_glu.py registers it for its kind, and
+        the dispatch gives kinds of one body one branch): their B is the packed [gate | up]
+        weight, so their block is this one, and only the epilogue differs (``glu_unit``). One
+        body keeps ONE copy of the pipelined K loop in the kernel: a second one (gemm_glu's own
+        body, the same loop inlined at its own call) ran ptxas out of registers and serialised
+        every wgmma of the kernel (C7512), slowing every GEMM and attention loop by ~25%.
+        ``GLU`` (the kernel runs gemm_glu tasks) compiles that epilogue only where it runs."""
         r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
         b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
@@ -123,7 +133,12 @@ if HAVE_TRITON:
         ksize = ak1 - ak0
         w0 = tl.load(tp + _WRITE0)
         nwrite = tl.load(tp + _NWRITE)
-        accumulate = param_i32(params, tp, 0)
+        glu = False
+        if GLU:  # any kind here but gemm is gemm_glu
+            glu = tl.load(tp + _KIND) != _GEMM_KIND
+        accumulate = 0
+        if not glu:  # gemm_glu declares no params: its row has none to read
+            accumulate = param_i32(params, tp, 0)
         # A task may cover several blocks (a region wider or taller than BM x BN: fewer, larger
         # tasks pay the per-task costs, ticket, waits and signals, once for all of them). Each
         # block is one pass of the pipelined K loop and its own epilogue.
@@ -131,31 +146,47 @@ if HAVE_TRITON:
         for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
             sm = (blk // nbn) * BM  # the block's offset inside the task's region
             sn = (blk % nbn) * BN
-            out = gemm_block_acc(ad, bd, am0 + sm, ak0, bk0, bn0 + sn, ksize, DT, BM, BN,
-                                 BK).to(DT)
+            acc = gemm_block_acc(ad, bd, am0 + sm, ak0, bk0, bn0 + sn, ksize, DT, BM, BN, BK)
             # Rows past the region's end and columns past its last column were computed from
             # whatever the loads returned (other tiles' rows, or TMA's zeros past the buffer):
             # the store masks them off, so a short edge block writes exactly its region.
-            for q in range(nwrite):  # write 0, then the epilogue's peer stores
-                c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
-                if accumulate != 0:
-                    # Reduce-add into a zeroed output (this GPU's or a peer's), as the GEMM
-                    # prefix does: a TMA reduce, exact because the runtime admits only tasks
-                    # whose blocks are whole or end their buffers (encode.tma_exact). The
-                    # interpreter runs one program at a time: a load, add and store is the same.
-                    c_cols = tl.load(bufcols + c_slot)
-                    cd = tl.make_tensor_descriptor(buffer_base(bufaddr, c_slot, DT),
-                                                   [tl.load(bufrows + c_slot), c_cols],
-                                                   [c_cols, 1], [BM, BN])
-                    if USE_TIMER:
-                        cd.atomic_add([cm0 + sm, cn0 + sn], out)
+            if glu:  # BN packed columns are BN/2 outputs: the block's at sn/2 in the region
+                unit = glu_unit(acc, DT, BM, BN)
+                for q in range(nwrite):
+                    _, um0, um1, un0, un1 = load_region(regions, w0 + q)
+                    store_block(regions, bufaddr, bufcols, w0 + q, sm, sn // 2, um1 - um0,
+                                un1 - un0, unit, DT, BM, BN // 2)
+            else:
+                out = acc.to(DT)
+                for q in range(nwrite):  # write 0, then the epilogue's peer stores
+                    c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
+                    if accumulate != 0:
+                        # Reduce-add into a zeroed output (this GPU's or a peer's), as the GEMM
+                        # prefix does: a TMA reduce, exact because the runtime admits only
+                        # tasks whose blocks are whole or end their buffers (encode.tma_exact).
+                        # The interpreter runs one program at a time: a load, add and store is
+                        # the same.
+                        c_cols = tl.load(bufcols + c_slot)
+                        cd = tl.make_tensor_descriptor(buffer_base(bufaddr, c_slot, DT),
+                                                       [tl.load(bufrows + c_slot), c_cols],
+                                                       [c_cols, 1], [BM, BN])
+                        if USE_TIMER:
+                            cd.atomic_add([cm0 + sm, cn0 + sn], out)
+                        else:
+                            cd.store([cm0 + sm, cn0 + sn],
+                                     (cd.load([cm0 + sm, cn0 + sn]).to(tl.float32)
+                                      + out.to(tl.float32)).to(DT))
                     else:
-                        cd.store([cm0 + sm, cn0 + sn],
-                                 (cd.load([cm0 + sm, cn0 + sn]).to(tl.float32)
-                                  + out.to(tl.float32)).to(DT))
-                else:
-                    store_block(regions, bufaddr, bufcols, w0 + q, sm, sn, cm1 - cm0,
-                                cn1 - cn0, out, DT, BM, BN)
+                        store_block(regions, bufaddr, bufcols, w0 + q, sm, sn, cm1 - cm0,
+                                    cn1 - cn0, out, DT, BM, BN)
+
+    @triton.jit
+    def glu_unit(acc, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """silu(gate) * up of a gemm_glu block's fp32 accumulator, in DT: its columns [0, BN/2)
+        are the gate's products, [BN/2, BN) the up's (matmul_glu.pack_glu's blocks). The split
+        keeps each thread's registers (no layout conversion in the sm_90 code)."""
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        return (gate * tl.sigmoid(gate) * up).to(DT)
 
     @triton.jit
     def gemm_block_acc(ad, bd, am, ak0, bk0, bn, ksize, DT: tl.constexpr, BM: tl.constexpr,
@@ -163,8 +194,8 @@ if HAVE_TRITON:
         """A[am:am+BM, ak0:ak0+ksize] @ B[bk0:bk0+ksize, bn:bn+BN] in fp32, through the TMA
         descriptors ``ad`` and ``bd``: the pipelined loop of whole K steps, then the short last
         one. TMA zero-fills only past a buffer's end; the region may end inside it (or the
-        buffer hold NaN there), so that step masks both operands to K. (gemm_tile's block, and
-        matmul_glu's over its packed weight.)"""
+        buffer hold NaN there), so that step masks both operands to K. (gemm_tile's block, of
+        gemm tasks and of gemm_glu's over their packed weight.)"""
         kfull = ksize - ksize % BK
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kk in range(0, kfull, BK):  # whole K steps: no mask in the loop

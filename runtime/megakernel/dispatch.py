@@ -81,13 +81,15 @@ ABI_NAMES = {
     "USE_TIMER": "constexpr: on a GPU (inline PTX, %globaltimer) rather than the interpreter",
     "ATTN_D": "constexpr: the head size attn_block's fast path is compiled for, 0, 128 or 256 "
     "(mgraph.ops.attention_tiles.attn_head_size)",
+    "GLU": "constexpr: the kernel runs gemm_glu tasks (gemm_tile, their body too, compiles their "
+    "epilogue only then)",
 }
 # The constexprs of ABI_NAMES that only bodies read: kernel.py's template does not declare
 # them; the generated copy's signature does, and the runtime passes body_constexprs(). Each
 # is one value per kernel, fixed by the tasks it runs, so a graph compiles only the code
 # paths its tasks need (a path in the function costs every path registers: ptxas gives a
 # function one budget).
-BODY_CONSTEXPRS = ("ATTN_D",)
+BODY_CONSTEXPRS = ("ATTN_D", "GLU")
 PUSH_KIND = "push"  # the rdma push: not a registry kind (it has no CPU body), dispatched alike
 _BEGIN, _END = "# <dispatch>", "# </dispatch>"
 
@@ -128,7 +130,9 @@ def body_constexprs(graph: TaskGraph, task_ids: Iterable[int]) -> dict[str, int]
     (one rank's tasks, or every rank's in one interpreter program)."""
     from mgraph.ops.attention_tiles import attn_head_size
 
-    return {"ATTN_D": attn_head_size(graph, task_ids)}
+    ids = list(task_ids)
+    return {"ATTN_D": attn_head_size(graph, ids),
+            "GLU": any(graph.tasks[t].kind == "gemm_glu" for t in ids)}
 
 
 def _declare_body_constexprs(template: str) -> str:
@@ -141,17 +145,26 @@ def _declare_body_constexprs(template: str) -> str:
 
 
 def dispatch_source(kinds: dict[str, int], indent: str) -> tuple[str, str]:
-    """(the dispatch block, the import lines) for ``kinds`` (name -> kind id)."""
+    """(the dispatch block, the import lines) for ``kinds`` (name -> kind id). Kinds that share
+    a body share its branch: each call is inlined, and a second copy of the GEMM body's
+    pipelined loop (gemm_glu's) ran ptxas out of registers and serialised every wgmma of the
+    kernel (C7512; benchmarks/NOTES.md v15)."""
     block, imports = [], []
+    branches: dict[int, list[tuple[str, int]]] = {}  # id(body) -> its kinds, in kind order
     for name, kid in sorted(kinds.items(), key=lambda kv: kv[1]):
+        branches.setdefault(id(_body(name)), []).append((name, kid))
+    for members in branches.values():
+        name, kid = members[0]
         body = _body(name)
         fn = getattr(body, "fn", body)
         alias = f"_body_{kid}"
         args = ", ".join(_params_of(name, body))
+        names = ", ".join(n for n, _ in members)
         # bound into the module's namespace before it runs (a body may live anywhere, even
         # in a function or __main__, where an import by name could not reach it)
-        imports.append(f"# {alias} = {fn.__module__}.{fn.__qualname__}  ({name})")
-        block.append(f"{indent}if kind == {kid}:  # {name}: {fn.__module__}.{fn.__qualname__}")
+        imports.append(f"# {alias} = {fn.__module__}.{fn.__qualname__}  ({names})")
+        cond = " or ".join(f"kind == {k}" for _, k in members)
+        block.append(f"{indent}if {cond}:  # {names}: {fn.__module__}.{fn.__qualname__}")
         block.append(f"{indent}    {alias}({args})")
     if not block:
         block.append(f"{indent}pass")
