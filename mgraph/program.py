@@ -94,7 +94,7 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
 ) -> Program:
     """Trace ``module`` under ``plan``, fuse chains of pointwise ops and fold head splits into
     the attention (``fuse``; with ``glu`` also gated units into one GEMM op, mgraph/trace/glu.py:
-    off by default, measured slower so far), lower it to ONE
+    off by default, measured slower), lower it to ONE
     TaskGraph on ``topology``, validate and schedule it; the Program runs it on ``backend``
     with ``backend_options`` (triton: ``interpret``, ``trace``, ``gemm_config``,
     ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords; ``poison``: NaN-fill
@@ -108,9 +108,8 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     lowered = token_major_attention(fuse_pointwise(opgraph)) if fuse else opgraph
     if fuse and glu:
         # Gated units (silu(gate) * up of two linears) as one GEMM op whose epilogue applies the
-        # unit. Off by default: its first form measured slower than the two GEMMs and the
-        # pointwise pass it replaces (benchmarks/NOTES.md v14: 4.20 against 3.51 ms, the layer);
-        # the packed form that replaced it has not run on a GPU.
+        # unit. Off by default: it measured slower than the two GEMMs and the pointwise pass it
+        # replaces (benchmarks/NOTES.md v15: 3.79 against 3.54 ms, the layer on one H200).
         lowered = fuse_glu(lowered)
     with gc_paused():  # the graph is 10^6 small long-lived objects: mgraph.graph.gc_paused
         graph = lower(lowered)
