@@ -3,7 +3,8 @@ pointwise chain becomes one ``matmul_glu`` node (mgraph/ops/matmul_glu.py), with
 ``mg.compile(..., glu=True)``, reading the two weights packed block by block (a new parameter
 built from both: ParamSource ``glu_pack_t``). Off by default: on one H200 both of the op's forms
 made the Llama layer slower (benchmarks/NOTES.md v14-v15: megakernel 4.20 ms against 3.51
-without it, then 4.383 against 3.688 packed; mgraph/ops/matmul_glu.py says why). Each rank's
+without it, then 4.383 against 3.688 packed, 3.788 against 3.537 with gemm's K loop shared;
+mgraph/ops/matmul_glu.py says why). Each rank's
 output columns must be whole 128-column blocks, else the pattern is left as it was.
 
 The pattern is the Llama MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` after fuse_pointwise: an
