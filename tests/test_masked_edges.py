@@ -136,7 +136,7 @@ if __name__ == "__main__":
                                         [tl.load(bufrows + 1), b_cols], [b_cols, 1], [BK, BN])
         tp = tasks + tl.program_id(0) * NF
         gemm_tile(tp, params, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
-                  DT, BM, BN, BK, False)
+                  DT, BM, BN, BK, False, False)
 
     def run(case: str, a: torch.Tensor, b: torch.Tensor, ks: int, tiles, own: bool) -> None:
         """C[tile] = A[tile rows, :ks] @ B[:ks, tile cols] for each tile, also stored into a
