@@ -106,6 +106,7 @@ COMPILED = {
     "allgather_gemm-1x2-bf16": ("ttir", False, "segments with hoisted waits (SEG_WAITS)"),
     "gemm_allreduce-2x1-bf16": ("ttir", False, "multi-node: rdma push, host FIFO (HAS_NET)"),
     "ring_attention-1x2-fp32": ("ttir", False, "every body at DT=float32"),
+    "matmul_glu-1x2-bf16": ("ttir", False, "gemm's body with the gated-unit epilogue (GLU)"),
 }
 
 
@@ -230,6 +231,7 @@ def test_the_graphs_cover_every_kind_with_a_body():
     block = on["block-sp-1x2-bf16"]
     assert (block["BM"], block["BN"], block["BARRIER"]) == (128, 256, True), block
     assert str(on["ring_attention-1x2-fp32"]["DT"]) == "fp32"
+    assert on["matmul_glu-1x2-bf16"]["GLU"] and not block["GLU"], on["matmul_glu-1x2-bf16"]
 
 
 @pytest.mark.slow
