@@ -35,6 +35,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_timing import window  # noqa: E402
+
 import mgraph as mg  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 14336)]
@@ -56,34 +58,8 @@ def timed(fn, reps: int, chain: int, device: torch.device) -> tuple[float, float
     """(median ms of ``reps`` calls each from an idle device, ms a call over ``chain`` calls
     issued back to back); the wall clock on the CPU."""
     fn()
-    sync(device)
-    idle = []
-    for _ in range(reps):
-        idle.append(window(fn, 1, device))
+    idle = [window(fn, 1, device) for _ in range(reps)]
     return statistics.median(idle), window(fn, chain, device)
-
-
-def window(fn, calls: int, device: torch.device) -> float:
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / calls
-    import time
-
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / calls
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gemm_rows(runtime) -> list[dict]:

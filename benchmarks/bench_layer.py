@@ -84,6 +84,9 @@ import torch.nn.functional as F
 import mgraph as mg
 from mgraph.cli import StageTimes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import sync, timeline_row, window  # noqa: E402 - benchmarks/ on the path first
+
 TOL = 2e-2  # bf16: relative error against the fp32 layer (tests/gpu_programs.py's bound)
 SMOKE = dict(hidden=128, heads=8, kv_heads=2, ffn=256, seq=64, batch=1)
 
@@ -208,11 +211,6 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def samples(fn: Callable[[], object], warmup: int, reps: int, device: torch.device) -> list[float]:
     """This rank's times (ms) of ``reps`` calls after ``warmup`` untimed ones: CUDA events on a
     GPU, the wall clock on the CPU; every call starts after a barrier on idle devices."""
@@ -222,40 +220,16 @@ def samples(fn: Callable[[], object], warmup: int, reps: int, device: torch.devi
     times = []
     for _ in range(reps):
         dist.barrier()
-        sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(window(fn, 1, device))
     return times
 
 
 def back_to_back(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    """ms per call of ``calls`` calls issued back to back between one pair of CUDA events (the
-    wall clock on the CPU): each call's host work overlaps the GPU work of the calls before
-    it, as in a training step, where ``samples`` starts every call on an idle device."""
+    """ms per call of ``calls`` calls issued back to back (gpu_timing.window), after one untimed
+    call and a barrier; ``samples`` starts every call on an idle device instead."""
     fn()
     dist.barrier()
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / calls
+    return window(fn, calls, device)
 
 
 def stage_times(times: StageTimes, wall: float) -> dict:
@@ -506,77 +480,19 @@ class Bench:
         self.save()
 
     def timeline(self, calls: int) -> None:
-        """Where each implementation's back-to-back time goes on the GPU: ``calls`` calls under
-        torch.profiler, then from its trace the span (first GPU activity's start to the last's
-        end), the busy time (union of kernels, copies and memsets), and the longest activity
-        per call (the megakernel, for mgraph). CUDA events around the same calls beside them,
-        so a gap the profiler does not see (events >> span) shows too."""
-        import tempfile
-
-        if self.device.type != "cuda":
-            return
+        """Where each implementation's back-to-back time goes on the GPU (gpu_timing.timeline_row
+        per impl), in two passes over the impls: a duration that follows the order (clocks,
+        heat) rather than the impl shows as a difference between the passes."""
         rows = []
-        # two passes over the impls: a duration that follows the order (clocks, heat) rather
-        # than the impl shows as a difference between the passes
         for round_, (impl, fn) in [(r, kv) for r in range(2) for kv in self.timed.items()]:
-            with torch.no_grad():
-                fn()
-                sync(self.device)
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                with torch.profiler.profile(activities=acts) as prof:
-                    start.record()
-                    for _ in range(calls):
-                        fn()
-                    end.record()
-                    torch.cuda.synchronize(self.device)
-            events_ms = start.elapsed_time(end) / calls
-            with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                prof.export_chrome_trace(f.name)
-                trace = json.load(open(f.name))
-            gpu = sorted(
-                (e["ts"], e["ts"] + e["dur"], e.get("name", ""))
-                for e in trace.get("traceEvents", [])
-                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-            )
-            if not gpu:
+            found = timeline_row(fn, calls, self.device)
+            if found is None:
                 continue
-            busy, cur_s, cur_e = 0.0, gpu[0][0], gpu[0][1]
-            for s0, e0, _ in gpu[1:]:
-                if s0 > cur_e:
-                    busy += cur_e - cur_s
-                    cur_s, cur_e = s0, e0
-                else:
-                    cur_e = max(cur_e, e0)
-            busy += cur_e - cur_s
-            longest = sorted((e0 - s0 for s0, e0, _ in gpu), reverse=True)[:calls]
-            longest_name = max(gpu, key=lambda g: g[1] - g[0])[2]
-            by_name: dict[str, float] = {}
-            for s0, e0, name in gpu:
-                by_name[name] = by_name.get(name, 0.0) + (e0 - s0)
-            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-            row = {
-                "impl": impl,
-                "round": round_,
-                "calls": calls,
-                "events_ms_per_call": round(events_ms, 4),
-                "span_ms_per_call": round((gpu[-1][1] - gpu[0][0]) / 1e3 / calls, 4),
-                "busy_ms_per_call": round(busy / 1e3 / calls, 4),
-                "gpu_activities_per_call": round(len(gpu) / calls, 1),
-                "longest_ms": [round(x / 1e3, 4) for x in longest],
-                # per GPU activity name, ms per call: where a baseline's time goes
-                "top_ms_per_call": {n[:90]: round(v / 1e3 / calls, 4) for n, v in top},
-                # the longest activity's name, every run of it in time order: a kernel whose
-                # duration drifts over back-to-back calls (clocks) against one that varies
-                "longest_name_in_order_ms": [
-                    round((e0 - s0) / 1e3, 4) for s0, e0, n in gpu if n == longest_name
-                ],
-            }
+            row = {"impl": impl, "round": round_, **found}
             rows.append(row)
             if self.rank == 0:
                 print("timeline:", json.dumps(row), flush=True)
-        if self.rank == 0:
+        if self.rank == 0 and rows:
             out = Path(self.args.out)
             out.mkdir(parents=True, exist_ok=True)
             (out / "bench_layer_timeline.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -619,7 +535,6 @@ class Bench:
     def kinds(self) -> None:
         """Where the megakernel's time goes, per task kind (one traced launch, this rank), for
         the default Program and each sweep point (``bench_layer_kinds_<impl>.json``)."""
-        sys.path.insert(0, str(Path(__file__).parent))
         from kind_breakdown import kind_breakdown
 
         programs = {"": self.program}
