@@ -173,3 +173,19 @@ def test_the_rdma_push_branches_on_one_tail_read_per_program():
     loads = re.findall(r"(\S+)\s+ld\.acquire\.sys\.global\.b64", texts["ptx"])
     # before the loop and in it, each of a thread's elements of the lane block, all predicated
     assert loads and set(loads) == {"@p"}, loads
+
+
+@pytest.mark.parametrize("op", ["gemm", "gemm_allreduce", "gemm_reduce_scatter"])
+def test_a_rank_with_nothing_to_split_runs_without_the_controller(op):
+    """Settings(adaptive=True) on a rank with no NVLink task and no NVLink program (GEMM alone;
+    GEMM+AR and GEMM+RS on 2 GPUs, whose epilogues reduce-add into the peers) builds the kernel
+    without the controller: its rule could only keep every program on compute, and v15 measured
+    the idle controller 1.4-4.6% slower than the static split. AG+GEMM's ranks, which have NVLink
+    copies, keep it (test_allgather_gemm_megakernel_branches_are_warp_uniform asserts ADAPTIVE)."""
+    if op == "gemm":
+        g = mg.ops.gemm(M=512, N=512, K=256, topology="1x1", dtype=torch.bfloat16)
+    else:
+        g = getattr(mg.ops, op)(M=512, N=512, K=256, topology="1x2", dtype=torch.bfloat16)
+    assert not any(t.role == "nvlink" for t in g.tasks), "the default lowering changed"
+    _fn, args = gpu_launch_args(g, {"compute": 8, "nvlink": 0}, adaptive=True)
+    assert args["ADAPTIVE"] is False, args["ADAPTIVE"]
