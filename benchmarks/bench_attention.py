@@ -363,11 +363,11 @@ def bench_flat(args) -> list[dict]:
     one program per 128-row q block, no task tables, no state) with and without Triton's
     warp specialisation (``tl.range(..., warp_specialize=True)``, 4 warps: on sm_90, Triton 3.6
     splits it into a TMA producer and two consumer warpgroups of 64 rows). What warp
-    specialisation would buy the tile, which cannot use it as written: compiled for sm_90,
-    Triton 3.6 specialises nothing in a function that holds an ``if`` with an else branch
-    (one that yields values: the same loop inside ``if S > 0`` with acc live after it, or
-    beside an unrelated ``if``/``else`` load, compiled plain), and chains_kernel and the
-    megakernel hold many. Non-causal rows only; S from ``--tile-seqs``."""
+    specialisation would buy the tile, which cannot use it: compiled for sm_90, Triton 3.6
+    specialises only at exactly 4 warps and only where no ``if`` of the function has an else
+    block holding ops, and aborts on a ``while`` (benchmarks/ws_rule_probe.py); chains_kernel
+    and the megakernel (8 warps, queue loop and spin waits) fail those. Non-causal rows only;
+    S from ``--tile-seqs``."""
     rows = []
     torch.manual_seed(0)
     for S in args.tile_seqs:

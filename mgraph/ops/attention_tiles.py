@@ -53,10 +53,14 @@ the plain loop one chunk ahead (:func:`_fold_pipelined`) over 64-key chunks; ``q
 S 8192-16384, causal and full): plain 0.64-0.67x of cuDNN, pipe-kb64 0.61-0.63x, q64-kb64-w4
 0.59-0.66x: plain stays the default.
 Triton's warp specialisation (``tl.range(..., warp_specialize=True)``: a TMA producer and
-consumer warpgroups, what cuDNN-class kernels do) is not used: compiled for sm_90, Triton 3.6
-specialises nothing in a function that holds an ``if`` with an else branch (one yielding
-values), and these bodies hold many (bench_attention.py's ``--flat`` times what it buys a flat
-kernel: 0.89-0.90x of cuDNN with it, 0.77-0.84x without, NOTES v13).
+consumer warpgroups, what cuDNN-class kernels do) is not used: compiled for sm_90, Triton 3.6's
+Hopper pass leaves the loop plain unless the function runs exactly 4 warps (the megakernel runs
+8) and no ``if`` in it has an else block holding an op besides its yield (these bodies and the
+megakernel hold many), and past those checks it fails the compilation on any ``while`` (the
+megakernel's queue loop and spin waits) or on a flash loop continuing another's state (the plain
+then masked loops here): benchmarks/ws_rule_probe.py, tests/test_attention_ws.py.
+bench_attention.py's ``--flat`` times what it buys a flat kernel: 0.89-0.90x of cuDNN with it,
+0.77-0.84x without (NOTES v13).
 
 Params (the task's row of the params table, in :data:`ATTN_PARAMS` order): ``q_start`` /
 ``k_start`` (global positions of the blocks' first rows, for the causal mask), ``mask`` (a
