@@ -28,9 +28,21 @@ from ..kinds import Role
 from ..layout import Layout, check_layout, flat_shape, layout_runs, runs_pieces
 from ..topology import Topology
 
-__all__ = ["OPERAND_FORMS", "parse_shape", "parse_layout", "tile_shapes", "lower_tilewise"]
+__all__ = [
+    "OPERAND_FORMS", "parse_shape", "parse_layout", "tile_shapes", "lower_tilewise",
+    "traced_norm_rows",
+]
 
 OPERAND_FORMS = ("full", "row", "col")
+
+
+# Row tile of a traced norm (rms_norm, layer_norm): 64 rows, 32 where rows have 4096 columns or
+# more. The Llama layer's norms (4096 rows of 4096) made 64 tasks of 1 MiB for 132 programs: the
+# GEMM tasks behind them waited while half the programs had nothing to do (benchmarks/NOTES.md
+# v15, call 3); a 32-row task of those rows still moves 256 KiB in bf16, far above what a task's
+# dispatch costs (~2 us, ~64 KiB at a program's memory rate).
+def traced_norm_rows(cols: int) -> int:
+    return 32 if cols >= 4096 else 64
 
 
 def parse_shape(op: str, rows: int, cols: int, shape: Sequence[int] | None) -> tuple[int, ...]:

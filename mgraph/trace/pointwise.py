@@ -10,6 +10,7 @@ import torch
 from ..errors import UnsupportedOpError
 from ..layout import REPLICATE, Layout, canonical, flat_shape
 from ..ops.elementwise import bcast_form, traced_tile_rows
+from ..ops.tilewise import traced_norm_rows
 from .capture import CNode
 from .mapping import BINARY, UNARY, broadcast_form, handles, whole_rows
 from .opgraph import OpGraph, OpNode, Value
@@ -120,6 +121,7 @@ def _rms_norm(tr: Tracer, n: CNode) -> Any:
         "has_weight": weight is not None,
         "shape": list(x.shape),
         "layout": lay.to_json(),
+        "tile_rows": traced_norm_rows(cols),
     }
     return tr.emit(n, "rms_norm", params, inputs, x.shape, lay)
 
@@ -144,6 +146,7 @@ def _layer_norm(tr: Tracer, n: CNode) -> Any:
         "has_bias": bias is not None,
         "shape": list(x.shape),
         "layout": lay.to_json(),
+        "tile_rows": traced_norm_rows(cols),
     }
     return tr.emit(n, "layer_norm", params, inputs, x.shape, lay)
 
