@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 
 from test_program_triton import chain_case, ewise_tasks_per_tile  # noqa: E402
+from test_rowwise_gpu import RowOps  # noqa: E402
 
 import mgraph as mg  # noqa: E402
 
@@ -100,22 +101,6 @@ def one_gpu_cases() -> dict:
     cases["custom-1x1"] = custom_case
     cases["rowops-1x1"] = rowops_case
     return cases
-
-
-class RowOps(nn.Module):
-    """LayerNorm, softmax and two row reductions (amax, mean) broadcast back over the rows:
-    the row-wise kinds traced into one Program (layer_norm, softmax, row_reduce, ewise)."""
-
-    def __init__(self, cols: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(cols)
-        with torch.no_grad():  # not the ones and zeros it starts with
-            self.ln.weight.uniform_(0.5, 1.5)
-            self.ln.bias.uniform_(-0.5, 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        p = torch.softmax(self.ln(x), dim=-1)
-        return p * x.amax(-1, keepdim=True) + x.mean(-1, keepdim=True)
 
 
 def rowops_case() -> dict:

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import torch.nn as nn
 
 import mgraph as mg
 
@@ -31,6 +32,11 @@ CASES = [
     ("row_reduce", dict(rows=1000, cols=1000, fn="sum"), F32),
     ("row_reduce", dict(rows=4096, cols=2048, fn="amax"), BF16),
     ("row_reduce", dict(rows=1000, cols=4096, fn="amin"), BF16),
+    # rows of 1024 bf16 columns: the traced row-ops module's width (tests/gpu_programs.py)
+    ("layer_norm", dict(rows=2048, cols=1024), BF16),
+    ("softmax", dict(rows=2048, cols=1024), BF16),
+    ("row_reduce", dict(rows=2048, cols=1024, fn="amax"), BF16),
+    ("row_reduce", dict(rows=2048, cols=1024, fn="mean"), BF16),
     ("ring_attention", dict(B=1, H=8, S=2048, D=128, kv_heads=2, causal=True), BF16),
     ("ring_attention", dict(B=2, H=4, S=1024, D=64), BF16),
     ("ring_attention", dict(B=1, H=4, S=512, D=128, causal=True), F32),
@@ -64,3 +70,42 @@ def test_rowwise_and_attention_kinds_match_torch_on_a_gpu(op, kw, dtype):
         assert err < TOL[dtype], (op, kw, launch, err)
         tile = worst_tile_error(g, w, rows=rows, cols=cols)
         assert tile < TOL[dtype], (op, kw, launch, tile)
+
+
+class RowOps(nn.Module):
+    """LayerNorm, softmax and two row reductions (amax, mean) broadcast back over the rows:
+    the row-wise kinds traced into one Program (layer_norm, softmax, row_reduce, ewise)."""
+
+    def __init__(self, cols: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cols)
+        with torch.no_grad():  # not the ones and zeros it starts with
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(self.ln(x), dim=-1)
+        return p * x.amax(-1, keepdim=True) + x.mean(-1, keepdim=True)
+
+
+@pytest.mark.gpu
+def test_traced_row_ops_program_matches_torch_on_a_gpu():
+    """The same kinds traced from a module into one Program (backend="triton"), three calls
+    (the third replays the CUDA graph), against eager torch in fp32 on the same bf16 inputs."""
+    import copy
+
+    from mgraph.runtime.memory import worst_tile_error
+
+    torch.manual_seed(1)
+    model = RowOps(1024).to("cuda", BF16).eval()
+    exact = copy.deepcopy(model).float()
+    x = torch.randn(2, 1024, 1024, device="cuda", dtype=BF16)
+    prog = mg.compile(model, (x,), backend="triton")
+    assert {"layer_norm", "softmax", "row_reduce", "ewise"} <= {t.kind for t in prog.graph.tasks}
+    for call in range(3):
+        xs = x * (1.0 - 0.25 * call)
+        with torch.no_grad():
+            want = exact(xs.float()).reshape(-1, 1024).cpu()
+        got = prog(xs).float().reshape(-1, 1024).cpu()
+        assert ((got - want).norm() / want.norm()).item() < TOL[BF16], call
+        assert worst_tile_error(got, want, rows=64, cols=128) < TOL[BF16], call
