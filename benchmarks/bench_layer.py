@@ -83,6 +83,7 @@ import torch.nn.functional as F
 
 import mgraph as mg
 from mgraph.cli import StageTimes
+from mgraph.trace import pointwise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import sync, timeline_row, window  # noqa: E402 - benchmarks/ on the path first
@@ -317,26 +318,35 @@ class Bench:
         return max(errs)
 
     # -- implementations ----------------------------------------------------------------------
-    def mgraph(self, impl: str, tile: list[int] | None = None, glu: bool = False) -> dict:
+    def mgraph(self, impl: str, tile: list[int] | None = None, glu: bool = False,
+               norm_rows: int | None = None) -> dict:
         """mg.compile of a freshly built layer: its stages, first and second call, error.
         ``tile``: the linears' GEMM task tile (a sweep point beside the default; its kernel
         relaunches are timed as ``impl``, per-kind breakdown kept for ``kinds``)."""
         args = self.args
         layer = build_layer(args, self.device)
         gc.collect()
-        with StageTimes() as times:
-            t0 = time.perf_counter()
-            prog = mg.compile(
-                layer,
-                (self.x,),
-                plan=mgraph_plan({"tile": tile} if tile else None),
-                glu=glu,
-                policy=args.policy,
-                topology=f"1x{self.world}",
-                backend=args.backend,
-                backend_options={"interpret": True} if args.interpret else None,
-            )
-            wall = time.perf_counter() - t0
+        # The norms' row tile is the tracer's rule (no plan option reaches a norm): a sweep
+        # point swaps the rule for this compile only.
+        rule = pointwise.traced_norm_rows
+        if norm_rows is not None:
+            pointwise.traced_norm_rows = lambda cols: norm_rows
+        try:
+            with StageTimes() as times:
+                t0 = time.perf_counter()
+                prog = mg.compile(
+                    layer,
+                    (self.x,),
+                    plan=mgraph_plan({"tile": tile} if tile else None),
+                    glu=glu,
+                    policy=args.policy,
+                    topology=f"1x{self.world}",
+                    backend=args.backend,
+                    backend_options={"interpret": True} if args.interpret else None,
+                )
+                wall = time.perf_counter() - t0
+        finally:
+            pointwise.traced_norm_rows = rule
         # The reference backend and the interpreter on several ranks run every rank in this
         # process: global input in, global output out.
         spmd = args.backend == "triton" and (self.world == 1 or not args.interpret)
@@ -365,7 +375,8 @@ class Bench:
                     kernel_output(prog, self.rank).reshape(self.want.shape), self.want
                 )
                 out.update(runtime.kernel_info())
-        elif tile is not None or glu:  # a sweep point: its kernel alone, beside the default's
+        elif tile is not None or glu or norm_rows is not None:  # a sweep point: its kernel
+            # alone, beside the default's
             runtime = prog._runtime
             self.timed[impl] = runtime.launch
             self.after[impl] = lambda: rel(
@@ -374,9 +385,10 @@ class Bench:
             self.variants[impl] = (prog, layer)
             out["tile"] = list(tile) if tile else None
             out["glu"] = glu
+            out["norm_rows"] = norm_rows
             out["note"] = (
                 f"megakernel relaunches alone, linears' GEMM tasks tile={tile}, "
-                f"gated units fused: {glu}"
+                f"gated units fused: {glu}, norms' row tile: {norm_rows or 'default'}"
             )
             out.update(runtime.kernel_info())
         else:
@@ -685,6 +697,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(ms_back_to_back: host work hidden behind the GPU), beside the idle-start samples",
     )
     p.add_argument(
+        "--norm-rows",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="ROWS",
+        help="sweep points: the layer with its norms in tasks of ROWS rows (the default is "
+        "ops/tilewise.traced_norm_rows), each kernel timed alone beside the default's",
+    )
+    p.add_argument(
         "--timeline",
         type=int,
         default=0,
@@ -750,6 +771,9 @@ def main(argv: list[str] | None = None) -> int:
         for tile in args.gemm_tiles:  # sweep points beside the default, timed in its rounds
             impl = f"mgraph_kernel_tile{tile[0]}x{tile[1]}"
             bench.step(impl, lambda tile=tile, impl=impl: bench.mgraph(impl, tile))
+        for rows in args.norm_rows:  # the norms' row tile, beside the default's
+            impl = f"mgraph_kernel_norm{rows}"
+            bench.step(impl, lambda rows=rows, impl=impl: bench.mgraph(impl, norm_rows=rows))
         bench.step("eager_tp", bench.eager_tp)
         if args.torch_compile:
             import torch._dynamo as dynamo
