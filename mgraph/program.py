@@ -44,6 +44,16 @@ inputs are copied at every call, and an output that one buffer holds whole comes
 copy of it. That runtime NaN-fills its scratch and output buffers before its first launch only
 (``backend_options={"poison": True}``: before every launch, with no CUDA graph replay), so a
 task that reads an element no task wrote shows as NaN in the first call's result.
+
+On ``triton`` with one rank on a GPU, ``prog(*inputs)`` does not wait for the kernel: it
+returns once the launch and the output's copy are queued on the current stream, as an eager
+torch module does, so the host issues the next call while this one runs. A watchdog timeout
+is raised at a later call or at ``prog.synchronize()``, and the outputs of a call that timed
+out (and of calls made before the host heard of it) are NaN, never stale values
+(runtime/megakernel/inflight.py). ``backend_options={"wait": True}`` (or ``prog.run``, which
+waits unless given ``wait=False``) waits for each call and raises its timeout at once. SPMD
+calls, the interpreter, traced runtimes and outputs with no buffer holding all of them or of
+integer dtype always wait.
 """
 
 from __future__ import annotations
@@ -98,7 +108,8 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
     TaskGraph on ``topology``, validate and schedule it; the Program runs it on ``backend``
     with ``backend_options`` (triton: ``interpret``, ``trace``, ``gemm_config``,
     ``cuda_graph``: mgraph.runtime.megakernel.TritonRuntime's keywords; ``poison``: NaN-fill
-    the kernel's scratch and output buffers before every launch, not only the first). On
+    the kernel's scratch and output buffers before every launch, not only the first; ``wait``:
+    each call waits for its kernel, see the module docstring). On
     ``backend="triton"`` a kind with no Triton body is a RegistrationError here, before
     anything launches."""
     check_backend(backend)
@@ -325,6 +336,13 @@ class Program:
         self._sources = _Sources.find(self.module, fqns, og.constants, found)
         return found
 
+    def synchronize(self) -> None:
+        """Wait for every call still running (backend "triton": calls do not wait, see the
+        module docstring) and raise the first watchdog timeout among them; nothing to do on
+        other backends or before the first call."""
+        if self._runtime is not None:
+            self._runtime.synchronize()
+
     def reload_parameters(self) -> None:
         """Copy every parameter into the kernel's buffers again at the next call (backend
         "triton"): for writes to a parameter that torch's version counter does not see, such
@@ -382,7 +400,10 @@ class Program:
         return result
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        outputs = self.run(*args).outputs
+        # a call does not wait for its kernel (the module docstring), unless the Program was
+        # compiled with backend_options={"wait": True}
+        wait = {} if self.backend != "triton" or "wait" in self.backend_options else {"wait": False}
+        outputs = self.run(*args, **wait).outputs
         values = [outputs[name] for name in self.opgraph.output_names]
         return values[0] if self.opgraph.single_output else tuple(values)
 
@@ -394,6 +415,7 @@ class Program:
         from .runtime.reference import RunResult
 
         poison = opts.pop("poison", None)
+        wait = bool(opts.pop("wait", True))
         interpret = bool(opts.get("interpret"))
         if not interpret and not self._gpu_seen:
             _triton_available()
@@ -408,7 +430,7 @@ class Program:
             inputs = self._module_inputs(args)
             if self._runtime is None:
                 self._runtime = TritonRuntime(self.schedule, settings=settings, **opts)
-            result = self._launch(inputs, lambda ins: ins, poison)
+            result = self._launch(inputs, lambda ins: ins, poison, wait)
         for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
             result.outputs[name] = result.outputs[name].reshape(value.shape)
         return result
@@ -418,11 +440,12 @@ class Program:
         inputs: dict[str, torch.Tensor],
         local: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
         poison: bool | None,
+        wait: bool = True,
     ) -> Any:
         """One run of this process's runtime on the module inputs ``inputs`` (global) and the
         parameters that changed since its buffers were loaded (``local``: the global tensors
         as the runtime takes them). The kernel's buffers are poisoned at its first launch, or
-        at every launch with ``poison``."""
+        at every launch with ``poison``; ``wait``: see TritonRuntime.run."""
         runtime = self._runtime
         held = runtime.loaded_inputs()  # what the runtime can keep: never a buffer a task writes
         now = self._params(inputs, self._loaded, held)
@@ -433,6 +456,7 @@ class Program:
             local(inputs),
             poison=runtime.epoch == 0 if poison is None else bool(poison),
             resident=resident,
+            wait=wait,
         )
         self._loaded = now
         return result

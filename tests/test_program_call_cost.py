@@ -14,7 +14,8 @@ never hides a change or a bad input:
   only what check_inputs accepts); the watchdog record read from the host copy ``run`` waits
   for;
 - on a GPU (``test_gpu_calls_match_eager_and_a_timed_out_launch_raises``): calls that replay
-  the CUDA graph against eager torch, and a launch that times out raising through that copy.
+  the CUDA graph against eager torch, waiting and not (runtime/megakernel/inflight.py), and a
+  launch that times out raising through those copies.
 
 How to measure the host time of a call (not a test; numbers in the commit that added this):
 ``TRITON_INTERPRET=1 python tests/test_program_call_cost.py --time``: prog(x) of the
@@ -289,17 +290,21 @@ def test_the_watchdog_record_is_read_from_the_copy_run_waited_for(runtime):
 
 
 @pytest.mark.gpu
-def test_gpu_calls_match_eager_and_a_timed_out_launch_raises():
-    """On a GPU the watchdog record comes back through the pinned host copy ``run`` queues
-    behind the kernel: good calls (the third replays the CUDA graph) match eager torch; then a
-    wait raised past what the graph signals times out inside the replayed kernel, and that
-    call raises WatchdogTimeout, as does the next (the runtime stays failed)."""
+@pytest.mark.parametrize("wait", [False, True])
+def test_gpu_calls_match_eager_and_a_timed_out_launch_raises(wait):
+    """On a GPU the watchdog record comes back through pinned host copies queued behind the
+    kernel: good calls (the third on replays the CUDA graph) match eager torch, also issued
+    back to back without a wait; then a wait raised past what the graph signals times out
+    inside the replayed kernel. A call that does not wait (the default) returns NaN for it
+    and the timeout is raised by ``synchronize()`` and by every later call; with
+    ``backend_options={"wait": True}`` the call itself raises, as does the next (the runtime
+    stays failed)."""
     from mgraph.settings import Settings
 
     torch.manual_seed(0)
     net = Net(1024, 4096).to("cuda", torch.bfloat16).eval()
     x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16)
-    prog = mg.compile(net, (x,), backend="triton")
+    prog = mg.compile(net, (x,), backend="triton", backend_options={"wait": True} if wait else None)
     for call in range(3):
         x = torch.randn_like(x)
         # the settings are read when the runtime is built, at the first call
@@ -308,11 +313,23 @@ def test_gpu_calls_match_eager_and_a_timed_out_launch_raises():
             want = net(x).float()
         error = ((got.outputs["out"].float() - want).norm() / want.norm()).item()
         assert error < 2e-2, (call, error)
+    xs = [torch.randn_like(x) for _ in range(6)]
+    outs = [prog(v) for v in xs]  # issued back to back: at most InFlight.limit in flight
+    prog.synchronize()
+    for v, out in zip(xs, outs, strict=True):
+        with torch.no_grad():
+            want = net(v).float()
+        assert ((out.float() - want).norm() / want.norm()).item() < 2e-2
     runtime = prog._runtime
     assert runtime._graph is not None and runtime.tables.waits.shape[0] > 0
     runtime.d["waits"][0, 1] += 1  # one more signal than the graph ever sends
-    with pytest.raises(mg.WatchdogTimeout):
-        prog(x)
+    if wait:
+        with pytest.raises(mg.WatchdogTimeout):
+            prog(x)
+    else:
+        assert prog(x).isnan().all()  # reading it waits for the kernel: NaN, not stale
+        with pytest.raises(mg.WatchdogTimeout):
+            prog.synchronize()
     with pytest.raises(mg.WatchdogTimeout):
         prog(x)
 

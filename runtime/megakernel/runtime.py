@@ -45,6 +45,7 @@ from .encode import (
     layout,
 )
 from .graph_checks import buffer_dtype_code, check_graph, supported_kinds
+from .inflight import InFlight, cuda_slot
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
@@ -138,6 +139,7 @@ class TritonRuntime:
         self._graph = None  # the CUDA graph later launches replay (see launch)
         self._want_graph = bool(cuda_graph) and not interpret
         self.failed: MgraphError | None = None
+        self.inflight = InFlight(cuda_slot)  # calls run without a wait (inflight.py)
         self.net = None
         self._allocate()
         self._upload()
@@ -556,7 +558,9 @@ class TritonRuntime:
         return f"task {name!r} waiting for event {ev.name!r} (rank {ev.rank})"
 
     def close(self) -> None:
-        """Stop the network's proxy (multi-node graphs); the runtime cannot launch after."""
+        """Stop the network's proxy (multi-node graphs); the runtime cannot launch after.
+        Calls still in flight are waited for first (their buffers must outlive them)."""
+        self.inflight.poll(lambda record: None, wait=True)
         if self.net is not None:
             self.net.close()
             if self.failed is None:
@@ -574,18 +578,31 @@ class TritonRuntime:
         *,
         poison: bool = True,
         resident: Collection[str] = (),
+        wait: bool = True,
     ):
         """Load ``inputs`` (``resident``: see load_inputs), launch once (``poison``: NaN-fill
         the scratch and output buffers first, see launch), wait for the kernel and check its
         watchdog record. The outputs: GLOBAL tensors of their own on one rank or every rank in
         one process; under SPMD the rank's local shards, views of its buffers (valid until the
         next launch). ``wall_s`` runs from the launch to the kernel's end (with a copied
-        output's copy and the watchdog record's, which are queued behind the kernel)."""
+        output's copy and the watchdog record's, which are queued behind the kernel).
+
+        ``wait=False`` (on a GPU, where every output has a buffer holding all of it, tracing
+        off; otherwise the call waits): return once the kernel is queued, outputs NaN if it
+        times out; its record is checked by a later call or ``synchronize()`` (inflight.py).
+        ``wall_s`` is then the host's time to issue the call."""
         from mgraph.runtime.reference import RunResult
 
+        if self.inflight.calls:  # an earlier call's timeout comes first
+            self.inflight.poll(self.check)
         self.load_inputs(inputs, resident)
         start = time.perf_counter()
         self.launch(poison=poison)
+        if not wait and not self.interpret and not self.trace_enabled:
+            whole = self._whole_outputs(masked=True)
+            if whole is not None:
+                self.inflight.add(self.inflight.queue(self.d["err"]), self.check)
+                return RunResult(whole, self.trace(), time.perf_counter() - start, self.epoch, {})
         # queued before the host waits: the GPU runs them right after the kernel, not after a
         # round trip to the host (the record's copy: one wait for both, not a second one)
         whole = self._whole_outputs()
@@ -611,18 +628,31 @@ class TritonRuntime:
             outputs = dict(plan.local_outputs)
         return RunResult(outputs, self.trace(), wall, self.epoch, {})
 
-    def _whole_outputs(self) -> dict[str, torch.Tensor] | None:
+    def _whole_outputs(self, masked: bool = False) -> dict[str, torch.Tensor] | None:
         """Each output as a copy of the one buffer that holds all of it, when every output has
         such a buffer (one rank, or every rank in one process with unreplicated outputs);
         otherwise None (gather_outputs assembles them). A copy, not the buffer: the caller's
-        outputs must stay as they are when the next launch writes the buffers."""
+        outputs must stay as they are when the next launch writes the buffers. ``masked``
+        (a call that does not wait): NaN wherever the watchdog record is set, in the same one
+        pass as the copy; None when an output is not floating point (no NaN to mark it)."""
         plan = self._call_plan()
         if plan.whole is None or not (self.world == 1 or self.rank is None):
             return None
         if not plan.written_checked:
             check_outputs_written(self.graph)
             plan.written_checked = True
-        return {name: view.clone() for name, view in plan.whole_views.items()}
+        if not masked:
+            return {name: view.clone() for name, view in plan.whole_views.items()}
+        if not all(view.is_floating_point() for view in plan.whole_views.values()):
+            return None
+        timed_out = self.d["err"][:1] != 0  # the record is never cleared: once set, every
+        # later call's outputs are NaN too
+        return {name: torch.where(timed_out, float("nan"), view)  # one pass, as clone's
+                for name, view in plan.whole_views.items()}
+
+    def synchronize(self) -> None:
+        """Wait for every call run without a wait and raise the first timeout among them."""
+        self.inflight.poll(self.check, wait=True)
 
     def _queue_record(self) -> torch.Tensor | None:
         """On a GPU: the watchdog record's copy into pinned host memory, queued behind the
