@@ -46,7 +46,7 @@ net)
     timeout "${NET_LIMIT:-300}" python3 benchmarks/gpu_check_net.py "$@" 2>&1 | tee "$OUT/net.log" | tail -40
     ;;
 programs)
-    timeout "${PROGRAMS_LIMIT:-120}" torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+    timeout "${PROGRAMS_LIMIT:-420}" torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" \
         tests/gpu_programs.py 2>&1 \
         | tee "$OUT/programs.log" | grep -E '^\{|gpu_programs:' | cut -c1-200
     ;;

@@ -3,8 +3,8 @@
 A Program call on one GPU does not wait for its kernel (runtime.run with ``wait=False``): a
 training or serving loop issues the next call, or the next layer, while this one runs, as eager
 torch does. A wait per call left the GPU idle for the host's work between two calls: on one
-H200 the Llama layer's Program call ran 0.35 ms behind its own kernel back to back
-(benchmarks/NOTES.md v17).
+H200 the Llama layer's Program call ran 0.35 ms behind its own kernel back to back, and level
+with it once calls stopped waiting (benchmarks/NOTES.md v17, calls 2-4).
 
 What the wait was for, the kernel's watchdog record, still reaches the host: each call queues
 the record's copy into pinned host memory and a CUDA event behind its kernel, and the record is
