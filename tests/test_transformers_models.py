@@ -290,3 +290,62 @@ def test_what_does_not_trace_is_a_named_error():
     padding = torch.ones(B, S, dtype=torch.long)  # as a tokenizer returns it
     with pytest.raises(mg.DTypeError, match="input 'extra_0' is torch.int64"):
         mg.compile(llama("sdpa", mask="padding"), (x, padding))
+
+
+# Dense decoder layers of other families, as transformers writes them: q/k/v biases (Qwen2),
+# per-head q/k RMSNorm (Qwen3, OLMo2's over the whole projection), Gemma's (1 + w) norm and
+# GELU-tanh MLP, Granite's scaled residuals and logits, Phi-3's fused qkv_proj and gate_up_proj
+# with its rotary code's pass-through slice (empty when the rotation covers the head: the case
+# that did not trace), and partial rotary. Gemma2 without its attention soft-capping (with it:
+# the named error below).
+DENSE = {
+    "qwen2": ("Qwen2Config", "qwen2", "Qwen2", {}),
+    "qwen3": ("Qwen3Config", "qwen3", "Qwen3", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "mistral", "Mistral", {}),
+    "gemma": ("GemmaConfig", "gemma", "Gemma", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", "gemma2", "Gemma2", {"head_dim": 16,
+                                                     "attn_logit_softcapping": None}),
+    "olmo2": ("Olmo2Config", "olmo2", "Olmo2", {}),
+    "granite": ("GraniteConfig", "granite", "Granite", {"residual_multiplier": 0.5,
+                                                        "attention_multiplier": 0.2}),
+    "phi3": ("Phi3Config", "phi3", "Phi3", {}),
+    "phi3_partial_rotary": ("Phi3Config", "phi3", "Phi3", {"partial_rotary_factor": 0.5}),
+}
+
+
+def dense(name: str, attn: str = "sdpa", **extra) -> Layer:
+    import importlib
+
+    config_cls, module, prefix, kw = DENSE[name]
+    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(transformers, config_cls)(**SMALL, **{**kw, **extra},
+                                               attn_implementation=attn)
+    return randomize(Layer(config, getattr(mod, f"{prefix}DecoderLayer"),
+                           getattr(mod, f"{prefix}RotaryEmbedding")))
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_dense_decoder_layers_of_other_families(name):
+    torch.manual_seed(7)
+    model = dense(name)
+    x = torch.randn(B, S, SMALL["hidden_size"])
+    prog = compiled_matches(model, (x,))
+    assert len(attention_nodes(prog)) == 1
+    fused = name.startswith("phi3")  # one qkv_proj: the q/k/v plan names do not exist
+    if fused:  # context parallel instead: the layer's attention over a sequence ring
+        compiled_matches(model, (x,), {"layer.self_attn": mg.ContextParallel()}, "1x2")
+    else:
+        compiled_matches(model, (x,), tp_plan(), "1x2")
+
+
+class EmptyRead(nn.Module):
+    def forward(self, x):
+        return torch.cat([x, x[..., 8:8] * 2.0], dim=-1)  # torch: an empty product, skipped
+
+
+def test_empty_slices_only_feed_cat():
+    x = torch.randn(B, S, SMALL["hidden_size"])
+    with pytest.raises(mg.UnsupportedOpError, match="empty tensor of shape"):
+        mg.compile(EmptyRead(), (x,))
+    with pytest.raises(mg.UnsupportedOpError, match="product of two activations"):
+        mg.compile(dense("gemma2", attn="eager", attn_logit_softcapping=50.0), (x,))

@@ -67,7 +67,7 @@ class Value:
     shape: tuple[int, ...]
     dtype: str
     layout: Layout | None
-    kind: str  # "input" | "param" | "op"
+    kind: str  # "input" | "param" | "op" | "empty" (an empty slice: only cat reads it)
     alias_of: Value | None = None
     source: ParamSource | None = None
     producer: str | None = None  # name of the OpNode that writes it

@@ -41,7 +41,12 @@ def slice_of(tr: Tracer, n: CNode, x: Value, dim: int, start: int, end: int, ste
     if start == 0 and end >= x.shape[dim] and step == 1:
         return x
     if start >= end:
-        raise UnsupportedOpError(f"{n.where()}: an empty slice [{start}:{end}] of dim {dim}")
+        # An empty piece: torch.cat skips it (Phi-3's rotary code cuts q[..., rotary_dim:],
+        # empty when the rotation covers the whole head, and cats it back on). Only cat may
+        # read it (Tracer.tensor names any other reader).
+        shape = list(x.shape)
+        shape[dim] = 0
+        return Value(tr.unique(f"{n.name}_empty"), tuple(shape), x.dtype, None, "empty")
     return tr.relayout(n, x, ("slice", (dim, start, end, step)))
 
 
@@ -135,8 +140,10 @@ def _cat(tr: Tracer, n: CNode) -> Any:
     rotated = _rotate_half(tr, n)
     if rotated is not None:
         return rotated
-    parts = [tr.tensor(n, t, "input") for t in n.arg(0, "tensors")]
+    parts = [tr.tensor(n, t, "input", empty_ok=True) for t in n.arg(0, "tensors")]
     parts = [p for p in parts if math.prod(p.shape) > 0]  # torch.cat skips empty tensors
+    if not parts:
+        raise UnsupportedOpError(f"{n.where()}: a cat of empty tensors only")
     nd = len(parts[0].shape)
     dim = n.arg(1, "dim", 0) % nd
     if len(parts) == 1:

@@ -186,10 +186,17 @@ class Tracer:
         self.consts[n] = v
         return v
 
-    def tensor(self, n: CNode, arg: Any, what: str) -> Value:
+    def tensor(self, n: CNode, arg: Any, what: str, empty_ok: bool = False) -> Value:
+        """``arg``'s Value; ``empty_ok``: also an empty one (an empty slice: slicing.slice_of),
+        which only cat, skipping it, may read."""
         v = self.value(arg)
         if not isinstance(v, Value):
             raise UnsupportedOpError(f"{n.where()}: {what} must be a tensor, got {v!r}")
+        if v.kind == "empty" and not empty_ok:
+            raise UnsupportedOpError(
+                f"{n.where()}: {what} is an empty tensor of shape {list(v.shape)} (an empty "
+                "slice); only torch.cat, which skips it, may read one"
+            )
         return v
 
     def param(self, c: CNode, transform: str = "none") -> Value:
@@ -295,6 +302,12 @@ class Tracer:
     ) -> Value:
         """One OpNode. ``mask_math``: the op combines attention masks (masks.py), so it may
         read a boolean input's additive form, and its result is a mask too."""
+        empty = [v for v in inputs.values() if v.kind == "empty"]
+        if empty:
+            raise UnsupportedOpError(
+                f"{n.where()}: reads an empty tensor of shape {list(empty[0].shape)} (an empty "
+                "slice); only torch.cat, which skips it, may read one"
+            )
         self._check(n, op, params)
         encoded = [v for v in inputs.values() if (v.encoding or v.root().encoding)]
         if encoded and op not in ("attention", "relayout") and not mask_math:
