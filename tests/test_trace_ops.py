@@ -242,3 +242,26 @@ def test_layout_runs():
     assert view_layout((1, 8, 12), (1, 8, 3, 4), Layout("shard", 2), 3) == Layout("shard", 2)
     assert permute_layout((2, 8, 3, 4), (0, 2, 1, 3), Layout("shard", 2), 3) == Layout("shard", 1)
     assert view_layout((2, 6, 4), (12, 4), Layout("shard", 1), 4) is None
+
+
+class Stacks(nn.Module):
+    """torch.stack along every dim, and the interleaved rotate_half of Cohere, GLM and Helium
+    (strided slices, stack on a new last dim, flatten)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x, y):
+        rot = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return torch.stack((x * 2.0, y, rot), dim=self.dim)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_stack_is_a_cat_of_new_dims(dim):
+    torch.manual_seed(dim % 4)
+    x, y = torch.randn(2, 12, 32), torch.randn(2, 12, 32)
+    model = Stacks(dim)
+    prog = mg.compile(model, (x, y))
+    assert "concat" in {n.op for n in prog.opgraph.nodes}
+    assert rel_err(prog(x, y), model(x, y)) < 1e-6

@@ -296,8 +296,9 @@ def test_what_does_not_trace_is_a_named_error():
 # per-head q/k RMSNorm (Qwen3, OLMo2's over the whole projection), Gemma's (1 + w) norm and
 # GELU-tanh MLP, Granite's scaled residuals and logits, Phi-3's fused qkv_proj and gate_up_proj
 # with its rotary code's pass-through slice (empty when the rotation covers the head: the case
-# that did not trace), and partial rotary. Gemma2 without its attention soft-capping (with it:
-# the named error below).
+# that did not trace), partial rotary, and the interleaved rotation of Cohere, GLM and Helium
+# (torch.stack: did not trace). Gemma2 without its attention soft-capping (with it: the named
+# error below).
 DENSE = {
     "qwen2": ("Qwen2Config", "qwen2", "Qwen2", {}),
     "qwen3": ("Qwen3Config", "qwen3", "Qwen3", {"head_dim": 16}),
@@ -310,6 +311,10 @@ DENSE = {
                                                         "attention_multiplier": 0.2}),
     "phi3": ("Phi3Config", "phi3", "Phi3", {}),
     "phi3_partial_rotary": ("Phi3Config", "phi3", "Phi3", {"partial_rotary_factor": 0.5}),
+    # the interleaved rotate_half (torch.stack; slicing._stack) and Cohere's parallel block
+    "cohere": ("CohereConfig", "cohere", "Cohere", {}),
+    "glm": ("GlmConfig", "glm", "Glm", {"head_dim": 16}),
+    "helium": ("HeliumConfig", "helium", "Helium", {"head_dim": 16}),
 }
 
 
@@ -331,7 +336,9 @@ def test_dense_decoder_layers_of_other_families(name):
     x = torch.randn(B, S, SMALL["hidden_size"])
     prog = compiled_matches(model, (x,))
     assert len(attention_nodes(prog)) == 1
-    fused = name.startswith("phi3")  # one qkv_proj: the q/k/v plan names do not exist
+    names = dict(model.named_modules())
+    # Phi-3's one qkv_proj, GLM's one gate_up_proj: tp_plan's module names do not exist
+    fused = not {"layer.self_attn.q_proj", "layer.mlp.gate_proj"} <= names.keys()
     if fused:  # context parallel instead: the layer's attention over a sequence ring
         compiled_matches(model, (x,), {"layer.self_attn": mg.ContextParallel()}, "1x2")
     else:

@@ -144,8 +144,29 @@ def _cat(tr: Tracer, n: CNode) -> Any:
     parts = [p for p in parts if math.prod(p.shape) > 0]  # torch.cat skips empty tensors
     if not parts:
         raise UnsupportedOpError(f"{n.where()}: a cat of empty tensors only")
+    return _cat_parts(tr, n, parts, n.arg(1, "dim", 0) % len(parts[0].shape))
+
+
+@handles("stack")
+def _stack(tr: Tracer, n: CNode) -> Any:
+    """``torch.stack(tensors, dim)``: each tensor viewed with a new dim of 1 at ``dim``, then a
+    cat along it. The interleaved ``rotate_half`` of Cohere, GLM and Helium
+    (``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)``) takes this path: strided slices,
+    a negation and a concat of 1-column pieces, correct but not one fused step as Llama's
+    half rotation is (_rotate_half)."""
+    out_shape = tuple(n.shape)
+    dim = n.arg(1, "dim", 0) % len(out_shape)
+    parts = []
+    for i, t in enumerate(n.arg(0, "tensors")):
+        p = tr.tensor(n, t, "input")
+        shape = p.shape[:dim] + (1,) + p.shape[dim:]
+        parts.append(tr.relayout(n, p, ("view", shape), shape=shape, name=f"{n.name}_in{i}"))
+    return _cat_parts(tr, n, parts, dim)
+
+
+def _cat_parts(tr: Tracer, n: CNode, parts: list[Value], dim: int) -> Value:
+    """``parts`` (none empty) joined along ``dim`` into ``n``'s output shape."""
     nd = len(parts[0].shape)
-    dim = n.arg(1, "dim", 0) % nd
     if len(parts) == 1:
         return parts[0]
     out_shape = tuple(n.shape)
