@@ -265,3 +265,27 @@ def test_stack_is_a_cat_of_new_dims(dim):
     prog = mg.compile(model, (x, y))
     assert "concat" in {n.op for n in prog.opgraph.nodes}
     assert rel_err(prog(x, y), model(x, y)) < 1e-6
+
+
+class AddMM(nn.Module):
+    """GPT-2's Conv1D: torch.addmm(bias, x, W) with W [in, out]."""
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 48) / 32**0.5)
+        self.b = nn.Parameter(torch.randn(48))
+        self.beta = beta
+
+    def forward(self, x):
+        return torch.addmm(self.b, x.view(-1, 32), self.w, beta=self.beta).view(2, 12, 48)
+
+
+def test_addmm_is_a_matmul_and_a_bias():
+    torch.manual_seed(3)
+    x = torch.randn(2, 12, 32)
+    model = AddMM()
+    prog = mg.compile(model, (x,))
+    assert {"matmul", "elementwise"} <= {n.op for n in prog.opgraph.nodes}
+    assert rel_err(prog(x), model(x)) < 1e-5
+    with pytest.raises(mg.UnsupportedOpError, match="beta or alpha"):
+        mg.compile(AddMM(beta=0.5), (x,))

@@ -93,10 +93,18 @@ def _default_tile(tr: Tracer, M: int, N: int, options: dict) -> dict:
     return {"tile": list(_WIDE_TILE)} if tasks >= H200.sms else {}
 
 
-@handles("linear", "matmul", "mm")
+@handles("linear", "matmul", "mm", "addmm")
 def _linear(tr: Tracer, n: CNode) -> Any:
-    x = tr.tensor(n, n.args[0], "input")
-    wc = n.arg(1, "weight" if n.op == "linear" else "other")
+    """x @ W.T + b (linear), x @ W (matmul, mm) and b + x @ W (addmm: GPT-2's Conv1D, whose
+    weight is [in, out]) with W a 2-D parameter; only linear takes a plan style."""
+    if n.op == "addmm":
+        if n.arg(3, "beta", 1) != 1 or n.arg(4, "alpha", 1) != 1:
+            raise UnsupportedOpError(f"{n.where()}: addmm with beta or alpha other than 1")
+        x = tr.tensor(n, n.arg(1, "mat1"), "input")
+        wc = n.arg(2, "mat2")
+    else:
+        x = tr.tensor(n, n.args[0], "input")
+        wc = n.arg(1, "weight" if n.op == "linear" else "other")
     if not isinstance(wc, CNode) or wc.op != "param" or len(wc.shape) != 2:
         raise UnsupportedOpError(
             f"{n.where()}: a product of two activations is not supported",
@@ -180,9 +188,15 @@ def _linear(tr: Tracer, n: CNode) -> Any:
         lay = whole_rows(tr, x, n)
         params = {**dims, "shard": "none", "shape": list(x.shape), "layout": lay.to_json()}
         out = tr.emit(n, "matmul", params, {"a": x, "b": w}, out_shape, lay)
-    bias = n.arg(2, "bias") if n.op == "linear" else None
+    bias = {"linear": lambda: n.arg(2, "bias"), "addmm": lambda: n.arg(0, "self")}.get(
+        n.op, lambda: None
+    )()
     if bias is None:
         return out
+    if not isinstance(bias, CNode) or bias.op != "param" or tuple(bias.shape) != (N,):
+        raise UnsupportedOpError(
+            f"{n.where()}: the bias added to the product must be a parameter of shape [{N}]"
+        )
     b = tr.param(bias)
     rows, cols = flat_shape(out_shape)
     params = {
