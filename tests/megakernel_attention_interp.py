@@ -269,8 +269,41 @@ def finalize_cases() -> None:
     compare("finalize-chains-left-padding", g, x, _sdpa(x, mask=shown), chains=True)
 
 
+def short_cases() -> None:
+    """Sequences that the blocks do not divide: the last query block and the last key block of
+    a chain are short (attention's lowering; the bodies count rows and keys from the regions).
+    bf16 with fp32 state through run_chains and the megakernel: S 200 in 64-row blocks (8 rows
+    last; the default keys: one 200-key block), causal with grouped-query heads at D 64; S 300
+    in 128-row and 128-key blocks (44 last) at D 128, not causal, and causal with an additive
+    mask; float32 S 130 (the pointer path), causal, by the megakernel."""
+    bf16 = torch.bfloat16
+    cases = {
+        "s200-gqa-causal1": dict(B=1, H=4, S=200, D=64, block=64, kv_heads=2, causal=True),
+        "s300-d128-causal0": dict(B=2, H=2, S=300, D=128, block=128, kv_block=128),
+    }
+    for name, dims in cases.items():
+        g = mg.ops.attention(topology="1x1", dtype=bf16, **dims)
+        x = _inputs(g, seed=len(name), dtype=bf16)
+        want = _sdpa(x, dims.get("causal", False))
+        compare(f"short-bf16-chains-{name}", g, x, want, chains=True)
+        compare(f"short-bf16-mega-{name}", g, x, want)
+    S = 300
+    g = mg.ops.attention(topology="1x1", B=1, H=2, S=S, D=128, block=128, kv_block=128,
+                         mask_shape=[1, 1, S, S], causal=True, dtype=bf16)
+    x = _inputs(g, seed=31, dtype=bf16)
+    bias = torch.randn(1, 1, S, S, generator=torch.Generator().manual_seed(32)).to(bf16)
+    x["mask"] = bias.reshape(g.inputs["mask"].shape)
+    tril = torch.ones(S, S, dtype=torch.bool).tril()
+    compare("short-bf16-chains-s300-mask-causal1", g, x,
+            _sdpa(x, mask=bias.float().masked_fill(~tril, float("-inf"))), chains=True)
+    g = mg.ops.attention(topology="1x1", B=1, H=2, S=130, D=32, block=64, causal=True,
+                         dtype=torch.float32)
+    x = _inputs(g, seed=33)
+    compare("short-fp32-mega-s130-causal1", g, x, _sdpa(x, True))
+
+
 CASES = {"ring": ring_cases, "ring2": ring_multi_rank_cases, "mask": mask_cases,
-         "chains": chain_cases, "finalize": finalize_cases}
+         "chains": chain_cases, "finalize": finalize_cases, "short": short_cases}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

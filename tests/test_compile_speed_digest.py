@@ -152,6 +152,8 @@ def test_gc_paused_restores_the_collector_and_leaves_freezes_alone():
         frozen = gc.get_freeze_count()
         with gc_paused():
             made.append([0])
-        assert gc.get_freeze_count() == frozen
+        # still frozen (an unfreeze would drop the count to 0); a frozen object that dies
+        # meanwhile (another test's, in this worker) lowers it a little
+        assert frozen - 100 <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()

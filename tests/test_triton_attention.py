@@ -215,3 +215,13 @@ def test_gpu_left_padding_rows_are_zero(mask_kind):
     assert ((got - want).norm() / want.norm()).item() < TOL_BF16
     tile = worst_tile_error(got.reshape(-1, D), want.reshape(-1, D), rows=128, cols=D)
     assert tile < TOL_BF16, tile
+
+
+def test_short_last_blocks_where_the_blocks_do_not_divide_the_sequence():
+    """S 200, 300 and 130 in 64- or 128-row blocks: the last query and key blocks are short
+    (the attention lowering clips them to S; before, such an S was a ShapeError). bf16 through
+    run_chains and the megakernel (causal GQA, not causal at D 128, an additive mask), float32
+    by the megakernel (the pointer path)."""
+    got = rows("short")
+    _check(_select(got, "short-bf16-"), 5, ATTN, ["bfloat16", "float32"], TOL_BF16)
+    _check(_select(got, "short-fp32-"), 1, ATTN, ["float32"], TOL)

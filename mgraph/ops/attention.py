@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..builder import GraphBuilder, pick_tile
+from ..builder import GraphBuilder, edge_tile
 from ..errors import ShapeError
 from ..graph import Region
 from ..kinds import Role, TaskKind
@@ -57,7 +57,7 @@ from ..layout import Box, Layout, as_dim_shard, check_layout, layout_pieces
 from ..topology import Topology
 from .attention_tiles import BIAS_ADD, BIAS_BOOL
 from .registry import OpDef
-from .ring_attention import default_kv_block, repeat_kv
+from .ring_attention import KV_KEYS, default_kv_block, repeat_kv
 
 __all__ = ["attention", "tm_layout"]
 
@@ -157,15 +157,21 @@ def _kv_heads(H: int, kv_heads: int | None) -> int:
 
 
 def _blocks(S: int, block: int, kv_block: int | None) -> tuple[int, int]:
-    """(q rows, keys) per attn_block task."""
+    """(q rows, keys) per attn_block task. S need not be a multiple of either: the last query
+    block and the last key block of a chain are short (their regions end at S; the bodies take
+    their row and key counts from the regions, and mask the rest)."""
     sizes = []
     for name, value in (("block", block), ("kv_block", kv_block)):
         if value is None:  # kv_block: the default, from the q block
-            sizes.append(default_kv_block(S, sizes[0]))
+            blk = sizes[0]
+            if S % blk == 0:
+                sizes.append(default_kv_block(S, blk))
+            else:  # keys in multiples of the q block (default_kv_block's reason), the last short
+                sizes.append(blk * max(1, min(max(KV_KEYS, blk) // blk, -(-S // blk))))
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ShapeError(f"{OP}: {name}={value!r} must be a positive int")
-        sizes.append(pick_tile(OP, "S", S, value))
+        sizes.append(edge_tile(S, value))
     return sizes[0], sizes[1]
 
 
@@ -309,28 +315,30 @@ def _lower(
             base = group * S
             hk = hi // (H // Hkv)  # its KV head
             for q0 in range(0, S, blk):
-                rows = (base + q0, base + q0 + blk)
+                q1 = min(q0 + blk, S)  # the last block is short where blk does not divide S
+                rows = (base + q0, base + q1)
                 state = [acc.region(rows), ml.region(rows)]
                 if bias is not None:
                     Bm, Hm, Qm, _ = mask_shape
                     m0 = ((bi if Bm > 1 else 0) * Hm + (hi if Hm > 1 else 0)) * Qm
-                    mask_rows = (m0 + q0, m0 + q0 + blk) if Qm > 1 else (m0, m0 + 1)
+                    mask_rows = (m0 + q0, m0 + q1) if Qm > 1 else (m0, m0 + 1)
                 chain = None
                 # keys up to the block's last query (causal), else all: the chain's last block
-                k_end = min(S, q0 + blk) if causal else S
-                out_rows = out(bi, hi, q0, q0 + blk)
+                k_end = q1 if causal else S
+                out_rows = out(bi, hi, q0, q1)
                 for k0 in range(0, k_end, kvb):
+                    k1 = min(k0 + kvb, S)
                     final = inline_finalize and k0 + kvb >= k_end
-                    reads = [q(bi, hi, q0, q0 + blk), k(bi, hk, k0, k0 + kvb)]
-                    reads.append(v(bi, hk, k0, k0 + kvb))
+                    reads = [q(bi, hi, q0, q1), k(bi, hk, k0, k1)]
+                    reads.append(v(bi, hk, k0, k1))
                     if chain is not None:
                         reads += state
                     if bias is not None:
-                        reads.append(bias.region(mask_rows, (k0, k0 + kvb)))
+                        reads.append(bias.region(mask_rows, (k0, k1)))
                     params = {
                         "q_start": q0,
                         "k_start": k0,
-                        "mask": causal and k0 + kvb - 1 > q0,  # keys past the first query
+                        "mask": causal and k1 - 1 > q0,  # keys past the first query
                         "first": chain is None,
                         "scale": scale,
                         "bias": MASK_KINDS[mask_kind] if bias is not None else 0,
