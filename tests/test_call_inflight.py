@@ -43,13 +43,19 @@ def fake_slots(log: list):
     return new_slot, made
 
 
-def test_poll_checks_only_finished_calls_oldest_first_and_reuses_their_slots():
+def three_calls(limit: int, check) -> tuple[InFlight, list, list, torch.Tensor]:
+    """An InFlight of fake slots after three calls were added: (it, its slots, the log, err)."""
     log: list = []
     new_slot, made = fake_slots(log)
-    flight = InFlight(new_slot, limit=4)
+    flight = InFlight(new_slot, limit=limit)
     err = torch.zeros(8, dtype=torch.int64)
     for _ in range(3):
-        flight.add(flight.queue(err), log.append)
+        flight.add(flight.queue(err), check if check else log.append)
+    return flight, made, log, err
+
+
+def test_poll_checks_only_finished_calls_oldest_first_and_reuses_their_slots():
+    flight, made, log, err = three_calls(4, None)
     assert len(made) == 3 and len(flight.calls) == 3
     made[0].event.done = made[2].event.done = True  # the second has not finished
     flight.poll(lambda record: log.append(int(record[0])))
@@ -62,13 +68,9 @@ def test_poll_checks_only_finished_calls_oldest_first_and_reuses_their_slots():
 
 
 def test_past_the_limit_a_call_waits_for_the_oldest():
-    log: list = []
-    new_slot, _ = fake_slots(log)
-    flight = InFlight(new_slot, limit=2)
-    err = torch.zeros(8, dtype=torch.int64)
-    for _ in range(3):
-        flight.add(flight.queue(err), lambda record: log.append("checked"))
-    assert log == ["waited", "checked"] and len(flight.calls) == 2
+    checked: list = []
+    flight, _, log, _ = three_calls(2, lambda record: checked.append(int(record[0])))
+    assert log == ["waited"] and checked == [0] and len(flight.calls) == 2
 
 
 def test_a_timeout_is_raised_once_and_the_calls_after_it_are_dropped():
