@@ -302,8 +302,50 @@ def short_cases() -> None:
     compare("short-fp32-mega-s130-causal1", g, x, _sdpa(x, True))
 
 
+def _capped(x: dict, cap: float, causal: bool = False, mask: torch.Tensor | None = None):
+    """Gemma2's attention in float32: scores scaled, soft-capped (cap * tanh(s / cap)), then
+    the mask and the causal part, softmax, times v (KV heads grouped as enable_gqa does)."""
+    q, k, v = (x[n].float() for n in "qkv")
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    s = cap * torch.tanh(s / cap)
+    if mask is not None:
+        s = s + mask
+    if causal:
+        S = s.shape[-1]
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def softcap_cases() -> None:
+    """Soft-capped scores (attention's ``softcap``, Gemma2): the bodies' pointer path, which
+    the tasks take whatever their shape. bf16 with fp32 state at D 128 (a fast-path shape
+    otherwise), causal with grouped-query heads, through run_chains and the megakernel, at a
+    cap that bends most scores (2.0); with an additive mask; float32 by the megakernel."""
+    bf16 = torch.bfloat16
+    dims = dict(topology="1x1", B=1, H=4, S=256, D=128, block=64, kv_heads=2, causal=True)
+    g = mg.ops.attention(dtype=bf16, softcap=2.0, **dims)
+    x = _inputs(g, seed=41, dtype=bf16)
+    want = _capped(x, 2.0, causal=True)
+    compare("softcap-bf16-chains-gqa-causal1", g, x, want, chains=True)
+    compare("softcap-bf16-mega-gqa-causal1", g, x, want)
+    S = 128
+    g = mg.ops.attention(topology="1x1", B=1, H=2, S=S, D=64, block=64, mask_shape=[1, 1, S, S],
+                         softcap=5.0, dtype=bf16)
+    x = _inputs(g, seed=42, dtype=bf16)
+    bias = torch.randn(1, 1, S, S, generator=torch.Generator().manual_seed(43)).to(bf16)
+    x["mask"] = bias.reshape(g.inputs["mask"].shape)
+    compare("softcap-bf16-chains-mask", g, x, _capped(x, 5.0, mask=bias.float()), chains=True)
+    g = mg.ops.attention(topology="1x1", B=1, H=2, S=128, D=32, block=64, causal=True,
+                         softcap=3.0, dtype=torch.float32)
+    x = _inputs(g, seed=44)
+    compare("softcap-fp32-mega-causal1", g, x, _capped(x, 3.0, causal=True))
+
+
 CASES = {"ring": ring_cases, "ring2": ring_multi_rank_cases, "mask": mask_cases,
-         "chains": chain_cases, "finalize": finalize_cases, "short": short_cases}
+         "chains": chain_cases, "finalize": finalize_cases, "short": short_cases,
+         "softcap": softcap_cases}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

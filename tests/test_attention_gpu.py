@@ -64,3 +64,21 @@ def test_gpu_short_last_blocks_match_sdpa(S, block):
     assert ((got - want).norm() / want.norm()).item() < TOL["bfloat16"]
     rows = got.reshape(-1, 128)
     assert worst_tile_error(rows, want.reshape(-1, 128), rows=50, cols=128) < TOL["bfloat16"]
+
+
+@pytest.mark.gpu
+def test_gpu_soft_capped_scores_match_the_capped_reference():
+    """attention's ``softcap`` (Gemma2) on a GPU: the pointer path, bf16, causal GQA."""
+    import torch
+
+    import mgraph as mg
+    from mgraph.ops.attention_tiles import run_chains
+
+    S, D, cap = 512, 128, 2.0
+    g = mg.ops.attention(topology="1x1", B=1, H=4, S=S, D=D, block=128, kv_heads=2,
+                         causal=True, softcap=cap, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    x = {n: torch.randn(s.shape, generator=gen).to(torch.bfloat16) for n, s in g.inputs.items()}
+    got = run_chains(mg.schedule(g), x, device="cuda")["out"].float().cpu()
+    want = mg.ops.attention.run_reference({n: t.float() for n, t in x.items()}, g.params)["out"]
+    assert ((got - want).norm() / want.norm()).item() < TOL["bfloat16"]

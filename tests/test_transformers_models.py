@@ -297,8 +297,7 @@ def test_what_does_not_trace_is_a_named_error():
 # GELU-tanh MLP, Granite's scaled residuals and logits, Phi-3's fused qkv_proj and gate_up_proj
 # with its rotary code's pass-through slice (empty when the rotation covers the head: the case
 # that did not trace), partial rotary, and the interleaved rotation of Cohere, GLM and Helium
-# (torch.stack: did not trace). Gemma2 without its attention soft-capping (with it: the named
-# error below).
+# (torch.stack: did not trace). Gemma2's attention soft-capping: test_gemma2_soft_capping.
 DENSE = {
     "qwen2": ("Qwen2Config", "qwen2", "Qwen2", {}),
     "qwen3": ("Qwen3Config", "qwen3", "Qwen3", {"head_dim": 16}),
@@ -354,8 +353,21 @@ def test_empty_slices_only_feed_cat():
     x = torch.randn(B, S, SMALL["hidden_size"])
     with pytest.raises(mg.UnsupportedOpError, match="empty tensor of shape"):
         mg.compile(EmptyRead(), (x,))
-    with pytest.raises(mg.UnsupportedOpError, match="product of two activations"):
-        mg.compile(dense("gemma2", attn="eager", attn_logit_softcapping=50.0), (x,))
+
+
+@pytest.mark.parametrize("topology", ["1x1", "1x2"])
+def test_gemma2_soft_capping(topology):
+    """Gemma2's eager attention caps its scores (tanh(s / cap) * cap, before the mask): one
+    attention node with ``softcap``; a strong cap (2.0) so that an uncapped run would be far
+    off. Under ContextParallel (ring attention) it is a named error."""
+    torch.manual_seed(9)
+    model = dense("gemma2", attn="eager", attn_logit_softcapping=2.0)
+    x = torch.randn(B, S, SMALL["hidden_size"]) * 4.0
+    prog = compiled_matches(model, (x,), tp_plan() if topology == "1x2" else None, topology)
+    (att,) = attention_nodes(prog)
+    assert att.params["softcap"] == 2.0
+    with pytest.raises(mg.UnsupportedOpError, match="soft-capping"):
+        mg.compile(model, (x,), plan={"layer.self_attn": mg.ContextParallel()}, topology="1x2")
 
 
 class Block(nn.Module):

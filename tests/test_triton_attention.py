@@ -225,3 +225,13 @@ def test_short_last_blocks_where_the_blocks_do_not_divide_the_sequence():
     got = rows("short")
     _check(_select(got, "short-bf16-"), 5, ATTN, ["bfloat16", "float32"], TOL_BF16)
     _check(_select(got, "short-fp32-"), 1, ATTN, ["float32"], TOL)
+
+
+def test_soft_capped_scores_take_the_pointer_path():
+    """attention's ``softcap`` (Gemma2: softcap * tanh(scores / softcap) before the mask):
+    bf16 causal GQA at D 128 through run_chains and the megakernel, bf16 with an additive
+    mask, float32 by the megakernel, against the capped scores in float32 (uncapped SDPA is
+    15-30% away from it on these inputs)."""
+    got = rows("softcap")
+    _check(_select(got, "softcap-bf16-"), 3, ATTN, ["bfloat16", "float32"], TOL_BF16)
+    _check(_select(got, "softcap-fp32-"), 1, ATTN, ["float32"], TOL)

@@ -1,4 +1,6 @@
-"""Local attention: ``out = softmax(q k^T * scale) v`` per (batch, head), no communication.
+"""Local attention: ``out = softmax(q k^T * scale) v`` per (batch, head), no communication
+(``softcap`` > 0: the scores soft-capped first, ``softcap * tanh(scores / softcap)``, as
+Gemma2 writes it; those tasks take the bodies' pointer path on a GPU).
 
 Every rank computes the (batch, head) pairs it holds: heads sharded (the attention between a
 column-parallel QKV projection and a row-parallel output projection), batches sharded, or all of
@@ -112,8 +114,12 @@ def _shapes(
     kv_block: int | None = None,
     mask_kind: str = "additive",
     token_major: Sequence[str] | None = None,
+    softcap: float = 0.0,
     **_: object,
 ) -> dict[str, tuple]:
+    if softcap < 0:  # (its type and finiteness: the registry's option check)
+        raise ShapeError(f"{OP}: softcap={softcap!r} must be >= 0 (0: off)",
+                         hint="Gemma2's attn_logit_softcapping, e.g. 50.0")
     shape = (B, H, S, D)
     kv = (B, _kv_heads(H, kv_heads), S, D)
     tm = _token_major(token_major)
@@ -221,9 +227,21 @@ def _reference(
             causal = False
     H = q.shape[1]
     k, v = repeat_kv(k.float(), H), repeat_kv(v.float(), H)
-    out = F.scaled_dot_product_attention(
-        q.float(), k, v, attn_mask=bias, is_causal=causal, scale=scale
-    )
+    cap = float(params.get("softcap") or 0.0)
+    if cap:  # written out: SDPA has no soft-capping (softcap * tanh(scores / softcap))
+        scores = (q.float() @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None
+                                                     else scale)
+        scores = cap * torch.tanh(scores / cap)
+        if bias is not None:
+            scores = scores + bias
+        if causal:
+            hidden = torch.ones(S, S, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        out = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
+    else:
+        out = F.scaled_dot_product_attention(
+            q.float(), k, v, attn_mask=bias, is_causal=causal, scale=scale
+        )
     if "out" in tm:
         out = out.transpose(1, 2).reshape(B, S, -1)
     return {"out": out.to(q.dtype)}
@@ -282,6 +300,7 @@ def _lower(
     mask_kind: str = "additive",
     token_major: list[str] | None = None,
     inline_finalize: bool = True,
+    softcap: float = 0.0,
 ) -> None:
     shape = (B, H, S, D)
     blk, kvb = _blocks(S, block, kv_block)
@@ -345,6 +364,8 @@ def _lower(
                     }
                     if final:  # (left out otherwise: the kind's default, 0)
                         params["final"] = True
+                    if softcap:  # (likewise)
+                        params["softcap"] = float(softcap)
                     chain = b.task(
                         r,
                         Role.COMPUTE,

@@ -120,13 +120,13 @@ __all__ = ["ATTN_PARAMS", "BIAS_NONE", "BIAS_ADD", "BIAS_BOOL", "DEFAULT_VARIANT
 
 ATTN_BLOCK = kind_spec(TaskKind.ATTN_BLOCK)
 ATTN_FINALIZE = kind_spec(TaskKind.ATTN_FINALIZE)
-ATTN_PARAMS = ("q_start", "k_start", "mask", "first", "scale", "bias", "final")
+ATTN_PARAMS = ("q_start", "k_start", "mask", "first", "scale", "bias", "final", "softcap")
 # The builtin kinds are defined in mgraph/kinds.py without params; the params a body reads are
 # declared beside the body that reads them (the encoder packs them in this order). ``final``
 # (finalise inline) is set only on the tasks that do: 0 for every other task and for graphs
 # built before it existed.
 ATTN_BLOCK.params = ATTN_PARAMS
-ATTN_BLOCK.param_defaults = {"final": 0}
+ATTN_BLOCK.param_defaults = {"final": 0, "softcap": 0.0}  # softcap 0: off (attention.py)
 # Each operand's dtype is fixed by the lowerings (data in DT, state float32) and addressed so by
 # the bodies: the megakernel may run them on graphs whose buffers differ in dtype.
 ATTN_BLOCK.own_dtypes = ATTN_FINALIZE.own_dtypes = True
@@ -482,8 +482,8 @@ if HAVE_TRITON:
     @triton.jit(noinline=True)
     def _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                       sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
-                      causal, qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
-                      USE_TIMER: tl.constexpr):
+                      causal, qk_scale, has_bias, bp, b_stride, b_bool, softcap,
+                      DT: tl.constexpr, USE_TIMER: tl.constexpr):
         """The pointer path for the _PB-row sub-block at row i0 (any head size, dtype and
         alignment): chunks of _PB keys, scores over D in _PB-column chunks, acc rescaled and
         accumulated in the state's write chunk by chunk. A noinline function (scalar
@@ -511,6 +511,10 @@ if HAVE_TRITON:
                 q = _operand(_tile(qp, q_stride, om, od, nq, D), USE_TIMER)
                 k = _operand(_tile(kp, k_stride, ok, od, nk, D), USE_TIMER)
                 s = tl.dot(q, tl.trans(k), s)
+            if softcap > 0.0:  # a Gemma2 task (only this path takes them): cap the scaled
+                # scores, softcap * tanh(s * scale / softcap), in the raw units _scores scales
+                x = s * (qk_scale / _LOG2E) / softcap
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (_LOG2E / qk_scale)
             s = _scores(s, ok, om, b_rows, nk, lim, qk_scale, bp, b_stride, b_bool, True, True)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -541,13 +545,14 @@ if HAVE_TRITON:
     @triton.jit
     def _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                        sa_stride, mp, m_stride, smp, sm_stride, first, q_start, k_start, causal,
-                       qk_scale, has_bias, bp, b_stride, b_bool, DT: tl.constexpr,
+                       qk_scale, has_bias, bp, b_stride, b_bool, softcap, DT: tl.constexpr,
                        USE_TIMER: tl.constexpr):
         """The whole q block by the pointer path, _PB rows a call."""
         for i0 in range(0, nq, _PB):
             _pointer_rows(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride, sap,
                           sa_stride, mp, m_stride, smp, sm_stride, first, i0, q_start, k_start,
-                          causal, qk_scale, has_bias, bp, b_stride, b_bool, DT, USE_TIMER)
+                          causal, qk_scale, has_bias, bp, b_stride, b_bool, softcap, DT,
+                          USE_TIMER)
 
     @triton.jit
     def _aligned16(p, DT: tl.constexpr):
@@ -583,6 +588,7 @@ if HAVE_TRITON:
         first = param_i32(params, tp, 3)
         qk_scale = param_f32(params, tp, 4) * _LOG2E  # scores in log2 units: exp2 below
         has_bias = param_i32(params, tp, 5)
+        softcap = param_f32(params, tp, 7)  # 0: off; else the pointer path (attention.py)
         b_bool = has_bias == _BIAS_BOOL
         qp, q_stride, nq, D = _rows_cols(regions, bufaddr, bufcols, r0, DT)
         kp, k_stride, nk, _dk = _rows_cols(regions, bufaddr, bufcols, r0 + 1, DT)
@@ -609,7 +615,8 @@ if HAVE_TRITON:
             vec_bias = _tma_ok(bp, b_stride, DT) & (nk % per16 == 0)
             fast = ((D <= ATTN_D) & (DT.primitive_bitwidth == 16)
                     & _tma_ok(qp, q_stride, DT) & _tma_ok(kp, k_stride, DT)
-                    & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias))
+                    & _tma_ok(vp, v_stride, DT) & ((has_bias == _BIAS_NONE) | vec_bias)
+                    & (softcap == 0.0))
             if fast:
                 # one stage: Triton's pipeliner otherwise hoists the out rows' TMA store
                 # buffer (32 KB) out of this loop, live beside the fast loops' shared memory
@@ -635,11 +642,12 @@ if HAVE_TRITON:
                 _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap,
                                a_stride, sap, sa_stride, mp, m_stride, smp, sm_stride, first,
                                q_start, k_start, causal, qk_scale, has_bias, bp, b_stride,
-                               b_bool, DT, USE_TIMER)
+                               b_bool, softcap, DT, USE_TIMER)
         else:  # no fast path compiled: a graph without a head size it could take
             _pointer_block(qp, q_stride, nq, kp, k_stride, vp, v_stride, nk, D, ap, a_stride,
                            sap, sa_stride, mp, m_stride, smp, sm_stride, first, q_start, k_start,
-                           causal, qk_scale, has_bias, bp, b_stride, b_bool, DT, USE_TIMER)
+                           causal, qk_scale, has_bias, bp, b_stride, b_bool, softcap, DT,
+                           USE_TIMER)
         if (param_i32(params, tp, 6) != 0) & (inline_out == 0):
             # final, not done by the fast path: attn_finalize's work on the state just stored,
             # by every thread of the program (hence the barrier), its regions read again from

@@ -220,6 +220,8 @@ def _attn_block_cpu(
     p = task.params
     q, k, v = (t.float() for t in reads[:3])
     scores = (q @ k.T) * p["scale"]
+    if p.get("softcap"):  # Gemma2's soft-capping, before the mask (attention.py)
+        scores = p["softcap"] * torch.tanh(scores / p["softcap"])
     if p.get("bias") == BIAS_BOOL:
         scores = scores.masked_fill(reads[-1] == 0, float("-inf"))
     elif p.get("bias"):

@@ -142,9 +142,11 @@ def attention(
     causal: bool,
     scale: float | None,
     gqa: bool = False,
+    softcap: float = 0.0,
 ) -> Value:
     """``softmax(q k^T * scale + mask) v`` as an attention (or ring_attention) node; ``scale``
-    None is 1/sqrt(head_dim), as in SDPA."""
+    None is 1/sqrt(head_dim), as in SDPA; ``softcap`` > 0 caps the scaled scores first
+    (Gemma2's ``softcap * tanh(scores / softcap)``; not under ContextParallel)."""
     region = tr.region(n)
     ring = region is not None and isinstance(region[1], ContextParallel)
     lay = REPLICATE
@@ -195,6 +197,11 @@ def attention(
         dims["kv_heads"] = k.shape[1]
     if ring:
         assert region is not None
+        if softcap:
+            raise UnsupportedOpError(
+                f"{n.where()}: ring_attention (ContextParallel) has no score soft-capping",
+                hint="drop ContextParallel for this module (the attention op caps the scores)",
+            )
         if mask is not None:
             raise UnsupportedOpError(
                 f"{n.where()}: ring_attention (ContextParallel) takes no attn_mask other than "
@@ -216,6 +223,8 @@ def attention(
             Layout("shard", 2, causal),
         )
     params = {**dims, "scale": scale, "layout": lay.to_json()}
+    if softcap:
+        params["softcap"] = float(softcap)
     inputs = {"q": q, "k": k, "v": v}
     if mask is not None:
         params["mask_shape"] = list(mask.shape)

@@ -2,6 +2,7 @@
 attention a decoder layer built from a config uses unless ``attn_implementation="sdpa"``):
 
     w = torch.matmul(q, k.transpose(2, 3)) * scaling      # or / sqrt(d), or no scale
+    w = torch.tanh(w / softcap) * softcap                 # optional (Gemma2), a number
     w = w + attention_mask                                # optional, additive
     w = softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     w = dropout(w, p=0.0)                                 # optional, identity at eval
@@ -44,6 +45,7 @@ class EagerAttention:
     mask: Any  # the additive mask operand (a CNode), or None
     scale: float
     nodes: list[CNode]  # every node of the chain but the last matmul (never emitted)
+    softcap: float = 0.0  # Gemma2's soft-capping of the scaled scores; 0: none
 
 
 def find(cap: Captured) -> dict[CNode, EagerAttention]:
@@ -73,7 +75,8 @@ def emit(tr: Tracer, n: CNode, match: EagerAttention) -> Value:
         tr.tensor(n, c, what)
         for c, what in ((match.q, "query"), (match.k, "key"), (match.v, "value"))
     )
-    return attention(tr, n, q, k, v, match.mask, causal=False, scale=match.scale)
+    return attention(tr, n, q, k, v, match.mask, causal=False, scale=match.scale,
+                     softcap=match.softcap)
 
 
 def _live_users(n: CNode, outputs: set) -> list[CNode]:
@@ -105,8 +108,10 @@ def _match(first: CNode, outputs: set) -> tuple[CNode, EagerAttention] | None:
     chain = [first]
     if len(_live_users(kt, outputs)) == 1:  # the transposed k is read by the score matmul only
         chain.insert(0, kt)
-    scale, mask, node = 1.0, None, first
-    stage = "scale"  # scale, then mask, then softmax, then pass-through ops, then the matmul
+    scale, mask, node, cap = 1.0, None, first, 0.0
+    # scale, then soft-capping (divide, tanh, multiply back), then mask, then softmax, then
+    # pass-through ops, then the matmul
+    stage = "scale"
     while True:
         users = _live_users(node, outputs)
         if len(users) != 1 or node in outputs:
@@ -119,6 +124,19 @@ def _match(first: CNode, outputs: set) -> tuple[CNode, EagerAttention] | None:
                 return None
             scale = scale * factor if u.op == "mul" else scale / factor
             stage = "mask"
+        elif stage == "mask" and u.op == "div" and len(other) == 1 and _capped(u, outputs):
+            cap = float(other[0])
+            stage = "tanh"
+        elif stage == "tanh" and u.op == "tanh":
+            stage = "uncap"
+        elif stage == "uncap" and u.op == "mul" and len(other) == 1:
+            if _number(other[0]) != cap:
+                return None
+            stage = "capped"
+        elif stage == "capped" and u.op == "add" and len(other) == 1:
+            if u.arg(2, "alpha", 1) != 1 or not isinstance(other[0], CNode):
+                return None
+            mask, stage = other[0], "softmax"
         elif stage in ("scale", "mask") and u.op == "add" and len(other) == 1:
             if u.arg(2, "alpha", 1) != 1 or not isinstance(other[0], CNode):
                 return None
@@ -138,8 +156,23 @@ def _match(first: CNode, outputs: set) -> tuple[CNode, EagerAttention] | None:
                 return None
             if not math.isfinite(scale):
                 return None
-            return u, EagerAttention(q, kt.args[0], v, mask, scale, chain)
+            return u, EagerAttention(q, kt.args[0], v, mask, scale, chain, cap)
         else:
             return None
         chain.append(u)
         node = u
+
+
+def _capped(div: CNode, outputs: set) -> bool:
+    """Whether ``div`` (the scaled scores over a number) starts soft-capping: divided by a
+    positive number, then tanh, then multiplied back by the same number."""
+    cap = _number(div.args[1]) if div.args[0] is not div.args[1] else None
+    if cap is None or cap <= 0 or not math.isfinite(cap):
+        return False
+    users = _live_users(div, outputs)
+    if len(users) != 1 or users[0].op != "tanh":
+        return False
+    after = _live_users(users[0], outputs)
+    return len(after) == 1 and after[0].op == "mul" and cap in (
+        _number(a) for a in after[0].args[:2]
+    )
