@@ -303,19 +303,10 @@ def short_cases() -> None:
 
 
 def _capped(x: dict, cap: float, causal: bool = False, mask: torch.Tensor | None = None):
-    """Gemma2's attention in float32: scores scaled, soft-capped (cap * tanh(s / cap)), then
-    the mask and the causal part, softmax, times v (KV heads grouped as enable_gqa does)."""
-    q, k, v = (x[n].float() for n in "qkv")
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    s = cap * torch.tanh(s / cap)
-    if mask is not None:
-        s = s + mask
-    if causal:
-        S = s.shape[-1]
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    """Gemma2's attention in float32 (test_attention_softcap.capped)."""
+    from test_attention_softcap import capped
+
+    return capped(x, cap, causal, mask)
 
 
 def softcap_cases() -> None:
