@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import UnsupportedOpError
 from ..layout import REPLICATE, flat_shape
-from ..ops.elementwise import ROTATE
+from ..ops.elementwise import ROTATE, traced_tile_rows
 from .capture import CNode
 from .mapping import handles, sharded_last
 from .opgraph import Value
@@ -202,6 +202,9 @@ def _concat_last(tr: Tracer, n: CNode, parts: list[Value]) -> Value:
             "cols_y": y.shape[-1],
             "shape": list(out.shape),
             "layout": lay.to_json(),
+            # by width, as traced pointwise ops tile: narrow rows (the interleaved rotation's
+            # pairs of one column) in 64-row tasks made hundreds of tasks of a few KiB
+            "tile_rows": traced_tile_rows(cols + y.shape[-1]),
         }
         name = n.name if i == len(parts) - 1 else f"{n.name}_{i}"
         out = tr.emit(n, "concat", params, {"x": out, "y": y}, shape, lay, name=name)
