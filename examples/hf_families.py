@@ -62,18 +62,24 @@ class OneLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def build(name: str) -> tuple[nn.Module, str | None]:
-    config_cls, module, layer_cls, rotary_cls, kw, plan = FAMILIES[name]
+def make(config_cls: str, module: str, layer_cls: str, rotary_cls: str | None,
+         kw: dict) -> OneLayer:
+    """Layer 0 of transformers' ``module`` (its config, layer and rotary classes by name),
+    SDPA attention unless ``kw`` says otherwise."""
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    kw = {"attn_implementation": "sdpa", **kw}
-    config = getattr(transformers, config_cls)(**kw)
+    config = getattr(transformers, config_cls)(**{"attn_implementation": "sdpa", **kw})
     cls = getattr(mod, layer_cls)
     try:
         layer = cls(config, 0)
     except TypeError:  # blocks built from the config alone
         layer = cls(config)
     rotary = getattr(mod, rotary_cls)(config) if rotary_cls else None
-    model = OneLayer(config, layer, rotary).eval()
+    return OneLayer(config, layer, rotary).eval()
+
+
+def build(name: str) -> tuple[nn.Module, str | None]:
+    *spec, plan = FAMILIES[name]
+    model = make(*spec)
     with torch.no_grad():  # norms start at ones and biases at zeros: random weights check them
         for p in model.parameters():
             if p.dim() == 1:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import transformers  # imported once per module: it takes seconds
+from test_trace import _load
 from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -370,25 +371,6 @@ def test_gemma2_soft_capping(topology):
         mg.compile(model, (x,), plan={"layer.self_attn": mg.ContextParallel()}, topology="1x2")
 
 
-class Block(nn.Module):
-    """A decoder block of an older family fed as its model feeds it: the causal mask from
-    create_causal_mask, and the rotary tables when the family takes them."""
-
-    def __init__(self, config, block: nn.Module, rotary: nn.Module | None = None) -> None:
-        super().__init__()
-        self.config, self.block, self.rotary = config, block, rotary
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1])[None]
-        kw = {"attention_mask": create_causal_mask(
-            config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
-            position_ids=positions)}
-        if self.rotary is not None:
-            kw["position_embeddings"] = self.rotary(x, positions)
-        out = self.block(x, **kw)
-        return out[0] if isinstance(out, tuple) else out
-
-
 WIDE = dict(hidden_size=128, num_attention_heads=8, num_hidden_layers=1, intermediate_size=256)
 OLDER = {  # name: (config class, module, block class, rotary class or None, config)
     # Conv1D: torch.addmm(bias, x, W) with W [in, out] (did not trace)
@@ -403,19 +385,10 @@ OLDER = {  # name: (config class, module, block class, rotary class or None, con
 
 @pytest.mark.parametrize("name", list(OLDER))
 def test_older_decoder_blocks(name):
-    import importlib
-
-    config_cls, module, block_cls, rotary_cls, kw = OLDER[name]
-    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    config = getattr(transformers, config_cls)(**kw, attn_implementation="sdpa")
-    cls = getattr(mod, block_cls)
-    try:
-        block = cls(config, 0)
-    except TypeError:  # blocks built from the config alone
-        block = cls(config)
-    rotary = getattr(mod, rotary_cls)(config) if rotary_cls else None
+    # built and fed as examples/hf_families.py does (the causal mask from create_causal_mask,
+    # the rotary tables where the family takes them)
     torch.manual_seed(11)
-    model = randomize(Block(config, block, rotary))
-    x = torch.randn(B, S, config.hidden_size)
+    model = randomize(_load("hf_families").make(*OLDER[name]))
+    x = torch.randn(B, S, model.config.hidden_size)
     prog = compiled_matches(model, (x,))
     assert len(attention_nodes(prog)) == 1
