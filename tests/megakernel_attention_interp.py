@@ -304,23 +304,18 @@ def short_cases() -> None:
     compare("short-fp32-mega-s130-causal1", g, x, _sdpa(x, True))
 
 
-def _capped(x: dict, cap: float, causal: bool = False, mask: torch.Tensor | None = None):
-    """Gemma2's attention in float32 (test_attention_softcap.capped)."""
-    from test_attention_softcap import capped
-
-    return capped(x, cap, causal, mask)
-
-
 def softcap_cases() -> None:
     """Soft-capped scores (attention's ``softcap``, Gemma2): the bodies' pointer path, which
     the tasks take whatever their shape. bf16 with fp32 state at D 128 (a fast-path shape
     otherwise), causal with grouped-query heads, through run_chains, at a cap that bends most
     scores (2.0); with an additive mask; float32 by the megakernel."""
+    from test_attention_softcap import capped  # Gemma2's attention written out in float32
+
     bf16 = torch.bfloat16
     dims = dict(topology="1x1", B=1, H=4, S=256, D=128, block=64, kv_heads=2, causal=True)
     g = mg.ops.attention(dtype=bf16, softcap=2.0, **dims)
     x = _inputs(g, seed=41, dtype=bf16)
-    want = _capped(x, 2.0, causal=True)
+    want = capped(x, 2.0, True, None)
     compare("softcap-bf16-chains-gqa-causal1", g, x, want, chains=True)
     S = 128
     g = mg.ops.attention(topology="1x1", B=1, H=2, S=S, D=64, block=64, mask_shape=[1, 1, S, S],
@@ -328,11 +323,11 @@ def softcap_cases() -> None:
     x = _inputs(g, seed=42, dtype=bf16)
     bias = torch.randn(1, 1, S, S, generator=torch.Generator().manual_seed(43)).to(bf16)
     x["mask"] = bias.reshape(g.inputs["mask"].shape)
-    compare("softcap-bf16-chains-mask", g, x, _capped(x, 5.0, mask=bias.float()), chains=True)
+    compare("softcap-bf16-chains-mask", g, x, capped(x, 5.0, False, bias.float()), chains=True)
     g = mg.ops.attention(topology="1x1", B=1, H=2, S=128, D=32, block=64, causal=True,
                          softcap=3.0, dtype=torch.float32)
     x = _inputs(g, seed=44)
-    compare("softcap-fp32-mega-causal1", g, x, _capped(x, 3.0, causal=True))
+    compare("softcap-fp32-mega-causal1", g, x, capped(x, 3.0, True, None))
 
 
 CASES = {"ring": ring_cases, "ring2": ring_multi_rank_cases, "mask": mask_cases,

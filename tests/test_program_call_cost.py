@@ -341,7 +341,8 @@ def time_calls(reps: int = 100, rounds: int = 15) -> None:
     import time
 
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    from bench_layer import SMOKE, DecoderLayer
+    from bench_layer import SMOKE
+    from llama_layer import DecoderLayer
 
     from mgraph.runtime.megakernel.runtime import TritonRuntime
 

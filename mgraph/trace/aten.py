@@ -188,9 +188,7 @@ def _linear(tr: Tracer, n: CNode) -> Any:
         lay = whole_rows(tr, x, n)
         params = {**dims, "shard": "none", "shape": list(x.shape), "layout": lay.to_json()}
         out = tr.emit(n, "matmul", params, {"a": x, "b": w}, out_shape, lay)
-    bias = {"linear": lambda: n.arg(2, "bias"), "addmm": lambda: n.arg(0, "self")}.get(
-        n.op, lambda: None
-    )()
+    bias = n.arg(2, "bias") if n.op == "linear" else n.arg(0, "self") if n.op == "addmm" else None
     if bias is None:
         return out
     if not isinstance(bias, CNode) or bias.op != "param" or tuple(bias.shape) != (N,):

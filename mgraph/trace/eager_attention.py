@@ -124,8 +124,10 @@ def _match(first: CNode, outputs: set) -> tuple[CNode, EagerAttention] | None:
                 return None
             scale = scale * factor if u.op == "mul" else scale / factor
             stage = "mask"
-        elif stage == "mask" and u.op == "div" and len(other) == 1 and _capped(u, outputs):
-            cap = float(other[0])
+        elif stage == "mask" and u.op == "div" and len(other) == 1 and u.args[0] is node:
+            cap = _number(other[0])  # soft-capping: then tanh, then times the same number
+            if cap is None or cap <= 0 or not math.isfinite(cap):
+                return None
             stage = "tanh"
         elif stage == "tanh" and u.op == "tanh":
             stage = "uncap"
@@ -133,15 +135,11 @@ def _match(first: CNode, outputs: set) -> tuple[CNode, EagerAttention] | None:
             if _number(other[0]) != cap:
                 return None
             stage = "capped"
-        elif stage == "capped" and u.op == "add" and len(other) == 1:
+        elif stage in ("scale", "mask", "capped") and u.op == "add" and len(other) == 1:
             if u.arg(2, "alpha", 1) != 1 or not isinstance(other[0], CNode):
                 return None
             mask, stage = other[0], "softmax"
-        elif stage in ("scale", "mask") and u.op == "add" and len(other) == 1:
-            if u.arg(2, "alpha", 1) != 1 or not isinstance(other[0], CNode):
-                return None
-            mask, stage = other[0], "softmax"
-        elif stage != "after" and u.op in ("softmax", "_softmax"):
+        elif stage in ("scale", "mask", "capped", "softmax") and u.op in ("softmax", "_softmax"):
             if u.arg(1, "dim") % 4 != 3:
                 return None
             stage = "after"
@@ -162,17 +160,3 @@ def _match(first: CNode, outputs: set) -> tuple[CNode, EagerAttention] | None:
         chain.append(u)
         node = u
 
-
-def _capped(div: CNode, outputs: set) -> bool:
-    """Whether ``div`` (the scaled scores over a number) starts soft-capping: divided by a
-    positive number, then tanh, then multiplied back by the same number."""
-    cap = _number(div.args[1]) if div.args[0] is not div.args[1] else None
-    if cap is None or cap <= 0 or not math.isfinite(cap):
-        return False
-    users = _live_users(div, outputs)
-    if len(users) != 1 or users[0].op != "tanh":
-        return False
-    after = _live_users(users[0], outputs)
-    return len(after) == 1 and after[0].op == "mul" and cap in (
-        _number(a) for a in after[0].args[:2]
-    )
