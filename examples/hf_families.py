@@ -58,7 +58,7 @@ class OneLayer(nn.Module):
         self.config, self.layer, self.rotary = config, layer, rotary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1])[None]
+        positions = torch.arange(x.shape[1], device=x.device)[None]
         kw = {"attention_mask": create_causal_mask(
             config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
             position_ids=positions)}
