@@ -42,7 +42,7 @@ forward check: ``critical_path`` judges its two orders of a multi-node graph wit
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..graph import TaskGraph
 from ..hardware import HardwareProfile
@@ -236,13 +236,23 @@ def queue_times(
 def queue_makespan(
     graph: TaskGraph,
     pools: Pools,
-    order: Sequence[int],
+    order: Iterable[int],
     costs: Sequence[float],
     hardware: HardwareProfile | None = None,
+    limit: float = float("inf"),
+    tail: Sequence[float] | None = None,
 ) -> float:
     """``max(queue_times(...)[2])``, in about half the time (critical_path runs it twice per
     schedule): one heapreplace per task, and per-signal work only for events with partial
-    waits. With ``hardware``, the network too (``network_makespan``)."""
+    waits. With ``hardware``, the network too (``network_makespan``).
+
+    ``limit``: for a caller that only asks whether the order beats it. Once the makespan is
+    sure to pass it, the rest of ``order`` is not simulated (nor taken from it, when it is an
+    iterator) and a value above ``limit`` is returned, not the makespan: the makespan so far
+    only grows, and a task ending at t leaves at least ``tail[task]`` to run after it (the
+    longest path of full waits behind it: each of those tasks starts after the one before it
+    ends). ``tail`` values are sums of costs taken in another order than the model's, so the
+    bound must pass ``limit`` by more than their rounding (1e-9 relative) to stop."""
     tasks = graph.tasks
     total, pool_of, size = pools.total, pools.of, pools.size
     free = [[0.0] * k for k in size]
@@ -254,6 +264,7 @@ def queue_makespan(
     signals: dict[int, list[float]] = {e: [] for e in pools.partial}
     heapreplace = heapq.heapreplace
     last = 0.0
+    beyond = limit * (1.0 + 1e-9)
     for tid in order:
         t = tasks[tid]
         met = 0.0
@@ -278,6 +289,10 @@ def queue_makespan(
             done = met + costs[tid]
         if done > last:
             last = done
+            if last > limit:
+                return last
+        if tail is not None and done + tail[tid] > beyond:
+            return done + tail[tid]
         for e in t.signals:
             if done > latest[e]:
                 latest[e] = done
@@ -291,9 +306,11 @@ def queue_makespan(
 def network_makespan(
     graph: TaskGraph,
     pools: Pools,
-    order: Sequence[int],
+    order: Iterable[int],
     costs: Sequence[float],
     hardware: HardwareProfile,
+    limit: float = float("inf"),
+    tail: Sequence[float] | None = None,
 ) -> float:
     """``queue_makespan`` with a network: each rank's writes leave in its RDMA queue's order
     through the rank's one host proxy and NIC, a write holding them for the larger of one proxy
@@ -301,5 +318,5 @@ def network_makespan(
     landing its cost (costmodel: command + latency + wire) after it starts. Enough to see what
     ``queue_makespan`` cannot: a send queued behind one that waits a network round trip holds
     every later send, and sends compete for the rank's NIC. ``critical_path`` compares its two
-    orders of a graph with RDMA tasks by it."""
-    return queue_makespan(graph, pools, order, costs, hardware)
+    orders of a graph with RDMA tasks by it. ``limit``, ``tail``: as ``queue_makespan``'s."""
+    return queue_makespan(graph, pools, order, costs, hardware, limit, tail)
