@@ -114,6 +114,8 @@ class Tracer:
                 self._dtype(n)
             try:
                 self.env[n] = handler(self, n)
+            except MgraphError:
+                raise  # already named (a DTypeError is also a TypeError)
             except (TypeError, IndexError, KeyError, AttributeError) as e:
                 # An argument form the handler does not know (a list where it expects an int,
                 # a missing keyword): name the op rather than fail inside mgraph.
@@ -135,6 +137,14 @@ class Tracer:
 
     def _dtype(self, n: CNode) -> str:
         name = dtype_name(n.dtype)
+        if n.op not in ("input", "param") and name == "float32" and self.dtype in (
+            "bfloat16", "float16"
+        ):
+            # Model code in bf16 upcasts around its numerically touchy steps (transformers'
+            # RMSNorm, softmax(dtype=float32), rotary tables) and casts back after: casts are
+            # identities here, the fused bodies compute in float32 inside a task, and values
+            # between tasks are stored at the program's dtype.
+            return self.dtype
         if name != self.dtype:
             raise DTypeError(
                 f"{n.where()} is {name}, the program computes in {self.dtype}",
