@@ -152,12 +152,29 @@ if HAVE_TRITON:
         return _key_value(prev), 65535 - (prev & 65535), top, z
 
     @triton.jit
-    def _route_picks(lp, l_stride, T, E, top_k, per_rank, first, cap, G, mp, m_stride,
-                     rp, r_stride, wp, w_stride, cp, dp, KEYS16: tl.constexpr):  # fmt: skip
+    def _denominator(lp, l_stride, E, ot64, tok, top):
+        """Per token of the block: the softmax denominator over all E logits (shifted by its
+        largest, ``top``): the routing without renormalisation (route_topk's normalize=False)."""
+        z = tl.zeros(ot64.shape, dtype=tl.float32)
+        for c in range(0, tl.cdiv(E, _EB)):
+            oe = c * _EB + tl.arange(0, _EB)
+            ok = tok[:, None] & (oe < E)[None, :]
+            lg = tl.load(
+                lp + ot64[:, None] * l_stride + oe[None, :], mask=ok, other=float("-inf")
+            ).to(tl.float32)
+            z += tl.sum(tl.where(ok, tl.exp(lg - top[:, None]), 0.0), 1)
+        return z
+
+    @triton.jit
+    def _route_picks(lp, l_stride, T, E, top_k, normalize, per_rank, first, cap, G, mp,
+                     m_stride, rp, r_stride, wp, w_stride, cp, dp,
+                     KEYS16: tl.constexpr):  # fmt: skip
         """Pass 1 of the route body: per step of _GB experts of the group, per block of _TB
         tokens, which tokens pick which expert (a [tokens, experts] tile), their rows (running
         counts in registers plus a cumsum down the block), the metadata rows, the picks map's
-        entries; then the step's counts and drops. No barrier, no scalar loop per expert."""
+        entries; then the step's counts and drops. No barrier, no scalar loop per expert.
+        A pick's weight is exp(logit - top) / z: z sums the k picks (renormalised), or, with
+        ``normalize`` 0, all E logits (_denominator, one more scan)."""
         for g0 in range(0, G, _GB):
             og = g0 + tl.arange(0, _GB)
             gok = og < G
@@ -172,6 +189,8 @@ if HAVE_TRITON:
                     pv, pi, top, z = _thresholds16(lp, l_stride, E, ot64, tok, top_k)
                 else:
                     pv, pi, top, z = _thresholds(lp, l_stride, E, ot64, tok, top_k)
+                if normalize == 0:  # one value per task: every thread takes the same branch
+                    z = _denominator(lp, l_stride, E, ot64, tok, top)
                 both = tok[:, None] & gok[None, :]
                 le = tl.load(
                     lp + ot64[:, None] * l_stride + e[None, :], mask=both, other=float("-inf")
@@ -226,8 +245,9 @@ if HAVE_TRITON:
     @triton.jit
     def route_tile(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
         """Pass 1 (_route_picks): per block of tokens, top_k passes over the logits find each
-        token's k-th pick (value, index) and the softmax denominator over its k picks; a token
-        picks expert e of the group when its logit ranks at or above that threshold; its row in
+        token's k-th pick (value, index) and the softmax denominator over its k picks (over all
+        E logits when the task's ``normalize`` param is 0); a token picks expert e of the group
+        when its logit ranks at or above that threshold; its row in
         e's segment is the running count plus its exclusive prefix among the block's picks; a
         row at or past the segment's capacity is dropped (the module docstring's policy) and
         counted in e's entry of the dropped region. Pass 2 (_route_copy), after a barrier: the
@@ -240,6 +260,7 @@ if HAVE_TRITON:
         per_rank = param_i32(params, tp, 1)
         first = param_i32(params, tp, 2)
         cap = param_i32(params, tp, 3)
+        normalize = param_i32(params, tp, 4)
         xp, x_stride, T, H = _corner(regions, bufaddr, bufcols, r0, DT)
         lp, l_stride, _nl, E = _corner(regions, bufaddr, bufcols, r0 + 1, DT)
         sp, s_stride, _ns, _hs = _corner(regions, bufaddr, bufcols, w0, DT)
@@ -252,17 +273,20 @@ if HAVE_TRITON:
             lv, lv_stride, Ev = _vec16(lp, DT), _whole16(l_stride, DT), _whole16(E, DT)
             if DT.primitive_bitwidth == 16:
                 if E <= 2 * _EB:  # the packed keys (_thresholds16)
-                    _route_picks(lv, lv_stride, T, Ev, top_k, per_rank, first, cap, G, mp,
-                                 m_stride, rp, r_stride, wp, w_stride, cp, dp, True)  # fmt: skip
+                    _route_picks(lv, lv_stride, T, Ev, top_k, normalize, per_rank, first, cap,
+                                 G, mp, m_stride, rp, r_stride, wp, w_stride, cp, dp,
+                                 True)  # fmt: skip
                 else:
-                    _route_picks(lv, lv_stride, T, Ev, top_k, per_rank, first, cap, G, mp,
-                                 m_stride, rp, r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
+                    _route_picks(lv, lv_stride, T, Ev, top_k, normalize, per_rank, first, cap,
+                                 G, mp, m_stride, rp, r_stride, wp, w_stride, cp, dp,
+                                 False)  # fmt: skip
             else:
-                _route_picks(lv, lv_stride, T, Ev, top_k, per_rank, first, cap, G, mp, m_stride,
-                             rp, r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
+                _route_picks(lv, lv_stride, T, Ev, top_k, normalize, per_rank, first, cap, G,
+                             mp, m_stride, rp, r_stride, wp, w_stride, cp, dp,
+                             False)  # fmt: skip
         else:
-            _route_picks(lp, l_stride, T, E, top_k, per_rank, first, cap, G, mp, m_stride, rp,
-                         r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
+            _route_picks(lp, l_stride, T, E, top_k, normalize, per_rank, first, cap, G, mp,
+                         m_stride, rp, r_stride, wp, w_stride, cp, dp, False)  # fmt: skip
         tl.debug_barrier()  # pass 2 reads the counts and metadata rows other threads stored
         if _fits16(xp, x_stride, H, DT) & _fits16(sp, s_stride, H, DT):
             _route_copy(_vec16(xp, DT), _whole16(x_stride, DT), _whole16(H, DT), _vec16(sp, DT),

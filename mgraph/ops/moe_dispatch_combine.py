@@ -3,7 +3,9 @@
 Tokens ``x [T, H]`` and ``router_logits [T, E]`` are sharded along T (rank r holds T_loc = T/W
 rows); expert weights are sharded along E (rank r owns E_loc = E/W experts). ``out [T, H]`` is
 sharded like ``x``. Per token: weights, experts = softmax over its top_k logits; out = sum of
-weight * SwiGLU_expert(x). A second output, ``dropped [W, E]`` (float32, row r on rank r), counts
+weight * SwiGLU_expert(x). With ``normalize=False`` a pick's weight is instead its softmax
+probability over all E logits, not renormalised over the k (Qwen2-MoE's and Qwen3-MoE's
+``norm_topk_prob=False``); the picks are the same. A second output, ``dropped [W, E]`` (float32, row r on rank r), counts
 the picks of rank r's tokens for expert e that the drop policy dropped (see "Capacity"): its sum
 is the number of dropped picks, 0 when ``out`` equals a dense MoE's.
 
@@ -175,6 +177,7 @@ def _reference(
     expert_rows: int = 64,
     capacity_factor: float = 4.0,
     world_size: int | None = None,
+    normalize: bool = True,
     **_: object,
 ) -> dict[str, torch.Tensor]:
     if world_size is None:
@@ -184,7 +187,7 @@ def _reference(
         )
     T_loc = T // world_size
     capacity = segment_capacity(T_loc, E, top_k, capacity_factor, min(expert_rows, T_loc))
-    weights, experts, kept = kept_picks(router_logits, top_k, T_loc, capacity)
+    weights, experts, kept = kept_picks(router_logits, top_k, T_loc, capacity, normalize)
     lost = torch.zeros(T, E, dtype=torch.float32, device=x.device)
     lost.scatter_(1, experts, (~kept).float())  # a token picks an expert at most once
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -224,7 +227,10 @@ def _lower(
     expert_cols_f: int | None = None,
     expert_cols_h: int | None = None,
     expert_split: bool | None = None,
+    normalize: bool = True,
 ) -> None:
+    if normalize:  # unrecorded when default: graphs built before the flag keep their digests
+        b.params.pop("normalize", None)
     if not capacity_factor > 0:
         raise OptionError(
             f"{OP}: capacity_factor={capacity_factor!r} must be positive",
@@ -271,7 +277,7 @@ def _lower(
         )
     tiles.update({k: v or 0 for k, v in split.items()})
     b.params["world_size"] = b.world  # the reference's drop policy is per source rank
-    _Lowering(b, T, H, E, top_k, F, tiles, capacity_factor).run()
+    _Lowering(b, T, H, E, top_k, F, tiles, capacity_factor, normalize).run()
 
 
 def _binds(b: GraphBuilder, output: str) -> bool:
@@ -296,8 +302,10 @@ class _Lowering:
         F: int,
         tiles: dict[str, int],
         capacity_factor: float,
+        normalize: bool = True,
     ) -> None:
         self.b, self.topo, self.world = b, b.topo, b.world
+        self.normalize = normalize
         self.H, self.E, self.F, self.top_k = H, E, F, top_k
         self.T_loc, self.E_loc = T // self.world, E // self.world
         self.tile_rows = pick_tile(OP, "T/W", self.T_loc, tiles["expert_rows"])
@@ -491,6 +499,8 @@ class _Lowering:
                         "expert0": expert0,
                         "capacity": self.seg,
                         "expected_fill": self._expected_fill([*reads, *whole], packed),
+                        # set only when off: a renormalising op's tasks are as before the flag
+                        **({} if self.normalize else {"normalize": 0}),
                     },
                 )
                 tasks.append(task)

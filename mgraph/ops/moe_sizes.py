@@ -27,12 +27,16 @@ def segment_capacity(
 
 
 def kept_picks(
-    router_logits: torch.Tensor, top_k: int, tokens_per_rank: int, capacity: int
+    router_logits: torch.Tensor,
+    top_k: int,
+    tokens_per_rank: int,
+    capacity: int,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routing and its drop policy: ``(weights [T, k] fp32, experts [T, k], kept [T, k]
-    bool)``; a pick is kept when fewer than ``capacity`` earlier tokens of its source rank
-    (consecutive ``tokens_per_rank`` rows) picked the same expert."""
-    weights, experts = route_topk(router_logits, top_k)
+    """The routing (``route_topk``) and its drop policy: ``(weights [T, k] fp32, experts [T, k],
+    kept [T, k] bool)``; a pick is kept when fewer than ``capacity`` earlier tokens of its
+    source rank (consecutive ``tokens_per_rank`` rows) picked the same expert."""
+    weights, experts = route_topk(router_logits, top_k, normalize)
     T, E = router_logits.shape
     hits = torch.zeros(T, E, dtype=torch.int32, device=router_logits.device)
     hits.scatter_(1, experts, 1)

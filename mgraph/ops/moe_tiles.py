@@ -75,7 +75,10 @@ EXPERT = kind_spec(TaskKind.MOE_EXPERT)
 COMBINE = kind_spec(TaskKind.MOE_COMBINE)
 # The builtin kinds are defined in mgraph/kinds.py without params; the params a Triton body
 # reads are declared beside it (the encoder packs them in this order).
-ROUTE.params = ("top_k", "experts_per_rank", "expert0", "capacity")
+ROUTE.params = ("top_k", "experts_per_rank", "expert0", "capacity", "normalize")
+# normalize 0: top-k weights from the softmax over all experts (route_topk); the lowering sets it
+# only then, so the tasks of a renormalising op are as before the flag
+ROUTE.param_defaults = {"normalize": 1}
 EXPERT.params = ("local_expert", "row0", "part")
 # part: 0 both passes (regions below), 1 pass 1 only, 2 pass 2 only (EXPERT_PARTS)
 EXPERT.param_defaults = {"part": 0}
@@ -203,14 +206,21 @@ def weight_streams(
     }
 
 
-def route_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral routing: top-k on the logits, softmax over those k values (fp32).
+def route_topk(
+    logits: torch.Tensor, top_k: int, normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral routing: top-k on the logits, softmax over those k values (fp32). ``normalize``
+    False: the softmax over all E logits at the top k, not renormalised (Qwen2-MoE's
+    ``norm_topk_prob=False``); the same picks.
 
     Returns ``(weights [T, k] fp32, experts [T, k] int64)``. The reference and the route tile share
     it so that the tie-breaking of ``topk`` is identical in both.
     """
-    values, experts = logits.float().topk(top_k, dim=-1)
-    return torch.softmax(values, dim=-1), experts
+    logits = logits.float()
+    values, experts = logits.topk(top_k, dim=-1)
+    if normalize:
+        return torch.softmax(values, dim=-1), experts
+    return torch.softmax(logits, dim=-1).gather(1, experts), experts
 
 
 def swiglu(
@@ -240,7 +250,8 @@ def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch
     send, meta, counts, pick_rows, pick_weights, dropped = writes
     per_rank, first = task.params["experts_per_rank"], task.params["expert0"]
     capacity = task.params["capacity"]
-    weights, experts = route_topk(logits, task.params["top_k"])
+    normalize = bool(task.params.get("normalize", ROUTE.param_defaults["normalize"]))
+    weights, experts = route_topk(logits, task.params["top_k"], normalize)
     flat = counts.view(-1)
     flat.zero_()
     lost = dropped.view(-1)
@@ -271,8 +282,10 @@ def _route_cpu(task: Task, reads: Sequence[torch.Tensor], writes: Sequence[torch
 @ROUTE.flops
 def _route_flops(reads: Sequence[tuple[int, int]], writes: Sequence[tuple[int, int]], params: dict):
     tokens, experts = reads[1]
-    # top_k scans of the logits, then a k-wide softmax per token.
-    return float(tokens * experts * params.get("top_k", 1) + 4 * tokens * params.get("top_k", 1))
+    # top_k scans of the logits, then a k-wide softmax per token (without normalize: one more
+    # scan, the softmax's denominator over all experts).
+    scans = params.get("top_k", 1) + (0 if params.get("normalize", 1) else 1)
+    return float(tokens * experts * scans + 4 * tokens * params.get("top_k", 1))
 
 
 # -- moe_move: reads [src (S*seg, cols), counts (1, S)], writes [dst (S*seg, cols)] ---------------
