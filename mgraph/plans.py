@@ -19,7 +19,12 @@ A plan maps module paths (as ``model.get_submodule`` names them; ``""`` is the r
   ``nn.Linear(H, E, bias=False)`` (or router logits passed as its second input), top-k on the
   logits then softmax over the k, experts that are SwiGLU MLPs of three bias-free linears, or
   stacked expert weights (``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]) with a router
-  module holding an [E, H] ``weight``.
+  module holding an [E, H] ``weight``. A ``norm_topk_prob = False`` on the block or its router
+  (Qwen2-MoE, Qwen3-MoE, OLMoE) weighs the k picks by their softmax over all E logits instead
+  (the op's ``normalize=False``). A block may also hold a shared expert (Qwen2-MoE): a module
+  ``shared_expert`` that every token runs, optionally scaled by ``sigmoid(shared_expert_gate(x))``,
+  added to the routed output; it is traced as ordinary code beside the fused op (replicated
+  unless the plan names its linears, e.g. ``"mlp.shared_expert.up_proj": ColwiseParallel()``).
 
 ``options`` are passed to the fused op the style lowers to (e.g. ``{"tile": [64, 128]}``,
 ``{"block": 64}``; see ``mgraph ops``).
@@ -99,3 +104,7 @@ class ExpertParallel(ParallelStyle):
     down_proj: str = "down_proj"
     gate_up_proj: str = "gate_up_proj"  # stacked experts: [E, 2F, H], gate rows first
     top_k: int | None = None  # None: the block's ``top_k`` attribute
+    # the block's shared expert and its gate, where it has them (out = routed(x) +
+    # sigmoid(gate(x)) * shared(x), or routed(x) + shared(x) without a gate)
+    shared_expert: str = "shared_expert"
+    shared_expert_gate: str = "shared_expert_gate"

@@ -11,16 +11,12 @@ import torch
 import torch.nn as nn
 import transformers  # imported once per module: it takes seconds
 from test_trace import _load
-from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import (
     MixtralDecoderLayer,
     MixtralRotaryEmbedding,
-)
-from transformers.models.qwen2_moe.modeling_qwen2_moe import (
-    Qwen2MoeDecoderLayer,
-    Qwen2MoeRotaryEmbedding,
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeDecoderLayer,
@@ -250,21 +246,20 @@ def test_moe_decoder_layers(name, topology):
 
 
 def test_moe_blocks_that_mean_something_else_are_plan_errors():
-    x = torch.randn(B, S, SMALL["hidden_size"])
-    plan = {"layer.mlp": mg.ExpertParallel(router="gate")}
-    with pytest.raises(mg.PlanError, match="norm_topk_prob"):
-        mg.compile(qwen3_moe(norm_topk_prob=False), (x,), plan=plan)
-    config = Qwen2MoeConfig(
-        **MOE,
-        num_experts=4,
-        moe_intermediate_size=96,
-        shared_expert_intermediate_size=128,
-        norm_topk_prob=True,
-        attn_implementation="sdpa",
-    )
-    qwen2 = randomize(Layer(config, Qwen2MoeDecoderLayer, Qwen2MoeRotaryEmbedding))
-    with pytest.raises(mg.PlanError, match="shared_expert"):
-        mg.compile(qwen2, (x,), plan=plan)
+    """Qwen2-MoE's shared expert and norm_topk_prob=False trace now (tests/test_qwen2_moe.py);
+    DeepSeek-V3's block (biased, grouped routing; ``shared_experts``) does not."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = DeepseekV3Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1)  # fmt: skip
+    x = torch.randn(B, S, 64)
+    block, plan = randomize(DeepseekV3MoE(config)), {"": mg.ExpertParallel(router="gate")}
+    with pytest.raises(mg.PlanError, match="e_score_correction_bias"):
+        mg.compile(block, (x,), plan=plan)
+    del block.gate.e_score_correction_bias  # past the router: its shared experts
+    with pytest.raises(mg.PlanError, match="'shared_experts'"):
+        mg.compile(block, (x,), plan=plan)
 
 
 class WithWeights(nn.Module):

@@ -24,7 +24,7 @@ from ..plans import (
     RowwiseParallel,
 )
 from ..topology import Topology
-from .capture import Captured, CNode, capture
+from .capture import Captured, CNode, Shared, capture
 from .opgraph import OpGraph, OpNode, ParamSource, Value
 from .tracer import Tracer
 
@@ -42,6 +42,7 @@ def trace(
     checked = check_plan(module, plan)
     args = example_args(example_inputs)
     leaf_paths = [p for p, s in checked.items() if isinstance(s, ExpertParallel)]
+    shared = dense_parts(module, checked)
     # The collector is paused while torch.export runs (mgraph.graph.gc_paused). The first
     # export in a process imports ~1200 modules (torch._dynamo and what it pulls in), and the
     # collections their allocations trigger rescan those long-lived objects again and again,
@@ -49,7 +50,7 @@ def trace(
     # tensors and fx graphs, no tensor storage of its own) is freed by the next full
     # collection instead of a young one.
     with gc_paused():
-        captured = capture(module, args, leaf_paths)
+        captured = capture(module, args, leaf_paths, shared)
         og = Tracer(module, captured, checked, topo, dtype_name(args[0].dtype)).run()
     og.note = captured.note
     return og
@@ -64,6 +65,19 @@ def example_args(example_inputs: Any) -> tuple[torch.Tensor, ...]:
             hint="pass the positional inputs of module.forward, e.g. (x,)",
         )
     return args
+
+
+def dense_parts(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, Shared]:
+    """The shared experts of the plan's ExpertParallel blocks (traced beside their fused op)."""
+    from .modules import shared_parts
+
+    found = {}
+    for path, style in plan.items():
+        if isinstance(style, ExpertParallel):
+            shared = shared_parts(module.get_submodule(path), style, path)
+            if shared is not None:
+                found[path] = shared
+    return found
 
 
 def check_plan(module: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, ParallelStyle]:
@@ -112,11 +126,19 @@ def check_plan(module: nn.Module, plan: Mapping[str, Any] | None) -> dict[str, P
             expert_modules(sub, style, path)
         out[path] = style
     leaves = [p for p, s in out.items() if isinstance(s, ExpertParallel)]
+    shared = dense_parts(module, out)
     for path in out:
         for leaf in leaves:
-            if path != leaf and (leaf == "" or path.startswith(leaf + ".")):
-                raise PlanError(
-                    f"plan[{path!r}] lies inside the ExpertParallel block {leaf!r}",
-                    hint="an ExpertParallel block is lowered as a whole: drop the inner entry",
-                )
+            inner = path[len(leaf) + 1 :] if leaf else path
+            if path == leaf or (leaf and not path.startswith(leaf + ".")):
+                continue
+            dense = shared.get(leaf)
+            names = (dense.expert, dense.gate) if dense else ()
+            if any(n is not None and (inner == n or inner.startswith(n + ".")) for n in names):
+                continue  # the shared expert is ordinary code, planned as such
+            raise PlanError(
+                f"plan[{path!r}] lies inside the ExpertParallel block {leaf!r}",
+                hint="an ExpertParallel block is lowered as a whole (but for its shared "
+                "expert, which the plan may name): drop the inner entry",
+            )
     return out

@@ -8,7 +8,9 @@ shape and dtype, and the module paths it runs in (from ``nn_module_stack``).
 
 Leaf modules: a module planned as one fused op (ExpertParallel) is swapped, for the duration of
 the capture only, for a wrapper calling the ``mgraph::leaf`` custom op, so its data-dependent
-insides (routing, per-expert loops) are never traced.
+insides (routing, per-expert loops) are never traced. A leaf's dense part (``Shared``: a MoE
+block's shared expert and its gate) stays outside the custom op: the wrapper runs it as
+ordinary modules, registered under the block's own names, so it traces like any other code.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import operator
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from ..errors import TraceError
 
-__all__ = ["CNode", "Captured", "capture", "CUSTOM_NAMESPACE"]
+__all__ = ["CNode", "Captured", "Shared", "capture", "CUSTOM_NAMESPACE"]
 
 CUSTOM_NAMESPACE = "mgraph_user"
 _LEAVES: dict[int, nn.Module] = {}
@@ -57,6 +59,37 @@ class _Leaf(nn.Module):
 
     def forward(self, *inputs: Tensor) -> Tensor:
         return torch.ops.mgraph.leaf(list(inputs), self.leaf_id)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A leaf block's dense part, traced beside its fused op (Qwen2-MoE's shared expert): the
+    block computes ``leaf(x) + sigmoid(gate(x)) * expert(x)`` (``gate`` None: ``+ expert(x)``),
+    ``expert`` and ``gate`` naming its child modules."""
+
+    expert: str
+    gate: str | None = None
+
+
+class _WithShared(nn.Module):
+    """Stands in for a leaf block with a ``Shared`` part: its routed part as a _Leaf (whose
+    custom op, run on fake tensors only, never computes), its shared modules registered under
+    their names in the block, so their parameters keep their paths."""
+
+    def __init__(self, routed: _Leaf, inner: nn.Module, shared: Shared) -> None:
+        super().__init__()
+        self._mgraph_routed = routed  # (a name no block uses for its own children)
+        self._mgraph_shared = shared
+        for name in (shared.expert, shared.gate):
+            if name is not None:
+                setattr(self, name, getattr(inner, name))
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        x, shared = inputs[0], self._mgraph_shared
+        dense = getattr(self, shared.expert)(x)
+        if shared.gate is not None:
+            dense = torch.sigmoid(getattr(self, shared.gate)(x)) * dense
+        return self._mgraph_routed(*inputs) + dense
 
 
 @dataclass(eq=False)
@@ -113,8 +146,9 @@ def _quiet():
 
 
 @contextmanager
-def _swapped(module: nn.Module, leaf_paths: Sequence[str]):
-    """``module`` with each leaf path replaced by a _Leaf (the root itself when path is "")."""
+def _swapped(module: nn.Module, leaf_paths: Sequence[str], shared: Mapping[str, Shared]):
+    """``module`` with each leaf path replaced by a _Leaf (the root itself when path is ""), or
+    by a _WithShared around one when ``shared`` names its dense part."""
     swaps = []
     leaves: dict[int, tuple[str, nn.Module]] = {}
     root = module
@@ -123,13 +157,16 @@ def _swapped(module: nn.Module, leaf_paths: Sequence[str]):
         leaf_id = id(inner)
         _LEAVES[leaf_id] = inner
         leaves[leaf_id] = (path, inner)
+        stand_in: nn.Module = _Leaf(inner, leaf_id)
+        if path in shared:
+            stand_in = _WithShared(stand_in, inner, shared[path])
         if path == "":
-            root = _Leaf(inner, leaf_id)
+            root = stand_in
             continue
         parent_path, _, name = path.rpartition(".")
         parent = module.get_submodule(parent_path)
         swaps.append((parent, name, inner))
-        setattr(parent, name, _Leaf(inner, leaf_id))
+        setattr(parent, name, stand_in)
     try:
         yield root, leaves
     finally:
@@ -137,8 +174,13 @@ def _swapped(module: nn.Module, leaf_paths: Sequence[str]):
             setattr(parent, name, inner)
 
 
-def capture(module: nn.Module, args: tuple, leaf_paths: Sequence[str]) -> Captured:
-    with _swapped(module, leaf_paths) as (root, leaves):
+def capture(
+    module: nn.Module,
+    args: tuple,
+    leaf_paths: Sequence[str],
+    shared: Mapping[str, Shared] | None = None,
+) -> Captured:
+    with _swapped(module, leaf_paths, shared or {}) as (root, leaves):
         try:
             with _quiet():
                 ep = torch.export.export(root, args, strict=False)

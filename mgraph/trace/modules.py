@@ -6,7 +6,9 @@
   tokens and experts sharded over all ranks. The experts are a ModuleList of SwiGLU MLPs, or one
   module holding them stacked as recent transformers releases write Mixtral/Qwen-MoE: a
   ``gate_up_proj`` parameter ``[E, 2F, H]`` (gate rows first, as ``.chunk(2, dim=-1)`` cuts its
-  product) and a ``down_proj`` ``[E, H, F]``, applied with ``F.linear``.
+  product) and a ``down_proj`` ``[E, H, F]``, applied with ``F.linear``. ``norm_topk_prob =
+  False`` (on the block or its router) becomes the op's ``normalize=False``. A shared expert
+  (``shared_parts``) is traced as ordinary code beside the op (capture.Shared).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..errors import MoECapacityWarning, PlanError, ShapeError, UnsupportedOpErr
 from ..layout import REPLICATE, ROWS, flat_shape
 from ..ops.custom import CUSTOM
 from ..plans import ExpertParallel
-from .capture import CNode
+from .capture import CNode, Shared
 from .mapping import broadcast_form, handles, sharded_last
 from .opgraph import Value
 from .tracer import Tracer
@@ -107,7 +109,7 @@ def moe_block(
     else:
         E, two_f, _ = getattr(experts, style.gate_up_proj).shape
         F = two_f // 2
-    _check_routing(block, where)
+    normalize = _normalize(block, where)
     top_k = style.top_k
     if top_k is None:  # Mixtral keeps top_k on the block, Qwen3-MoE on its router
         router = getattr(block, style.router, None)
@@ -141,6 +143,16 @@ def moe_block(
                 f"a module whose `weight` is [experts, hidden] = [{E}, {H}])",
                 hint="name it with ExpertParallel(router=...), or pass the logits as the "
                 "block's second input",
+            )
+        extra = [name for name, _ in router.named_parameters() if name != "weight"]
+        extra += [name for name, _ in router.named_buffers()]
+        if extra:
+            raise PlanError(
+                f"{where}: the router {style.router!r} ({type(router).__name__}) holds "
+                f"{', '.join(map(repr, extra))} besides its weight; moe_dispatch_combine routes "
+                "by a softmax over the logits x @ weight.T alone",
+                hint="keep blocks with biased or grouped routing (DeepSeek-V3's "
+                "e_score_correction_bias) out of the plan",
             )
         fqn = f"{prefix}{style.router}.weight"
         w = tr.stacked(f"{fqn}.T", [fqn], (H, E), transform="t")
@@ -183,6 +195,8 @@ def moe_block(
     # documented policy).
     params = {"T": T, "H": H, "E": E, "top_k": top_k, "F": F,
               "capacity_factor": E / top_k, **style.options}
+    if not normalize:  # (unset when default: the nodes of renormalising blocks are as before)
+        params["normalize"] = False
     if params["capacity_factor"] < E / top_k:
         # the op counts its drops in a `dropped` output, but a Program returns the module's
         # outputs only: say it here, once, rather than answer differently from eager in silence
@@ -266,35 +280,67 @@ def _stacked_experts(experts: nn.Module, style: ExpertParallel, where: str) -> n
     return experts
 
 
+def shared_parts(block: nn.Module, style: ExpertParallel, path: str) -> Shared | None:
+    """The block's shared expert (and its gate) as capture traces them beside the fused op, or
+    None when it has none. The block is taken to compute ``routed(x) + sigmoid(gate(x)) *
+    shared_expert(x)`` (Qwen2-MoE), or ``routed(x) + shared_expert(x)`` without a gate."""
+    where = f"plan {path or '<root>'!r} ExpertParallel"
+    expert = getattr(block, style.shared_expert, None)
+    gate = getattr(block, style.shared_expert_gate, None)
+    for name, part in ((style.shared_expert, expert), (style.shared_expert_gate, gate)):
+        if part is not None and not isinstance(part, nn.Module):
+            raise PlanError(
+                f"{where}: {type(block).__name__}.{name} is a {type(part).__name__}, not a module",
+                hint="name the shared expert with ExpertParallel(shared_expert=..., "
+                "shared_expert_gate=...)",
+            )
+    if expert is None:
+        if gate is not None:
+            raise PlanError(
+                f"{where}: {type(block).__name__} has a shared expert gate "
+                f"{style.shared_expert_gate!r} but no shared expert {style.shared_expert!r}",
+                hint="name the shared expert with ExpertParallel(shared_expert=...)",
+            )
+        return None
+    return Shared(style.shared_expert, style.shared_expert_gate if gate is not None else None)
+
+
 def _check_only_routed(block: nn.Module, style: ExpertParallel, where: str) -> None:
-    """moe_dispatch_combine computes the router and the routed experts; a block holding more
-    (Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``) would silently lose it."""
+    """moe_dispatch_combine computes the router and the routed experts, and capture traces a
+    shared expert beside it; a block holding more (DeepSeek-V3's ``shared_experts``, a bias of
+    its own) would silently lose it."""
+    known = (style.router, style.experts, style.shared_expert, style.shared_expert_gate)
     extra = [
         name
         for name, child in block.named_children()
-        if name not in (style.router, style.experts) and any(True for _ in child.parameters())
+        if name not in known and any(True for _ in child.parameters())
     ]
     extra += [name for name, _ in block.named_parameters(recurse=False)]
     if extra:
         raise PlanError(
             f"{where}: {type(block).__name__} holds parameters besides its router "
-            f"{style.router!r} and experts {style.experts!r}: {', '.join(map(repr, extra))} "
-            "(e.g. a shared expert); moe_dispatch_combine computes only the routed experts",
-            hint="ExpertParallel takes Mixtral-style blocks (router + routed experts); keep "
-            "blocks with shared experts out of the plan",
+            f"{style.router!r}, experts {style.experts!r} and shared expert "
+            f"{style.shared_expert!r} (with its gate {style.shared_expert_gate!r}): "
+            f"{', '.join(map(repr, extra))}; moe_dispatch_combine computes only the routed "
+            "experts, and only a shared expert of that name is traced beside it",
+            hint="name a shared expert (routed(x) + sigmoid(gate(x)) * shared(x)) with "
+            "ExpertParallel(shared_expert=..., shared_expert_gate=...); keep other blocks out "
+            "of the plan",
         )
 
 
-def _check_routing(block: nn.Module, where: str) -> None:
-    """moe_dispatch_combine weighs the top-k experts by a softmax over their k logits, which is
-    a softmax over all experts renormalised over the top k; without the renormalisation the
-    block means something else."""
-    for owner in (block, *block.children()):
-        if getattr(owner, "norm_topk_prob", True) is False:
-            raise PlanError(
-                f"{where}: {type(owner).__name__}.norm_topk_prob is False (top-k weights are "
-                "not renormalised); moe_dispatch_combine weighs the top k by a softmax over "
-                "their logits",
-                hint="set norm_topk_prob=True (Mixtral's routing), or keep the block out of "
-                "the plan",
-            )
+def _normalize(block: nn.Module, where: str) -> bool:
+    """Whether the block renormalises its top-k weights (the op's ``normalize``): softmax over
+    all experts then top k, renormalised over the k (Mixtral, which writes it as a softmax over
+    the k logits) unless the block or its router sets ``norm_topk_prob = False``."""
+    flags = {
+        type(owner).__name__: owner.norm_topk_prob
+        for owner in (block, *block.children())
+        if isinstance(getattr(owner, "norm_topk_prob", None), bool)
+    }
+    if len(set(flags.values())) > 1:
+        raise PlanError(
+            f"{where}: norm_topk_prob disagrees between {', '.join(flags)} ({flags})",
+            hint="set one value: the router's decides the routing",
+        )
+    return all(flags.values())
