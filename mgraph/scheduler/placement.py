@@ -63,15 +63,26 @@ _RDMA = Role.RDMA.value
 class Pools:
     """What both passes read, built once per schedule: each event's signallers and signal
     count, the events waited on for fewer than all signals, and each task's pool (its rank's
-    workers of its role) with the pools' sizes (0: RDMA, no limit)."""
+    workers of its role) with the pools' sizes (0: RDMA, no limit).
 
-    def __init__(self, graph: TaskGraph, workers: Sequence[Mapping[str, int]]) -> None:
+    ``total`` and ``partial`` (the signals per event, the events with a partial waiter) are
+    PolicyInput's when the caller has them: critical_path passes them, so a 2x8 layer's
+    150k waits and 100k signals are not walked again. The signallers lists, which only
+    ``constrained_lengths`` reads, are built on first read."""
+
+    def __init__(
+        self,
+        graph: TaskGraph,
+        workers: Sequence[Mapping[str, int]],
+        total: Sequence[int] | None = None,
+        partial: Iterable[int] | None = None,
+    ) -> None:
         tasks = graph.tasks
-        self.signalers: list[list[int]] = [[] for _ in graph.events]
-        for t in tasks:
-            for e in t.signals:
-                self.signalers[e].append(t.id)
-        self.total = [len(s) for s in self.signalers]
+        self._graph = graph
+        self._signalers: list[list[int]] | None = None
+        if total is None:
+            total = [len(s) for s in self.signalers]
+        self.total = total
         index: dict[tuple[int, str], int] = {}
         self.size: list[int] = []
         self.of: list[int] = [0] * len(tasks)
@@ -83,7 +94,20 @@ class Pools:
                 self.size.append(0 if t.role == _RDMA else max(1, workers[t.rank].get(t.role, 0)))
             self.of[t.id] = p
         # events some task waits on for fewer than all signals
-        self.partial = {e for t in tasks for e, c in t.waits if c < self.total[e]}
+        if partial is None:
+            partial = {e for t in tasks for e, c in t.waits if c < total[e]}
+        self.partial = set(partial)
+
+    @property
+    def signalers(self) -> list[list[int]]:
+        """event -> the ids of the tasks that signal it, in id order."""
+        if self._signalers is None:
+            signalers: list[list[int]] = [[] for _ in self._graph.events]
+            for t in self._graph.tasks:
+                for e in t.signals:
+                    signalers[e].append(t.id)
+            self._signalers = signalers
+        return self._signalers
 
 
 def top_levels(graph: TaskGraph, costs: Sequence[float], order: Sequence[int]) -> list[float]:

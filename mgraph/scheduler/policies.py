@@ -102,6 +102,8 @@ class PolicyInput:
     # its number of waits: ``list_order``'s counter simulation, built in the pass above
     released: dict[int, dict[int, list[int]]] | None = field(default=None, repr=False)
     waits: list[int] | None = field(default=None, repr=False)
+    # event -> its number of signals (None only for a PolicyInput made by hand)
+    total: list[int] | None = field(default=None, repr=False)
     # rank -> role -> workers (the schedule's SM partition); None: unknown, and the policies
     # that place tasks on workers (``critical_path``) assume a worker for every task
     workers: list[dict[str, int]] | None = field(default=None, repr=False)
@@ -200,6 +202,7 @@ def policy_input(
         partial=partial,
         released=released,
         waits=waits,
+        total=total,
         workers=workers,
         hardware=hardware,
     )
@@ -599,7 +602,7 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     for i, tid in enumerate(Columns([-x for x in length], turn).ranked()):
         rank[tid] = i
     plain_order = list_order(graph, rank, facts)  # longest_path's
-    pools = Pools(graph, facts.workers)
+    pools = Pools(graph, facts.workers, facts.total, facts.partial)
     plain = queue_makespan(graph, pools, plain_order, facts.costs)
     # Nothing to gain where longest_path's order is predicted within the margin of the bound
     # (the longest path; each pool's work over its workers), e.g. a fused GEMM's tile loop:
@@ -635,7 +638,7 @@ def _network_choice(
     assert facts.workers is not None and facts.hardware is not None
     costs = facts.costs
     plain = list_order(graph, Columns([-x for x in length], turn), facts)
-    pools = Pools(graph, facts.workers)
+    pools = Pools(graph, facts.workers, facts.total, facts.partial)
     before = network_makespan(graph, pools, plain, costs, facts.hardware)
     need = before * (1.0 - PLACED_MARGIN)
     # The staged order is simulated in the queue model as the list simulation takes its
