@@ -52,7 +52,7 @@ __all__ = ["additive_mask", "token_major_attention"]
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SDPA's boolean mask (True = attend) as the additive one the attention op reads."""
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _repeat_heads(tr: Tracer, n: CNode, x: Value, heads: int, what: str) -> Value:
@@ -74,7 +74,8 @@ def _is_causal(mask: torch.Tensor, S: int) -> bool:
     """Whether a boolean (True = attend) or additive mask is exactly the causal one."""
     # At S = 4096 these are passes over 16M elements in every compile: torch.equal compares
     # without a temporary, and no boolean indexing (which gathered the hidden half: ~0.2 s).
-    causal = torch.ones(S, S, dtype=torch.bool).tril_().expand_as(mask)
+    # (on the mask's device: a module traced on a GPU folds its masks there)
+    causal = torch.ones(S, S, dtype=torch.bool, device=mask.device).tril_().expand_as(mask)
     if mask.dtype == torch.bool:
         return torch.equal(mask, causal)
     visible = mask == 0

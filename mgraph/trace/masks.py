@@ -57,7 +57,7 @@ def _index_view(x_shape: tuple[int, ...], indices: list[torch.Tensor]) -> tuple[
         last = varies[0]
         view[last] = x_shape[j]
     # The arange order itself, checked on a probe: x[indices] == x.view(view).expand(...)
-    probe = torch.arange(math.prod(x_shape)).reshape(x_shape)
+    probe = torch.arange(math.prod(x_shape), device=indices[0].device).reshape(x_shape)
     want = probe[tuple(indices)]
     if not torch.equal(probe.reshape(view).expand(want.shape), want):
         return None
