@@ -665,3 +665,39 @@ def test_queue_makespan_is_the_queue_models_last_end(data):
     costs = task_costs(g, mg.H200)
     pools = Pools(g, workers)
     assert queue_makespan(g, pools, order, costs) == max(queue_times(g, pools, order, costs)[2])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_queue_makespan_with_a_limit_stops_only_where_the_order_cannot_beat_it(data):
+    """queue_makespan's ``limit`` and ``tail`` (critical_path's network choice stops the
+    staged order's model with them): below the limit it is the makespan itself, above it
+    some value above the limit; the list simulation given as an iterator gives the same."""
+    from mgraph.scheduler.placement import Pools, queue_makespan
+    from mgraph.scheduler.policies import (
+        Columns,
+        critical_path_lengths,
+        list_order,
+        list_order_steps,
+    )
+
+    g = data.draw(random_graphs())
+    n = data.draw(st.integers(1, 3))
+    workers = [{"compute": n, "nvlink": n, "rdma": 1}] * g.topology.world_size
+    costs = task_costs(g, mg.H200)
+    facts = policy_input(g, costs, None, workers)
+    length = critical_path_lengths(facts, partial_waits=False)
+    tail = [x - c for x, c in zip(length, costs, strict=True)]
+    priority = Columns([data.draw(st.integers(0, 3)) for _ in g.tasks])
+    order = list_order(g, priority, facts)
+    pools = Pools(g, workers)
+    full = queue_makespan(g, pools, order, costs, mg.H200)
+    limit = full * data.draw(st.sampled_from([0.0, 0.5, 0.99, 1.0, 1.01, 2.0]))
+    taken: list[int] = []
+    steps = list_order_steps(g, priority, facts, taken)
+    got = queue_makespan(g, pools, steps, costs, mg.H200, limit=limit, tail=tail)
+    if full < limit:
+        assert got == full and taken == order
+    else:
+        assert got > limit or got == full == limit
+        assert taken == order[: len(taken)]
