@@ -61,7 +61,7 @@ def test_qwen2_moe_decoder_layer(topology, plan, norm):
         styles.update(SHARED_TP)
     prog = matches(qwen2_moe(norm), styles, topology)
     (moe,) = [n for n in prog.opgraph.nodes if n.op == OP]
-    assert (moe.params["E"], moe.params["top_k"]) == (4, 2)
+    assert (moe.params["E"], moe.params["top_k"], moe.path) == (4, 2, "layer.mlp")
     # the flag is recorded only when off: a renormalising block's node is as before it
     assert moe.params.get("normalize", True) is norm and ("normalize" in moe.params) != norm
     # the shared expert: ordinary ops outside the fused op, as the plan places them

@@ -36,6 +36,7 @@ from ..errors import TraceError
 __all__ = ["CNode", "Captured", "Shared", "capture", "CUSTOM_NAMESPACE"]
 
 CUSTOM_NAMESPACE = "mgraph_user"
+_ROUTED = "_mgraph_routed"  # _WithShared's child: a name no block uses, dropped from paths
 _LEAVES: dict[int, nn.Module] = {}
 
 
@@ -78,7 +79,7 @@ class _WithShared(nn.Module):
 
     def __init__(self, routed: _Leaf, inner: nn.Module, shared: Shared) -> None:
         super().__init__()
-        self._mgraph_routed = routed  # (a name no block uses for its own children)
+        setattr(self, _ROUTED, routed)
         self._mgraph_shared = shared
         for name in (shared.expert, shared.gate):
             if name is not None:
@@ -89,7 +90,7 @@ class _WithShared(nn.Module):
         dense = getattr(self, shared.expert)(x)
         if shared.gate is not None:
             dense = torch.sigmoid(getattr(self, shared.gate)(x)) * dense
-        return self._mgraph_routed(*inputs) + dense
+        return getattr(self, _ROUTED)(*inputs) + dense
 
 
 @dataclass(eq=False)
@@ -243,8 +244,10 @@ def _canonical(target: Any) -> str:
 
 
 def _paths(meta: dict) -> tuple[str, ...]:
+    """The module paths of a node, outermost first; a leaf's _WithShared child is the block."""
     stack = meta.get("nn_module_stack") or {}
-    return tuple(v[0] for v in stack.values() if v[0])
+    paths = (v[0].removesuffix(_ROUTED).removesuffix(".") for v in stack.values() if v[0])
+    return tuple(dict.fromkeys(p for p in paths if p))
 
 
 def _code(meta: dict, stack_trace: str | None) -> str:
