@@ -186,13 +186,21 @@ def policy_input(
         total, released, waits = _counters(graph)
     full: list[list[int]] = [[] for _ in graph.events]
     partial: dict[int, list[int]] = {}
-    for t in graph.tasks:
-        tid = t.id
-        for e, c in t.waits:
-            if c >= total[e]:
-                full[e].append(tid)
-            else:
-                partial.setdefault(e, []).append(tid)
+    # Where every wait is for all of its event's signals (the common case: a partial wait is
+    # a lowering's choice, e.g. MoE's routed arrivals), each event's full waiters are
+    # ``released``'s one list for that count, already in task order: no pass over every
+    # wait (~150k at 2x8).
+    if all(len(by_count) == 1 and total[e] in by_count for e, by_count in released.items()):
+        for e, by_count in released.items():
+            full[e] = by_count[total[e]]
+    else:
+        for t in graph.tasks:
+            tid = t.id
+            for e, c in t.waits:
+                if c >= total[e]:
+                    full[e].append(tid)
+                else:
+                    partial.setdefault(e, []).append(tid)
     return PolicyInput(
         costs=costs,
         order=order,
