@@ -91,9 +91,9 @@ def test_the_dispatch_falls_back_to_the_interpreter():
     assert names == ["_ewise_chain_0_vec", "_ewise_chain_0", "_entry"]
     entry = text[text.index("def _entry") :]
     assert "(k0 == 1) & (k1 == 1) & (k2 == 20) & (k3 == 1)" in entry and "(mp == 0)" in entry
-    assert entry.rstrip().endswith("ewise_tile(tp, params, regions, bufaddr, bufcols, DT)")
+    assert entry.rstrip().endswith("ewise_other(tp, params, regions, bufaddr, bufcols, DT)")
     empty = special_source([], 16, "_entry")
-    assert "_ewise_chain_" not in empty and "ewise_tile(" in empty
+    assert "_ewise_chain_" not in empty and "ewise_other(" in empty
 
 
 # -- under the interpreter ------------------------------------------------------------------------

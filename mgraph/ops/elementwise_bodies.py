@@ -445,9 +445,11 @@ if HAVE_TRITON:
                 out = _pick(result, v0, v1, v2, v3, v4, v5)
                 tl.store(out_p + (om * opitch)[:, None] + on[None, :], out.to(DT), mask=mask)
 
-    @triton.jit
+    @triton.jit(noinline=True)
     def _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT: tl.constexpr):
-        """The general path: any operand forms and widths, pointers per element (tile_ptrs)."""
+        """The general path: any operand forms and widths, pointers per element (tile_ptrs).
+        A function of its own (noinline): the fallback of ewise_tile and of every generated
+        chain (elementwise_special.py), one copy in the kernel instead of one per chain."""
         nops = param_i32(params, tp, 0)
         result = param_i32(params, tp, 1)
         half = param_i32(params, tp, _P_HALF)
@@ -530,3 +532,10 @@ if HAVE_TRITON:
             _ewise_vec(tp, params, regions, bufaddr, bufcols, r0, nread, w0, m, n, DT)
         else:
             _ewise_general(tp, params, regions, bufaddr, bufcols, r0, w0, m, n, DT)
+
+    @triton.jit(noinline=True)
+    def ewise_other(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):
+        """ewise_tile as a function of its own: the fallback of a kernel's generated chains
+        (elementwise_special.py) for a task whose chain has none, one call site apart from
+        them (noinline), so Triton's layout pass and ptxas see it once, on its own."""
+        ewise_tile(tp, params, regions, bufaddr, bufcols, DT)

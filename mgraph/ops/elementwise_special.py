@@ -14,8 +14,12 @@ forms) a task carries and falls back to the interpreter for any other chain, and
 the fast path cannot vectorise (the same gate as ewise_tile).
 
 Up to ``Settings.ewise_chains`` chains per kernel (MGRAPH_EWISE_CHAINS, default 6), the ones
-with the most tasks first: every function is inlined into the one megakernel function, so each
-costs compile time and code size.
+with the most tasks first; each costs compile time and code size. Each chain, the fallback to
+ewise_tile (ewise_other: compiled only where the kernel runs a chain with no function of its
+own) and the general path are functions of their own (``noinline``; none has a dot): the
+chains do not repeat the general path, and Triton's layout pass (TritonGPUCoalesce, quadratic in
+the memory accesses a function's values connect) sees one chain at a time
+(runtime/megakernel/dispatch.called_apart; benchmarks/build_time.py).
 """
 
 from __future__ import annotations
@@ -257,7 +261,7 @@ def _chain_source(i: int, key: tuple[int, ...], bits: int, shape: tuple[int, int
         w(f"{ind}l{k} = ln{k}")
     w("")
     w("")
-    w("@triton.jit")
+    w("@triton.jit(noinline=True)")
     w(f"def _ewise_chain_{i}(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr):")
     w("    # ewise_tile's gate; a task it fails runs the general path over the same bytecode")
     w("    fast, r0, _nread, w0, m, n = ewise_gate(tp, params, regions, bufaddr, bufcols, DT)")
@@ -280,7 +284,7 @@ import triton.language as tl  # noqa: E402
 from mgraph.ops.abi import F_PARAM0 as _sp_param0  # noqa: E402
 from mgraph.ops.elementwise_bodies import (  # noqa: E402
     _DIGITS, _P_HALF, _P_MAP, _ewise_general, _gather_at, _pow, _rot_cols, _tanh, _vload,
-    ewise_gate, ewise_tile,
+    ewise_gate, ewise_other,
 )
 from mgraph.ops.abi import param_i32  # noqa: E402
 from mgraph.ops.relayout import _digit_sum  # noqa: E402
@@ -291,11 +295,14 @@ _SP_PARAM0 = tl.constexpr(_sp_param0)
 
 
 def special_source(
-    chains: list[tuple[tuple[int, ...], tuple[int, int]]], bits: int, entry: str
+    chains: list[tuple[tuple[int, ...], tuple[int, int]]], bits: int, entry: str,
+    fallback: bool = True,
 ) -> str:
     """Module text defining ``entry(tp, params, regions, bufaddr, bufcols, DT)``: the ewise
     body for a kernel whose tasks carry ``chains`` (chain_keys: key and shape), ``bits`` the graph
-    dtype's width. A task whose words match no key runs ewise_tile."""
+    dtype's width. A task whose words match no key runs ewise_tile (through ewise_other);
+    without ``fallback`` (``chains`` are every chain of the kernel's tasks) that path is not
+    compiled: nothing the kernel runs takes it."""
     parts = [_HEADER]
     keys = [key for key, _shape in chains]
     for i, (key, shape) in enumerate(chains):
@@ -316,9 +323,9 @@ def special_source(
         head = "if" if i == 0 else "elif"
         w(f"    {head} {test} & (mp == {key[-1]}):\n")
         w(f"        _ewise_chain_{i}(tp, params, regions, bufaddr, bufcols, DT)\n")
-    if keys:
+    if keys and fallback:
         w("    else:\n")
-        w("        ewise_tile(tp, params, regions, bufaddr, bufcols, DT)\n")
-    else:
-        w("    ewise_tile(tp, params, regions, bufaddr, bufcols, DT)\n")
+        w("        ewise_other(tp, params, regions, bufaddr, bufcols, DT)\n")
+    elif not keys:
+        w("    ewise_other(tp, params, regions, bufaddr, bufcols, DT)\n")
     return "".join(parts)

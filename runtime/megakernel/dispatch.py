@@ -8,7 +8,9 @@ has one branch per kind the schedule runs::
         _body_gemm(tp, regions, bufaddr, ...)
 
 and imports that copy (Triton compiles from source files), with each ``_body_<id>`` bound to the
-kind's Triton body in the copy's namespace. A body's PARAMETER NAMES say what it
+kind's Triton body in the copy's namespace. A body without a dot is called through a generated
+noinline wrapper ``_body_<id>_call`` instead (:func:`called_apart`: Triton's layout pass is
+quadratic in a function's connected memory accesses; the wgmma bodies stay inlined). A body's PARAMETER NAMES say what it
 receives: each must be one of :data:`ABI_NAMES`, the values the kernel has in scope at the
 dispatch point (its task row ``tp``, the tables, the rank's A/B descriptors, constexpr block
 sizes...). So a new tile body is one decorated function in its op's file: no kernel argument,
@@ -27,6 +29,7 @@ import inspect
 import os
 import sys
 import tempfile
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +49,7 @@ __all__ = [
     "has_body",
     "body_params",
     "body_constexprs",
+    "called_apart",
 ]
 
 # What a tile body may name as a parameter: the kernel's values at the dispatch point.
@@ -144,31 +148,105 @@ def _declare_body_constexprs(template: str) -> str:
     return template[:close] + added + template[close:]
 
 
+def _uses_dot(body, seen: set[int] | None = None) -> bool:
+    """Whether the ``@triton.jit`` function ``body`` or one it calls (resolved through its
+    module's globals, as Triton resolves them) calls ``tl.dot``/``tl.dot_scaled``. A
+    function whose source cannot be read counts as one that does (it stays inlined)."""
+    import ast
+
+    import triton.language as tl
+
+    seen = set() if seen is None else seen
+    if id(body) in seen:
+        return False
+    seen.add(id(body))
+    fn = getattr(body, "fn", body)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    scope = getattr(fn, "__globals__", {})
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        names, expr = [], node.func
+        while isinstance(expr, ast.Attribute):
+            names.insert(0, expr.attr)
+            expr = expr.value
+        if not isinstance(expr, ast.Name) or expr.id not in scope:
+            continue
+        callee = scope[expr.id]
+        for name in names:
+            callee = getattr(callee, name, None)
+        if callee is None:
+            continue
+        if callee is tl.dot or callee is getattr(tl, "dot_scaled", None):
+            return True
+        if hasattr(callee, "fn") and hasattr(callee, "params") and _uses_dot(callee, seen):
+            return True
+    return False
+
+
+def called_apart(kind: str) -> bool:
+    """Whether the dispatch calls the body of ``kind`` as a function of its own (a noinline
+    wrapper) rather than inlining it into the megakernel.
+
+    Why: Triton's layout pass (TritonGPUCoalesce) gives each pointer load and store a layout
+    chosen over every memory access it is connected to through values, and computes that set
+    anew per access (``multiRootGetSlice``): quadratic in the size of the function. Inlined, every
+    body's accesses connect through the task row, so the whole dispatch was one set: the
+    Llama layer's kernel spent 93 of its 104 s of TTGIR there (benchmarks/build_time.py).
+    A call boundary ends the set. Bodies with a ``tl.dot`` stay inlined: a wgmma in a noinline
+    callee serialises the caller's (ptxas C7510), and the GEMM and attention loops are the hot
+    paths; so do bodies that take a TMA descriptor (``ad0``/``bd0``: no call passes one)."""
+    body = _body(kind)
+    if not (hasattr(body, "fn") and hasattr(body, "params")):
+        return False  # not a JITFunction (a test's plain function)
+    if any(p in ("ad0", "bd0") for p in _params_of(kind, body)):
+        return False
+    return not _uses_dot(body)
+
+
+def _wrapper(alias: str, body, params: list[str]) -> str:
+    """A noinline ``@triton.jit`` function named ``alias + "_call"`` that calls ``alias`` with
+    ``params`` (the body's own parameters, its constexprs still constexpr)."""
+    constexpr = {p.name for p in body.params if p.is_constexpr}
+    args = ", ".join(f"{n}: tl.constexpr" if n in constexpr else n for n in params)
+    return (f"\n\n@triton.jit(noinline=True)\ndef {alias}_call({args}):\n"
+            f"    {alias}({', '.join(params)})\n")
+
+
 def dispatch_source(kinds: dict[str, int], indent: str) -> tuple[str, str]:
-    """(the dispatch block, the import lines) for ``kinds`` (name -> kind id). Kinds that share
-    a body share its branch: each call is inlined, and a second copy of the GEMM body's
-    pipelined loop (gemm_glu's) ran ptxas out of registers and serialised every wgmma of the
-    kernel (C7512; benchmarks/NOTES.md v15)."""
+    """(the dispatch block, the module text after the kernel: the bodies' bindings and
+    wrappers) for ``kinds`` (name -> kind id). Kinds that share a body share its branch: each
+    call is inlined, and a second copy of the GEMM body's pipelined loop (gemm_glu's) ran ptxas
+    out of registers and serialised every wgmma of the kernel (C7512; benchmarks/NOTES.md v15).
+    A body without a dot is called through a noinline wrapper (:func:`called_apart`)."""
     block, imports = [], []
     branches: dict[int, list[tuple[str, int]]] = {}  # id(body) -> its kinds, in kind order
     for name, kid in sorted(kinds.items(), key=lambda kv: kv[1]):
         branches.setdefault(id(_body(name)), []).append((name, kid))
+    wrappers = []
     for members in branches.values():
         name, kid = members[0]
         body = _body(name)
         fn = getattr(body, "fn", body)
         alias = f"_body_{kid}"
-        args = ", ".join(_params_of(name, body))
+        params = _params_of(name, body)
         names = ", ".join(n for n, _ in members)
         # bound into the module's namespace before it runs (a body may live anywhere, even
         # in a function or __main__, where an import by name could not reach it)
         imports.append(f"# {alias} = {fn.__module__}.{fn.__qualname__}  ({names})")
+        callee = alias
+        if called_apart(name):
+            wrappers.append(_wrapper(alias, body, params))
+            callee = f"{alias}_call"
         cond = " or ".join(f"kind == {k}" for _, k in members)
         block.append(f"{indent}if {cond}:  # {names}: {fn.__module__}.{fn.__qualname__}")
-        block.append(f"{indent}    {alias}({args})")
+        block.append(f"{indent}    {callee}({', '.join(params)})")
     if not block:
         block.append(f"{indent}pass")
-    return "\n".join(block) + "\n", "\n".join(imports) + "\n"
+    return "\n".join(block) + "\n", "\n".join(imports) + "\n" + "".join(wrappers)
 
 
 def special_bodies(
@@ -183,11 +261,13 @@ def special_bodies(
     from mgraph.graph import ITEMSIZE
     from mgraph.ops.elementwise_special import chain_keys, special_source
 
-    keys = chain_keys(graph, task_ids, chains)
+    keys = chain_keys(graph, task_ids, chains + 1) if chains > 0 else []
     if not keys:
         return "", set()
     entry = "_ewise_special"
-    text = special_source(keys, 8 * ITEMSIZE[graph.dtype], entry)
+    # every chain of the kernel's tasks has its function: the fallback would be dead code
+    text = special_source(keys[:chains], 8 * ITEMSIZE[graph.dtype], entry,
+                          fallback=len(keys) > chains)
     return text + f"\n_body_{kinds['ewise']} = {entry}\n", {"ewise"}
 
 
