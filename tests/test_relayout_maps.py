@@ -296,3 +296,34 @@ def test_feasibility_by_index_arithmetic_equals_the_element_check(world):
                 feasible += want is None
                 infeasible += want is not None
     assert feasible > 50 and infeasible > 50, (feasible, infeasible)
+
+
+# Head splits and merges at sequence lengths 128-row tiles do not divide: a tile crossing a
+# multiple of S had no mixed-radix form (the megakernel refused the traced layer at 200 tokens)
+UNEVEN = {
+    "split-200": ([2, 200, 8, 16], [["permute", [0, 2, 1, 3]]]),
+    "merge-72": ([2, 8, 72, 16], [["permute", [0, 2, 1, 3]], ["view", [2, 72, 128]]]),
+    "kv-split-200": ([2, 200, 64], [["view", [2, 200, 4, 16]], ["permute", [0, 2, 1, 3]]]),
+}
+
+
+@pytest.mark.parametrize("topology", ["1x1", "1x2"])
+@pytest.mark.parametrize("name", sorted(UNEVEN))
+def test_head_splits_at_uneven_lengths_fit_every_tile(name, topology):
+    shape, steps = UNEVEN[name]
+    rows, cols = flat_shape(shape)
+    g = mg.ops.relayout(rows=rows, cols=cols, in_shape=shape, steps=steps,
+                        in_layout=REPLICATE.to_json(), out_layout=REPLICATE.to_json(),
+                        topology=topology)
+    assert check_maps(g) == (len(g.tasks), 0)
+    x = torch.randn(rows, cols)
+    want = x.reshape(shape)
+    for kind, arg in steps:
+        want = want.permute(*arg) if kind == "permute" else want.reshape(arg)
+    # tiles of up to 128 rows that line up with S (72 or 100 rows here), not single rows
+    sizes = {t.params["rows"][1] - t.params["rows"][0] for t in g.tasks}
+    out_rows = want.numel() // want.shape[-1]
+    world = g.topology.world_size  # replicated: every rank writes all of it
+    assert max(sizes) <= 128 and len(g.tasks) <= world * (out_rows // 64), sizes
+    got = mg.run(g, {"x": x}).outputs["out"]
+    assert torch.equal(got.reshape(-1), want.reshape(-1))

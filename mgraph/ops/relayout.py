@@ -214,7 +214,7 @@ def _lower(
     # Replicated in and out (a head split or repeat_kv's expand of a replicated value): every
     # rank's gather map is the same, so its tiles are fitted once, not once per rank (at 2x8
     # the 16 fits took ~0.1 s of a warm compile). The fits are only read below.
-    fitted: dict[tuple[tuple[int, int], ...], list[tuple[dict[str, int], int]]] = {}
+    fitted: dict[tuple, tuple[list[tuple[int, int]], list[tuple[dict[str, int], int]]]] = {}
     same_maps = _rank_free(src, dst, b.world)
     for r in b.topo.ranks:
         x = b.bound_buffer("x", r, "x", runs_pieces(layout_runs(shape, src, r, b.world)))
@@ -229,11 +229,16 @@ def _lower(
             "world": b.world,
         }
         tiles = split(out.rows, tile_rows)
-        fits = fitted.get(tuple(tiles)) if same_maps else None
-        if fits is None:
+        key = tuple(tiles)
+        if same_maps and key in fitted:
+            tiles, fits = fitted[key]
+        else:
             fits = _tile_fits(shape, steps, src, dst, r, b.world, tiles)
+            if any(not digits for digits, _ in fits):
+                tiles, fits = _aligned(shape, steps, src, dst, r, b.world, tiles, fits,
+                                       tile_rows)
             if same_maps:
-                fitted[tuple(tiles)] = fits
+                fitted[key] = tiles, fits
         # Hot: a traced layer's head splits and merges are ~half its tasks at 2x8 (42k), so
         # what every tile of the rank shares is made once: the region read (all of x) and
         # the flops hint, which depends on no tile (the kind's own facet, asked once).
@@ -261,6 +266,34 @@ def _lower(
                 params,
             ))  # fmt: skip
         b.tasks_alike(r, Role.COMPUTE, RELAYOUT.name, [whole], made, flops=flops)
+
+
+def _aligned(
+    shape: tuple, steps: Sequence, src: Layout, dst: Layout, rank: int, world: int,
+    tiles: list[tuple[int, int]], fits: list, tile_rows: int,
+) -> tuple[list[tuple[int, int]], list]:
+    """Tiles that line up with the row map's digits where ``tile_rows`` rows do not.
+
+    A head split at 200 tokens (``[2, 200, 8, 16] -> [2, 8, 200, 16]``) maps row i through
+    i % 200 and i // 200: a 128-row tile that crosses a multiple of 200 has no mixed-radix
+    form, so it got no GPU params and the megakernel refused the graph. Tiles of T rows fit
+    wherever T is a divisor of a digit's radix times the digits inside it (T = d * p_k, d |
+    radix_{k+1}): the largest such T up to ``tile_rows`` is taken (the body's row block). The
+    tiles are kept as they were when no T fits every tile."""
+    maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
+    digits = _fit_axis(maps[0]) if maps is not None and len(maps[0]) > 1 else None
+    if not digits:
+        return tiles, fits
+    sizes, inner = set(), 1
+    for radix, _ in digits:
+        sizes.update(inner * d for d in range(1, radix + 1) if radix % d == 0)
+        inner *= radix
+    size = max(t for t in sizes if t <= tile_rows)
+    aligned = split(tiles[-1][1], size)
+    new = _tile_fits(shape, steps, src, dst, rank, world, aligned)
+    if all(d for d, _ in new):
+        return aligned, new
+    return tiles, fits
 
 
 def _fit_axis(v: torch.Tensor) -> list[tuple[int, int]] | None:
