@@ -13,6 +13,10 @@ Run it under the GPU machine's Triton (3.6; the wheel unpacked into a folder)::
 
     PYTHONPATH=/tmp/t36 python benchmarks/build_time.py --out /tmp/build_time
 
+Measured (2-core CPU, Triton 3.6.0, bundled ptxas 12.8, wall / CPU seconds): before 24cd031
+ast 2.6, ttir 0.7, ttgir 53.0 (TritonGPUCoalesce ~90% of it), llir 10.1, ptx 3.5, cubin 21.7:
+91.5 s (85.9 CPU); after: 2.5, 0.3, 3.1, 12.2, 4.3, 15.0: 37.5 s (23.7 CPU).
+
 ``--seq 512`` compiles the same kernel as 4096 (tests/test_kernel_reuse.py: power-of-two
 lengths give one kernel) with less tracing; ``--glu`` the gated-unit variant; ``--last``
 stops after a stage. Writes ``<out>/<name>.{ttir,ttgir,ptx,sass,ptxas.log}`` and
