@@ -81,22 +81,22 @@ def test_relayout_chains():
 
 
 def test_relayout_map_without_the_gather_form_is_refused_before_launch():
-    """Tiles of 20 rows over 8-row heads (8 + 8 + 4) have no mixed-radix form: the tiles get no
-    GPU params, the reference backend still runs it, and the megakernel refuses the graph with
-    the missing param named, before anything launches."""
+    """[2, 2, 6] permuted to [6, 2, 2] and viewed as [4, 6]: the result's rows cut across the
+    permuted digits, so no tile of any size has a mixed-radix form (tiles that merely cross a
+    head are re-cut to line up, tests/test_relayout_maps.py): the tiles get no GPU params, the
+    reference backend still runs it, and the megakernel refuses the graph with the missing
+    param named, before anything launches."""
     import torch
 
     import mgraph as mg
     from mgraph.runtime.megakernel import TritonRuntime
 
-    B, S, H, D = 1, 8, 4, 16
-    g = mg.ops.relayout(topology="1x1", rows=B * S, cols=H * D, in_shape=[B, S, H * D],
-                        steps=[["view", [B, S, H, D]], ["permute", [0, 2, 1, 3]]], tile_rows=20)
+    shape, steps = [2, 2, 6], [["permute", [2, 0, 1]], ["view", [4, 6]]]
+    g = mg.ops.relayout(topology="1x1", rows=4, cols=6, in_shape=shape, steps=steps, tile_rows=2)
     fits = ["base" in t.params for t in g.tasks]
-    assert fits == [False, False], fits  # rows 0-20 and 20-32 (4 + 8) both cut a head
-    x = torch.randn(B * S, H * D)
+    assert fits == [False, False], fits
+    x = torch.randn(4, 6)
     out = mg.run(mg.schedule(g), {"x": x}).outputs["out"]
-    want = x.view(B, S, H, D).permute(0, 2, 1, 3).reshape(-1, D)
-    assert torch.equal(out, want)
+    assert torch.equal(out, x.view(shape).permute(2, 0, 1).reshape(4, 6))
     with pytest.raises(mg.ScheduleError, match="no param 'base'"):
         TritonRuntime(mg.schedule(g), interpret=True)
