@@ -47,7 +47,15 @@ FAMILIES = {
                "tp"),
     "gpt2": ("GPT2Config", "gpt2", "GPT2Block", None,
              dict(n_embd=128, n_head=8, n_layer=1, n_inner=256), None),
+    # stacked experts, a shared expert with its sigmoid gate, top-k weights not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", "qwen2_moe", "Qwen2MoeDecoderLayer",
+                  "Qwen2MoeRotaryEmbedding",
+                  dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                       shared_expert_intermediate_size=128, norm_topk_prob=False), "ep"),
 }
+# tokens a rank holds must fill the MoE op's 64-row tiles, and ring attention's 2 x world zigzag
+# blocks must divide the sequence: those families run at 256 tokens
+FIXED_SEQ = {"cp": 256, "ep": 256}
 
 
 class OneLayer(nn.Module):
@@ -91,12 +99,18 @@ def build(name: str) -> tuple[nn.Module, str | None]:
         for p in model.parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
+            elif p.dim() == 3 or not p.any():  # stacked experts start empty, routers at zeros
+                p.normal_(0.0, p.shape[-1] ** -0.5)
     return model, plan
 
 
 def plan_for(kind: str | None) -> dict[str, mg.plans.ParallelStyle] | None:
     if kind == "cp":
         return {"layer.self_attn": mg.ContextParallel()}
+    if kind == "ep":  # attention under TP, the MoE block under ExpertParallel
+        plan = {k: v for k, v in plan_for("tp").items() if not k.startswith("layer.mlp.")}
+        plan["layer.mlp"] = mg.ExpertParallel(router="gate")
+        return plan
     if kind == "tp":
         plan: dict[str, mg.plans.ParallelStyle] = {
             f"layer.self_attn.{p}_proj": mg.ColwiseParallel() for p in "qkv"
@@ -115,9 +129,7 @@ def main(topology: str = "1x2", backend: str = "reference", only: list[str] | No
     for name in only or list(FAMILIES):
         torch.manual_seed(0)
         model, kind = build(name)
-        # ring attention (ContextParallel) splits the sequence in 2 x world zigzag blocks:
-        # those need a length they divide
-        S = seq if kind != "cp" else 256
+        S = FIXED_SEQ.get(kind, seq)
         x = torch.randn(2, S, 128)
         plan = plan_for(kind)
         prog = mg.compile(model, (x,), plan=plan, topology=topology if plan else "1x1",
@@ -141,14 +153,17 @@ def main_gpu(only: list[str] | None = None, seq: int = 200, tol: float = 2e-2) -
     worst = 0.0
     for name in only or list(FAMILIES):
         torch.manual_seed(0)
-        model, _ = build(name)
+        model, kind = build(name)
+        S = FIXED_SEQ.get(kind, seq) if kind == "ep" else seq
+        # one GPU: no plan, but an MoE block traces only under ExpertParallel
+        plan = {"layer.mlp": mg.ExpertParallel(router="gate")} if kind == "ep" else None
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         model = model.to(dev, torch.bfloat16)
         exact = copy.deepcopy(model).float()
-        x = torch.randn(2, seq, 128, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(2, S, 128, device=dev, dtype=torch.bfloat16)
         # without CUDA: the same kernel under TRITON_INTERPRET=1 (slow; small --seq)
         opts = {} if dev == "cuda" else {"interpret": True}
-        prog = mg.compile(model, (x,), backend="triton", backend_options=opts)
+        prog = mg.compile(model, (x,), plan=plan, backend="triton", backend_options=opts)
         errs = []
         for call in range(2):
             xs = x * (1.0 - 0.25 * call)
@@ -162,7 +177,7 @@ def main_gpu(only: list[str] | None = None, seq: int = 200, tol: float = 2e-2) -
             errs += [whole, worst_tile_error(got, want, rows=40, cols=128)]
         err = max(errs)
         kinds = sorted({t.kind for t in prog.graph.tasks})
-        print(f"{name:7s} S={seq} on 1 GPU (triton, bf16): {len(prog.graph.tasks)} tasks, "
+        print(f"{name:7s} S={S} on 1 GPU (triton, bf16): {len(prog.graph.tasks)} tasks, "
               f"kinds {kinds}; worst of output and 40x128 tiles vs float32 eager: {err:.2e}; "
               f"first call {first:.1f} s",
               flush=True)
