@@ -56,3 +56,35 @@ def test_a_float32_input_to_a_bf16_program_is_still_refused():
     prog = mg.compile(model, (x,))
     with pytest.raises(mg.DTypeError):
         prog(x.float())
+
+
+class Gate(torch.nn.Module):
+    """One-column products: Qwen2-MoE's ``shared_expert_gate`` (Linear(H, 1)) and ``x @ w`` with
+    w of shape [H, 1]."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(128, 1, bias=bias)
+        self.w = torch.nn.Parameter(torch.randn(128, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * x + x @ self.w
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_column_products_are_row_sums_the_megakernel_takes(bias):
+    """As a GEMM, a one-column product has 1-element rows in its weight and output buffers,
+    which TMA cannot address: the megakernel refused Qwen2-MoE's layer before launch
+    (ScheduleError: 'rows are 1 elements, not a multiple of 16 bytes'). It is a row sum of
+    ``x * w`` now."""
+    from mgraph.runtime.megakernel import TritonRuntime
+
+    torch.manual_seed(0)
+    model = Gate(bias).eval()
+    x = torch.randn(2, 40, 128)
+    prog = mg.compile(model, (x,))
+    assert "matmul" not in {n.op for n in prog.opgraph.nodes}
+    with torch.no_grad():
+        want = model(x)
+    assert rel(prog(x), want) < 1e-5
+    TritonRuntime(prog.schedule, interpret=True)  # encodes every task: no buffer TMA refuses

@@ -16,6 +16,7 @@ from ..layout import REPLICATE, ROWS, Layout, flat_shape
 from ..plans import ColwiseParallel, RowwiseParallel, SequenceParallel, Shard
 from .capture import CNode
 from .mapping import BINARY, UNARY, VIEWS, handles, token_sharded, whole_rows
+from .opgraph import Value
 from .tracer import Tracer
 
 __all__: list[str] = []
@@ -112,6 +113,54 @@ def _linear(tr: Tracer, n: CNode) -> Any:
             "F.scaled_dot_product_attention, or is written matmul(q, k^T), softmax, "
             "matmul(weights, v) with weights used nowhere else (transformers' eager attention)",
         )
+    N = wc.shape[0] if n.op == "linear" else wc.shape[1]
+    path = n.path
+    style = tr.plan.get(path) if n.op == "linear" else None
+    if N == 1 and style is None:
+        out = _dot_rows(tr, n, x, wc)
+    else:
+        out = _product(tr, n, x, wc, style, path)
+    bias = n.arg(2, "bias") if n.op == "linear" else n.arg(0, "self") if n.op == "addmm" else None
+    if bias is None:
+        return out
+    out_shape = tuple(x.shape[:-1]) + (N,)
+    if not isinstance(bias, CNode) or bias.op != "param" or tuple(bias.shape) != (N,):
+        raise UnsupportedOpError(
+            f"{n.where()}: the bias added to the product must be a parameter of shape [{N}]"
+        )
+    b = tr.param(bias)
+    rows, cols = flat_shape(out_shape)
+    params = {
+        "rows": rows,
+        "cols": cols,
+        "fn": "add",
+        "other": "row",
+        "shape": list(out_shape),
+        "layout": out.layout.to_json(),
+    }
+    return tr.emit(
+        n, "elementwise", params, {"x": out, "y": b}, out_shape, out.layout, name=f"{n.name}_bias"
+    )
+
+
+def _dot_rows(tr: Tracer, n: CNode, x: Value, wc: CNode) -> Value:
+    """A product with one output column (a gate: Qwen2-MoE's ``shared_expert_gate``, a value
+    head) as a row sum of ``x * w``: its GEMM would have 1-element rows, which TMA cannot
+    address (16-byte rows), and it is memory-bound anyway."""
+    K = x.shape[-1]
+    w = tr.param(wc) if n.op == "linear" else tr.param(wc, "t")  # [1, K] either way
+    w = tr.relayout(n, w, ("view", (K,)), shape=(K,), name=f"{n.name}_row")
+    lay = whole_rows(tr, x, n)
+    rows, cols = flat_shape(x.shape)
+    common = {"rows": rows, "cols": cols, "shape": list(x.shape), "layout": lay.to_json()}
+    prod = tr.emit(n, "elementwise", {**common, "fn": "mul", "other": "row"}, {"x": x, "y": w},
+                   x.shape, lay, name=f"{n.name}_terms")
+    kept = tuple(x.shape[:-1]) + (1,)
+    return tr.emit(n, "row_reduce", {**common, "fn": "sum"}, {"x": prod}, kept, lay)
+
+
+def _product(tr: Tracer, n: CNode, x: Value, wc: CNode, style: Any, path: str) -> Value:
+    """x @ W (W.T for linear) as a matmul, or the fused op of the linear's plan style."""
     if n.op == "linear":
         N, K = wc.shape
         w = tr.param(wc, "t")
@@ -120,8 +169,6 @@ def _linear(tr: Tracer, n: CNode) -> Any:
         w = tr.param(wc)
     M = flat_shape(x.shape)[0]
     out_shape = tuple(x.shape[:-1]) + (N,)
-    path = n.path
-    style = tr.plan.get(path) if n.op == "linear" else None
     where = f"plan {path!r} {type(style).__name__}"
     dims = {"M": M, "N": N, "K": K}
     options = style.options if style is not None else {}
@@ -188,26 +235,7 @@ def _linear(tr: Tracer, n: CNode) -> Any:
         lay = whole_rows(tr, x, n)
         params = {**dims, "shard": "none", "shape": list(x.shape), "layout": lay.to_json()}
         out = tr.emit(n, "matmul", params, {"a": x, "b": w}, out_shape, lay)
-    bias = n.arg(2, "bias") if n.op == "linear" else n.arg(0, "self") if n.op == "addmm" else None
-    if bias is None:
-        return out
-    if not isinstance(bias, CNode) or bias.op != "param" or tuple(bias.shape) != (N,):
-        raise UnsupportedOpError(
-            f"{n.where()}: the bias added to the product must be a parameter of shape [{N}]"
-        )
-    b = tr.param(bias)
-    rows, cols = flat_shape(out_shape)
-    params = {
-        "rows": rows,
-        "cols": cols,
-        "fn": "add",
-        "other": "row",
-        "shape": list(out_shape),
-        "layout": out.layout.to_json(),
-    }
-    return tr.emit(
-        n, "elementwise", params, {"x": out, "y": b}, out_shape, out.layout, name=f"{n.name}_bias"
-    )
+    return out
 
 
 def _meets_sequence_parallel(tr: Tracer, n: CNode) -> bool:
