@@ -50,7 +50,7 @@ FAMILIES = {
     # stacked experts, a shared expert with its sigmoid gate, top-k weights not renormalised
     "qwen2_moe": ("Qwen2MoeConfig", "qwen2_moe", "Qwen2MoeDecoderLayer",
                   "Qwen2MoeRotaryEmbedding",
-                  dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                  dict(SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
                        shared_expert_intermediate_size=128, norm_topk_prob=False), "ep"),
 }
 # tokens a rank holds must fill the MoE op's 64-row tiles, and ring attention's 2 x world zigzag
