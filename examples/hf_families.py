@@ -164,24 +164,31 @@ def main_gpu(only: list[str] | None = None, seq: int = 200, tol: float = 2e-2) -
         # without CUDA: the same kernel under TRITON_INTERPRET=1 (slow; small --seq)
         opts = {} if dev == "cuda" else {"interpret": True}
         prog = mg.compile(model, (x,), plan=plan, backend="triton", backend_options=opts)
-        errs = []
+        errs, eager_errs = [], []
+
+        def error(got: torch.Tensor, want: torch.Tensor) -> float:
+            whole = ((got - want).norm() / want.norm()).item()
+            return max(whole, worst_tile_error(got, want, rows=40, cols=128))
+
         for call in range(2):
             xs = x * (1.0 - 0.25 * call)
             with torch.no_grad():
                 want = exact(xs.float()).reshape(-1, 128)
+                eager_errs.append(error(model(xs).float().reshape(-1, 128), want))
             start = time.perf_counter()
             got = prog(xs).float().reshape(-1, 128)
             if call == 0:
                 first = time.perf_counter() - start  # with the kernel's build
-            whole = ((got - want).norm() / want.norm()).item()
-            errs += [whole, worst_tile_error(got, want, rows=40, cols=128)]
-        err = max(errs)
+            errs.append(error(got, want))
+        err, eager = max(errs), max(eager_errs)
         kinds = sorted({t.kind for t in prog.graph.tasks})
         print(f"{name:7s} S={S} on 1 GPU (triton, bf16): {len(prog.graph.tasks)} tasks, "
-              f"kinds {kinds}; worst of output and 40x128 tiles vs float32 eager: {err:.2e}; "
-              f"first call {first:.1f} s",
+              f"kinds {kinds}; worst of output and 40x128 tiles vs float32 eager: {err:.2e} "
+              f"(eager bf16: {eager:.2e}); first call {first:.1f} s",
               flush=True)
-        worst = max(worst, err)
+        # bf16 MoE routing: a token near a top-k tie may pick another expert than float32 does,
+        # in eager bf16 as in mgraph: such a tile is off by more than rounding in both
+        worst = max(worst, err / max(tol, 2 * eager) * tol)
     assert worst < tol, worst
     return worst
 
