@@ -13,9 +13,10 @@ attention's 128-row blocks do not divide (200 tokens: the last query and key blo
     python examples/hf_families.py [--topology 1x2] [--only qwen3 gemma2 ...]
     python examples/hf_families.py --gpu [--only ...]   # one GPU, backend="triton", bf16
 
-With ``--gpu`` each layer runs in bf16 on one GPU in the megakernel (topology 1x1, no plan), checked
-against eager torch in float32 on the same bf16 weights and inputs, over the whole output and
-every 40-row x 128-column tile (a racy or unwritten tile fails).
+With ``--gpu`` each layer runs in bf16 on one GPU in the megakernel (topology 1x1; no plan but
+Qwen2-MoE's ExpertParallel), checked against eager torch in float32 on the same bf16 weights and
+inputs, over the whole output and every 40-row x 128-column tile (a racy or unwritten tile
+fails), within max(2e-2, twice eager bf16's own error on the same metric).
 """
 
 from __future__ import annotations
@@ -150,11 +151,11 @@ def main_gpu(only: list[str] | None = None, seq: int = 200, tol: float = 2e-2) -
     float32 eager layer on the same rounded weights and inputs."""
     from mgraph.runtime.memory import worst_tile_error
 
-    worst = 0.0
+    worst, over = 0.0, []
     for name in only or list(FAMILIES):
         torch.manual_seed(0)
         model, kind = build(name)
-        S = FIXED_SEQ.get(kind, seq) if kind == "ep" else seq
+        S = FIXED_SEQ["ep"] if kind == "ep" else seq  # no ring attention on one GPU
         # one GPU: no plan, but an MoE block traces only under ExpertParallel
         plan = {"layer.mlp": mg.ExpertParallel(router="gate")} if kind == "ep" else None
         dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,8 +189,10 @@ def main_gpu(only: list[str] | None = None, seq: int = 200, tol: float = 2e-2) -
               flush=True)
         # bf16 MoE routing: a token near a top-k tie may pick another expert than float32 does,
         # in eager bf16 as in mgraph: such a tile is off by more than rounding in both
-        worst = max(worst, err / max(tol, 2 * eager) * tol)
-    assert worst < tol, worst
+        if err >= max(tol, 2 * eager):
+            over.append((name, err, eager))
+        worst = max(worst, err)
+    assert not over, over
     return worst
 
 
