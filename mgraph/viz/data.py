@@ -184,5 +184,8 @@ def trace_data(trace: Trace, graph: TaskGraph | None) -> dict[str, Any]:
         "critical": critical_path(graph, recs),
         # mean per GPU: a sum over 16 ranks would read as one impossible link
         "bandwidth": {"bin_us": width * 1e6, "per": "GPU (mean over ranks)",
-                      "gbps": [[round(v / width / 1e9 / world, 3) for v in row] for row in bins]},
+                      # 4 significant digits, not 3 decimals: on a slow run a bin holds a few
+                      # MB/s, which 3 decimals of GB/s rounded by up to 30%
+                      "gbps": [[float(f"{v / width / 1e9 / world:.4g}") for v in row]
+                               for row in bins]},
     }
