@@ -115,6 +115,23 @@ def test_two_gpus_match_torch(op, kw):
 
 
 @pytest.mark.multi_gpu(2)
+@pytest.mark.parametrize(
+    "op, kw",
+    [
+        ("ring_attention", dict(B=1, H=4, S=2048, D=128, block=128, causal=False)),
+        ("ring_attention", dict(B=1, H=4, S=2048, D=128, block=128, causal=True)),
+        ("ring_attention", dict(B=2, H=4, S=1024, D=64, block=64, kv_heads=2, causal=True)),
+        ("moe_dispatch_combine", dict(T=1024, E=8, H=512, F=512, top_k=2)),
+        ("moe_dispatch_combine", dict(T=512, E=16, H=256, F=384, top_k=4, capacity_factor=1.0)),
+    ],
+)
+def test_two_gpus_attention_and_moe_match_torch(op, kw):
+    """Ring attention's KV blocks and MoE's token tiles crossing GPUs (issue 17): the whole output
+    and every tile of each rank against the fp32 torch reference, over three launches."""
+    _spawn(op, kw)
+
+
+@pytest.mark.multi_gpu(2)
 @pytest.mark.parametrize("op", ["gemm_allreduce", "gemm_reduce_scatter", "allgather_gemm"])
 def test_two_gpus_graph_replays_match_torch(op):
     """Launches after the first replay a CUDA graph (epoch + 1 on the device, memsets, kernel):
