@@ -63,7 +63,7 @@ def main() -> None:
         torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        _ping[(1,)](flags, _Ptr(peer_ptr), n, 50_000_000, out, RANK=rank)
+        _ping[(1,)](flags, _Ptr(peer_ptr), n, 5_000_000, out, RANK=rank)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         spins, failed = out.tolist()
