@@ -1,6 +1,7 @@
 """Can two ranks share ONE GPU? (`torchrun --nproc_per_node=2 benchmarks/share_gpu_probe.py`)
 
-Two processes on the same device, a gloo group, torch symmetric memory between them, and a
+Two processes on the same device, a gloo group (NCCL refuses two ranks on one device)
+and the runtime's CUDA-IPC peer buffers (runtime/megakernel/ipc_share.py), and a
 persistent Triton kernel in each that ping-pongs flags with the other through sys-scope atomics.
 Without MPS the two contexts time-slice, so a spinning kernel only sees the peer's flag after a
 context switch: this measures whether that progresses at all and how long one hop takes. Every
@@ -38,13 +39,13 @@ def _ping(mine, peer, n, limit, out, RANK: tl.constexpr):
 
 
 def main() -> None:
-    import torch.distributed._symmetric_memory as symm_mem
+    from mgraph.runtime.megakernel.ipc_share import IpcBuffers
 
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("gloo")
-    flags = symm_mem.empty(4096, dtype=torch.int32, device="cuda")
-    handle = symm_mem.rendezvous(flags, dist.group.WORLD)
+    flags = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    handle = IpcBuffers(flags)  # what the runtime maps when ranks share a GPU
     print(f"rank {rank}: rendezvous ok, peers {list(handle.buffer_ptrs)}", flush=True)
     peer_ptr = handle.buffer_ptrs[1 - rank]
     out = torch.zeros(2, dtype=torch.int64, device="cuda")

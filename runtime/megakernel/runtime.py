@@ -175,12 +175,19 @@ class TritonRuntime:
             import torch.distributed as dist
             import torch.distributed._symmetric_memory as symm_mem
 
+            from .ipc_share import IpcBuffers, ranks_share_a_gpu
+
             group = dist.group.WORLD
-            self.arena = symm_mem.empty(lay.arena_bytes, dtype=torch.uint8, device=dev)
-            arena_h = symm_mem.rendezvous(self.arena, group)
-            # Our own flag buffer: torch's signal pad belongs to torch's collectives (GPU.md).
-            self.flags = symm_mem.empty(lay.flag_words, dtype=torch.int32, device=dev)
-            flags_h = symm_mem.rendezvous(self.flags, group)
+            if ranks_share_a_gpu(dev):  # symmetric memory refuses it: CUDA IPC (correctness runs)
+                self.arena = torch.zeros(lay.arena_bytes, dtype=torch.uint8, device=dev)
+                self.flags = torch.zeros(lay.flag_words, dtype=torch.int32, device=dev)
+                arena_h, flags_h = IpcBuffers(self.arena), IpcBuffers(self.flags)
+            else:
+                self.arena = symm_mem.empty(lay.arena_bytes, dtype=torch.uint8, device=dev)
+                arena_h = symm_mem.rendezvous(self.arena, group)
+                # Our own flag buffer: torch's signal pad belongs to torch's collectives (GPU.md).
+                self.flags = symm_mem.empty(lay.flag_words, dtype=torch.int32, device=dev)
+                flags_h = symm_mem.rendezvous(self.flags, group)
             self.arena_handle, self.flags_handle = arena_h, flags_h
             self.flags.zero_()
             torch.cuda.synchronize(dev)
