@@ -183,8 +183,11 @@ def worst_tile_error(got: torch.Tensor, want: torch.Tensor, rows: int = 128,
     """The largest relative error ||got - want|| / ||want|| of any ``rows`` x ``cols`` tile of
     two 2-D tensors; inf if ``got`` holds a value that is not finite where ``want`` is finite
     (an unwritten, NaN-poisoned element). One racy tile shows here even when the norm over the
-    whole output hides it (the GPU tests and the benchmark check both)."""
+    whole output hides it (the GPU tests and the benchmark check both). Tensors of more dims are
+    read as 2-D: every leading dim folded into the rows ([B, H, S, D] -> [B*H*S, D])."""
     g, w = got.float(), want.float()
+    if g.dim() != 2:
+        g, w = g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1])
     if not torch.isfinite(g[torch.isfinite(w)]).all():
         return float("inf")
     R, C = g.shape[0] // rows * rows, g.shape[-1] // cols * cols
