@@ -130,8 +130,12 @@ def run(world: int, rank: int) -> list[dict]:
 
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    if os.environ.get("MGRAPH_TEST_SHARE_GPU") == "1":  # every rank on one GPU (gpu_workers.setup)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     count_copies()
     rows = run(1, rank) if rank == 0 else []
     dist.barrier()
