@@ -46,6 +46,7 @@ from .encode import (
 )
 from .graph_checks import buffer_dtype_code, check_graph, supported_kinds
 from .inflight import InFlight, cuda_slot
+from .interp_fixes import fix_interpreter
 
 if TYPE_CHECKING:
     from mgraph.scheduler import Schedule
@@ -115,6 +116,7 @@ class TritonRuntime:
         self.world = world
         if interpret:
             self.device = torch.device("cpu")
+            fix_interpreter()  # bf16 tl.dot by value (interp_fixes.py)
         else:
             self.device = torch.device(device) if device is not None else torch.device(
                 "cuda", torch.cuda.current_device()
