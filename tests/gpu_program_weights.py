@@ -35,6 +35,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 
 import mgraph as mg  # noqa: E402
 from helpers import rel_err  # noqa: E402
+from mgraph.runtime.megakernel import calls as calls_module  # noqa: E402
 from mgraph.runtime.megakernel import runtime as rt_module  # noqa: E402
 
 TOL = 2e-2
@@ -45,13 +46,16 @@ COPIES: Counter = Counter()
 def count_copies() -> None:
     """Count the input tensors cut for the kernel's buffers, by name (one buffer_shard call per
     buffer loaded on one rank; one per name SPMD, where local_shards cuts them)."""
-    shard = rt_module.buffer_shard
+    shard = calls_module.buffer_shard
 
     def counted(buf, inputs):
         COPIES[buf.binding.tensor] += 1
         return shard(buf, inputs)
 
+    # both names: the runtime's load (one process) and calls.local_shards (SPMD), which since
+    # calls.py was split out of runtime.py call their own module's binding
     rt_module.buffer_shard = counted
+    calls_module.buffer_shard = counted
 
 
 def events_ms(fn, reps: int = 20) -> float:
