@@ -46,7 +46,7 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
 
         op = mg.ops.get_op(op_name)
         graph = op(topology=topology or f"1x{world}", dtype=torch.bfloat16, **kw)
-        rt = TritonRuntime(mg.schedule(graph), settings=Settings(nic_gbps=nic_gbps))
+        rt = TritonRuntime(mg.schedule(graph), settings=Settings.from_env(nic_gbps=nic_gbps))
         worst = 0.0
         for i in range(relaunches):
             inputs = op.random_inputs(graph, seed=i)  # same seed on every rank: same global data
