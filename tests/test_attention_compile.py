@@ -241,9 +241,9 @@ def test_attn_head_size_picks_the_one_fast_path_a_graph_needs():
         assert at.attn_head_size(g, range(len(g.tasks))) == want, D
         # a rank's own tasks: rank 1's attn_block tasks alone give the same
         mine = [t.id for t in g.tasks if t.rank == 1]
-        assert body_constexprs(g, mine) == {"ATTN_D": want, "GLU": False}, D
+        assert body_constexprs(g, mine) == {"ATTN_D": want, "GLU": False, "GEMM_PTR": False}, D
         copies = [t.id for t in g.tasks if t.kind == "copy"]
-        assert body_constexprs(g, copies) == {"ATTN_D": 0, "GLU": False}
+        assert body_constexprs(g, copies) == {"ATTN_D": 0, "GLU": False, "GEMM_PTR": False}
     fp32 = ring_d(128, torch.float32)  # no fast path for float32 data: compile none
     assert at.attn_head_size(fp32, range(len(fp32.tasks))) == 0
     gemm = mg.ops.gemm_allreduce(topology="1x2", M=256, N=256, K=128)

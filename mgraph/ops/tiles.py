@@ -18,6 +18,7 @@ from .abi import F_KIND, F_NREAD, F_NWRITE, F_READ0, F_WRITE0, HAVE_TRITON
 
 if HAVE_TRITON:
     from .abi import buffer_base, load_region, param_i32
+    from .gemm_pointers import gemm_pointers, gemm_tma_rows
     from .tilewise import block_ptrs, copy_into, copy_vec, row_operand, vec_cols, vec_ptr, vec_width
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor, **_: object) -> dict[str, torch.Tensor]:
@@ -103,7 +104,7 @@ if HAVE_TRITON:
     @triton.jit
     def gemm_tile(tp, params, regions, bufaddr, bufrows, bufcols, ad0, bd0, a0_slot, b0_slot,
                   DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  USE_TIMER: tl.constexpr, GLU: tl.constexpr):
+                  USE_TIMER: tl.constexpr, GLU: tl.constexpr, GEMM_PTR: tl.constexpr = False):
         """C = A @ B over the task's K range. ``ad0``/``bd0`` are descriptors the kernel built once
         for the rank's usual A and B buffers: building one costs a global-memory write and a
         fence, so a task only builds its own when it reads another buffer.
@@ -114,71 +115,81 @@ if HAVE_TRITON:
         body keeps ONE copy of the pipelined K loop in the kernel: a second one (gemm_glu's own
         body, the same loop inlined at its own call) ran ptxas out of registers and serialised
         every wgmma of the kernel (C7512), slowing every GEMM and attention loop by ~25%.
-        ``GLU`` (the kernel runs gemm_glu tasks) compiles that epilogue only where it runs."""
+        ``GLU`` (the kernel runs gemm_glu tasks) compiles that epilogue only where it runs.
+
+        A task whose operands' rows TMA cannot address (not whole 16-byte units: a 4-expert
+        router, an odd vocabulary) runs by masked pointers instead (gemm_pointers.py), a path
+        ``GEMM_PTR`` (the kernel runs such tasks) compiles in only where it runs."""
         r0 = tl.load(tp + _READ0)
         a_slot, am0, am1, ak0, ak1 = load_region(regions, r0)
         b_slot, bk0, bk1, bn0, bn1 = load_region(regions, r0 + 1)
-        if a_slot == a0_slot:
-            ad = ad0
+        tma = True
+        if GEMM_PTR:
+            tma = gemm_tma_rows(tp, params, regions, bufcols, DT, GLU)
+        if not tma:
+            gemm_pointers(tp, params, regions, bufaddr, bufcols, DT, BN, USE_TIMER, GLU)
         else:
-            a_cols = tl.load(bufcols + a_slot)
-            ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
-                                           [tl.load(bufrows + a_slot), a_cols], [a_cols, 1], [BM, BK])
-        if b_slot == b0_slot:
-            bd = bd0
-        else:
-            b_cols = tl.load(bufcols + b_slot)
-            bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
-                                           [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
-        ksize = ak1 - ak0
-        w0 = tl.load(tp + _WRITE0)
-        nwrite = tl.load(tp + _NWRITE)
-        glu = False
-        if GLU:  # any kind here but gemm is gemm_glu
-            glu = tl.load(tp + _KIND) != _GEMM_KIND
-        accumulate = 0
-        if not glu:  # gemm_glu declares no params: its row has none to read
-            accumulate = param_i32(params, tp, 0)
-        # A task may cover several blocks (a region wider or taller than BM x BN: fewer, larger
-        # tasks pay the per-task costs, ticket, waits and signals, once for all of them). Each
-        # block is one pass of the pipelined K loop and its own epilogue.
-        nbn = tl.cdiv(bn1 - bn0, BN)
-        for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
-            sm = (blk // nbn) * BM  # the block's offset inside the task's region
-            sn = (blk % nbn) * BN
-            acc = gemm_block_acc(ad, bd, am0 + sm, ak0, bk0, bn0 + sn, ksize, DT, BM, BN, BK)
-            # Rows past the region's end and columns past its last column were computed from
-            # whatever the loads returned (other tiles' rows, or TMA's zeros past the buffer):
-            # the store masks them off, so a short edge block writes exactly its region.
-            if glu:  # BN packed columns are BN/2 outputs: the block's at sn/2 in the region
-                unit = glu_unit(acc, DT, BM, BN)
-                for q in range(nwrite):
-                    _, um0, um1, un0, un1 = load_region(regions, w0 + q)
-                    store_block(regions, bufaddr, bufcols, w0 + q, sm, sn // 2, um1 - um0,
-                                un1 - un0, unit, DT, BM, BN // 2)
+            if a_slot == a0_slot:
+                ad = ad0
             else:
-                out = acc.to(DT)
-                for q in range(nwrite):  # write 0, then the epilogue's peer stores
-                    c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
-                    if accumulate != 0:
-                        # Reduce-add into a zeroed output (this GPU's or a peer's), as the GEMM
-                        # prefix does: a TMA reduce, exact because the runtime admits only
-                        # tasks whose blocks are whole or end their buffers (encode.tma_exact).
-                        # The interpreter runs one program at a time: a load, add and store is
-                        # the same.
-                        c_cols = tl.load(bufcols + c_slot)
-                        cd = tl.make_tensor_descriptor(buffer_base(bufaddr, c_slot, DT),
-                                                       [tl.load(bufrows + c_slot), c_cols],
-                                                       [c_cols, 1], [BM, BN])
-                        if USE_TIMER:
-                            cd.atomic_add([cm0 + sm, cn0 + sn], out)
+                a_cols = tl.load(bufcols + a_slot)
+                ad = tl.make_tensor_descriptor(buffer_base(bufaddr, a_slot, DT),
+                                               [tl.load(bufrows + a_slot), a_cols], [a_cols, 1], [BM, BK])
+            if b_slot == b0_slot:
+                bd = bd0
+            else:
+                b_cols = tl.load(bufcols + b_slot)
+                bd = tl.make_tensor_descriptor(buffer_base(bufaddr, b_slot, DT),
+                                               [tl.load(bufrows + b_slot), b_cols], [b_cols, 1], [BK, BN])
+            ksize = ak1 - ak0
+            w0 = tl.load(tp + _WRITE0)
+            nwrite = tl.load(tp + _NWRITE)
+            glu = False
+            if GLU:  # any kind here but gemm is gemm_glu
+                glu = tl.load(tp + _KIND) != _GEMM_KIND
+            accumulate = 0
+            if not glu:  # gemm_glu declares no params: its row has none to read
+                accumulate = param_i32(params, tp, 0)
+            # A task may cover several blocks (a region wider or taller than BM x BN: fewer, larger
+            # tasks pay the per-task costs, ticket, waits and signals, once for all of them). Each
+            # block is one pass of the pipelined K loop and its own epilogue.
+            nbn = tl.cdiv(bn1 - bn0, BN)
+            for blk in range(0, tl.cdiv(am1 - am0, BM) * nbn):
+                sm = (blk // nbn) * BM  # the block's offset inside the task's region
+                sn = (blk % nbn) * BN
+                acc = gemm_block_acc(ad, bd, am0 + sm, ak0, bk0, bn0 + sn, ksize, DT, BM, BN, BK)
+                # Rows past the region's end and columns past its last column were computed from
+                # whatever the loads returned (other tiles' rows, or TMA's zeros past the buffer):
+                # the store masks them off, so a short edge block writes exactly its region.
+                if glu:  # BN packed columns are BN/2 outputs: the block's at sn/2 in the region
+                    unit = glu_unit(acc, DT, BM, BN)
+                    for q in range(nwrite):
+                        _, um0, um1, un0, un1 = load_region(regions, w0 + q)
+                        store_block(regions, bufaddr, bufcols, w0 + q, sm, sn // 2, um1 - um0,
+                                    un1 - un0, unit, DT, BM, BN // 2)
+                else:
+                    out = acc.to(DT)
+                    for q in range(nwrite):  # write 0, then the epilogue's peer stores
+                        c_slot, cm0, cm1, cn0, cn1 = load_region(regions, w0 + q)
+                        if accumulate != 0:
+                            # Reduce-add into a zeroed output (this GPU's or a peer's), as the GEMM
+                            # prefix does: a TMA reduce, exact because the runtime admits only
+                            # tasks whose blocks are whole or end their buffers (encode.tma_exact).
+                            # The interpreter runs one program at a time: a load, add and store is
+                            # the same.
+                            c_cols = tl.load(bufcols + c_slot)
+                            cd = tl.make_tensor_descriptor(buffer_base(bufaddr, c_slot, DT),
+                                                           [tl.load(bufrows + c_slot), c_cols],
+                                                           [c_cols, 1], [BM, BN])
+                            if USE_TIMER:
+                                cd.atomic_add([cm0 + sm, cn0 + sn], out)
+                            else:
+                                cd.store([cm0 + sm, cn0 + sn],
+                                         (cd.load([cm0 + sm, cn0 + sn]).to(tl.float32)
+                                          + out.to(tl.float32)).to(DT))
                         else:
-                            cd.store([cm0 + sm, cn0 + sn],
-                                     (cd.load([cm0 + sm, cn0 + sn]).to(tl.float32)
-                                      + out.to(tl.float32)).to(DT))
-                    else:
-                        store_block(regions, bufaddr, bufcols, w0 + q, sm, sn, cm1 - cm0,
-                                    cn1 - cn0, out, DT, BM, BN)
+                            store_block(regions, bufaddr, bufcols, w0 + q, sm, sn, cm1 - cm0,
+                                        cn1 - cn0, out, DT, BM, BN)
 
     @triton.jit
     def glu_unit(acc, DT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):

@@ -87,13 +87,16 @@ ABI_NAMES = {
     "(mgraph.ops.attention_tiles.attn_head_size)",
     "GLU": "constexpr: the kernel runs gemm_glu tasks (gemm_tile, their body too, compiles their "
     "epilogue only then)",
+    "GEMM_PTR": "constexpr: the kernel runs GEMM tasks whose rows TMA cannot address "
+    "(encode.gemm_by_pointers: gemm_tile compiles its pointer path only then)",
 }
 # The constexprs of ABI_NAMES that only bodies read: kernel.py's template does not declare
 # them; the generated copy's signature does, and the runtime passes body_constexprs(). Each
 # is one value per kernel, fixed by the tasks it runs, so a graph compiles only the code
 # paths its tasks need (a path in the function costs every path registers: ptxas gives a
-# function one budget).
-BODY_CONSTEXPRS = ("ATTN_D", "GLU")
+# function one budget). (GEMM_PTR is read by the kernel too, which declares it: the A/B
+# descriptors it builds once per launch may then be over rows TMA cannot address.)
+BODY_CONSTEXPRS = ("ATTN_D", "GLU", "GEMM_PTR")
 PUSH_KIND = "push"  # the rdma push: not a registry kind (it has no CPU body), dispatched alike
 _BEGIN, _END = "# <dispatch>", "# </dispatch>"
 
@@ -134,9 +137,13 @@ def body_constexprs(graph: TaskGraph, task_ids: Iterable[int]) -> dict[str, int]
     (one rank's tasks, or every rank's in one interpreter program)."""
     from mgraph.ops.attention_tiles import attn_head_size
 
+    from .encode import GEMM_KINDS, gemm_by_pointers
+
     ids = list(task_ids)
     return {"ATTN_D": attn_head_size(graph, ids),
-            "GLU": any(graph.tasks[t].kind == "gemm_glu" for t in ids)}
+            "GLU": any(graph.tasks[t].kind == "gemm_glu" for t in ids),
+            "GEMM_PTR": any(graph.tasks[t].kind in GEMM_KINDS
+                            and gemm_by_pointers(graph, graph.tasks[t]) for t in ids)}
 
 
 def _declare_body_constexprs(template: str) -> str:

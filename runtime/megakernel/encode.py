@@ -51,6 +51,7 @@ from .netplan import NetPlan, net_plan
 
 __all__ = [
     "Layout", "RankTables", "layout", "encode_rank", "ROLE_ALL", "ALIGN", "kind_id", "PUSH_ID",
+    "tma_rows", "gemm_by_pointers",
 ]
 
 ROLE_ALL = len(ROLES)  # role index of a program that serves every queue (interpreter mode)
@@ -266,14 +267,17 @@ def encode_rank(
             return torch.zeros((0, width) if width else (0,), dtype=torch.int32)
         return torch.tensor(rows, dtype=torch.int32)
 
+    # The descriptors ad0/bd0 serve GEMMs on the TMA path: count those. A rank whose GEMMs
+    # all run by pointers still gets slots (the kernel builds, never uses, their descriptors).
+    gemm_tids = [tid for tid in order if graph.tasks[tid].kind in GEMM_KINDS]
+    on_tma = [tid for tid in gemm_tids if not gemm_by_pointers(graph, graph.tasks[tid])]
     a_use: dict[int, int] = {}
     b_use: dict[int, int] = {}
-    for tid in order:
+    for tid in on_tma or gemm_tids:  # (gemm_glu's packed B tile is a gemm B tile too)
         t = graph.tasks[tid]
-        if t.kind in GEMM_KINDS:  # (gemm_glu's packed B tile is a gemm B tile too)
-            a, b = slot_of[t.reads[0].buffer], slot_of[t.reads[1].buffer]
-            a_use[a] = a_use.get(a, 0) + 1
-            b_use[b] = b_use.get(b, 0) + 1
+        a, b = slot_of[t.reads[0].buffer], slot_of[t.reads[1].buffer]
+        a_use[a] = a_use.get(a, 0) + 1
+        b_use[b] = b_use.get(b, 0) + 1
     return RankTables(
         rank=rank,
         tasks=i32(tasks, TASK_FIELDS),
@@ -316,10 +320,34 @@ def gemm_block(gemms) -> tuple[int, int]:
     """The GEMM block (BM, BN) for tasks of GEMM_KINDS: the largest tile, capped at MAX_BLOCK;
     smaller tiles are the short edge tiles, larger ones run as several blocks. A gemm_glu
     output column reads two packed B columns (its block is BM x BN/2 outputs), so its width
-    counts twice; its tiles are multiples of 128 columns, so BN is 256 wherever it runs."""
-    return (min(max(t.writes[0].shape[0] for t in gemms), MAX_BLOCK[0]),
-            min(max(t.writes[0].shape[1] * (2 if t.kind == "gemm_glu" else 1) for t in gemms),
-                MAX_BLOCK[1]))
+    counts twice; its tiles are multiples of 128 columns, so BN is 256 wherever it runs.
+    Triton's blocks are powers of two, and a dot's at least 16 x 16: a largest tile of another
+    size (a Linear of 100 outputs over 80 tokens) gets the next such block, whose rows and
+    columns past the tile are the masked edge."""
+    def block(size: int, cap: int) -> int:
+        return min(max(16, 1 << (size - 1).bit_length()), cap)
+
+    return (block(max(t.writes[0].shape[0] for t in gemms), MAX_BLOCK[0]),
+            block(max(t.writes[0].shape[1] * (2 if t.kind == "gemm_glu" else 1) for t in gemms),
+                  MAX_BLOCK[1]))
+
+
+def tma_rows(graph: TaskGraph, buffer_id: str) -> bool:
+    """Whether TMA can address the rows of ``buffer_id`` as the GEMM bodies read it (in the
+    graph's dtype): a row pitch of whole 16-byte units (bases are ALIGN-aligned)."""
+    return graph.buffers[buffer_id].cols * ITEMSIZE[graph.dtype] % 16 == 0
+
+
+def gemm_by_pointers(graph: TaskGraph, t) -> bool:
+    """Whether the GEMM body runs task ``t`` (of GEMM_KINDS) by pointers (tiles.gemm_pointers)
+    rather than through TMA: A's or B's rows are not whole 16-byte units, or the task
+    reduce-adds into a write whose rows are not (the TMA path's reduce is a TMA store). Plain
+    writes do not count: the body stores them through pointers either way. Mirrors the test
+    gemm_tile makes at run time (tiles.gemm_tma_rows)."""
+    if not (tma_rows(graph, t.reads[0].buffer) and tma_rows(graph, t.reads[1].buffer)):
+        return True
+    return bool(t.params.get("accumulate")) and not all(
+        tma_rows(graph, w.buffer) for w in t.writes)
 
 
 def tma_exact(graph: TaskGraph, t, block: tuple[int, int], bk: int = 64) -> bool:
@@ -394,6 +422,8 @@ class _Prefix:
             add = bool(t.params.get("accumulate"))
             if (t.kind != "gemm" or len(t.writes) > 2 or self.nw not in (None, len(t.writes))
                     or self.add not in (None, add) or not self.hoistable(t)
+                    # its loads and stores are all TMA: rows of whole 16-byte units only
+                    or not all(tma_rows(graph, r.buffer) for r in (*t.reads, *t.writes))
                     or not tma_exact(graph, t, self.block)
                     or t.writes[0].shape[0] > self.block[0]
                     or t.writes[0].shape[1] > self.block[1]):  # one block a position

@@ -4,11 +4,11 @@ is allocated or launched, and the per-buffer dtype codes the kernel reads (``buf
 from __future__ import annotations
 
 from mgraph.errors import DTypeError, ScheduleError
-from mgraph.graph import ITEMSIZE, TaskGraph
+from mgraph.graph import TaskGraph
 from mgraph.kinds import KINDS, TaskKind
 
 from .dispatch import body_params, has_body
-from .encode import GEMM_KINDS, gemm_block, tma_exact
+from .encode import gemm_block, gemm_by_pointers, tma_exact
 
 __all__ = ["supported_kinds", "check_graph", "buffer_dtype_code", "DT_DATA", "DT_F32"]
 
@@ -66,10 +66,12 @@ def _check_dtypes(graph: TaskGraph) -> None:
 def _check_gemm_tiles(graph: TaskGraph, gemms, bk: int) -> None:
     """Short edge tiles: the GEMM prefix runs only tiles whole-block TMA computes exactly
     (encode.tma_exact); the dynamic body masks the others. A tile that ADDS into its outputs
-    (``accumulate``) always goes through a TMA reduce-add, so it must be exact."""
+    (``accumulate``) on the TMA path goes through a TMA reduce-add, so it must be exact (the
+    pointer path, encode.gemm_by_pointers, masks its adds: any tile is exact there)."""
     block = gemm_block(gemms)
     for t in gemms:
-        if t.params.get("accumulate") and not tma_exact(graph, t, block, bk):
+        if (t.params.get("accumulate") and not gemm_by_pointers(graph, t)
+                and not tma_exact(graph, t, block, bk)):
             raise ScheduleError(
                 f"{graph.op}: gemm task {t.name!r} reduce-adds a short {t.writes[0].shape} tile "
                 f"that does not end its buffers (block {block[0]}x{block[1]})",
@@ -80,8 +82,8 @@ def _check_gemm_tiles(graph: TaskGraph, gemms, bk: int) -> None:
 
 def check_graph(graph: TaskGraph, bk: int) -> None:
     """What backend='triton' refuses before anything is allocated or launched: kinds without a
-    Triton body, buffer dtypes, rows TMA cannot address, and GEMM edge tiles (``bk``: the
-    kernel's K block)."""
+    Triton body, buffer dtypes, and GEMM edge tiles that a TMA reduce-add cannot clip (``bk``:
+    the kernel's K block)."""
     unsupported = {t.kind for t in graph.tasks if t.role != "rdma"} - supported_kinds()
     if unsupported:
         raise ScheduleError(
@@ -89,17 +91,8 @@ def check_graph(graph: TaskGraph, bk: int) -> None:
             hint="run this op on backend='reference'",
         )
     _check_dtypes(graph)
-    # TMA (16-byte aligned rows) is used only for what GEMM tasks read and write; the other
-    # bodies use masked pointer loads and stores (a row reduction's [rows, 1] output).
-    tma = {r.buffer for t in graph.tasks if t.kind in GEMM_KINDS for r in t.reads}
-    tma |= {r.buffer for t in graph.tasks if t.kind == TaskKind.GEMM.value for r in t.writes}
-    for b in graph.buffers.values():
-        if b.id in tma and (b.cols * ITEMSIZE[b.dtype]) % 16:
-            raise ScheduleError(
-                f"{graph.op}: buffer {b.id} rows are {b.cols} elements, not a multiple of 16 "
-                "bytes (TMA needs 16-byte aligned rows)",
-                hint="choose the op's inner sizes as multiples of 8 (bf16) or 4 (fp32)",
-            )
+    # Rows TMA cannot address (not whole 16-byte units) are not refused: the GEMM body runs
+    # those tasks by masked pointers (encode.gemm_by_pointers), as the other bodies do.
     gemms = [t for t in graph.tasks if t.kind == TaskKind.GEMM.value]
     if gemms:
         _check_gemm_tiles(graph, gemms, bk)

@@ -223,6 +223,16 @@ def push_commands(tp, cmds, ring, dhead, tail, capacity, epoch, limit, abort, er
 
 
 @triton.jit
+def _tma_pitch(cols, DT: tl.constexpr, ROUND: tl.constexpr):
+    """``cols`` as a descriptor's row pitch: rounded up to whole 16-byte units when ROUND."""
+    if ROUND:
+        per16: tl.constexpr = 128 // DT.primitive_bitwidth
+        return tl.cdiv(cols, per16) * per16
+    else:
+        return cols
+
+
+@triton.jit
 def _tile_add(desc, m, n, c, DT: tl.constexpr, USE_TIMER: tl.constexpr):
     """TMA reduce-add of tile ``c`` at (m, n): each element added atomically where it lives
     (this GPU's memory or a peer's). The interpreter has no descriptor reduce; it runs one
@@ -369,7 +379,7 @@ def megakernel(
     HAS_NET: tl.constexpr,
     HAS_SEGS: tl.constexpr, SEG_NW: tl.constexpr, SEG_ADD: tl.constexpr,
     SEG_WAITS: tl.constexpr, SEG_K: tl.constexpr, FLATTEN: tl.constexpr,
-    ADAPTIVE: tl.constexpr,
+    ADAPTIVE: tl.constexpr, GEMM_PTR: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     # Bodies name it ``params``; the argument may not be called that (Triton 3.6's generated
@@ -386,12 +396,17 @@ def megakernel(
         # barrier's acquire before this program's async-proxy loads.
         fence_proxy_async(USE_TIMER)
     if NEED_AB:  # the rank's usual A and B: one descriptor each per launch, not per tile
+        # (GEMM_PTR: where every GEMM of the rank runs by pointers, tiles.gemm_pointers, the
+        # slots' rows may not be whole 16-byte units, which a descriptor's pitch must be: the
+        # pitch is rounded up to them; such a descriptor is never used.)
         a_cols = tl.load(bufcols + a0_slot)
         ad0 = tl.make_tensor_descriptor(buffer_base(bufaddr, a0_slot, DT),  # noqa: F841 - read by the generated dispatch
-                                        [tl.load(bufrows + a0_slot), a_cols], [a_cols, 1], [BM, BK])
+                                        [tl.load(bufrows + a0_slot), a_cols],
+                                        [_tma_pitch(a_cols, DT, GEMM_PTR), 1], [BM, BK])
         b_cols = tl.load(bufcols + b0_slot)
         bd0 = tl.make_tensor_descriptor(buffer_base(bufaddr, b0_slot, DT),  # noqa: F841 - read by the generated dispatch
-                                        [tl.load(bufrows + b0_slot), b_cols], [b_cols, 1], [BK, BN])
+                                        [tl.load(bufrows + b0_slot), b_cols],
+                                        [_tma_pitch(b_cols, DT, GEMM_PTR), 1], [BK, BN])
     role = tl.load(roles + pid)
     qp = qinfo + role * _QF
     qoff = tl.load(qp + _QOFF)
