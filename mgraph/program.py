@@ -45,15 +45,16 @@ copy of it. That runtime NaN-fills its scratch and output buffers before its fir
 (``backend_options={"poison": True}``: before every launch, with no CUDA graph replay), so a
 task that reads an element no task wrote shows as NaN in the first call's result.
 
-On ``triton`` with one rank on a GPU, ``prog(*inputs)`` does not wait for the kernel: it
-returns once the launch and the output's copy are queued on the current stream, as an eager
-torch module does, so the host issues the next call while this one runs. A watchdog timeout
+On ``triton`` on GPUs, one rank or SPMD, ``prog(*inputs)`` does not wait for the kernel: it
+returns once the launch and the output's copy (SPMD: and the gather of an output held in
+another layout, stream-ordered under NCCL) are queued on the current stream, as an eager torch
+module does, so the host issues the next call while this one runs. A watchdog timeout
 is raised at a later call or at ``prog.synchronize()``, and the outputs of a call that timed
 out (and of calls made before the host heard of it) are NaN, never stale values
 (runtime/megakernel/inflight.py). ``backend_options={"wait": True}`` (or ``prog.run``, which
-waits unless given ``wait=False``) waits for each call and raises its timeout at once. SPMD
-calls, the interpreter, traced runtimes and outputs with no buffer holding all of them or of
-integer dtype always wait.
+waits unless given ``wait=False``) waits for each call and raises its timeout at once. The
+interpreter, traced runtimes, outputs of integer dtype and, in one process, outputs with no
+buffer holding all of them always wait.
 """
 
 from __future__ import annotations
@@ -422,7 +423,7 @@ class Program:
             self._gpu_seen = True  # a GPU torch saw does not go away: checked once
         world = self.topology.world_size
         if world > 1 and not interpret:
-            return self._run_spmd(args, settings, opts, poison)
+            return self._run_spmd(args, settings, opts, poison, wait)
         if world > 1:  # the interpreter: every rank in one program of this process
             outputs = run_in_process(self.schedule, self.inputs(*args), settings=settings)
             result = RunResult(outputs, None, 0.0, 1, {})
@@ -468,6 +469,7 @@ class Program:
         settings: Settings | None,
         opts: dict,
         poison: bool | None,
+        wait: bool = True,
     ) -> Any:
         import torch.distributed as dist
 
@@ -491,10 +493,14 @@ class Program:
                 globals_[value.name] = self._spmd_input(value, arg, rank, world)
         if self._runtime is None:
             self._runtime = TritonRuntime(self.schedule, rank=rank, settings=settings, **opts)
-        result = self._launch(globals_, lambda ins: local_shards(self.graph, rank, ins), poison)
+        result = self._launch(globals_, lambda ins: local_shards(self.graph, rank, ins), poison,
+                              wait)
+        # a call that did not wait got copies of its own (masked by the watchdog record); a
+        # waiting one, views of the buffers that the next launch rewrites
+        private = not self._runtime.last_waited
         for name, value in zip(self.opgraph.output_names, self.opgraph.outputs, strict=True):
             local = assemble_local(self.graph, rank, name, result.outputs[name])
-            result.outputs[name] = self._spmd_output(name, value, local, rank, world)
+            result.outputs[name] = self._spmd_output(name, value, local, rank, world, private)
         return result
 
     def _spmd_input(self, value: Value, arg: Any, rank: int, world: int) -> torch.Tensor:
@@ -545,9 +551,11 @@ class Program:
         return True
 
     def _spmd_output(
-        self, name: str, value: Value, local: torch.Tensor, rank: int, world: int
+        self, name: str, value: Value, local: torch.Tensor, rank: int, world: int,
+        private: bool = False,
     ) -> torch.Tensor:
-        """This rank's output as eager TP returns it (the module docstring's convention)."""
+        """This rank's output as eager TP returns it (the module docstring's convention);
+        ``private``: ``local`` is a copy of the caller's own already, not a buffer's view."""
         import torch.distributed as dist
 
         lay = value.layout or REPLICATE
@@ -562,7 +570,7 @@ class Program:
             mine = self._output_runs(name, rank)
             self._output_as_wanted[key] = mine == layout_runs(value.shape, want, rank, world)
         if self._output_as_wanted[key]:
-            return local.reshape(shape).clone()
+            return local.reshape(shape) if private else local.reshape(shape).clone()
         # Held in another layout: every rank's output buffer, gathered, then cut as wanted.
         flat_local = local.reshape(-1).contiguous()
         most = max(  # every rank's buffer size is in the graph: no size exchange

@@ -142,6 +142,7 @@ class TritonRuntime:
         self._want_graph = bool(cuda_graph) and not interpret
         self.failed: MgraphError | None = None
         self.inflight = InFlight(cuda_slot)  # calls run without a wait (inflight.py)
+        self.last_waited = True  # whether the last run waited (else its outputs are copies)
         self.net = None
         self._allocate()
         self._upload()
@@ -596,9 +597,10 @@ class TritonRuntime:
         next launch). ``wall_s`` runs from the launch to the kernel's end (with a copied
         output's copy and the watchdog record's, which are queued behind the kernel).
 
-        ``wait=False`` (on a GPU, where every output has a buffer holding all of it, tracing
-        off; otherwise the call waits): return once the kernel is queued, outputs NaN if it
-        times out; its record is checked by a later call or ``synchronize()`` (inflight.py).
+        ``wait=False`` (on a GPU, tracing off, floating-point outputs, and either every output
+        in one buffer or SPMD, whose outputs are the rank's shards; otherwise the call waits):
+        return once the kernel is queued, outputs copied and NaN if it times out; its record is
+        checked by a later call or ``synchronize()`` (inflight.py).
         ``wall_s`` is then the host's time to issue the call."""
         from mgraph.runtime.reference import RunResult
 
@@ -608,12 +610,16 @@ class TritonRuntime:
         start = time.perf_counter()
         self.launch(poison=poison)
         if not wait and not self.interpret and not self.trace_enabled:
-            whole = self._whole_outputs(masked=True)
-            if whole is not None:
+            mine = self._whole_outputs(masked=True)
+            if mine is None and self.world > 1 and self.rank is not None:
+                mine = self._local_outputs_masked()
+            if mine is not None:
                 self.inflight.add(self.inflight.queue(self.d["err"]), self.check)
-                return RunResult(whole, self.trace(), time.perf_counter() - start, self.epoch, {})
+                self.last_waited = False  # its outputs are copies of the caller's own
+                return RunResult(mine, self.trace(), time.perf_counter() - start, self.epoch, {})
         # queued before the host waits: the GPU runs them right after the kernel, not after a
         # round trip to the host (the record's copy: one wait for both, not a second one)
+        self.last_waited = True
         whole = self._whole_outputs()
         record = self._queue_record()
         if not self.interpret:
@@ -624,18 +630,33 @@ class TritonRuntime:
             outputs = whole
         elif self.world == 1 or self.rank is None:
             outputs = gather_outputs(self.graph, self.views)
-        else:  # views of the rank's buffers, worked out once (a dict of the caller's own)
-            plan = self._call_plan()
-            if plan.local_outputs is None:
-                plan.local_outputs = {
-                    buf.binding.tensor: assemble_local(
-                        self.graph, self.rank, buf.binding.tensor, self.views[buf.id]
-                    )
-                    for buf in self.graph.buffers.values()
-                    if buf.rank == self.rank and buf.role == "output"
-                }
-            outputs = dict(plan.local_outputs)
+        else:  # views of the rank's buffers (a dict of the caller's own)
+            outputs = dict(self._local_views())
         return RunResult(outputs, self.trace(), wall, self.epoch, {})
+
+    def _local_views(self) -> dict[str, torch.Tensor]:
+        """SPMD: each output's local shard as a view of this rank's buffer, worked out once."""
+        plan = self._call_plan()
+        if plan.local_outputs is None:
+            plan.local_outputs = {
+                buf.binding.tensor: assemble_local(
+                    self.graph, self.rank, buf.binding.tensor, self.views[buf.id]
+                )
+                for buf in self.graph.buffers.values()
+                if buf.rank == self.rank and buf.role == "output"
+            }
+        return plan.local_outputs
+
+    def _local_outputs_masked(self) -> dict[str, torch.Tensor] | None:
+        """SPMD, a call that does not wait: each local shard copied (the next launch rewrites
+        the buffers) and NaN wherever the watchdog record is set, in one pass, as
+        _whole_outputs(masked=True) does for one rank; None when an output is not floating
+        point (no NaN to mark it: that call waits)."""
+        views = self._local_views()
+        if not all(view.is_floating_point() for view in views.values()):
+            return None
+        timed_out = self.d["err"][:1] != 0
+        return {name: torch.where(timed_out, float("nan"), view) for name, view in views.items()}
 
     def _whole_outputs(self, masked: bool = False) -> dict[str, torch.Tensor] | None:
         """Each output as a copy of the one buffer that holds all of it, when every output has
