@@ -29,10 +29,12 @@ def validate(graph: TaskGraph) -> list[int]:
     # The checks allocate ~10^5 small sets and tuples next to a graph of ~10^6 live objects
     # (mgraph.graph.gc_paused says why the collector stays off).
     with gc_paused():
-        # and the transfers, in the same pass over the tasks; it returns the accumulating tasks
-        adds = _check_structure(graph)
-        order = topo_order(graph)
-        _check_races(graph, order, adds)
+        # and the transfers, in the same pass over the tasks, which also collects what the
+        # counter simulation and the race check start from (each pass over every task and
+        # region of a 2x8 layer costs ~20-30 ms of its own)
+        seen = _check_structure(graph)
+        order = _simulate(graph, seen.waiters, seen.missing)
+        _check_races(graph, order, seen.adds, seen)
     return order
 
 
@@ -41,9 +43,24 @@ def _where(t: Task) -> str:
     return f"task {t.name!r} (id {t.id}, rank {t.rank})"
 
 
-def _check_structure(graph: TaskGraph) -> set[int]:
-    """Raise on the first structure error, then on the first transfer error; return the ids of
-    the tasks whose writes accumulate (the race check reads them)."""
+class _Seen:
+    """What ``_check_structure``'s pass collects for the later checks: the accumulating tasks
+    (``adds``), each event's waiters by count and each task's number of waits (``topo_order``'s
+    tables), each event's signalers, and every region's accesses (``_check_races``' groups)."""
+
+    __slots__ = ("adds", "waiters", "missing", "signalers", "groups")
+
+    def __init__(self, ntasks: int, nevents: int) -> None:
+        self.adds: set[int] = set()
+        self.waiters: dict[int, dict[int, list[int]]] = defaultdict(dict)
+        self.missing = [0] * ntasks
+        self.signalers: list[list[int]] = [[] for _ in range(nevents)]
+        self.groups: dict[Region, int | list[int]] = {}
+
+
+def _check_structure(graph: TaskGraph) -> _Seen:
+    """Raise on the first structure error, then on the first transfer error; return what the
+    pass collected for the later checks (``_Seen``)."""
     # Hot at 10^5 tasks: per-rank and per-kind facts are looked up in tables built once, and a
     # task's description is formatted only when it is wrong.
     world = graph.topology.world_size
@@ -70,7 +87,13 @@ def _check_structure(graph: TaskGraph) -> set[int]:
     # structure is checked. The first transfer error is raised after the pass, so a structure
     # error anywhere still comes first, as when these were two passes.
     transfer: TransferError | None = None
-    adds: set[int] = set()
+    seen = _Seen(len(graph.tasks), nevents)
+    adds = seen.adds
+    waiters, missing, signalers = seen.waiters, seen.missing, seen.signalers
+    # region -> its accesses (``_check_races``' groups): an access is the int 2 * task +
+    # is_write; a region accessed once (~80k of ~110k at 2x8) keeps that int, not a list
+    groups = seen.groups
+    get = groups.get
     for i, t in enumerate(graph.tasks):
         if t.id != i:
             raise GraphError(f"{_where(t)}: id should be its position {i}")
@@ -87,7 +110,8 @@ def _check_structure(graph: TaskGraph) -> set[int]:
             )
         node = node_of[t.rank]
         near = True  # every region on the task's node
-        for regions in (t.reads, t.writes):
+        reads, writes = t.reads, t.writes
+        for regions in (reads, writes):
             for r in regions:
                 bid, r0, r1, c0, c1 = r
                 dim = dims.get(bid)
@@ -100,6 +124,28 @@ def _check_structure(graph: TaskGraph) -> set[int]:
                     )
                 if dim[2] != node:
                     near = False
+        # the task's accesses into the race check's groups (its writes, then the reads it
+        # does not also write), as _check_races' own pass makes them
+        code = 2 * i
+        if writes:
+            wcode = code + 1
+            for w in writes:
+                acc = get(w)
+                if acc is None:
+                    groups[w] = wcode
+                elif acc.__class__ is int:
+                    groups[w] = [acc, wcode]
+                else:
+                    acc.append(wcode)
+        for r in reads:
+            if r not in writes:
+                acc = get(r)
+                if acc is None:
+                    groups[r] = code
+                elif acc.__class__ is int:
+                    groups[r] = [acc, code]
+                else:
+                    acc.append(code)
         if t.params.get("accumulate"):
             adds.add(i)
             plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
@@ -108,7 +154,9 @@ def _check_structure(graph: TaskGraph) -> set[int]:
                     f"{_where(t)} accumulates into {plain[0]}, whose buffer is not zeroed",
                     hint="create the buffer with zeroed=True (runtimes zero it every launch)",
                 )
-        for e, count in t.waits:
+        waits = t.waits
+        missing[i] = len(waits)
+        for e, count in waits:
             if not 0 <= e < nevents or count <= 0:
                 raise GraphError(f"{_where(t)}: bad wait (event {e}, count {count})")
             if event_node[e] != node:
@@ -117,12 +165,14 @@ def _check_structure(graph: TaskGraph) -> set[int]:
                     f"{_where(t)} waits on event {ev.name!r} of rank {ev.rank}, on another node",
                     hint="a task can only spin on counters of its own node",
                 )
+            waiters[e].setdefault(count, []).append(i)
         far_signal = False
         for e in t.signals:
             if not 0 <= e < nevents:
                 raise GraphError(f"{_where(t)}: signals unknown event {e}")
             if event_node[e] != node:
                 far_signal = True
+            signalers[e].append(i)
         if transfer is None:
             if t.kind in same_shape:
                 # _same_shapes_error's test inline (~9k copies and reduces at 2x8, most of
@@ -140,7 +190,7 @@ def _check_structure(graph: TaskGraph) -> set[int]:
                 transfer = _transfer_error(graph, t, node_of, near and not far_signal)
     if transfer is not None:
         raise transfer
-    return adds
+    return seen
 
 
 # -- transfers ---------------------------------------------------------------------------------
@@ -267,6 +317,15 @@ def topo_order(graph: TaskGraph) -> CounterOrder:
         missing[t.id] = len(t.waits)
         for e, c in t.waits:
             waiters[e].setdefault(c, []).append(t.id)
+    return _simulate(graph, waiters, missing)
+
+
+def _simulate(
+    graph: TaskGraph, waiters: dict[int, dict[int, list[int]]], missing: list[int]
+) -> CounterOrder:
+    """``topo_order`` from its tables (``waiters``: event -> count -> waiting task ids, in id
+    order; ``missing``: each task's number of waits), which it consumes."""
+    tasks = graph.tasks
     waits = missing.copy()
     count = [0] * len(graph.events)
     ready = deque(t.id for t in tasks if not t.waits)
@@ -352,36 +411,41 @@ class Reachability:
     are ~10^7 edges, too many to store per task). ``before`` tries that set, then searches
     backwards from b, pruned with topological positions."""
 
-    def __init__(self, graph: TaskGraph, order: list[int]) -> None:
-        self.tasks = graph.tasks
-        self.pos = [0] * len(graph.tasks)
+    def __init__(
+        self, graph: TaskGraph, order: list[int], signalers: list[list[int]] | None = None
+    ) -> None:
+        tasks = self.tasks = graph.tasks
+        self.pos = [0] * len(tasks)
         for i, tid in enumerate(order):
             self.pos[tid] = i
-        signalers: list[list[int]] = [[] for _ in graph.events]
-        for t in graph.tasks:
-            tid = t.id
-            for e in t.signals:
-                signalers[e].append(tid)
-        self.total = [len(s) for s in signalers]  # signals per event
+        if signalers is None:  # else each event's signaling task ids, in id order
+            signalers = [[] for _ in graph.events]
+            for t in tasks:
+                tid = t.id
+                for e in t.signals:
+                    signalers[e].append(tid)
+        total = self.total = [len(s) for s in signalers]  # signals per event
         self.signalers = signalers
-        self._event_set: dict[int, frozenset[int]] = {}
-        self._preds: dict[int, frozenset[int]] = {}
+        # Every task's direct predecessors, made in one pass (the race check asks for nearly
+        # every task's, ~80k at 2x8): one shared set per event, and a task with one full
+        # wait (almost all of them) takes its event's set as it is.
+        event_set = [frozenset(s) for s in signalers]
+        empty: frozenset[int] = frozenset()
+        preds: list[frozenset[int]] = []
+        add = preds.append
+        for t in tasks:
+            waits = t.waits
+            if len(waits) == 1:
+                e, c = waits[0]
+                add(event_set[e] if c >= total[e] else empty)
+            else:
+                sets = [event_set[e] for e, c in waits if c >= total[e]]
+                add(sets[0] if len(sets) == 1 else empty.union(*sets))
+        self.preds_of = preds
         self.cache: dict[tuple[int, int], bool] = {}
 
     def preds(self, b: int) -> frozenset[int]:
-        found = self._preds.get(b)
-        if found is not None:
-            return found
-        sets = []
-        for e, c in self.tasks[b].waits:
-            if c >= self.total[e]:
-                es = self._event_set.get(e)
-                if es is None:
-                    es = self._event_set[e] = frozenset(self.signalers[e])
-                sets.append(es)
-        found = sets[0] if len(sets) == 1 else frozenset().union(*sets)
-        self._preds[b] = found
-        return found
+        return self.preds_of[b]
 
     def before(self, a: int, b: int) -> bool:
         if a == b:
@@ -390,7 +454,8 @@ class Reachability:
         floor = pos[a]
         if floor > pos[b]:
             return False
-        if a in self.preds(b):
+        preds = self.preds_of
+        if a in preds[b]:
             return True
         key = (a, b)
         hit = self.cache.get(key)
@@ -400,7 +465,7 @@ class Reachability:
         stack = [b]
         found = False
         while stack and not found:
-            for p in self.preds(stack.pop()):
+            for p in preds[stack.pop()]:
                 if p == a:
                     found = True
                     break
@@ -414,7 +479,9 @@ class Reachability:
         return self.before(a, b) or self.before(b, a)
 
 
-def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = None) -> None:
+def _check_races(
+    graph: TaskGraph, order: list[int], adds: set[int] | None = None, seen: _Seen | None = None
+) -> None:
     """Every two accesses of overlapping regions, one of them a write, are ordered.
 
     Accesses of one exact region form a group. Inside a group, sorted in topological order, it
@@ -434,9 +501,18 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
     # them on one region are no race; against a plain write or a read they still are.
     if adds is None:  # _check_structure's, when validate runs it first
         adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
-    # region -> its accesses, regions of every buffer in one table. An access is the int
-    # 2 * task + is_write; a region accessed once (~80k of ~110k at 2x8) keeps that int, not
-    # a list of tuples.
+    if seen is not None:  # the groups and signalers _check_structure's pass collected
+        groups = seen.groups
+        reach = Reachability(graph, order, seen.signalers)
+    else:
+        groups, reach = _groups(graph), Reachability(graph, order)
+    _check_groups(graph, groups, reach, adds)
+
+
+def _groups(graph: TaskGraph) -> dict[Region, int | list[int]]:
+    """Region -> its accesses, regions of every buffer in one table. An access is the int
+    2 * task + is_write; a region accessed once (~80k of ~110k at 2x8) keeps that int, not a
+    list of tuples."""
     groups: dict[Region, int | list[int]] = {}
     get = groups.get
     for t in graph.tasks:
@@ -461,7 +537,13 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
                     groups[r] = [acc, code]
                 else:
                     acc.append(code)
-    reach = Reachability(graph, order)
+    return groups
+
+
+def _check_groups(
+    graph: TaskGraph, groups: dict[Region, int | list[int]], reach: Reachability, adds: set[int]
+) -> None:
+    """_check_races on the regions' accesses (``_groups``)."""
     regions = list(groups)
     codes_of = list(groups.values())
     written = bytearray(len(regions))  # group i has a writer
@@ -523,8 +605,7 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
                 others[j] = set(ws)
             else:
                 over.update(ws)
-    known_preds = reach._preds  # preds(tid) without the call once it is known
-    preds = reach.preds
+    preds = reach.preds_of
     for i in sorted(others):
         over = others[i]
         region = regions[i]
@@ -536,9 +617,7 @@ def _check_races(graph: TaskGraph, order: list[int], adds: set[int] | None = Non
         covered = None  # a predecessor set known to hold every writer in ``over``
         for c in (codes,) if codes.__class__ is int else codes:
             tid, is_write = c >> 1, c & 1 == 1
-            direct = known_preds.get(tid)
-            if direct is None:
-                direct = preds(tid)
+            direct = preds[tid]
             if direct is covered:
                 continue
             left = over - direct
