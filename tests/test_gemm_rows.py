@@ -193,10 +193,11 @@ def test_the_pointer_path_is_compiled_only_where_it_runs_and_apart_from_the_wgmm
     odd, args = _sm90_ttgir(
         mg.ops.gemm(M=256, N=500, K=256, topology="1x1", tile=[128, 256], dtype=BF16))
     assert args["GEMM_PTR"]
-    functions = re.split(r"\n  tt\.func ", odd)
-    (pointers,) = [f for f in functions if f.startswith("private @mgraph.ops.gemm_pointers.")]
+    functions = re.split(r"\n  tt\.func ", odd)  # (Triton 3.6 quotes the callee's name)
+    (pointers,) = [f for f in functions
+                   if re.match(r'private @"?mgraph\.ops\.gemm_pointers\.gemm_pointers', f)]
     (kernel,) = [f for f in functions if f.startswith("public @megakernel")]
-    assert "tt.call @mgraph.ops.gemm_pointers.gemm_pointers" in kernel
+    assert re.search(r'tt\.call @"?mgraph\.ops\.gemm_pointers\.gemm_pointers', kernel)
     mma = dict(re.findall(r"#(mma\d*) = #ttg\.nvidia_mma<\{versionMajor = (\d)", odd))
     in_pointers = set(re.findall(r"parent = #(mma\d*)\b", pointers))
     assert in_pointers and {mma[m] for m in in_pointers} == {"2"}, (in_pointers, mma)

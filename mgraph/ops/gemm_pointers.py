@@ -22,6 +22,17 @@ the graph's dtype DT, then plain stores into every write, or (``accumulate``) an
 which runs one program at a time, loads, adds in fp32 and stores). gemm_glu tasks compute the
 gate and up products of each block from their packed columns (matmul_glu.pack_glu: blocks of
 BN/2 gate columns, then the same of up) and store silu(gate) * up.
+
+Measured (one H200, Triton 3.6, benchmarks/bench_gemm_rows.py; results in
+benchmarks/results/v19/gemm_rows): correct, and slow. Per task, against the TMA path on the
+shape rounded up to 16-byte rows: a 128-row router task of 4 experts (K 4096) 370 us against 39
+at 8 experts; GPT-2's lm_head (K 768) 168 us a 128 x 256 task against 17.7 at 50264 columns (a
+2048-token call 4.13 ms against 0.56, cuBLAS 1.73 at 50257 columns); K 4095: 794 us a 128 x 256
+task against 48. A K step of 128 (_PK) took 18-31% off the first form's 32. The TMA GEMMs of a
+kernel that compiles this path keep their speed (49.9 against 50.8 us a 128 x 256 task). Every
+load and store is 2 bytes here (Triton cannot prove a row aligned): 16-byte loads of the
+operand whose rows are whole units (A of a router or an lm_head, B where only K is odd) are the
+next step.
 """
 
 from __future__ import annotations
@@ -43,8 +54,9 @@ if HAVE_TRITON:
     _KIND = tl.constexpr(F_KIND)
     _GEMM_KIND = tl.constexpr(list(KINDS).index(TaskKind.GEMM.value))
     # Output rows and columns per block, K per step: 32 rows keep the dots mma.sync (module
-    # docstring); 128 columns per A block read.
-    _PM, _PN, _PK = tl.constexpr(32), tl.constexpr(128), tl.constexpr(32)
+    # docstring); 128 columns per A block read; 128-deep K steps (32 made every task 1.2-1.5x
+    # slower: the loop waits on its loads each step)
+    _PM, _PN, _PK = tl.constexpr(32), tl.constexpr(128), tl.constexpr(128)
 
     @triton.jit
     def _rows16(bufcols, slot, DT: tl.constexpr):
