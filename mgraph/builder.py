@@ -342,20 +342,24 @@ class GraphBuilder:
                      [], [], flops, nbytes, params or {})  # fmt: skip
             )
 
-    def finish(self) -> TaskGraph:
+    def finish(self, remote: set[str] | None = None) -> TaskGraph:
+        """The graph; ``remote``: the ids of the buffers that tasks of other ranks read or
+        write, when the caller found them while building (mgraph.lower does, in passes it
+        makes anyway), else found here."""
         bufs = self.buffers
-        # one pass over every region (~240k at 2x8) with plain lookups; flags set afterwards
-        holder = {bid: buf.rank for bid, buf in bufs.items()}
-        remote: set[str] = set()
-        add = remote.add
-        for t in self.tasks:
-            rank = t.rank
-            for r in t.reads:
-                if holder[r[0]] != rank:
-                    add(r[0])
-            for r in t.writes:
-                if holder[r[0]] != rank:
-                    add(r[0])
+        if remote is None:
+            # one pass over every region (~240k at 2x8) with plain lookups; flags set afterwards
+            holder = {bid: buf.rank for bid, buf in bufs.items()}
+            remote = set()
+            add = remote.add
+            for t in self.tasks:
+                rank = t.rank
+                for r in t.reads:
+                    if holder[r[0]] != rank:
+                        add(r[0])
+                for r in t.writes:
+                    if holder[r[0]] != rank:
+                        add(r[0])
         for bid in remote:
             bufs[bid].symmetric = True
         return TaskGraph(

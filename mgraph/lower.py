@@ -51,7 +51,8 @@ def lower(opgraph: OpGraph) -> TaskGraph:
             for node in opgraph.nodes:
                 ctx.lower_node(node)
             ctx.bind_outputs()
-            return ctx.b.finish()
+            ctx.note_remote(ctx.b.tasks[ctx.scanned :])  # the output copies
+            return ctx.b.finish(ctx.remote)
     finally:
         if threads != 1:
             torch.set_num_threads(threads)
@@ -70,6 +71,10 @@ class _Lowering:
         self.reshard = Resharder(self.b)
         self.bound: dict[tuple[str, int], int] = {}  # (input, rank) -> bound buffers so far
         self._writer_index: dict[str, _WriterIndex] = {}  # buffer -> its writers by rows
+        # the buffers tasks of other ranks read or write (GraphBuilder.finish's ``remote``),
+        # found as each op's tasks are noted; tasks before ``scanned`` are counted in it
+        self.remote: set[str] = set()
+        self.scanned = 0
 
     # -- values -------------------------------------------------------------------------------
     def acquire(self, value: Value, rank: int, runs: tuple[Run, ...]) -> Buffer:
@@ -127,11 +132,35 @@ class _Lowering:
                 raise MgraphError(
                     f"{node.where()}: op {node.op} left output {value.name!r} unbound"
                 )
-        # Resharder.note_writer's append, inlined: once per write (~80k at 2x8)
+        # Resharder.note_writer's append, inlined: once per write (~80k at 2x8); and the
+        # buffers other ranks touch, which GraphBuilder.finish would find in a pass of its own
         writers = self.reshard.writers
+        buffers = self.b.buffers
+        remote = self.remote
+        last_rank, last_reads = -1, None
         for t in new:
+            rank = t.rank
             for w in t.writes:
-                writers[w[0]].append((w, t))
+                bid = w[0]
+                writers[bid].append((w, t))
+                if buffers[bid].rank != rank:
+                    remote.add(bid)
+            reads = t.reads
+            if rank == last_rank and reads == last_reads:
+                continue  # the same buffers as the task before (a relayout's tiles)
+            last_rank, last_reads = rank, reads
+            for r in reads:
+                if buffers[r[0]].rank != rank:
+                    remote.add(r[0])
+        self.scanned = len(self.b.tasks)
+
+    def note_remote(self, tasks: list[Task]) -> None:
+        """Adds the buffers of ``tasks``' regions held by other ranks to ``remote``."""
+        buffers = self.b.buffers
+        for t in tasks:
+            for r in chain(t.reads, t.writes):
+                if buffers[r[0]].rank != t.rank:
+                    self.remote.add(r[0])
 
     def _add_readiness(self, tasks: list[Task]) -> None:
         """Each task that reads an earlier op's buffer waits for the writers of what it reads."""
