@@ -351,6 +351,20 @@ def critical_path_lengths(facts: PolicyInput, partial_waits: bool = True) -> lis
     tasks = facts.graph.tasks
     length = list(costs)
     after: dict[int, float] = {}  # event -> the longest path from its full waiters
+    if not partial:
+        # the loop below without the partial waiters' lookup per signal, the events' values
+        # in a list
+        known: list[float | None] = [None] * len(full)
+        for tid in reversed(facts.order):
+            best = 0.0
+            for e in tasks[tid].signals:
+                v = known[e]
+                if v is None:
+                    v = known[e] = max(map(length.__getitem__, full[e]), default=0.0)
+                if v > best:
+                    best = v
+            length[tid] = costs[tid] + best
+        return length
     for tid in reversed(facts.order):
         best = 0.0
         for e in tasks[tid].signals:
@@ -385,6 +399,26 @@ def network_levels(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     partial_waits = {(e, w) for e, waiters in partial.items() for w in waiters}
     level = [0] * len(tasks)
     reached = [0] * len(graph.events)  # the highest level among an event's signalers so far
+    if not partial_waits:
+        # every wait is a full one (the common case): the loop below without the per-wait
+        # membership test, a one-wait task (nearly all of them) read directly
+        for tid in facts.order:
+            t = tasks[tid]
+            waits = t.waits
+            if len(waits) == 1:
+                lv = reached[waits[0][0]]
+            else:
+                lv = 0
+                for e, _ in waits:
+                    if reached[e] > lv:
+                        lv = reached[e]
+            if t.role == rdma:
+                lv += 1
+            level[tid] = lv
+            for e in t.signals:
+                if reached[e] < lv:
+                    reached[e] = lv
+        return level
     for tid in facts.order:
         t = tasks[tid]
         lv = 0
@@ -425,6 +459,20 @@ def _earliest_downstream(graph: TaskGraph, facts: PolicyInput, own: list[int]) -
     tasks, pos, full, partial = graph.tasks, facts.pos, facts.full, facts.partial
     need = [_NEVER] * len(tasks)
     first: dict[int, int] = {}  # event -> the smallest value among its full waiters
+    if not partial:
+        # the loop below without the partial waiters' lookup per signal, the events' values
+        # in a list
+        known: list[int | None] = [None] * len(full)
+        for tid in reversed(facts.order):
+            best = own[tid]
+            for e in tasks[tid].signals:
+                v = known[e]
+                if v is None:
+                    v = known[e] = min([need[w] for w in full[e]], default=_NEVER)
+                if v < best:
+                    best = v
+            need[tid] = best
+        return need
     for tid in reversed(facts.order):
         best = own[tid]
         for e in tasks[tid].signals:
