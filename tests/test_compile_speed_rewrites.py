@@ -120,6 +120,33 @@ def test_trace_leaves_the_collector_as_it_found_it():
         gc.enable() if was else gc.disable()
 
 
+class _Masked(nn.Module):
+    def __init__(self, fill: bool) -> None:
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fill:  # masked_fill has no mgraph op: the tracer fails after torch.export
+            return x.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), 0.0)
+        return x * torch.ones(8, 8).tril()  # the mask is folded
+
+
+def test_trace_leaves_the_intra_op_threads_as_it_found_them():
+    # the tracer folds constants on one intra-op thread; the caller's count must survive,
+    # also when the tracer (after torch.export) fails
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        og = trace(_Masked(fill=False), torch.randn(8, 8))
+        assert [n.op for n in og.nodes] == ["elementwise"] and og.constants
+        assert torch.get_num_threads() == 2
+        with pytest.raises(mg.UnsupportedOpError, match="masked_fill"):
+            trace(_Masked(fill=True), torch.randn(8, 8))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(was)
+
+
 def test_policy_input_reuses_topo_orders_tables():
     g = mg.ops.gemm_allreduce(M=64, N=64, K=64, topology="2x2", tile=[16, 16])
     costs = task_costs(g, H200)
