@@ -1,6 +1,7 @@
 """Runs under TRITON_INTERPRET=1 in a subprocess (tests/test_megakernel_streams.py): multi-node
-graphs through the real native proxy with ``Settings(proxy_streams=...)`` from argv. Prints one
-JSON line per case.
+graphs through the real native proxy with ``Settings(proxy_streams=...)`` for each stream count
+in argv (one process for all of them: the interpreter's start-up is paid once). Prints one JSON
+line per case and stream count.
 
 Cases are sized so each rank has more rdma tasks than netplan.LANE_BLOCK: commands of several
 lanes, per-lane "sent"/"arrive"/event words that waiters sum. (Under the interpreter the proxy's
@@ -19,7 +20,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 import torch  # noqa: E402
 
 import mgraph as mg  # noqa: E402
-from mgraph.runtime.megakernel import TritonRuntime, run_in_process  # noqa: E402
+from mgraph.runtime.megakernel import TritonRuntime  # noqa: E402
 from mgraph.runtime.megakernel.runtime import _SharedMemory  # noqa: E402
 from mgraph.settings import Settings  # noqa: E402
 
@@ -37,11 +38,9 @@ def run_case(name: str, streams: int) -> None:
     graph = op(topology="2x1", **kw)
     sched = mg.schedule(graph)
     settings = Settings(proxy_streams=streams)
-    inputs = op.random_inputs(graph, seed=0)
-    want = op.run_reference(inputs, graph.params)["out"]
-    got = run_in_process(sched, inputs, launches=2, settings=settings)["out"]  # a relaunch too
-    errs = [((got - want).norm() / want.norm()).item()]
-    # One runtime, three launches: every net word ends at exactly epochs x its raises per launch.
+    errs = []
+    # One runtime, three launches, fresh inputs each: the outputs match torch over relaunches,
+    # and every net word ends at exactly epochs x its raises per launch.
     rt = TritonRuntime(sched, rank=None, interpret=True, settings=settings,
                        shared=_SharedMemory(graph, torch.device("cpu")))
     try:
@@ -78,9 +77,9 @@ def run_case(name: str, streams: int) -> None:
 
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
-    streams = int(argv[0])
-    for name in argv[1:] or CASES:
-        run_case(name, streams)
+    for streams in map(int, argv):
+        for name in CASES:
+            run_case(name, streams)
 
 
 if __name__ == "__main__":
