@@ -157,3 +157,73 @@ def test_a_waiting_call_raises_its_own_timeout(runtime, monkeypatch):
     runtime.timeout_next = True
     with pytest.raises(mg.WatchdogTimeout):
         runtime.run({"x": x, "w": w}, wait=True)
+
+
+def two_rank_copy_graph():
+    """Each rank copies its 16 rows of x to its rows of out (a 1x2 graph, outputs sharded)."""
+    from mgraph.builder import GraphBuilder
+    from mgraph.kinds import Role
+
+    b = GraphBuilder("two_ranks", mg.Topology.parse("1x2"), "float32", {})
+    b.global_input("x", (32, 16))
+    b.global_output("out", (32, 16))
+    for r in range(2):
+        rows = ((16 * r, 16 * r + 16), (0, 16))
+        x = b.bound_buffer(f"x{r}", r, "x", [rows])
+        out = b.bound_buffer(f"out{r}", r, "out", [rows], role="output")
+        b.task(r, Role.COMPUTE, "copy", [x.region()], [out.region()], name=f"x{r}")
+    return b.finish()
+
+
+@pytest.fixture
+def spmd_runtime():
+    """Rank 0 of a 1x2 graph as its SPMD process runs it (no interpreter, launch stubbed: out
+    = 2 x on the rank's rows, or a timeout record; fake events)."""
+    from mgraph.runtime.megakernel import TritonRuntime
+    from mgraph.runtime.megakernel.runtime import _SharedMemory
+
+    graph = two_rank_copy_graph()
+    rt = TritonRuntime(mg.schedule(graph), rank=0, interpret=True,
+                       shared=_SharedMemory(graph, torch.device("cpu")))
+    rt.interpret = False
+    rt.log = []
+    rt.inflight = InFlight(fake_slots(rt.log)[0], limit=4)
+    rt.timeout_next = False
+
+    def launch(poison: bool = False) -> None:
+        if rt.failed is not None:
+            raise rt.failed
+        rt.epoch += 1
+        rt.views["out0@0"].copy_(2 * rt.views["x0@0"])
+        if rt.timeout_next:
+            rt.d["err"].copy_(torch.tensor(TIMEOUT))
+
+    rt.launch = launch
+    yield rt
+    rt.failed = None
+
+
+def test_an_spmd_call_that_does_not_wait_returns_a_masked_copy_of_its_shard(spmd_runtime):
+    rt = spmd_runtime
+    x = torch.randn(16, 16)
+    got = rt.run({"x": x}, wait=False).outputs["out"]
+    assert not rt.last_waited and len(rt.inflight.calls) == 1
+    assert torch.equal(got, 2 * x)
+    rt.views["out0@0"].fill_(5.0)  # the next launch rewrites the buffer: the output is a copy
+    assert torch.equal(got, 2 * x)
+    rt.timeout_next = True
+    bad = rt.run({"x": x}, wait=False).outputs["out"]
+    assert bad.isnan().all()  # a timed-out call's shard is NaN, never the buffer's stale rows
+    for slot in rt.inflight.calls:
+        slot.event.done = True
+    with pytest.raises(mg.WatchdogTimeout, match="entry barrier"):
+        rt.run({"x": x}, wait=False)
+
+
+def test_an_spmd_call_that_waits_returns_views(spmd_runtime, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # a CPU here
+    spmd_runtime._record_host = torch.zeros(8, dtype=torch.int64)
+    x = torch.randn(16, 16)
+    got = spmd_runtime.run({"x": x}, wait=True).outputs["out"]
+    assert spmd_runtime.last_waited and not spmd_runtime.inflight.calls
+    assert torch.equal(got, 2 * x) and got.data_ptr() == spmd_runtime.views["out0@0"].data_ptr()
