@@ -35,6 +35,7 @@ __all__ = [
     "OutputPathError",
     "OutputError",
     "MoECapacityWarning",
+    "SlowPathWarning",
 ]
 
 
@@ -163,3 +164,9 @@ class OutputError(MgraphError, RuntimeError):
 class MoECapacityWarning(UserWarning):
     """A traced MoE block runs with a capacity bound (``capacity_factor`` < E / top_k): picks
     beyond an expert's segment are dropped, so the Program may differ from eager torch."""
+
+
+class SlowPathWarning(UserWarning):
+    """backend="triton" runs some tasks on a correct but much slower path: GEMMs whose operands'
+    rows are not whole 16-byte units go by masked pointers instead of TMA (9-24x a task on an
+    H200, benchmarks/NOTES.md v19). Padding the width to a multiple of 8 (bf16) avoids it."""
