@@ -232,12 +232,9 @@ def run(cases: dict, rank: int) -> list[dict]:
 
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if os.environ.get("MGRAPH_TEST_SHARE_GPU") == "1":  # every rank on one GPU (gpu_workers.setup)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        dist.init_process_group("gloo")
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    from gpu_workers import join_group
+
+    join_group(int(os.environ.get("LOCAL_RANK", rank)))  # MGRAPH_TEST_SHARE_GPU: see there
     rows = run(one_gpu_cases(), rank) if rank == 0 else []
     dist.barrier()
     rows += run(spmd_cases(rank, world), rank)

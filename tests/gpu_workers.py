@@ -12,17 +12,23 @@ def setup(rank: int, world: int, port: int) -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    join_group(rank, rank=rank, world_size=world)
+
+
+def join_group(local_rank: int, **group: object) -> None:
+    """This process's GPU and process group: NCCL on GPU ``local_rank``; or, with
+    MGRAPH_TEST_SHARE_GPU=1, every rank on one GPU (correctness only: the processes' kernels
+    time-slice) in a gloo group, since NCCL refuses two ranks on one device and the runtime
+    needs only the group's barrier and store (it maps peers through CUDA IPC: ipc_share.py)."""
     import torch
     import torch.distributed as dist
 
     if os.environ.get("MGRAPH_TEST_SHARE_GPU") == "1":
-        # every rank on one GPU (correctness only: the contexts time-slice); NCCL refuses two
-        # ranks on one device, and the runtime needs only the group's barrier and store
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", **group)
         return
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **group)
 
 
 def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunches: int, queue,
