@@ -27,11 +27,13 @@ def _ping(mine, peer, n, limit, out, RANK: tl.constexpr):
     spins = 0
     failed = 0
     for i in range(RANK, n, 2):
-        if i > 0:
+        if i > 0:  # at most ``limit`` polls a hop (v19's first run bounded the total instead)
             seen = tl.atomic_add(mine + i, 0, sem="acquire", scope="sys")
-            while (seen == 0) & (spins < limit):
+            polls = 0
+            while (seen == 0) & (polls < limit):
                 seen = tl.atomic_add(mine + i, 0, sem="acquire", scope="sys")
-                spins += 1
+                polls += 1
+            spins += polls
             failed += (seen == 0).to(tl.int32)
         tl.atomic_xchg(peer + i + 1, 1, sem="release", scope="sys")
     tl.store(out, spins)
