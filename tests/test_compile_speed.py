@@ -16,7 +16,7 @@ from mgraph.graph import TaskGraph
 from mgraph.hardware import H200
 from mgraph.kinds import Role
 from mgraph.scheduler import RankSchedule, Schedule, check_cut_schedule, check_schedule
-from mgraph.scheduler.checks import _is_cut_counter_order
+from mgraph.scheduler.checks import _is_cut_counter_order, cut_queues
 from mgraph.topology import Topology
 
 EXAMPLE = str(Path(__file__).parent.parent / "examples" / "llama_block.py")
@@ -149,6 +149,28 @@ def test_cut_schedule_check_skips_the_queue_simulation_only_when_it_would_pass()
         except ScheduleError as e:
             assert str(e) == full, case
     assert accepted > 100 and rejected > 100, (accepted, rejected)
+
+
+def test_cut_queues_check_as_the_cut_schedule_check_does():
+    """mg.schedule cuts its queues from the policy's order and checks that order in the same
+    pass (cut_queues): the same queues as cutting it plainly, and the same verdict as
+    _is_cut_counter_order on them, also for orders that repeat or leave out a task."""
+    verdicts = set()
+    for case in range(300):
+        rng = random.Random(case)
+        graph = _random_counter_graph(rng)
+        order = _counter_order(graph, rng)
+        spoil = rng.random()
+        if spoil < 0.1:
+            order = order + order[:1]  # a task twice
+        elif spoil < 0.2 and len(order) > 1:
+            order = order[1:]  # a task left out
+        queues, ok = cut_queues(graph, order)
+        sched = _cut(graph, order)
+        assert queues == [rs.queues for rs in sched.ranks], case
+        assert ok == _is_cut_counter_order(graph, sched.ranks, order), case
+        verdicts.add(ok)
+    assert verdicts == {True, False}
 
 
 def test_task_costs_of_a_traced_layer_are_each_tasks_task_cost():

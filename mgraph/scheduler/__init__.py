@@ -26,6 +26,7 @@ from .checks import (
     check_queues,
     check_schedule,
     check_workers,
+    cut_queues,
 )
 from .costmodel import role_work, task_cost, task_costs
 from .model import RankSchedule, Schedule
@@ -94,11 +95,8 @@ def _schedule(
     partition = static_partition(graph, hardware, costs) if override is None else None
     workers = [dict(override) if override is not None else partition[r] for r in range(world)]
     order = choose(graph, policy_input(graph, costs, topo, workers, hardware))
-    queues: list[dict[str, list[int]]] = [{r: [] for r in _ROLE_NAMES} for _ in range(world)]
-    tasks = graph.tasks
-    for tid in order:
-        t = tasks[tid]
-        queues[t.rank][t.role].append(tid)
+    # the queues cut from ``order``, and check_cut_schedule's queue check, in one pass
+    queues, counter_order = cut_queues(graph, order)
     ranks = [
         RankSchedule(
             rank=r,
@@ -109,7 +107,11 @@ def _schedule(
         for r in range(world)
     ]
     result = Schedule(graph=graph, hardware=hardware, policy=policy, ranks=ranks)
-    check_cut_schedule(result, order)  # the queues are cut from ``order``
+    if counter_order:  # check_cut_schedule's verdict, without its pass
+        check_workers(graph, result.ranks, hardware)
+        check_batches(graph, result.ranks, hardware)
+    else:
+        check_schedule(result)  # names the problem
     return result
 
 

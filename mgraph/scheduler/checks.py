@@ -27,6 +27,7 @@ __all__ = [
     "check_batches",
     "check_schedule",
     "check_cut_schedule",
+    "cut_queues",
     "rdma_destination",
 ]
 
@@ -56,6 +57,42 @@ def check_cut_schedule(schedule: Schedule, order: Sequence[int]) -> None:
         return
     check_workers(schedule.graph, schedule.ranks, schedule.hardware)
     check_batches(schedule.graph, schedule.ranks, schedule.hardware)
+
+
+def cut_queues(graph: TaskGraph, order: Sequence[int]) -> tuple[list[dict[str, list[int]]], bool]:
+    """Per rank, role -> ``order``'s tasks of that rank and role in sequence (the schedule's
+    queues), and whether ``order`` is a counter order of ``graph`` (each task once, each after
+    the signals its waits count), checked in the same pass: then the queues are safe, as
+    ``check_cut_schedule`` argues, and its queue check is done; False says nothing either way.
+    """
+    tasks = graph.tasks
+    n = len(tasks)
+    world = graph.topology.world_size
+    queues: list[dict[str, list[int]]] = [{r: [] for r in _ROLE_NAMES} for _ in range(world)]
+    ok = len(order) == n
+    seen = bytearray(n)
+    count = [0] * len(graph.events)
+    for tid in order:
+        t = tasks[tid]
+        queues[t.rank][t.role].append(tid)
+        if not ok:
+            continue
+        # _is_cut_counter_order's tests; the queue position holds by construction
+        if tid.__class__ is not int or not 0 <= tid < n or seen[tid] or not 0 <= t.rank < world:
+            ok = False
+            continue
+        seen[tid] = 1
+        try:
+            for e, c in t.waits:
+                if count[e] < c:
+                    ok = False
+                    break
+            else:
+                for e in t.signals:
+                    count[e] += 1
+        except IndexError:  # an event id outside the graph (an unvalidated graph)
+            ok = False
+    return queues, ok
 
 
 def _is_cut_counter_order(
