@@ -12,7 +12,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before
 import torch  # noqa: E402
 
 import mgraph as mg  # noqa: E402
-from mgraph.runtime.megakernel import TritonRuntime, run_in_process  # noqa: E402
+from mgraph.runtime.megakernel import TritonRuntime  # noqa: E402
 
 CASES = {
     "gemm-1x1": ("gemm", "1x1", dict(M=64, N=64, K=128, tile=[32, 32])),
@@ -118,7 +118,7 @@ def kernel_watchdog() -> None:
     op = mg.ops.get_op("gemm_allreduce")
     graph = op(topology="1x2", M=64, N=64, K=128, tile=[32, 32], algorithm="twoshot")
     sched = mg.schedule(graph)
-    rt = TritonRuntime(sched, rank=None, interpret=True, settings=Settings(watchdog_s=0.01),
+    rt = TritonRuntime(sched, rank=None, interpret=True, settings=Settings(watchdog_s=0.005),
                        shared=_SharedMemory(graph, torch.device("cpu")))
     local = next(i for i, tid in enumerate(rt.tables.local_tasks)
                  if graph.tasks[tid].kind == "reduce")
@@ -352,17 +352,27 @@ def main(names: list[str]) -> None:
         op = mg.ops.get_op(op_name)
         graph = op(topology=topo, **kw)
         sched = mg.schedule(graph)
+        # Relaunches of ONE runtime (epochs, no counter reset, fresh data each time): every
+        # rank's arena in this process for several ranks (run_in_process's runtime, kept for
+        # the relaunch). 3 launches on one rank; 2 on several, where a launch costs more.
+        if graph.topology.world_size == 1:
+            rt, launches = TritonRuntime(sched, interpret=True), 3
+        else:
+            from mgraph.runtime.megakernel.runtime import _SharedMemory
+
+            rt = TritonRuntime(sched, rank=None, interpret=True,
+                               shared=_SharedMemory(graph, torch.device("cpu")))
+            launches = 2
         errs = []
-        for launch in range(3):  # relaunches: epochs, no counter reset, fresh data each time
-            inputs = op.random_inputs(graph, seed=launch)
-            want = op.run_reference(inputs, graph.params)["out"]
-            if graph.topology.world_size == 1:
-                rt = TritonRuntime(sched, interpret=True) if launch == 0 else rt  # noqa: F821
+        try:
+            for launch in range(launches):
+                inputs = op.random_inputs(graph, seed=launch)
+                want = op.run_reference(inputs, graph.params)["out"]
                 got = rt.run(inputs).outputs["out"]
-            else:
-                got = run_in_process(sched, inputs)["out"]
-            errs.append(((got - want).norm() / want.norm()).item())
-        print(json.dumps({"case": name, "errors": errs}), flush=True)
+                errs.append(((got - want).norm() / want.norm()).item())
+        finally:
+            rt.close()
+        print(json.dumps({"case": name, "errors": errs, "epochs": rt.epoch}), flush=True)
 
 
 if __name__ == "__main__":
