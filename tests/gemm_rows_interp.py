@@ -4,7 +4,8 @@ The GEMM body runs them by masked pointers (mgraph/ops/gemm_pointers.py). Float3
 to rounding): rows of 2, 30, 50 and 270 elements are 8, 120, 200 and 1080 bytes, as a bf16
 router's of 4 or 60 experts and odd widths'. bf16 cases (the interpreter's bf16 dot is by value
 since runtime/megakernel/interp_fixes.py): a router of 4 experts, 60 columns, a MoE block of 4
-experts against float32 eager.
+experts against float32 eager. Most tasks here read A in 16-byte vectors (the transposed block
+shape); rows of 50 (K), 18-column K ranges and gemm_glu tasks take the 2-byte shape.
 
 Prints one JSON line per case: the relative error over the whole output and the worst tile's
 (every tile of the op's tile shape, the short edge tiles included), how many GEMM tasks run by
@@ -25,7 +26,12 @@ import mgraph as mg  # noqa: E402
 from mgraph.ops.abi import Q_STATIC  # noqa: E402
 from mgraph.runtime.megakernel import TritonRuntime  # noqa: E402
 from mgraph.runtime.megakernel.dispatch import body_constexprs  # noqa: E402
-from mgraph.runtime.megakernel.encode import GEMM_KINDS, ROLE_ALL, gemm_by_pointers  # noqa: E402
+from mgraph.runtime.megakernel.encode import (  # noqa: E402
+    GEMM_KINDS,
+    ROLE_ALL,
+    gemm_a_vectors,
+    gemm_by_pointers,
+)
 from mgraph.runtime.megakernel.runtime import _SharedMemory  # noqa: E402
 
 F32 = torch.float32
@@ -45,7 +51,9 @@ def tile_error(got: torch.Tensor, want: torch.Tensor, rows: int, cols: int) -> f
 def paths(graph) -> dict:
     gemms = [t for t in graph.tasks if t.kind in GEMM_KINDS]
     by_pointers = sum(gemm_by_pointers(graph, t) for t in gemms)
+    vectors = sum(gemm_by_pointers(graph, t) and gemm_a_vectors(graph, t) for t in gemms)
     return {"pointer_tasks": by_pointers, "tma_tasks": len(gemms) - by_pointers,
+            "vector_tasks": vectors,
             "gemm_ptr": body_constexprs(graph, range(len(graph.tasks)))["GEMM_PTR"]}
 
 
@@ -74,6 +82,12 @@ OPS = {
     # bf16: a router of 4 experts (8-byte rows), Qwen1.5-MoE's 60 (120-byte rows)
     "gemm-bf16-n4": ("gemm", "1x1", dict(M=40, N=4, K=64, tile=[32, 256], dtype=BF16)),
     "gemm-bf16-n60": ("gemm", "1x1", dict(M=64, N=60, K=96, tile=[32, 32], dtype=BF16)),
+    # A's rows in vectors, one 200-row task: a full and a short block of 128 rows (the vector
+    # shape's), K steps of 128, 128 and 64
+    "gemm-bf16-n4-k320": ("gemm", "1x1", dict(M=200, N=4, K=320, tile=[256, 256], dtype=BF16)),
+    # A's pitch (36 floats) whole 16-byte units but each rank's K range (18) not: 2-byte loads
+    "gemm_allreduce-1x2-accumulate-n50-k36": (
+        "gemm_allreduce", "1x2", dict(M=48, N=50, K=36, tile=[32, 32], algorithm="accumulate")),
 }
 
 

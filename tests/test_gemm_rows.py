@@ -12,7 +12,10 @@ task compiles as before (the pointer path is behind the constexpr GEMM_PTR).
   them: MoE routers of 4 and 60 experts, an odd vocabulary;
 - aligned graphs: no task by pointers, GEMM_PTR off, the same prefix, params and A/B slots, and
   a kernel with no trace of the pointer path in its sm_90 TTIR; where the path is compiled, it
-  is a function of its own whose dots are mma.sync (the kernel's GEMM loops stay wgmma).
+  is a function of its own whose dots are mma.sync (the kernel's GEMM loops stay wgmma);
+- the path alone compiled for sm_90 (SASS): where A's rows are whole 16-byte units (the cases
+  above but odd K, 18-column K ranges and gemm_glu) its K step loads A in 16-byte vectors, and
+  nothing spills.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from mgraph.runtime.megakernel import TritonRuntime, encode_rank
 from mgraph.runtime.megakernel.dispatch import body_constexprs
 from mgraph.runtime.megakernel.encode import GEMM_KINDS, ROLE_ALL, gemm_block, gemm_by_pointers
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from mgraph.ops.gemm_pointers import gemm_pointers  # noqa: E402
 
 HERE = Path(__file__).parent
 BF16 = torch.bfloat16
@@ -44,7 +50,12 @@ GROUPS = {  # one subprocess each (its imports cost ~2.5 s)
                             "gemm-bf16-n4", "gemm-bf16-n60"],
     "traced": ["traced-linears", "traced-moe-e6"],
     "traced-bf16": ["traced-moe-bf16-e4"],
+    "vectors": ["gemm-bf16-n4-k320", "gemm_allreduce-1x2-accumulate-n50-k36"],
 }
+# the cases whose tasks by pointers read A in 2-byte loads (A's rows or K range not whole 16-byte
+# units, or gemm_glu); traced-linears has one GEMM of each shape; every other case's tasks all
+# read A in 16-byte vectors (gemm_pointers: the transposed block shape)
+NO_VECTORS = {"gemm-n30-k50", "matmul_glu-k50", "gemm_allreduce-1x2-accumulate-n50-k36"}
 # bf16: the output's rounding (the interpreter's is coarser than round-to-nearest: ~3e-3 on the
 # TMA path too); float32: exact to rounding
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -66,6 +77,11 @@ def test_gemms_with_rows_tma_cannot_address_match_torch_under_the_interpreter(gr
             tol = 2 * max(r["eager"], r["eager_tile"]) + 2e-3
         assert r["finite"] and r["error"] < tol and r["tile_error"] < tol, r
         assert r["gemm_ptr"] and r["pointer_tasks"] > 0, r  # the pointer path ran
+        if r["case"] == "traced-linears":
+            assert 0 < r["vector_tasks"] < r["pointer_tasks"], r
+        else:
+            want = 0 if r["case"] in NO_VECTORS else r["pointer_tasks"]
+            assert r["vector_tasks"] == want, r
     if group == "traced":
         linears = rows[0]
         # the aligned Linear stays on TMA, in the static prefix, in the same kernel
@@ -202,3 +218,64 @@ def test_the_pointer_path_is_compiled_only_where_it_runs_and_apart_from_the_wgmm
     in_pointers = set(re.findall(r"parent = #(mma\d*)\b", pointers))
     assert in_pointers and {mma[m] for m in in_pointers} == {"2"}, (in_pointers, mma)
     assert "ttng.warp_group_dot" in kernel and "ttng.warp_group_dot" not in pointers
+
+
+@triton.jit
+def _pointers_kernel(tp, params, regions, bufaddr, bufcols, DT: tl.constexpr, BN: tl.constexpr):
+    gemm_pointers(tp, params, regions, bufaddr, bufcols, DT, BN, True, False)
+
+
+@pytest.fixture(scope="module")
+def pointer_sass(tmp_path_factory) -> dict:
+    """gemm_pointers alone (bf16, 8 warps, the megakernel's 3 stages) compiled for sm_90: per
+    innermost loop with a dot, its global loads by width; the function's local memory use."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump in this Triton")
+    signature = {"tp": "*i32", "params": "*i32", "regions": "*i32", "bufaddr": "*i64",
+                 "bufcols": "*i32", "DT": "constexpr", "BN": "constexpr"}
+    compiled = triton.compile(ASTSource(_pointers_kernel, signature, {"DT": tl.bfloat16, "BN": 256}),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 3})
+    cubin = tmp_path_factory.mktemp("sass") / "pointers.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2))
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    loops = []  # from each backward branch's target to the branch
+    for addr, text in ins:
+        back = re.match(r"(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if back and addr - int(back.group(1), 16) > 0x20:
+            loops.append((int(back.group(1), 16), addr))
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1]
+                                           for o in loops)]
+
+    def count(op: str, texts: list[str]) -> int:  # LDG.E.U16 counts as LDG.E.U16 only
+        return sum(bool(re.search(rf"(^|\s){re.escape(op)}(\s|$)", t)) for t in texts)
+
+    dots = []
+    for lo, hi in inner:
+        body = [text for addr, text in ins if lo <= addr <= hi]
+        if any("HMMA" in t for t in body):
+            dots.append({op: count(op, body) for op in ("LDG.E.128", "LDG.E.U16", "LDG.E")})
+    texts = [text for _addr, text in ins]
+    return {"dot_loops": dots, "local": sum(bool(re.search(r"(^|\s)(LDL|STL)", t))
+                                            for t in texts),
+            "ptx_v4": len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", compiled.asm["ptx"]))}
+
+
+def test_the_pointer_path_reads_whole_rows_of_a_in_16_byte_vectors(pointer_sass):
+    """A router's or an lm_head's A (x: K a multiple of 8) in 16-byte vectors: the transposed
+    block's K step loads A^T's 128 x 128 in 8 vectors a thread (2-byte loads before: 16 a
+    thread for a 32 x 128 block) and B^T's narrow 32 x 128 in 16 two-byte loads; the other
+    shape (A's rows narrow) 40 two-byte loads a step (32 x 64 and 64 x 128); no local memory
+    (Triton's pipeliner, left on, made the vector loads asynchronous copies and spilled)."""
+    stats = pointer_sass
+    assert sorted((d["LDG.E.128"], d["LDG.E.U16"], d["LDG.E"]) for d in stats["dot_loops"]) == [
+        (0, 40, 0), (8, 16, 0)], stats
+    assert stats["ptx_v4"] == 8 and stats["local"] == 0, stats

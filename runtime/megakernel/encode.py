@@ -51,7 +51,7 @@ from .netplan import NetPlan, net_plan
 
 __all__ = [
     "Layout", "RankTables", "layout", "encode_rank", "ROLE_ALL", "ALIGN", "kind_id", "PUSH_ID",
-    "tma_rows", "gemm_by_pointers",
+    "tma_rows", "gemm_by_pointers", "gemm_a_vectors",
 ]
 
 ROLE_ALL = len(ROLES)  # role index of a program that serves every queue (interpreter mode)
@@ -348,6 +348,14 @@ def gemm_by_pointers(graph: TaskGraph, t) -> bool:
         return True
     return bool(t.params.get("accumulate")) and not all(
         tma_rows(graph, w.buffer) for w in t.writes)
+
+
+def gemm_a_vectors(graph: TaskGraph, t) -> bool:
+    """Whether a task the GEMM body runs by pointers (:func:`gemm_by_pointers`) reads A in
+    16-byte vectors, in the transposed block shape (gemm_pointers._vectors at run time): A's
+    rows, its first column and its K range are whole 16-byte units (bases are ALIGN-aligned)."""
+    a, item = t.reads[0], ITEMSIZE[graph.dtype]
+    return tma_rows(graph, a.buffer) and a.col0 * item % 16 == 0 and (a.col1 - a.col0) * item % 16 == 0
 
 
 def tma_exact(graph: TaskGraph, t, block: tuple[int, int], bk: int = 64) -> bool:
