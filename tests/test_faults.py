@@ -4,7 +4,6 @@ proxy transport, and a peer process that freezes mid-run (alive, its sockets ope
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import threading
 import time
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import mgraph as mg
+from helpers import node_processes
 from mgraph.builder import GraphBuilder
 from mgraph.errors import MgraphError, WatchdogTimeout
 from mgraph.kinds import Role
@@ -111,7 +111,7 @@ def _node(node: int, port: int, results) -> None:
 def test_a_frozen_peer_is_a_named_error_within_the_watchdog():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30),
                           wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = node_processes()
     results = ctx.Queue()
     procs = [ctx.Process(target=_node, args=(n, store.port, results)) for n in (0, 1)]
     for p in procs:

@@ -4,7 +4,6 @@ GEMM+AllReduce on topology 2x1 with one process per node."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import socket
 import threading
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import mgraph as mg
+from helpers import node_processes
 from mgraph.errors import ProxyError
 from mgraph.runtime.proxy import Command, CommandFifo, NativeProxy, Proxy, Rect, TcpTransport
 from mgraph.runtime.proxy.wire import WRITE
@@ -206,7 +206,7 @@ def _run_nodes(proxy: str, fault: str) -> dict[int, list]:
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False
     )
-    ctx = mp.get_context("spawn")
+    ctx = node_processes()  # ten children in this file: torch and mgraph imported once
     results = ctx.Queue()
     procs = [ctx.Process(target=_node, args=(n, store.port, proxy, fault, results)) for n in (0, 1)]
     for p in procs:
