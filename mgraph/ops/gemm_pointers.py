@@ -24,9 +24,12 @@ gate and up products of each block from their packed columns (matmul_glu.pack_gl
 BN/2 gate columns, then the same of up) and store silu(gate) * up.
 
 Two block shapes, chosen per task at run time (:func:`_vectors`), two copies of the block loop
-in the function (a third, for B's rows in vectors where only K is odd, cost the kernel's own
-code: with three, ptxas left the caller fewer registers and the TMA GEMM's K loop reloaded 4
-spilled values a step, on sm_90 under Triton 3.6):
+in the function. Their registers are the kernel's business too (sm_90, Triton 3.6, ptxas
+12.8): the more this function needs, the fewer ptxas leaves the caller, whose TMA GEMM K loop
+then reloads spilled values every step. A third shape (B's rows in vectors, for an odd K)
+cost 4 reloads a step there, the 2-byte shape at its first size (32 x 128, K steps of 128)
+beside the vector one 2; the sizes below cost none (a RMSNorm + Linear + 4-expert router
+kernel: 6 more local loads per task in the dispatch loop, none in any body's loop):
 
 - A's rows in whole 16-byte vectors (its address, pitch, first column and K range multiples of
   16 bytes: routers and lm_heads, whose x has K a multiple of 8 and whose narrow rows are B's
@@ -36,7 +39,7 @@ spilled values a step, on sm_90 under Triton 3.6):
   once per 128 rows (the other shape: once per 32) and A's vectors once per 32 columns (they
   hit L2). A router of 4 experts reads its B (4 columns) as 32: the waste is in the dot, not
   in memory.
-- Otherwise (A's rows narrow: an odd K, or both operands'): 32 x 128 blocks, 64-deep K steps,
+- Otherwise (A's rows narrow: an odd K, or both operands'): 32 x 64 blocks, 64-deep K steps,
   every load 2 bytes (Triton cannot prove a row aligned).
 
 Neither loop is pipelined (``num_stages=1``): the kernel's 3 stages made A's vector loads
@@ -70,10 +73,10 @@ if HAVE_TRITON:
     _KIND = tl.constexpr(F_KIND)
     _GEMM_KIND = tl.constexpr(list(KINDS).index(TaskKind.GEMM.value))
     # Output rows and columns per block, K per step (module docstring). 2-byte loads: 32 rows
-    # keep the dots mma.sync; 128 columns per A block read; K steps of 64 (32 made every task
-    # 1.2-1.5x slower than 128: the loop waits on its loads each step; 128 spilled beside the
-    # vector shape)
-    _PM, _PN, _PK = tl.constexpr(32), tl.constexpr(128), tl.constexpr(64)
+    # keep the dots mma.sync; 32 x 64 blocks, K steps of 64 (24 loads a thread a step; the
+    # first form's 32 x 128 and 128-deep steps, 80, beside the vector shape left the kernel's
+    # own code fewer registers: 2 reloads a step in the TMA GEMM's K loop)
+    _PM, _PN, _PK = tl.constexpr(32), tl.constexpr(64), tl.constexpr(64)
     # A's rows in vectors: transposed blocks of 128 output rows x 32 columns
     _TM, _TN, _TK = tl.constexpr(128), tl.constexpr(32), tl.constexpr(128)
 
