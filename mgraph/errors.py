@@ -168,5 +168,6 @@ class MoECapacityWarning(UserWarning):
 
 class SlowPathWarning(UserWarning):
     """backend="triton" runs some tasks on a correct but much slower path: GEMMs whose operands'
-    rows are not whole 16-byte units go by masked pointers instead of TMA (9-24x a task on an
-    H200, benchmarks/NOTES.md v19). Padding the width to a multiple of 8 (bf16) avoids it."""
+    rows are not whole 16-byte units go by masked pointers instead of TMA (the path's first form
+    measured 9-24x slower a task on an H200; benchmarks/NOTES.md v19). Padding the width to a
+    multiple of 8 (bf16) avoids it."""

@@ -766,7 +766,7 @@ def _warn_pointer_gemms(graph: TaskGraph, ranks: set[int]) -> None:
         if not tma_rows(graph, b)})
     warnings.warn(SlowPathWarning(
         f"mgraph: {graph.op}: {len(slow)} GEMM task(s) (e.g. {slow[0].name!r}) run by masked "
-        f"pointers, 9-24x slower a task than TMA: rows of {', '.join(narrow[:4])} are not whole "
+        f"pointers, several times slower a task than TMA: rows of {', '.join(narrow[:4])} are not whole "
         "16-byte units; pad those widths to a multiple of 8 (bf16/fp16) or 4 (fp32) to run them "
         "on TMA"), stacklevel=3)
 
