@@ -173,6 +173,84 @@ def test_cut_queues_check_as_the_cut_schedule_check_does():
     assert verdicts == {True, False}
 
 
+def test_cut_queues_trusts_a_list_order_only_as_it_was_made():
+    """list_order's result (a SimulatedOrder) skips cut_queues' counter check while it is the
+    list the simulation made: the same queues and verdict True as the full check; changed
+    afterwards (two tasks swapped, one repeated), or for another graph, it is checked in
+    full: the same verdict as _is_cut_counter_order."""
+    from mgraph.errors import MgraphError
+    from mgraph.scheduler.checks import SimulatedOrder
+    from mgraph.scheduler.policies import list_order, policy_input
+    from mgraph.validate import topo_order
+
+    runnable = changed = 0
+    for case in range(300):
+        rng = random.Random(case)
+        graph = _random_counter_graph(rng)
+        try:
+            topo = topo_order(graph)
+        except MgraphError:
+            continue
+        runnable += 1
+        priority = [rng.random() for _ in graph.tasks]
+        facts = policy_input(graph, [1.0] * len(graph.tasks), topo)
+        order = list_order(graph, priority, facts if case % 2 else None)
+        assert order.__class__ is SimulatedOrder, case
+        queues, ok = cut_queues(graph, order)
+        assert ok and queues == [rs.queues for rs in _cut(graph, list(order)).ranks], case
+        if len(order) > 1:
+            i = rng.randrange(len(order) - 1)
+            if rng.random() < 0.5:
+                order[i], order[i + 1] = order[i + 1], order[i]
+            else:
+                order.append(order[i])
+            changed += 1
+            queues, ok = cut_queues(graph, order)
+            sched = _cut(graph, list(order))
+            assert queues == [rs.queues for rs in sched.ranks], case
+            assert ok == _is_cut_counter_order(graph, sched.ranks, order), case
+        other = _random_counter_graph(random.Random(case + 1000))
+        if len(other.tasks) == len(graph.tasks):
+            _, ok = cut_queues(other, SimulatedOrder(list(range(len(other.tasks))), graph))
+            sched = _cut(other, list(range(len(other.tasks))))
+            assert ok == _is_cut_counter_order(other, sched.ranks, list(range(len(other.tasks))))
+    assert runnable > 50 and changed > 30, (runnable, changed)
+
+
+def test_structure_check_of_tasks_like_the_one_before():
+    """_check_structure keeps the verdict of a task's read checks and waits for the next task
+    on its rank with equal reads and waits (a relayout's tiles): a bad write of such a task is
+    still found, and equal waits on a rank of another node are still refused."""
+    import pytest
+
+    from mgraph.errors import GraphError
+
+    def build(second_rank: int, bad_write: bool) -> TaskGraph:
+        b = GraphBuilder("like_before", Topology.parse("2x1"), "float32", {})
+        x = [b.buffer("x", r, 8, 8) for r in range(2)]
+        y = [b.buffer("y", r, 8, 8) for r in range(2)]
+        ev = b.event(0, "e")
+        first = b.task(0, Role.COMPUTE, "copy", [x[0].region((0, 1))], [x[0].region((1, 2))],
+                       signals=[ev])
+        for i in range(3):  # tiles on rank 0 reading the same region, with the same waits
+            b.task(0, Role.COMPUTE, "copy", [x[0].region((1, 2))], [y[0].region((i, i + 1))],
+                   waits=[(ev, 1)])
+        b.task(second_rank, Role.COMPUTE, "copy", [x[second_rank].region((1, 2))],
+               [y[second_rank].region((5, 6))], waits=[(ev, 1)])
+        graph = b.finish()
+        if bad_write:
+            w = graph.tasks[3].writes[0]
+            graph.tasks[3].writes[0] = type(w)(w[0], 7, 9, 0, 1)  # rows past the buffer
+        assert first.id == 0
+        return graph
+
+    build(0, False).validate()
+    with pytest.raises(GraphError, match="outside buffer"):
+        build(0, True).validate()
+    with pytest.raises(GraphError, match="another node"):
+        build(1, False).validate()
+
+
 def test_task_costs_of_a_traced_layer_are_each_tasks_task_cost():
     """task_costs sums remote bytes in its own pass (reads only for nvlink tasks): on a traced
     2x2 layer (gemm, attention, elementwise, norm, relayout, copy and rdma tasks) every cost is

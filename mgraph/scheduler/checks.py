@@ -28,6 +28,7 @@ __all__ = [
     "check_schedule",
     "check_cut_schedule",
     "cut_queues",
+    "SimulatedOrder",
     "rdma_destination",
 ]
 
@@ -59,16 +60,42 @@ def check_cut_schedule(schedule: Schedule, order: Sequence[int]) -> None:
     check_batches(schedule.graph, schedule.ranks, schedule.hardware)
 
 
+class SimulatedOrder(list):
+    """A counter order of ``graph`` as a counter simulation made it (policies.list_order: each
+    task once, each after the signals its waits count), with a private copy of it: while the
+    list still equals the copy (one C-level comparison), ``cut_queues`` knows it is a counter
+    order without walking the waits and signals again (~25 ms of a 2x8 layer's schedule). A
+    policy that changes the list afterwards gets the full check."""
+
+    __slots__ = ("graph", "made")
+
+    def __init__(self, order: list[int], graph: TaskGraph) -> None:
+        super().__init__(order)
+        self.graph = graph
+        self.made = order  # the simulation's own list, no longer handed to anyone
+
+
 def cut_queues(graph: TaskGraph, order: Sequence[int]) -> tuple[list[dict[str, list[int]]], bool]:
     """Per rank, role -> ``order``'s tasks of that rank and role in sequence (the schedule's
     queues), and whether ``order`` is a counter order of ``graph`` (each task once, each after
     the signals its waits count), checked in the same pass: then the queues are safe, as
     ``check_cut_schedule`` argues, and its queue check is done; False says nothing either way.
+    A ``SimulatedOrder`` of ``graph`` as it was made is one without the check.
     """
     tasks = graph.tasks
     n = len(tasks)
     world = graph.topology.world_size
     queues: list[dict[str, list[int]]] = [{r: [] for r in _ROLE_NAMES} for _ in range(world)]
+    if (
+        order.__class__ is SimulatedOrder
+        and order.graph is graph
+        and len(order) == n
+        and order == order.made
+    ):
+        for tid in order:
+            t = tasks[tid]
+            queues[t.rank][t.role].append(tid)
+        return queues, True
     ok = len(order) == n
     seen = bytearray(n)
     count = [0] * len(graph.events)

@@ -55,6 +55,7 @@ from ..graph import TaskGraph
 from ..hardware import HardwareProfile
 from ..kinds import Role
 from ..validate import CounterOrder, topo_order
+from .checks import SimulatedOrder
 from .placement import Pools, constrained_lengths, network_makespan, queue_makespan
 
 __all__ = [
@@ -237,8 +238,12 @@ class Columns(Sequence[tuple[Any, ...]]):
     ...)``. ``list_order`` ranks it by one stable sort per column, from the last, which gives
     the order one sort of the tuples gives (ties by id) in about half the time at 10^5 tasks."""
 
-    def __init__(self, *columns: Sequence[Any]) -> None:
-        self.columns = columns
+    def __init__(self, *columns: Sequence[Any], then: Columns | None = None) -> None:
+        # ``then``: a priority whose columns follow these (the tie-break), ranked once for both
+        # (critical_path's staged order breaks its ties by the plain order's columns)
+        self.columns = columns + then.columns if then is not None else columns
+        self._then = then
+        self._ranked: list[int] | None = None
 
     def __getitem__(self, tid: int) -> tuple[Any, ...]:  # type: ignore[override]
         return tuple(c[tid] for c in self.columns)
@@ -247,11 +252,20 @@ class Columns(Sequence[tuple[Any, ...]]):
         return len(self.columns[0])
 
     def ranked(self) -> list[int]:
-        """Task ids by (columns[0][id], columns[1][id], ..., id)."""
-        ids = list(range(len(self)))
-        for column in reversed(self.columns):
-            ids.sort(key=column.__getitem__)
-        return ids
+        """Task ids by (columns[0][id], columns[1][id], ..., id). Made once, then shared (the
+        caller must not change it)."""
+        if self._ranked is None:
+            then = self._then
+            if then is not None:  # stable sorts from the tie-break's ranking: the same ids
+                ids = list(then.ranked())
+                own = self.columns[: len(self.columns) - len(then.columns)]
+            else:
+                ids = list(range(len(self)))
+                own = self.columns
+            for column in reversed(own):
+                ids.sort(key=column.__getitem__)
+            self._ranked = ids
+        return self._ranked
 
 
 def list_order(
@@ -264,7 +278,9 @@ def list_order(
     order: list[int] = []
     for _ in list_order_steps(graph, priority, facts, order):
         pass
-    return order
+    if facts is not None and facts.graph is not graph:
+        return order  # simulated on another graph's counters: cut_queues checks it
+    return SimulatedOrder(order, graph)
 
 
 def list_order_steps(
@@ -558,13 +574,18 @@ def staged_order(
 
 
 def _staged_priority(
-    graph: TaskGraph, facts: PolicyInput, length: list[float], turn: list[int]
+    graph: TaskGraph,
+    facts: PolicyInput,
+    length: list[float],
+    turn: list[int],
+    plain: Columns | None = None,
 ) -> Columns:
+    """``plain``: ``Columns([-x for x in length], turn)`` when the caller ranked it already."""
     rdma = Role.RDMA.value
     level = network_levels(graph, facts)
     stage = [0 if t.role == rdma else -level[t.id] for t in graph.tasks]
     slot = network_slots(graph, facts, lag=1, level=level)
-    return Columns(stage, slot, [-x for x in length], turn)
+    return Columns(stage, slot, then=plain or Columns([-x for x in length], turn))
 
 
 def push_rotation(graph: TaskGraph) -> list[int]:
@@ -693,7 +714,8 @@ def _network_choice(
     whichever ``network_makespan`` predicts shorter (staged only by more than the margin)."""
     assert facts.workers is not None and facts.hardware is not None
     costs = facts.costs
-    plain = list_order(graph, Columns([-x for x in length], turn), facts)
+    by_length = Columns([-x for x in length], turn)
+    plain = list_order(graph, by_length, facts)
     pools = Pools(graph, facts.workers, facts.total, facts.partial)
     before = network_makespan(graph, pools, plain, costs, facts.hardware)
     need = before * (1.0 - PLACED_MARGIN)
@@ -705,7 +727,9 @@ def _network_choice(
     # the plain one predicts the same, so it is never taken, as before.
     tail = None if facts.partial else [x - c for x, c in zip(length, costs, strict=True)]
     staged: list[int] = []
-    steps = list_order_steps(graph, _staged_priority(graph, facts, length, turn), facts, staged)
+    steps = list_order_steps(
+        graph, _staged_priority(graph, facts, length, turn, by_length), facts, staged
+    )
     after = network_makespan(graph, pools, steps, costs, facts.hardware, limit=need, tail=tail)
     return staged if after < need else plain
 
