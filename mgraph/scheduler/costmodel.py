@@ -204,7 +204,12 @@ def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
             else:
                 params = t.params
                 fill = params.get("expected_fill", 1.0) if params else 1.0
-                base = max(t.flops / compute_rate, t.bytes * fill / hbm)
+                # max() of the two without the call: the same float (max keeps the first
+                # unless the second is larger)
+                base = t.flops / compute_rate
+                moved = t.bytes * fill / hbm
+                if moved > base:
+                    base = moved
             out[t.id] = base + remote_write / epilogue
             continue
         remote_read = 0

@@ -612,9 +612,11 @@ def push_rotation(graph: TaskGraph) -> list[int]:
     seen: dict[tuple[int, int], int] = {}  # (rank, peer) -> NVLink tasks so far, in id order
     for t in graph.tasks:
         peer = -1
+        rank = t.rank
+        node = rank // per_node
         for w in t.writes:
             h = holder[w[0]]
-            if h == t.rank or h == peer or h // per_node != t.rank // per_node:
+            if h == rank or h == peer or h // per_node != node:
                 continue
             if peer >= 0:  # a second peer: no single target
                 peer = -2
@@ -622,10 +624,10 @@ def push_rotation(graph: TaskGraph) -> list[int]:
             peer = h
         if peer < 0:
             continue
-        turn = (peer - t.rank - 1) % per_node
+        turn = (peer - rank - 1) % per_node
         if t.role == nvlink:
-            k = seen.get((t.rank, peer), 0)
-            seen[t.rank, peer] = k + 1
+            k = seen.get((rank, peer), 0)
+            seen[rank, peer] = k + 1
             turn += k * per_node
         out[t.id] = turn
     return out
