@@ -448,9 +448,9 @@ class Reachability:
         self, graph: TaskGraph, order: list[int], signalers: list[list[int]] | None = None
     ) -> None:
         tasks = self.tasks = graph.tasks
-        self.pos = [0] * len(tasks)
+        pos = self.pos = [0] * len(tasks)
         for i, tid in enumerate(order):
-            self.pos[tid] = i
+            pos[tid] = i
         if signalers is None:  # else each event's signaling task ids, in id order
             signalers = [[] for _ in graph.events]
             for t in tasks:

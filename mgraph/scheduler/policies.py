@@ -484,7 +484,7 @@ def _earliest_downstream(graph: TaskGraph, facts: PolicyInput, own: list[int]) -
             for e in tasks[tid].signals:
                 v = known[e]
                 if v is None:
-                    v = known[e] = min([need[w] for w in full[e]], default=_NEVER)
+                    v = known[e] = min(map(need.__getitem__, full[e]), default=_NEVER)
                 if v < best:
                     best = v
             need[tid] = best
@@ -494,7 +494,7 @@ def _earliest_downstream(graph: TaskGraph, facts: PolicyInput, own: list[int]) -
         for e in tasks[tid].signals:
             v = first.get(e)
             if v is None:
-                v = first[e] = min([need[w] for w in full[e]], default=_NEVER)
+                v = first[e] = min(map(need.__getitem__, full[e]), default=_NEVER)
             if v < best:
                 best = v
             for w in partial.get(e, ()):
