@@ -62,18 +62,15 @@ def written_once(graph: TaskGraph, buffer_name: str) -> None:
 
 
 def interpreter_rows(script: str, timeout: int = 300) -> dict[str, dict]:
-    """Run ``tests/<script>`` under TRITON_INTERPRET=1 in a subprocess (the flag must be set
-    before triton is imported) and return its JSON lines by their "case"."""
+    """Run ``tests/<script>`` under TRITON_INTERPRET=1 in a process of its own (the flag must be
+    set before triton is imported: run_interpreted) and return its JSON lines by their "case"."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     here = Path(__file__).parent
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(here))
-    proc = subprocess.run([sys.executable, str(here / script)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = run_interpreted([str(here / script)], env, timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {r["case"]: r for r in out}
@@ -90,6 +87,18 @@ def node_processes():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "mgraph", "helpers"])
     return ctx
+
+
+def run_interpreted(args: list[str], env: dict[str, str], timeout: float,
+                    input: str | None = None):
+    """``subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+    timeout=timeout, input=input)`` for a script run under TRITON_INTERPRET=1 (``env`` must set
+    it): a fresh process forked from a server that imported torch, triton and mgraph once per
+    pytest process (tests/interp_server.py: the script sees what a new interpreter would give
+    it), not a new interpreter importing them again."""
+    from interp_server import run_script
+
+    return run_script(args, env, timeout, input=input)
 
 
 def row_vec(graph: TaskGraph, region, dtype: torch.dtype) -> bool:

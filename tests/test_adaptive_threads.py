@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -22,13 +22,7 @@ HERE = Path(__file__).resolve().parent
 
 def test_adaptive_allgather_gemm_with_concurrent_programs_matches_torch():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "adaptive_threads_interp.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_interpreted([str(HERE / "adaptive_threads_interp.py")], env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["failures"] == [], row

@@ -311,14 +311,13 @@ def test_megakernel_d192_takes_the_wide_fast_path_interpreted():
     error: every task took the wide fast path. (run_chains' head size 160 cases in
     megakernel_attention_interp.py take it through chains_kernel.)"""
     import os
-    import subprocess
-    import sys
 
     from test_triton_attention import TOL_BF16
 
+    from helpers import run_interpreted
+
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _D192], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_interpreted(["-c", _D192], env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     err = float(proc.stdout.split("ERR")[-1])
     assert err < TOL_BF16, proc.stdout

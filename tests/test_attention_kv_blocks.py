@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import mgraph as mg
-from helpers import check_graph, rel_err, written_once
+from helpers import check_graph, rel_err, run_interpreted, written_once
 from mgraph.ops.ring_attention import KV_KEYS, default_kv_block
 
 HERE = Path(__file__).parent
@@ -234,8 +232,7 @@ compare("ring-zigzag", g, x, _sdpa(x, True), chains=True)
 
 def test_triton_bodies_with_default_kv_blocks_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run([sys.executable, "-c", _INTERP.format(here=str(HERE))], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = run_interpreted(["-c", _INTERP.format(here=str(HERE))], env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     rows = {r["case"]: r for r in lines}

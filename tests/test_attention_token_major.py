@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 
 import mgraph as mg
 import mgraph.program
-from helpers import check_graph, rel_err, written_once
+from helpers import check_graph, rel_err, run_interpreted, written_once
 from mgraph.errors import ShapeError
 from mgraph.trace.attention_map import token_major_attention
 from mgraph.trace.pointwise import fuse_pointwise
@@ -219,8 +217,7 @@ print(json.dumps({{"case": "traced-1x1", "token_major": att.params["token_major"
 
 def test_triton_bodies_on_token_major_tensors_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run([sys.executable, "-c", _INTERP.format(here=str(HERE))], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = run_interpreted(["-c", _INTERP.format(here=str(HERE))], env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for line in proc.stdout.splitlines():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_interpreted
 from mgraph.runtime.proxy import native
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_proxy.py"
@@ -105,8 +106,7 @@ def test_the_latency_canary_sees_a_flag_ahead_of_its_data() -> None:
     written) counts the flags that arrived before their data; it samples the chunk's ends, so a
     hole in the middle goes unseen (the last case)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CANARY, str(SCRIPT.parent)], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = run_interpreted(["-c", CANARY, str(SCRIPT.parent)], env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [json.loads(line) for line in proc.stdout.splitlines()]
     # status: [failed watch, its value, early arrivals]; watches 1 and 5 read chunk 1.

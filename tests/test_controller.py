@@ -431,8 +431,8 @@ def test_mirror_runs_as_a_triton_program(tmp_path):
     """The megakernel's copy of the rule (control.decide), one window per lane, matches the
     rule. Damping and stall fractions are 1/2 here, as DAMP_* and STALL_* say."""
     import os
-    import subprocess
 
+    from helpers import run_interpreted
     from mgraph.scheduler import controller as ctl
 
     pytest.importorskip("triton")
@@ -463,14 +463,8 @@ def test_mirror_runs_as_a_triton_program(tmp_path):
     ]  # fmt: skip
     script = tmp_path / "controller_interp.py"
     script.write_text(TRITON_MIRROR)
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        input=json.dumps(rows),
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_interpreted([str(script)], dict(os.environ, TRITON_INTERPRET="1"), timeout=300,
+                           input=json.dumps(rows))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [w.replay().comm for w in wins]

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import mgraph as mg
-from helpers import rel_err
+from helpers import rel_err, run_interpreted
 
 # M=200, N=300, K=130 (132 where K is sharded over the 4 ranks): no dim is a multiple of a tile.
 CASES = [
@@ -92,8 +90,7 @@ def test_world_size_divisibility_stays_an_error():
 def test_gemm_tile_body_masks_short_regions_under_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_interpreted([__file__], env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert {r["case"] for r in rows} == {"edge-tiles", "k-inside-buffer", "own-descriptors",

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import mgraph as mg
+from helpers import run_interpreted
 from mgraph.kinds import ROLES
 from mgraph.ops.abi import (
     F_KIND,
@@ -197,10 +196,7 @@ def test_multi_rank_graph_needs_torchrun():
 @pytest.mark.slow
 def test_megakernel_under_the_interpreter_matches_torch():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "megakernel_interp.py")], env=env, capture_output=True,
-        text=True, timeout=600,
-    )
+    proc = run_interpreted([str(HERE / "megakernel_interp.py")], env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 32, proc.stdout

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from helpers import run_interpreted
 from mgraph.runtime.proxy.native import available
 
 HERE = Path(__file__).resolve().parent
@@ -33,10 +32,8 @@ def all_rows() -> list[dict]:
     """The script's rows for every stream count, from one interpreter process."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
     env.pop("MGRAPH_PROXY_STREAMS", None)  # the script passes Settings(proxy_streams=...)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "megakernel_streams_interp.py"), *map(str, STREAMS)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_interpreted([str(HERE / "megakernel_streams_interp.py"), *map(str, STREAMS)], env,
+                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

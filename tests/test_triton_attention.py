@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from helpers import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -55,10 +55,7 @@ def all_rows() -> dict[str, dict]:
     """The JSON rows of every case group of the script, by case: one interpreter process for
     all of them (its start-up, ~3 s on CI's cores, paid once)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "megakernel_attention_interp.py")],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_interpreted([str(HERE / "megakernel_attention_interp.py")], env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return {r["case"]: r for r in out}
