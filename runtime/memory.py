@@ -190,9 +190,13 @@ def worst_tile_error(got: torch.Tensor, want: torch.Tensor, rows: int = 128,
         g, w = g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1])
     if not torch.isfinite(g[torch.isfinite(w)]).all():
         return float("inf")
-    R, C = g.shape[0] // rows * rows, g.shape[-1] // cols * cols
-    d = (g[:R, :C] - w[:R, :C]).reshape(R // rows, rows, C // cols, cols)
-    ref = w[:R, :C].reshape(R // rows, rows, C // cols, cols)
+    # short edge tiles count too (a mis-masked last tile row or column): zero-padded to whole
+    # tiles, which adds nothing to either norm
+    R, C = -(-g.shape[0] // rows) * rows, -(-g.shape[-1] // cols) * cols
+    pad = (0, C - g.shape[-1], 0, R - g.shape[0])
+    g, w = torch.nn.functional.pad(g, pad), torch.nn.functional.pad(w, pad)
+    d = (g - w).reshape(R // rows, rows, C // cols, cols)
+    ref = w.reshape(R // rows, rows, C // cols, cols)
     num = d.pow(2).sum(dim=(1, 3)).sqrt()
     den = ref.pow(2).sum(dim=(1, 3)).sqrt().clamp_min(1e-30)
     return (num / den).max().item()

@@ -33,19 +33,14 @@ from mgraph.runtime.megakernel.encode import (  # noqa: E402
     gemm_by_pointers,
 )
 from mgraph.runtime.megakernel.runtime import _SharedMemory  # noqa: E402
+from mgraph.runtime.memory import worst_tile_error  # noqa: E402
 
 F32 = torch.float32
 
 
 def tile_error(got: torch.Tensor, want: torch.Tensor, rows: int, cols: int) -> float:
     """The worst relative error of any rows x cols tile, short edge tiles included."""
-    g, w = got.double().reshape(-1, got.shape[-1]), want.double().reshape(-1, want.shape[-1])
-    worst = 0.0
-    for r in range(0, g.shape[0], rows):
-        for c in range(0, g.shape[1], cols):
-            d = (g[r:r + rows, c:c + cols] - w[r:r + rows, c:c + cols]).norm()
-            worst = max(worst, (d / w[r:r + rows, c:c + cols].norm().clamp_min(1e-30)).item())
-    return worst
+    return worst_tile_error(got, want, rows, cols)
 
 
 def paths(graph) -> dict:

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import mgraph as mg
+from mgraph.runtime.memory import worst_tile_error
 
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
@@ -31,16 +32,8 @@ TOL = 1e-2  # bf16 outputs: half an ulp (2^-9) on every element plus the inputs'
 
 def tile_error(got: torch.Tensor, want: torch.Tensor, rows: int, cols: int) -> float:
     """The worst relative error of any rows x cols tile of the 2-D views, edge tiles included;
-    inf where ``got`` is not finite."""
-    g, w = got.float().reshape(-1, got.shape[-1]), want.float().reshape(-1, want.shape[-1])
-    if not bool(g.isfinite().all()):
-        return float("inf")
-    worst = 0.0
-    for r in range(0, g.shape[0], rows):
-        for c in range(0, g.shape[1], cols):
-            d = (g[r:r + rows, c:c + cols] - w[r:r + rows, c:c + cols]).norm()
-            worst = max(worst, (d / w[r:r + rows, c:c + cols].norm().clamp_min(1e-30)).item())
-    return worst
+    inf where ``got`` is not finite where ``want`` is."""
+    return worst_tile_error(got, want, rows, cols)
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
