@@ -3,12 +3,12 @@ is allocated or launched, and the per-buffer dtype codes the kernel reads (``buf
 
 from __future__ import annotations
 
-from mgraph.errors import DTypeError, ScheduleError
+from mgraph.errors import DTypeError, ScheduleError, SlowPathWarning
 from mgraph.graph import TaskGraph
 from mgraph.kinds import KINDS, TaskKind
 
 from .dispatch import body_params, has_body
-from .encode import gemm_block, gemm_by_pointers, tma_exact
+from .encode import GEMM_KINDS, gemm_block, gemm_by_pointers, tma_exact, tma_rows
 
 __all__ = ["supported_kinds", "check_graph", "buffer_dtype_code", "DT_DATA", "DT_F32"]
 
@@ -96,3 +96,25 @@ def check_graph(graph: TaskGraph, bk: int) -> None:
     gemms = [t for t in graph.tasks if t.kind == TaskKind.GEMM.value]
     if gemms:
         _check_gemm_tiles(graph, gemms, bk)
+
+
+def warn_pointer_gemms(graph: TaskGraph, ranks: set[int]) -> None:
+    """A SlowPathWarning naming the GEMM tasks of ``ranks`` that run by masked pointers (rows
+    TMA cannot address): correct, but many times slower than the TMA path, and fixable by
+    the user (pad the width), so said once per runtime rather than found in a profile."""
+    import warnings
+
+    slow = [t for t in graph.tasks
+            if t.kind in GEMM_KINDS and t.rank in ranks and gemm_by_pointers(graph, t)]
+    if not slow:
+        return
+    narrow = sorted({  # what sends a task there (encode.gemm_by_pointers): A, B, added-into
+        f"{b} ({graph.buffers[b].cols} columns)" for t in slow
+        for b in (r.buffer for r in (*t.reads[:2], *(t.writes if t.params.get("accumulate")
+                                                     else ())))
+        if not tma_rows(graph, b)})
+    warnings.warn(SlowPathWarning(
+        f"mgraph: {graph.op}: {len(slow)} GEMM task(s) (e.g. {slow[0].name!r}) run by masked "
+        f"pointers, several times slower a task than TMA: rows of {', '.join(narrow[:4])} are not whole "
+        "16-byte units; pad those widths to a multiple of 8 (bf16/fp16) or 4 (fp32) to run them "
+        "on TMA"), stacklevel=3)

@@ -41,12 +41,10 @@ from .encode import (
     RankTables,
     encode_rank,
     gemm_block,
-    gemm_by_pointers,
     kind_id,
     layout,
-    tma_rows,
 )
-from .graph_checks import buffer_dtype_code, check_graph, supported_kinds
+from .graph_checks import buffer_dtype_code, check_graph, supported_kinds, warn_pointer_gemms
 from .inflight import InFlight, cuda_slot
 from .interp_fixes import fix_interpreter
 
@@ -138,7 +136,7 @@ class TritonRuntime:
             int(self.tables.qinfo[1][Q_LEN]) or int(self.tables.qinfo[1][Q_WORKERS]))
         self.adaptive = bool(self.settings.adaptive) and has_comm
         self.mine = set(graph.topology.ranks) if self.rank is None else {self.rank}
-        _warn_pointer_gemms(graph, self.mine)
+        warn_pointer_gemms(graph, self.mine)
         self.epoch = 0
         self._scratch_buf: torch.Tensor | None = None
         self._graph = None  # the CUDA graph later launches replay (see launch)
@@ -745,30 +743,6 @@ def run_in_process(
         rt.close()
     assert result is not None
     return result.outputs
-
-
-def _warn_pointer_gemms(graph: TaskGraph, ranks: set[int]) -> None:
-    """A SlowPathWarning naming the GEMM tasks of ``ranks`` that run by masked pointers (rows
-    TMA cannot address): correct, but many times slower than the TMA path, and fixable by
-    the user (pad the width), so said once per runtime rather than found in a profile."""
-    import warnings
-
-    from mgraph.errors import SlowPathWarning
-
-    slow = [t for t in graph.tasks
-            if t.kind in GEMM_KINDS and t.rank in ranks and gemm_by_pointers(graph, t)]
-    if not slow:
-        return
-    narrow = sorted({  # what sends a task there (encode.gemm_by_pointers): A, B, added-into
-        f"{b} ({graph.buffers[b].cols} columns)" for t in slow
-        for b in (r.buffer for r in (*t.reads[:2], *(t.writes if t.params.get("accumulate")
-                                                     else ())))
-        if not tma_rows(graph, b)})
-    warnings.warn(SlowPathWarning(
-        f"mgraph: {graph.op}: {len(slow)} GEMM task(s) (e.g. {slow[0].name!r}) run by masked "
-        f"pointers, several times slower a task than TMA: rows of {', '.join(narrow[:4])} are not whole "
-        "16-byte units; pad those widths to a multiple of 8 (bf16/fp16) or 4 (fp32) to run them "
-        "on TMA"), stacklevel=3)
 
 
 def _watchdog_hint(task: int, slot: int) -> str:
