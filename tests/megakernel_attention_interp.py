@@ -245,7 +245,9 @@ def finalize_cases() -> None:
     x["mask"] = bias.reshape(S, S)
     tril = torch.ones(S, S, dtype=torch.bool).tril()
     compare("finalize-fp32-mask", g, x, _sdpa(x, mask=bias.masked_fill(~tril, float("-inf"))))
-    g = mg.ops.ring_attention(topology="1x2", B=1, H=2, S=256, D=64, block=32, kv_heads=1,
+    # S 128: zigzag chunks of one 32-row block; each rank's chains still start (first), fold
+    # masked and unmasked blocks, wait for 0, 1 and 2 copies, and end in attn_finalize
+    g = mg.ops.ring_attention(topology="1x2", B=1, H=2, S=128, D=64, block=32, kv_heads=1,
                               causal=True, inline_finalize=False, dtype=bf16)
     x = _inputs(g, seed=43, dtype=bf16)
     compare("finalize-ring-1x2-bf16", g, x, _sdpa(x, causal=True))
@@ -312,7 +314,8 @@ def softcap_cases() -> None:
     from test_attention_softcap import capped  # Gemma2's attention written out in float32
 
     bf16 = torch.bfloat16
-    dims = dict(topology="1x1", B=1, H=4, S=256, D=128, block=64, kv_heads=2, causal=True)
+    # S 128: each 64-row q block's task folds 128 keys, chunks below, on and past the diagonal
+    dims = dict(topology="1x1", B=1, H=4, S=128, D=128, block=64, kv_heads=2, causal=True)
     g = mg.ops.attention(dtype=bf16, softcap=2.0, **dims)
     x = _inputs(g, seed=41, dtype=bf16)
     want = capped(x, 2.0, True, None)
