@@ -23,7 +23,8 @@ CASES = {
     "gemm_allreduce-1x4": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], chunk_bytes=2048)),
     # the v2 node algorithms, each forced: epilogue pushes, per-program signals, exit events
     "gemm_allreduce-1x2-oneshot": ("gemm_allreduce", "1x2", dict(M=64, N=96, K=128, tile=[32, 32], algorithm="oneshot")),
-    "gemm_allreduce-1x4-oneshot": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], algorithm="oneshot")),
+    # (M 32: 4 GEMM and 4 reduce tasks a rank, every GEMM pushing to the 4 ranks' buffers)
+    "gemm_allreduce-1x4-oneshot": ("gemm_allreduce", "1x4", dict(M=32, N=64, K=256, tile=[16, 32], algorithm="oneshot")),
     "gemm_allreduce-1x4-twoshot": ("gemm_allreduce", "1x4", dict(M=64, N=64, K=256, tile=[16, 32], algorithm="twoshot")),
     "gemm_reduce_scatter-1x4": ("gemm_reduce_scatter", "1x4", dict(M=64, N=64, K=256, tile=[16, 32])),
     "gemm_reduce_scatter-1x2-push": ("gemm_reduce_scatter", "1x2", dict(M=64, N=64, K=128, tile=[16, 32], algorithm="push")),
@@ -47,9 +48,11 @@ CASES = {
     "gemm_allreduce-2x1": ("gemm_allreduce", "2x1", dict(M=64, N=64, K=128, tile=[32, 32], chunk_bytes=4096)),
     "allgather_gemm-2x1": ("allgather_gemm", "2x1", dict(M=64, N=64, K=64, tile=[16, 32])),
     "gemm_reduce_scatter-2x1": ("gemm_reduce_scatter", "2x1", dict(M=64, N=64, K=128, tile=[16, 32])),
-    "gemm_allreduce-2x2": ("gemm_allreduce", "2x2", dict(M=64, N=64, K=256, tile=[16, 32], chunk_bytes=2048)),
+    # (M 32: a rank's 4 GEMMs, 4 copies each waiting for its GEMM, 3 reduces waiting for 2)
+    "gemm_allreduce-2x2": ("gemm_allreduce", "2x2", dict(M=32, N=64, K=256, tile=[16, 32], chunk_bytes=2048)),
     # three nodes: a reduce waits for chunks from two proxies (an event sums several words)
-    "gemm_allreduce-3x1": ("gemm_allreduce", "3x1", dict(M=96, N=64, K=192, tile=[32, 32], chunk_bytes=4096)),
+    # (N 32: a rank's 3 GEMMs; 3 reduces waiting for 1 chunk, 1 for 3 words)
+    "gemm_allreduce-3x1": ("gemm_allreduce", "3x1", dict(M=96, N=32, K=192, tile=[32, 32], chunk_bytes=4096)),
 }
 
 
