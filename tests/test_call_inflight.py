@@ -103,8 +103,16 @@ def runtime():
     by a stand-in kernel (out = 2 x, or a timeout record), fake events."""
     from mgraph.runtime.megakernel import TritonRuntime
 
-    rt = TritonRuntime(mg.schedule(copy_graph()), interpret=True)
-    rt.interpret = False  # run() takes the GPU's paths from here on; nothing reaches Triton
+    rt = stand_in(TritonRuntime(mg.schedule(copy_graph()), interpret=True))
+    yield rt
+    rt.failed = None
+
+
+def stand_in(rt):
+    """``rt`` as a GPU process would run it: run() takes the GPU's paths (nothing reaches
+    Triton), fake events, and a launch that writes out = 2 x into the rank's buffers or leaves a
+    timeout in the watchdog record when ``rt.timeout_next``."""
+    rt.interpret = False
     rt.log = []
     rt.inflight = InFlight(fake_slots(rt.log)[0], limit=4)
     rt.timeout_next = False
@@ -119,8 +127,7 @@ def runtime():
             rt.d["err"].copy_(torch.tensor(TIMEOUT))
 
     rt.launch = launch
-    yield rt
-    rt.failed = None
+    return rt
 
 
 def test_a_call_that_does_not_wait_returns_the_output_and_a_timeout_comes_at_the_next(runtime):
@@ -183,22 +190,9 @@ def spmd_runtime():
     from mgraph.runtime.megakernel.runtime import _SharedMemory
 
     graph = two_rank_copy_graph()
-    rt = TritonRuntime(mg.schedule(graph), rank=0, interpret=True,
-                       shared=_SharedMemory(graph, torch.device("cpu")))
-    rt.interpret = False
-    rt.log = []
-    rt.inflight = InFlight(fake_slots(rt.log)[0], limit=4)
-    rt.timeout_next = False
-
-    def launch(poison: bool = False) -> None:
-        if rt.failed is not None:
-            raise rt.failed
-        rt.epoch += 1
-        rt.views["out0@0"].copy_(2 * rt.views["x0@0"])
-        if rt.timeout_next:
-            rt.d["err"].copy_(torch.tensor(TIMEOUT))
-
-    rt.launch = launch
+    rt = stand_in(TritonRuntime(mg.schedule(graph), rank=0, interpret=True,
+                                shared=_SharedMemory(graph, torch.device("cpu"))))
+    assert set(rt.views) == {"x0@0", "out0@0"}  # rank 0's buffers only
     yield rt
     rt.failed = None
 
