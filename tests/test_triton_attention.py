@@ -85,6 +85,7 @@ def _select(table: dict[str, dict], prefix: str) -> dict[str, dict]:
     return {k: r for k, r in table.items() if k.startswith(prefix)}
 
 
+@pytest.mark.slow  # the first test here: it runs the script's every case (all_rows)
 def test_megakernel_ring_attention_one_rank_causal_and_not():
     # masked edges (block 32 < 128 keys, D 40 < 128 columns), causal (zigzag, diagonal mask) and not
     _check(_select(megakernel_rows(), "ring-1x1-"), 2, ATTN,
