@@ -190,6 +190,13 @@ def _child(request: dict, base: list[str]) -> None:
                                       write_through=unbuffered)
         os.environ.clear()
         os.environ.update(env)
+        # fresh entropy, as a new interpreter's: the server's generators are every child's
+        import random
+
+        import numpy
+
+        random.seed()
+        numpy.random.seed()
         os.chdir(request["cwd"])
         args = request["args"]
         first = "" if args[0] == "-c" else str(Path(args[0]).resolve().parent)
@@ -211,8 +218,12 @@ def _child(request: dict, base: list[str]) -> None:
             else:
                 print(exc.code, file=sys.stderr)
                 code = 1
-        except BaseException:  # as Python reports an uncaught exception
-            traceback.print_exc()
+        except BaseException as exc:  # as Python reports an uncaught exception: the script's
+            tb = exc.__traceback__  # frames only, not this module's or runpy's
+            while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                                      or "runpy" in tb.tb_frame.f_code.co_filename):
+                tb = tb.tb_next
+            traceback.print_exception(type(exc), exc, tb)
             code = 1
         # what an exiting interpreter does: wait for non-daemon threads, run atexit handlers
         threading._shutdown()
