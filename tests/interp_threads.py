@@ -77,6 +77,22 @@ def install() -> None:
             raise it.InterpreterError(repr(errors[0])) from errors[0]
 
     it.GridExecutor.__call__ = call
+    rewrite_lock = threading.Lock()
+
+    def device_call(self, *args, **kwargs):  # InterpretedFunction.__call__, its first two steps
+        # locked: they iterate the function's module globals (_patch_lang) and, on its first
+        # call, add the interpreter's names to them (rewrite): two programs' threads doing both
+        # at once failed the launch ("dictionary changed size during iteration", ~1 run in 8 of
+        # adaptive_threads_interp.py)
+        with rewrite_lock:
+            it._patch_lang(self.fn)
+            fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise it.InterpreterError(repr(e)) from e
+
+    it.InterpretedFunction.__call__ = device_call
     # Spinning programs hand the GIL over often, so the one they wait for gets to run.
     sys.setswitchinterval(1e-4)
     _installed = True
