@@ -26,7 +26,11 @@ one per store (in force where all memory is on the proxy's GPU: loopback; ``cuda
 memop rows only, copy-engine flags have no barrier; on the H200 of NOTES v14 every such call
 failed with "invalid argument", so it is not among the default protocols), ``hostflags`` both sides' flag words in
 pinned host memory, raised by the proxy with host stores once its stream executed the data
-(no flag call: 1 CUDA call per WRITE in flight; rows with flags "host", one stream).
+(no flag call: 1 CUDA call per WRITE in flight; rows with flags "host", one stream),
+``kernel`` WRITEs of up to 64 KiB as ONE launch of a one-CTA copy-and-flag kernel that copies
+and then raises the flags with a release store (runtime/proxy/native/copy_kernel.h: no second
+stream operation after the copy; one stream only, so it skips the rows with several; it also
+runs the 64 KiB WRITE drain, a throughput row; ``kernel_writes`` counts its launches).
 Every row carries ``cuda_calls_per_cmd`` (the proxy's queueing calls / commands), the host time
 of a data call and of a flag call (``data_call_us``, ``flag_call_us``), and the latency
 rows a canary: the consumer reads the first and last element of a command's destination chunk
@@ -83,7 +87,12 @@ PROTOCOLS = {
     "new+driver": {"fuse_flags": True, "driver_copy": True},
     "new+gpufence": {"fuse_flags": True, "gpu_fence": True},  # memop flags only
     "hostflags": {"fuse_flags": True},  # flags in pinned host memory (rows: flags "host")
+    # WRITEs up to 64 KiB as ONE launch of the copy-and-flag kernel (copy_kernel.h); larger
+    # ones, and SIGNALs, as "old"; one stream only
+    "kernel": {"fuse_flags": False, "copy_kernel_bytes": 64 * 1024},
 }
+# Protocols that also run the 64 KiB WRITE drain (a throughput row beside the first protocol's)
+THROUGHPUT_TOO = ("kernel",)
 MAX_FLAGS = 1024  # flag words per side; command k of those raising an event uses word k % 1024
 TARGETS = {"drain": 200e3, "latency": 10.0, "bandwidth": 45.0}  # k cmd/s, median us, GB/s@256K
 _EPOCH = 1
@@ -351,7 +360,8 @@ def run_case(case: Case, rig: Rig) -> dict:
                flag_call_us=round(ls["flag_call_ns"] / max(ls["flag_calls"], 1) / 1e3, 2),
                data_call_us=round((ls["cuda_call_ns"] - ls["flag_call_ns"])
                                   / max(ls["cuda_calls"] - ls["flag_calls"], 1) / 1e3, 2),
-               cuda_apis=proxy.cuda_apis, canary=canary)  # fmt: skip
+               cuda_apis=proxy.cuda_apis, canary=canary,
+               kernel_writes=ls.get("kernel_writes", 0))  # fmt: skip
     if errors:
         return {**row, "error": "; ".join(errors)}
     push_t, arrive_t = push_ns.cpu(), arrive_ns.cpu()
@@ -398,7 +408,10 @@ def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",), streams=(1
     base = [Case(**{**asdict(c), "streams": k, "protocol": protocols[0]}) for k in streams
             for c in _plan(rig, quick, two_gpus, flag_modes)]  # fmt: skip
     more = [Case(**{**asdict(c), "protocol": p}) for p in protocols[1:] for c in base
-            if c.bench == "latency" and (c.flags == "memop" or "gpu_fence" not in PROTOCOLS[p])
+            if (c.bench == "latency" or (p in THROUGHPUT_TOO and c.bench == "drain"
+                                         and c.kind == "write"))
+            and (c.flags == "memop" or "gpu_fence" not in PROTOCOLS[p])
+            and (c.streams == 1 or "copy_kernel_bytes" not in PROTOCOLS[p])
             and p != "hostflags"]  # fmt: skip
     if "hostflags" in protocols[1:]:  # no GPU flag to raise: once, on one stream (its limit)
         first = next(c.flags for c in base if c.bench == "latency")
@@ -483,7 +496,7 @@ def table(rows: list[dict], cpu: bool) -> str:
 
 def summary(rows: list[dict]) -> str:
     """Issue 15's numbers per setting (flag mode, streams, protocol): GB/s of 256 KiB WRITEs
-    uncapped and paced at 50 GB/s, 64 KiB WRITE drain commands/s (the first protocol only), and
+    uncapped and paced at 50 GB/s, 64 KiB WRITE drain commands/s (the first protocol and THROUGHPUT_TOO), and
     the loopback push-to-flag median of the smallest chunk with the proxy's CUDA calls per
     command there."""
     lines = ["| flags | streams | protocol | 256 KiB uncapped GB/s | 256 KiB at 50 GB/s cap | "

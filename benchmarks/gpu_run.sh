@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_run.sh attention        # bench_attention.py tile, then ring (2 GPUs)
 #   bash benchmarks/gpu_run.sh moe              # bench_moe.py (baseline + mgraph, 2 GPUs)
 #   bash benchmarks/gpu_run.sh calibrate        # calibrate.py: the hardware profile JSON
-#   bash benchmarks/gpu_run.sh proxy            # bench_proxy.py, 1 and 4 copy streams
+#   bash benchmarks/gpu_run.sh proxy [ARGS]     # bench_proxy.py, 1 and 4 copy streams (ARGS override)
 #   bash benchmarks/gpu_run.sh layer [ARGS]     # bench_layer.py on every GPU of the machine
 #   bash benchmarks/gpu_run.sh mega [ARGS]      # bench_attention.py tile mega (one GPU)
 #   bash benchmarks/gpu_run.sh gemm [ARGS]      # bench_gemm_tasks.py: GEMM task tiles (one GPU)
@@ -67,7 +67,7 @@ calibrate)
     ;;
 proxy)
     timeout "${PROXY_LIMIT:-120}" python3 benchmarks/bench_proxy.py --out "$OUT/bench_proxy" \
-        --streams 1 4 2>&1 | tee "$OUT/proxy.log" | tail -10
+        --streams 1 4 "$@" 2>&1 | tee "$OUT/proxy.log" | tail -30
     ;;
 layer)
     # SM clock and power every 100 ms beside the run: back-to-back launches of a kernel that

@@ -23,6 +23,7 @@ ENV_VARS: dict[str, str] = {
     "nic_gbps": "MGRAPH_NIC_GBPS",
     "gpu_flags": "MGRAPH_GPU_FLAGS",
     "proxy_streams": "MGRAPH_PROXY_STREAMS",
+    "proxy_copy_kernel_bytes": "MGRAPH_PROXY_COPY_KERNEL_BYTES",
     "max_tasks": "MGRAPH_MAX_TASKS",
     "max_bytes": "MGRAPH_MAX_BYTES",
     "ewise_chains": "MGRAPH_EWISE_CHAINS",
@@ -64,6 +65,12 @@ class Settings(BaseModel):
     proxy_streams: int = Field(
         1, ge=1, le=8, description="native proxy: copy streams on a GPU (1..8); a command's "
         "lane (netplan.py) picks stream lane mod streams, so each flag word keeps one writer",
+    )
+    proxy_copy_kernel_bytes: int = Field(
+        0, ge=0, description="native proxy, one copy stream: WRITEs of at most this many bytes "
+        "go out as one launch of a one-CTA copy-and-flag kernel instead of a copy then a flag "
+        "operation (runtime/proxy/native/copy_kernel.h); it needs an SM no persistent kernel "
+        "holds, so 0 (off) unless the megakernel leaves SMs free",
     )
 
     adaptive: bool = Field(

@@ -120,12 +120,21 @@ def test_the_gpu_plan_compares_protocols_on_latency() -> None:
         import bench_proxy as bp
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    protocols = ("new", "old", "new+driver", "new+gpufence", "hostflags")
+    protocols = ("new", "old", "new+driver", "new+gpufence", "kernel", "hostflags")
     cases = bp.plan(bp.Rig(cpu=False), True, False, ("copy", "memop"), (1, 4), protocols)
     base = [c for c in cases if c.protocol == "new"]
     latency = [c for c in base if c.bench == "latency"]
     assert {c.bench for c in base} == {"drain", "latency", "bandwidth"} and latency
-    for p in protocols[1:-1]:
+    # The copy kernel: one stream only, its latency cases and the WRITE drain (throughput)
+    kernel = [c for c in cases if c.protocol == "kernel"]
+    want = [
+        c
+        for c in base
+        if c.streams == 1 and (c.bench == "latency" or (c.bench == "drain" and c.kind == "write"))
+    ]
+    assert [bp.asdict(c) | {"protocol": "new"} for c in kernel] == [bp.asdict(c) for c in want]
+    assert {c.bench for c in kernel} == {"drain", "latency"}
+    for p in protocols[1:-2]:
         mine = [c for c in cases if c.protocol == p]
         want = [c for c in latency if p != "new+gpufence" or c.flags == "memop"]  # a memop option
         assert [bp.asdict(c) | {"protocol": "new"} for c in mine] == [bp.asdict(c) for c in want]

@@ -547,6 +547,7 @@ def test_cuda_calls_per_command_are_pinned(
         "batch_memop": old != "driver-v1",
         "driver_copy": old != "driver-v1",
         "gpu_fence": fence,
+        "kernel": True,  # both fake drivers can load and launch the copy kernel
     }
 
 

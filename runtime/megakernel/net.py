@@ -137,6 +137,7 @@ class KernelNet:
             idle_sleep_us=0 if not self.rt.interpret else 200,
             flag_copy=s.gpu_flags == "copy",
             streams=s.proxy_streams,  # lanes come from netplan.py
+            copy_kernel_bytes=s.proxy_copy_kernel_bytes,
         )
 
     @staticmethod

@@ -37,6 +37,11 @@ correctness rests on:
   operation whose copies execute in REVERSE order: CUDA orders a batch in its stream as a whole
   and promises nothing within it. cudaRuntimeGetVersion reports 12080 unless
   ``set_runtime_version`` says otherwise (the proxy uses the batch API from 12.8 on only);
+- the copy-and-flag kernel (runtime/proxy/native/copy_kernel.h): cuModuleLoadData accepts PTX
+  text, cuModuleGetFunction only ``mgraph_copy_flags``, and cuLaunchKernel (one CTA, its one
+  160-byte parameter, aligned accesses) queues what the kernel does in its order, the copy
+  (traced as a runtime copy) then its flag stores (as one cuStreamBatchMemOp operation); stats
+  ``kernel_launches`` and ``live_modules``;
 - ``FAKE_CUDA_DEVICES`` (default 2) devices, all peers; enabling a pair twice returns 704
   (cudaErrorPeerAccessAlreadyEnabled) and sets the last error, which cudaGetLastError clears.
 
@@ -46,9 +51,10 @@ operation wait that long before it executes, so the worker lags behind the calle
 its caller, as a real one costs host time; a batch call costs it once), ``hold`` (no worker
 executes anything until released), ``poison`` (operations touching a range fail when called, or
 when executed), ``fail`` (a named
-entry point returns a status), two deliberate bugs for negative controls (``events_never_wait``:
+entry point returns a status), three deliberate bugs for negative controls (``events_never_wait``:
 cudaEventSynchronize returns at once; ``unordered_stores``: cuStreamWriteValue32 stores when
-called, ahead of the stream), ``start_trace``/``trace`` (every executed operation, in order) and
+called, ahead of the stream; ``kernel_flags_first``: the copy kernel stores its flags before
+copying), ``start_trace``/``trace`` (every executed operation, in order) and
 ``stat`` (named counters: see ``kStatNames`` in fake_cudart.c). A trace row's ``stream`` is the
 stream's creation number (1, 2, ... over the process), so per-stream order can be checked.
 
@@ -139,6 +145,9 @@ class FakeCuda:
 
     def unordered_stores(self, on: bool) -> None:
         self.lib.fakecuda_unordered_stores(int(on))
+
+    def kernel_flags_first(self, on: bool) -> None:
+        self.lib.fakecuda_kernel_flags_first(int(on))
 
     def poison(self, address: int, nbytes: int, status: int, *, at_execution: bool) -> None:
         if self.lib.fakecuda_poison(address, nbytes, status, int(at_execution)) != 0:

@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -112,4 +114,107 @@ FAKE_EXPORT int cuMemGetHandleForAddressRange(void* handle, uint64_t ptr, size_t
   fakecuda_count_dmabuf();
   *(int*)handle = fd;
   return kFakeSuccess;
+}
+
+// The runtime's copies (fake_cudart.c), which the fake kernel queues.
+int cudaMemcpyAsync(void* dst, const void* src, size_t bytes, int kind, void* stream);
+int cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                      size_t height, int kind, void* stream);
+
+// The copy-and-flag kernel (runtime/proxy/native/copy_kernel.h). A module is accepted when its
+// image is PTX text defining the entry asked for; only mgraph_copy_flags can be launched. A
+// launch queues what the kernel does, in the kernel's order, as two operations of its stream
+// (traced and counted as such): the copy (1-D or 2-D, through the runtime's copies), then its
+// flag stores in array order (as a cuStreamBatchMemOp does). With the negative control
+// (fakecuda_kernel_flags_first) the stores go first, as a kernel without its barrier might.
+typedef struct {
+  uint64_t dst, src, width, height, dpitch, spitch, unit, n_flags;
+  uint64_t flag[8];
+  uint32_t value[8];
+} FakeCopyArgs;
+_Static_assert(sizeof(FakeCopyArgs) == 160, "copy_kernel.h: CopyKernelArgs is 160 bytes");
+
+enum { kModuleMagic = 0x4d4f4455, kInvalidPtx = 218, kNotFound = 500 };
+
+typedef struct {
+  int magic;
+  char* image;
+} FakeModule;
+
+static FakeModule* module_of(void* handle) {
+  FakeModule* m = handle;
+  return m != NULL && m->magic == kModuleMagic ? m : NULL;
+}
+
+// CUresult cuModuleLoadData(CUmodule*, const void* image).
+FAKE_EXPORT int cuModuleLoadData(void** module, const void* image) {
+  const int forced = fakecuda_forced("cuModuleLoadData");
+  if (forced != 0) return forced;
+  if (module == NULL || image == NULL) return kFakeInvalidValue;
+  const char* text = image;
+  if (strstr(text, ".version") == NULL || strstr(text, ".entry") == NULL) return kInvalidPtx;
+  FakeModule* m = calloc(1, sizeof(FakeModule));
+  if (m == NULL || (m->image = strdup(text)) == NULL) {
+    free(m);
+    return kFakeMemoryAllocation;
+  }
+  m->magic = kModuleMagic;
+  fakecuda_count_module(1);
+  *module = m;
+  return kFakeSuccess;
+}
+
+// CUresult cuModuleGetFunction(CUfunction*, CUmodule, const char*): the handle is the module.
+FAKE_EXPORT int cuModuleGetFunction(void** function, void* module, const char* name) {
+  FakeModule* m = module_of(module);
+  if (m == NULL) return kFakeInvalidHandle;
+  if (function == NULL || name == NULL) return kFakeInvalidValue;
+  char entry[160];
+  snprintf(entry, sizeof(entry), ".entry %s(", name);
+  if (strstr(m->image, entry) == NULL || strcmp(name, "mgraph_copy_flags") != 0) return kNotFound;
+  *function = m;
+  return kFakeSuccess;
+}
+
+FAKE_EXPORT int cuModuleUnload(void* module) {
+  FakeModule* m = module_of(module);
+  if (m == NULL) return kFakeInvalidHandle;
+  m->magic = 0;
+  free(m->image);
+  free(m);
+  fakecuda_count_module(-1);
+  return kFakeSuccess;
+}
+
+// CUresult cuLaunchKernel(f, grid x/y/z, block x/y/z, shared bytes, stream, params, extra).
+FAKE_EXPORT int cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                               unsigned by, unsigned bz, unsigned shared, void* stream,
+                               void** params, void** extra) {
+  const int forced = fakecuda_forced("cuLaunchKernel");
+  if (forced != 0) return forced;
+  if (module_of(function) == NULL) return kFakeInvalidHandle;
+  if (gx != 1 || gy != 1 || gz != 1 || bx == 0 || bx > 1024 || by != 1 || bz != 1 ||
+      shared != 0 || extra != NULL || params == NULL || params[0] == NULL)
+    return kFakeInvalidValue;
+  const FakeCopyArgs* a = params[0];
+  const uint64_t u = a->unit;
+  // A misaligned access would fault on a GPU: refuse it here.
+  const uint64_t pitches = a->height > 1 ? (a->dpitch | a->spitch) : 0;
+  if (a->n_flags > 8 || (u != 1 && u != 4 && u != 16) || ((a->dst | a->src | a->width | pitches) % u))
+    return kFakeInvalidValue;
+  fakecuda_count_kernel();
+  const int flags_first = fakecuda_kernel_flags_first_on();
+  const unsigned n = (unsigned)a->n_flags;
+  int status = 0;
+  if (flags_first && n > 0) status = fakecuda_enqueue_store_batch(stream, a->flag, a->value, n, 2);
+  if (status == 0 && a->width > 0 && a->height > 0) {
+    void* dst = (void*)(uintptr_t)a->dst;
+    const void* src = (const void*)(uintptr_t)a->src;
+    status = a->height == 1
+                 ? cudaMemcpyAsync(dst, src, a->width, 4, stream)
+                 : cudaMemcpy2DAsync(dst, a->dpitch, src, a->spitch, a->width, a->height, 4, stream);
+  }
+  if (status == 0 && !flags_first && n > 0)
+    status = fakecuda_enqueue_store_batch(stream, a->flag, a->value, n, 2);
+  return status;
 }

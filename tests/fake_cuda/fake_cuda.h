@@ -41,3 +41,11 @@ FAKE_EXPORT int fakecuda_enqueue_driver_copy(void* dst, const void* src, uint64_
 
 // Counts a dma-buf handle handed out (statistic "dmabuf_handles").
 FAKE_EXPORT void fakecuda_count_dmabuf(void);
+
+// The copy-and-flag kernel (fake_cuda.c's cuLaunchKernel): counts launches and live modules,
+// and reads the negative control that makes it store its flags before its copy.
+FAKE_EXPORT void fakecuda_count_kernel(void);
+FAKE_EXPORT void fakecuda_count_module(int delta);
+FAKE_EXPORT int fakecuda_kernel_flags_first_on(void);
+// The status fakecuda_fail forces on the entry point ``call`` (0: none).
+FAKE_EXPORT int fakecuda_forced(const char* call);

@@ -63,6 +63,8 @@ enum Stat {
   kMemopBarriers,    // memory barrier operations in cuStreamBatchMemOp calls
   kGpuBarriers,      // ... of them of GPU scope
   kQueries,          // cudaStreamQuery and cudaEventQuery calls
+  kKernelLaunches,   // cuLaunchKernel calls of the copy-and-flag kernel that queued it
+  kLiveModules,      // cuModuleLoadData modules not unloaded (not reset)
   kStatCount
 };
 
@@ -75,7 +77,7 @@ static const char* const kStatNames[kStatCount] = {
     "live_events",  "live_host",          "trace_dropped",  "enq_batch",
     "batch_copies", "streams_created", "batch13",      "dmabuf_handles",
     "enq_store_batch", "batch_stores",  "driver_copies", "memop_barriers",
-    "gpu_barriers",  "queries",
+    "gpu_barriers",  "queries",        "kernel_launches", "live_modules",
 };
 
 static int64_t stats[kStatCount];
@@ -107,6 +109,7 @@ static int call_us = 0;  // host time every copy-queueing call takes (the caller
 static int hold = 0;
 static int events_never_wait = 0;
 static int unordered_stores = 0;
+static int kernel_flags_first = 0;  // negative control: the fake kernel stores flags first
 // What cudaRuntimeGetVersion reports: 12080 (CUDA 12.8) is the first with cudaMemcpyBatchAsync,
 // so a lower value makes the proxy take its fallback even though the symbol is here.
 enum { kDefaultRuntimeVersion = 12080 };
@@ -168,6 +171,25 @@ EXPORT void fakecuda_events_never_wait(int on) {
 // Negative control: cuStreamWriteValue32 stores at once, ahead of the copies queued before it.
 EXPORT void fakecuda_unordered_stores(int on) {
   __atomic_store_n(&unordered_stores, on, __ATOMIC_RELAXED);
+}
+
+// Negative control: the copy-and-flag kernel (fake_cuda.c) stores its flags before copying.
+EXPORT void fakecuda_kernel_flags_first(int on) {
+  __atomic_store_n(&kernel_flags_first, on, __ATOMIC_RELAXED);
+}
+
+EXPORT int fakecuda_kernel_flags_first_on(void) {
+  return __atomic_load_n(&kernel_flags_first, __ATOMIC_RELAXED);
+}
+
+// The driver's kernel entry points count here (and fail through fakecuda_fail, by name).
+EXPORT void fakecuda_count_kernel(void) { bump(kKernelLaunches, 1); }
+
+EXPORT void fakecuda_count_module(int delta) { bump(kLiveModules, delta); }
+
+EXPORT int fakecuda_forced(const char* call) {
+  const int forced = __atomic_load_n(&fail_status, __ATOMIC_ACQUIRE);
+  return forced != 0 && strcmp(fail_call, call) == 0 ? forced : 0;
 }
 
 // Operations touching [lo, lo + len) fail with ``status``: when called (at_execution 0), or when
@@ -258,6 +280,7 @@ EXPORT void fakecuda_reset(void) {
   __atomic_store_n(&n_poison, 0, __ATOMIC_RELEASE);
   fakecuda_events_never_wait(0);
   fakecuda_unordered_stores(0);
+  fakecuda_kernel_flags_first(0);
   fakecuda_set_delay_us(delay_us_at_load);
   fakecuda_set_call_us(0);
   fakecuda_set_runtime_version(kDefaultRuntimeVersion);
@@ -266,7 +289,7 @@ EXPORT void fakecuda_reset(void) {
   memset(peer_enabled, 0, sizeof(peer_enabled));
   pthread_mutex_unlock(&peer_mu);
   for (int i = 0; i < kStatCount; ++i)
-    if (i != kLiveStreams && i != kLiveEvents && i != kLiveHost)
+    if (i != kLiveStreams && i != kLiveEvents && i != kLiveHost && i != kLiveModules)
       __atomic_store_n(&stats[i], 0, __ATOMIC_RELAXED);
   last_error = 0;
 }

@@ -134,6 +134,12 @@ class NativeProxy:
     word on the proxy's own GPU (``cuda_apis["gpu_fence"]`` says whether it is in force). On
     the H200 of NOTES v14 the driver refused every such call ("invalid argument"): the proxy
     stops with a ProxyError naming the command; not usable there.
+    ``copy_kernel_bytes`` (> 0, one stream only): a WRITE of at most that many bytes whose flag
+    words are GPU words goes out as ONE launch of a one-CTA copy-and-flag kernel that copies the
+    data and then raises the words with a release store, instead of a copy followed by a flag
+    operation (copy_kernel.h says why it is ordered, and what it costs: an SM per WRITE for a
+    few microseconds, so never under a kernel that holds every SM). ``start`` returns once the
+    kernel is loaded. Off by default (not yet measured: bench_proxy's protocol ``kernel``).
     """
 
     def __init__(
@@ -157,6 +163,7 @@ class NativeProxy:
         fuse_flags: bool = False,
         driver_copy: bool = False,
         gpu_fence: bool = False,
+        copy_kernel_bytes: int = 0,
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
@@ -169,6 +176,16 @@ class NativeProxy:
             raise ProxyError(
                 f"proxy {name}: streams must be an int in [1, 64], got {streams!r}",
                 hint="Settings.proxy_streams / MGRAPH_PROXY_STREAMS (1..8 for the megakernel)",
+            )
+        if not isinstance(copy_kernel_bytes, int) or copy_kernel_bytes < 0:
+            raise ProxyError(
+                f"proxy {name}: copy_kernel_bytes must be an int >= 0, got {copy_kernel_bytes!r}"
+            )
+        if copy_kernel_bytes and streams != 1:
+            raise ProxyError(
+                f"proxy {name}: copy_kernel_bytes={copy_kernel_bytes} needs one copy stream, "
+                f"got streams={streams}",
+                hint="set streams=1 (Settings.proxy_streams) or copy_kernel_bytes=0",
             )
         native = load()
         for r, t in (counters or {}).items():
@@ -199,6 +216,7 @@ class NativeProxy:
         self._drain.fuse_flags = bool(fuse_flags)  # read when the loop starts
         self._drain.driver_copy = bool(driver_copy)
         self._drain.gpu_fence = bool(gpu_fence)
+        self._drain.copy_kernel_bytes = copy_kernel_bytes  # read when the loop starts
         self.streams = streams
         # Keep what the loop points into alive as long as the loop.
         self._keep = (fifo, dict(counters or {}))
@@ -283,7 +301,8 @@ class NativeProxy:
         ``busy_ns`` (host time from reading each batch to its end, summed), ``paced_ns`` (the
         part of it spent holding copies for the emulated NIC), ``cuda_calls`` and
         ``cuda_call_ns`` (the calls queueing copies or flag writes, and their host time), and
-        ``flag_calls``/``flag_call_ns`` (of those, the ones raising GPU flags)."""
+        ``flag_calls``/``flag_call_ns`` (of those, the ones raising GPU flags), and
+        ``kernel_writes`` (WRITEs that went out as one copy-and-flag kernel launch)."""
         return dict(self._drain.stats())
 
     @property
@@ -296,10 +315,12 @@ class NativeProxy:
         """Which optional CUDA entry points the loop uses or found (known once the transport
         attached CUDA): ``batch_copy`` (cudaMemcpyBatchAsync, used), ``batch_memop``
         (cuStreamBatchMemOp), ``driver_copy`` (cuMemcpyAsync), ``gpu_fence`` (GPU-scope
-        barriers, in force: asked for, memory all local, a driver with the _v2 batch API)."""
+        barriers, in force: asked for, memory all local, a driver with the _v2 batch API),
+        ``kernel`` (the driver can load and launch the copy-and-flag kernel)."""
         d = self._drain
         return {"batch_copy": bool(d.batch_api), "batch_memop": bool(d.batch_memop),
-                "driver_copy": bool(d.driver_copy_api), "gpu_fence": bool(d.gpu_scope)}  # fmt: skip
+                "driver_copy": bool(d.driver_copy_api), "gpu_fence": bool(d.gpu_scope),
+                "kernel": bool(d.kernel_api)}  # fmt: skip
 
     def __enter__(self) -> NativeProxy:
         return self.start()

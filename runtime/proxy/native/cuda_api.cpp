@@ -89,6 +89,12 @@ std::string CudaApi::load(const std::vector<std::string>& runtime_libs,
   if (batch_memop_ == nullptr)
     batch_memop_ = reinterpret_cast<decltype(batch_memop_)>(dlsym(driver_, "cuStreamBatchMemOp"));
   memcpy_driver_ = reinterpret_cast<decltype(memcpy_driver_)>(dlsym(driver_, "cuMemcpyAsync"));
+  // Optional: the copy-and-flag kernel's module and launch (copy_kernel.h).
+  module_load_ = reinterpret_cast<decltype(module_load_)>(dlsym(driver_, "cuModuleLoadData"));
+  module_function_ =
+      reinterpret_cast<decltype(module_function_)>(dlsym(driver_, "cuModuleGetFunction"));
+  launch_kernel_ = reinterpret_cast<decltype(launch_kernel_)>(dlsym(driver_, "cuLaunchKernel"));
+  module_unload_ = reinterpret_cast<decltype(module_unload_)>(dlsym(driver_, "cuModuleUnload"));
   decltype(memcpy_2d_async) copy = nullptr;
   resolve(runtime_, "cudaMemcpy2DAsync", copy, missing);
   if (!missing.empty()) return "CUDA libraries lack:" + missing;
@@ -226,6 +232,31 @@ void CudaApi::copy_driver(void* dst, const void* src, size_t bytes, void* stream
   check_driver(memcpy_driver_(reinterpret_cast<unsigned long long>(dst),
                               reinterpret_cast<unsigned long long>(src), bytes, stream),
                "cuMemcpyAsync");
+}
+
+void* CudaApi::load_kernel(const char* ptx, const char* name, void*& module) const {
+  module = nullptr;
+  check_driver(module_load_(&module, ptx), "cuModuleLoadData");
+  void* function = nullptr;
+  const int status = module_function_(&function, module, name);
+  if (status != 0) {
+    module_unload_(module);
+    module = nullptr;
+    check_driver(status, "cuModuleGetFunction");
+  }
+  return function;
+}
+
+void CudaApi::unload_module(void* module) const {
+  if (module != nullptr) check_driver(module_unload_(module), "cuModuleUnload");
+}
+
+void CudaApi::launch(void* function, unsigned blocks, unsigned threads, const void* args,
+                     void* stream) const {
+  const CallTimer timer(*this);
+  void* params[] = {const_cast<void*>(args)};
+  check_driver(launch_kernel_(function, blocks, 1, 1, threads, 1, 1, 0, stream, params, nullptr),
+               "cuLaunchKernel");
 }
 
 void* CudaApi::host_alloc(size_t bytes) const {

@@ -32,6 +32,20 @@ class CudaApi {
   bool has_memop_barrier() const { return batch_memop_ != nullptr && batch_memop_v2_; }
   // cuMemcpyAsync (the driver's) was found: copy_driver can queue 1-D copies.
   bool has_driver_copy() const { return memcpy_driver_ != nullptr; }
+  // cuModuleLoadData, cuModuleGetFunction, cuLaunchKernel and cuModuleUnload were found (the
+  // copy-and-flag kernel, copy_kernel.h).
+  bool has_kernel() const {
+    return module_load_ != nullptr && module_function_ != nullptr && launch_kernel_ != nullptr &&
+           module_unload_ != nullptr;
+  }
+  // Loads ``ptx`` (the driver JIT-compiles it) into the current context; returns the function
+  // ``name`` and sets ``module``.
+  void* load_kernel(const char* ptx, const char* name, void*& module) const;
+  void unload_module(void* module) const;
+  // One launch of ``function`` with ONE parameter, ``args`` (copied by the driver at the call),
+  // ``blocks`` x ``threads``, on ``stream``; counted with the queueing calls.
+  void launch(void* function, unsigned blocks, unsigned threads, const void* args,
+              void* stream) const;
   // cuMemGetHandleForAddressRange was found (the verbs backend's dma-buf registration).
   bool has_dmabuf() const { return get_handle_ != nullptr; }
   // A dma-buf fd for [ptr, ptr + bytes) (page-aligned) in ``fd``; "" or why there is none.
@@ -123,6 +137,14 @@ class CudaApi {
   int (*batch_memop_)(void*, unsigned, void*, unsigned) = nullptr;
   bool batch_memop_v2_ = false;
   int (*memcpy_driver_)(unsigned long long, unsigned long long, size_t, void*) = nullptr;
+  // Driver: cuModuleLoadData(CUmodule*, const void*), cuModuleGetFunction(CUfunction*, CUmodule,
+  // const char*), cuLaunchKernel(f, grid xyz, block xyz, shared bytes, stream, params, extra),
+  // cuModuleUnload(CUmodule).
+  int (*module_load_)(void**, const void*) = nullptr;
+  int (*module_function_)(void**, void*, const char*) = nullptr;
+  int (*launch_kernel_)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, void*, void**, void**) = nullptr;
+  int (*module_unload_)(void*) = nullptr;
   // Driver: CUresult cuMemGetHandleForAddressRange(void*, CUdeviceptr, size_t, type, flags).
   int (*get_handle_)(void*, unsigned long long, size_t, int, unsigned long long) = nullptr;
   int runtime_version_ = 0;

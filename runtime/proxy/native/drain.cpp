@@ -90,6 +90,10 @@ Drain::~Drain() {
 void Drain::start() {
   started_ = true;
   thread_ = std::thread([this] { run(); });
+  if (mover.copy_kernel_bytes <= 0) return;
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s_),
+                    [this] { return ready_.load() || finished_.load(); });
 }
 
 bool Drain::stop(double timeout_s) {
@@ -131,6 +135,11 @@ void Drain::run() {
   DrainError err;
   try {
     mover.start_thread();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ready_.store(true);
+    }
+    done_cv_.notify_all();
     Backoff backoff(idle_sleep_us);
     while (!abort_.load(std::memory_order_relaxed)) {
       try {  // arrivals and send completions of the verbs backend, between batches

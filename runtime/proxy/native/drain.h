@@ -42,6 +42,8 @@ class Drain {
   // yield (a GPU's proxy, which must see a command within microseconds, at the cost of a core).
   int idle_sleep_us = 200;
 
+  // With the copy kernel (Mover::copy_kernel_bytes) it returns once the loop's CUDA set-up is
+  // done (or failed): the kernel's module is loaded before the caller launches spinning kernels.
   void start();
   bool stop(double timeout_s);   // drain what is queued, then end; false if still running
   void abort();                  // end as soon as possible, dropping what is queued
@@ -77,7 +79,7 @@ class Drain {
   std::vector<Command> cmds_;
   std::thread thread_;
   bool started_ = false;
-  std::atomic<bool> stopping_{false}, abort_{false}, finished_{false};
+  std::atomic<bool> stopping_{false}, abort_{false}, finished_{false}, ready_{false};
   std::atomic<double> deadline_{0};
   mutable std::mutex mutex_;
   std::condition_variable done_cv_;

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "command.h"
+#include "copy_kernel.h"
 #include "drain.h"
 #include "verbs.h"
 #include "wire.h"
@@ -129,6 +130,9 @@ PYBIND11_MODULE(_drain, m) {
   m.attr("PLACE_CUDA") = int(Place::kCuda);
   m.attr("PLACE_SOCKET") = int(Place::kSocket);
   m.attr("PLACE_VERBS") = int(Place::kVerbs);
+  // The copy-and-flag kernel's PTX (tests assemble it with ptxas where one is installed).
+  m.attr("COPY_KERNEL_PTX") = std::string(kCopyKernelPtx);
+  m.attr("COPY_KERNEL_NAME") = std::string(kCopyKernelName);
   // A Failure thrown while setting up (the NIC's calls) reaches Python as RuntimeError; the
   // Python side turns it into a named error (RdmaUnavailableError or ProxyError).
   py::register_exception_translator([](std::exception_ptr p) {
@@ -313,6 +317,19 @@ PYBIND11_MODULE(_drain, m) {
                         throw py::value_error("gpu_fence is fixed once the loop has started");
                       d.mover.gpu_fence = v;
                     })
+      .def_property("copy_kernel_bytes", [](const Drain& d) { return d.mover.copy_kernel_bytes; },
+                    [](Drain& d, int64_t v) {
+                      // the loop loads the kernel when it starts
+                      if (d.started())
+                        throw py::value_error("copy_kernel_bytes is fixed once the loop has started");
+                      if (v < 0)
+                        throw py::value_error("copy_kernel_bytes must be >= 0 (0: off), got " +
+                                              std::to_string(v));
+                      d.mover.copy_kernel_bytes = v;
+                    })
+      .def_property_readonly("kernel_api", [](const Drain& d) {
+        return d.mover.cuda.has_kernel();
+      }, "the driver has what the copy kernel needs (cuModuleLoadData, cuLaunchKernel, ...)")
       .def_property("local_memory", [](const Drain& d) { return d.mover.local_memory; },
                     [](Drain& d, bool v) {
                       if (d.started())
@@ -373,6 +390,7 @@ PYBIND11_MODULE(_drain, m) {
         s["cuda_calls"] = d.mover.cuda.calls.load();
         s["flag_calls"] = d.mover.stats.flag_calls.load();
         s["flag_call_ns"] = d.mover.stats.flag_call_ns.load();
+        s["kernel_writes"] = d.mover.stats.kernel_writes.load();
         return s;
       })
       .def("sent_to", [](const Drain& d) {

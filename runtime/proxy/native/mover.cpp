@@ -66,6 +66,7 @@ Mover::~Mover() {
       cuda.free_host(single_.stage);
       for (const Completion& c : closed_) cuda.destroy_event(c.event);
       for (void* e : free_events_) cuda.destroy_event(e);
+      stop_kernel();
       cuda.destroy_stream(stream_);
     } catch (const Failure&) {
       // The process may be tearing CUDA down already; nothing useful to report.
@@ -173,6 +174,7 @@ void Mover::start_thread() {
     return;
   }
   stream_ = cuda.create_stream();
+  start_kernel();
   if (fused()) {
     single_.stream = stream_;
     if (!flag_copy) return;
@@ -437,13 +439,17 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
     done_raised = true;
   } else if (dm.place == Place::kCuda) {
     uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
-    if (src.rows() == 1 || (width == s.row_bytes && width == d.row_bytes)) {
-      copy_1d(to, from, static_cast<size_t>(nbytes), stream_);
+    if (write_kernel(src_rank, dst_rank, s, d, src, to, from, events, done)) {
+      done_raised = true;  // the kernel raised both sides' words
     } else {
-      cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
-                   static_cast<size_t>(width), static_cast<size_t>(src.rows()), stream_);
+      if (src.rows() == 1 || (width == s.row_bytes && width == d.row_bytes)) {
+        copy_1d(to, from, static_cast<size_t>(nbytes), stream_);
+      } else {
+        cuda.copy_2d(to, static_cast<size_t>(d.row_bytes), from, static_cast<size_t>(s.row_bytes),
+                     static_cast<size_t>(width), static_cast<size_t>(src.rows()), stream_);
+      }
+      for (int64_t e : events) defer_raise(dst_rank, e);  // stream order: after the copy
     }
-    for (int64_t e : events) defer_raise(dst_rank, e);  // stream order: after the copy
   } else if (dm.place == Place::kSocket) {
     send_frame(src_rank, dst_rank, wire::kWrite, dst, events, epoch, &src);
   } else if (dm.place == Place::kVerbs) {

@@ -122,6 +122,8 @@ struct MoverStats {
   // Of CudaApi's queueing calls (calls, call_ns), those that raised GPU flags: the rest queued
   // data, so a command's host time splits into its data call and its flag call.
   std::atomic<int64_t> flag_calls{0}, flag_call_ns{0};
+  // WRITEs that went out as one copy-and-flag kernel launch (copy_kernel.h).
+  std::atomic<int64_t> kernel_writes{0};
 };
 
 struct EventKey {
@@ -164,6 +166,9 @@ class Mover {
   bool gpu_fence = false;
   bool local_memory = false;
   bool gpu_scope() const { return gpu_fence && local_memory && cuda.has_memop_barrier(); }
+  // > 0: WRITEs of at most this many bytes go out as one copy-and-flag kernel launch (fixed once
+  // the loop starts; one stream only; see "Copy kernel" above).
+  int64_t copy_kernel_bytes = 0;
   bool allow_batch = true;  // use cudaMemcpyBatchAsync for several flag copies where it exists
   bool multi() const { return n_streams > 1; }
   bool fused() const { return fuse_flags && !multi(); }
@@ -218,6 +223,16 @@ class Mover {
   };
 
   void* stream_ = nullptr;
+  // The copy-and-flag kernel (copy_kernel.cpp), loaded by start_kernel when enabled.
+  void* kernel_module_ = nullptr;
+  void* kernel_ = nullptr;
+  void start_kernel();
+  void stop_kernel();
+  [[noreturn]] void fail_kernel(const std::string& why) const;
+  // The WRITE as one kernel launch; false (nothing done) when it does not qualify.
+  bool write_kernel(int64_t src_rank, int64_t dst_rank, const Buffer& s, const Buffer& d,
+                    const Rect& src, uint8_t* to, const uint8_t* from,
+                    const std::vector<int64_t>& events, const std::vector<int64_t>& done);
   // Host-resident flags waiting for the stream: ``open_`` behind everything queued so far,
   // ``closed_`` each behind an event recorded before later work (oldest first); events reused.
   struct Completion {
