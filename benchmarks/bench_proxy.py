@@ -14,7 +14,9 @@ latency_us_median/p10/p90, ok, error):
   drain     NOP, SIGNAL or 64 KiB WRITE commands from 8 producers, ~0.2 s worth: commands/s.
   latency   one command in flight (the producer waits for the source-side done flag, raised after
             the destination flag on the proxy's stream): push -> destination flag, per command.
-            ``roundtrip_us_median`` (push -> done flag, both on GPU0's clock) bounds it.
+            ``roundtrip_us_median`` (push -> done flag, both on GPU0's clock) bounds it;
+            ``push_us_median`` is the producer's push call alone (the GPU's share before the
+            proxy can see the command).
   bandwidth 64 KiB / 256 KiB / 1 MiB WRITEs, uncapped and paced at 50 GB/s, data checked.
 Protocols (``--protocols``, NativeProxy options; the first runs every bench, the others the
 latency bench only, to compare in one run): ``old`` one call per flag word (the proxy's default
@@ -101,8 +103,8 @@ METRICS = ("ms", "commands_per_s", "gb_per_s", "latency_us_median", "latency_us_
 
 
 @triton.jit(do_not_specialize=["capacity", "n_cmds", "epoch"])
-def _producer(ring, dhead, tail, capacity, rows, n_cmds, epoch, push_ns, done_ns, done_flags,
-              watch_flag, watch_target, status, abort, limit,
+def _producer(ring, dhead, tail, capacity, rows, n_cmds, epoch, push_ns, pushed_ns, done_ns,
+              done_flags, watch_flag, watch_target, status, abort, limit,
               NPROG: tl.constexpr, WAIT_DONE: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     # Program p pushes commands p, p + NPROG, ...: its last one is among the last NPROG.
     i = tl.program_id(0)
@@ -112,6 +114,7 @@ def _producer(ring, dhead, tail, capacity, rows, n_cmds, epoch, push_ns, done_ns
         ticket, seen = push(ring, dhead, tail, capacity, rows + i * CMD_WORDS, epoch, limit,
                             abort, ASM)  # fmt: skip
         tl.store(push_ns + i, start)
+        tl.store(pushed_ns + i, now(ASM))  # push returned: its release store of the header issued
         if ticket - seen >= capacity:  # the ring stayed full for `limit`: the proxy is stuck
             tl.store(status, i)
             ok = 0
@@ -275,6 +278,7 @@ def run_case(case: Case, rig: Rig) -> dict:
     w_dst = [watch[:, c].contiguous().to(dst_dev) for c in (0, 1)]
     dhead = full(1, torch.int64, src_dev)
     push_ns, done_ns = full(n, torch.int64, src_dev), full(n, torch.int64, src_dev)
+    pushed_ns = full(n, torch.int64, src_dev)
     arrive_ns = full(n_watch, torch.int64, dst_dev)
     p_status, c_status = full(1, torch.int64, src_dev, -1), full(3, torch.int64, dst_dev, -1)
     p_abort, c_abort = full(1, torch.int32, src_dev), full(1, torch.int32, dst_dev)
@@ -287,7 +291,7 @@ def run_case(case: Case, rig: Rig) -> dict:
         with torch.cuda.device(src_dev) if asm else nullcontext():
             _producer[(case.producers,)](
                 fifo.ring, dhead, fifo.tail, fifo.capacity, rows_d, count, _EPOCH, push_ns,
-                done_ns, flags[0], *w_src, p_status, p_abort, rig.limit, NPROG=case.producers,
+                pushed_ns, done_ns, flags[0], *w_src, p_status, p_abort, rig.limit, NPROG=case.producers,
                 WAIT_DONE=case.bench == "latency", ASM=asm, num_warps=1)  # fmt: skip
 
     def consumer(count: int) -> None:
@@ -373,6 +377,9 @@ def run_case(case: Case, rig: Rig) -> dict:
     if case.bench == "latency":
         row.update(quantiles((arrive_t - push_t) / 1e3))
         row["roundtrip_us_median"] = round(((done_ns.cpu() - push_t) / 1e3).median().item(), 2)
+        # push -> push returned (tail read, body stored, the header's release store issued):
+        # the producer's share, which no proxy protocol removes
+        row["push_us_median"] = round(((pushed_ns.cpu() - push_t) / 1e3).median().item(), 2)
     return row
 
 
@@ -529,10 +536,12 @@ def protocols_line(rows: list[dict]) -> str:
     if not lat:
         return ""
     small = min(r["chunk_bytes"] for r in lat)
-    out = [f"loopback push->flag median us ({small // KiB} KiB; rt: push->done flag) "
+    out = [f"loopback push->flag median us ({small // KiB} KiB; rt: push->done flag; push: "
+           "the producer's push call) "
            "[CUDA calls/cmd: host us per data call + per flag call] by protocol:"]  # fmt: skip
     for flags, streams in dict.fromkeys((r["flags"], r.get("streams", 1)) for r in lat):
-        cells = [f"{r['protocol']} {r['latency_us_median']} (rt {r.get('roundtrip_us_median')})"
+        cells = [f"{r['protocol']} {r['latency_us_median']} (rt {r.get('roundtrip_us_median')}, "
+                 f"push {r.get('push_us_median')})"
                  f" [{r['cuda_calls_per_cmd']}: data {r.get('data_call_us')} + flags "
                  f"{r.get('flag_call_us')} us/call]"
                  for r in lat if r["chunk_bytes"] == small and r["flags"] == flags
