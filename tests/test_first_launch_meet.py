@@ -110,6 +110,7 @@ def test_entry_barrier_hint_does_not_blame_a_missing_signal() -> None:
 @pytest.mark.multi_gpu(2)
 def test_a_peer_held_past_the_watchdog_before_its_first_launch() -> None:
     import gpu_skew_worker
+    import rank_reports
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -120,9 +121,8 @@ def test_a_peer_held_past_the_watchdog_before_its_first_launch() -> None:
                          args=(r, 2, port, 4.0, 2.0, queue)) for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
-    results = [queue.get(timeout=300) for _ in range(2)]
-    for p in procs:
-        p.join(60)
-    for rank, err, tb in results:
-        assert tb is None, f"rank {rank}:\n{tb}"
+    results = rank_reports.collect(queue, procs, timeout=300)
+    failed = rank_reports.failures(results)
+    assert not failed, failed
+    for rank, err, _ in results:
         assert err < 1e-2, (rank, err)  # test_megakernel_gpu.TOL

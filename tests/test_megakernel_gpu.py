@@ -74,6 +74,7 @@ def test_short_edge_tiles_match_torch():
 
 
 def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0, replays=0):
+    import rank_reports
     import torch.multiprocessing as mp
 
     import gpu_workers
@@ -86,11 +87,10 @@ def _spawn(op, kw, relaunches=3, world=2, topology=None, nic_gbps=0.0, replays=0
              for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=600) for _ in range(world)]
-    for p in procs:
-        p.join(60)
-    for rank, err, tb in results:
-        assert tb is None, f"rank {rank}:\n{tb}"
+    results = rank_reports.collect(queue, procs, timeout=600)
+    failed = rank_reports.failures(results)  # every rank's traceback: a hang has two sides
+    assert not failed, failed
+    for rank, err, _ in results:
         assert err < TOL, (op, kw, rank, err)
 
 

@@ -61,6 +61,7 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
 
 @pytest.mark.multi_gpu(2)
 def test_verbs_selection_on_two_gpus() -> None:
+    import rank_reports
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -69,11 +70,10 @@ def test_verbs_selection_on_two_gpus() -> None:
     procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
+    results = rank_reports.collect(queue, procs, timeout=300)
+    failed = rank_reports.failures(results, failed=lambda r: r[1] in ("error", None))
+    assert not failed, failed
     outcomes = {what for _, what, _ in results}
-    assert "error" not in outcomes, results
     assert len(outcomes) == 1, results  # both ranks alike: no half-built network
     if outcomes == {"unavailable"}:
         for _, _, message in results:

@@ -19,6 +19,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import rank_reports
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -286,11 +287,13 @@ def test_spmd_convention_conversions_on_two_gloo_ranks():
     procs = [ctx.Process(target=_spmd_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    reports = rank_reports.collect(queue, procs, timeout=120)
+    failed = rank_reports.failures(
+        reports, failed=lambda r: not isinstance(r[1], dict), text=lambda r: str(r[-1])
+    )
+    assert not failed, failed
+    results = dict(r[:2] for r in reports)
     for rank, errors in results.items():
-        assert isinstance(errors, dict), (rank, errors)
         gathered = {k: v for k, v in errors.items() if "-gathered-" in k}
         # the MLP reads x whole on each rank (a chunk is gathered), the SP block reads only
         # the rank's tokens (the chunk suffices)
