@@ -24,6 +24,7 @@ ENV_VARS: dict[str, str] = {
     "gpu_flags": "MGRAPH_GPU_FLAGS",
     "proxy_streams": "MGRAPH_PROXY_STREAMS",
     "proxy_copy_kernel_bytes": "MGRAPH_PROXY_COPY_KERNEL_BYTES",
+    "net_report": "MGRAPH_NET_REPORT",
     "max_tasks": "MGRAPH_MAX_TASKS",
     "max_bytes": "MGRAPH_MAX_BYTES",
     "ewise_chains": "MGRAPH_EWISE_CHAINS",
@@ -71,6 +72,12 @@ class Settings(BaseModel):
         "go out as one launch of a one-CTA copy-and-flag kernel instead of a copy then a flag "
         "operation (runtime/proxy/native/copy_kernel.h); it needs an SM no persistent kernel "
         "holds, so 0 (off) unless the megakernel leaves SMs free",
+    )
+    net_report: bool = Field(
+        False, description="megakernel, multi-node: a watchdog timeout's message also gives the "
+        "network's state (the FIFO's tickets and tail, the proxy's counters, every net word "
+        "short of its count, and what this process's proxy issued for it; "
+        "runtime/megakernel/net_report.py). Diagnostic: it waits 2 s to read the words again",
     )
 
     adaptive: bool = Field(

@@ -52,7 +52,8 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
 
         op = mg.ops.get_op(op_name)
         graph = op(topology=topology or f"1x{world}", dtype=torch.bfloat16, **kw)
-        rt = TritonRuntime(mg.schedule(graph), settings=Settings.from_env(nic_gbps=nic_gbps))
+        rt = TritonRuntime(mg.schedule(graph, workers=_workers()),
+                           settings=Settings.from_env(nic_gbps=nic_gbps))
         worst = 0.0
         for i in range(relaunches):
             inputs = op.random_inputs(graph, seed=i)  # same seed on every rank: same global data
@@ -83,6 +84,16 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
         import traceback
 
         queue.put((rank, None, traceback.format_exc()))
+
+
+def _workers() -> dict[str, int] | None:
+    """MGRAPH_TEST_WORKERS="compute=64,rdma=1" (diagnostics): the programs per role on every
+    rank instead of the schedule's split of every SM, e.g. to leave SMs free for work a
+    process queues beside its persistent kernel."""
+    spec = os.environ.get("MGRAPH_TEST_WORKERS")
+    if not spec:
+        return None
+    return {role: int(n) for role, n in (part.split("=") for part in spec.split(","))}
 
 
 def _local_reference(graph, rank, full):

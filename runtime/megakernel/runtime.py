@@ -531,10 +531,15 @@ class TritonRuntime:
                 raise
         if err[0]:
             _, rank, pid, task, slot, value, target, epoch = err
+            report = ""
+            if self.settings.net_report and self.net is not None:
+                from .net_report import net_report
+
+                report = "\n" + net_report(self)
             self.failed = WatchdogTimeout(
                 f"watchdog (triton): {who(rank)}, program {pid}: {self._what(task, slot)}: "
                 f"value {value}, target {target}, epoch {epoch}, after "
-                f"{self.settings.watchdog_s:g} s",
+                f"{self.settings.watchdog_s:g} s{report}",
                 hint=_watchdog_hint(task, slot),
             )
             raise self.failed
