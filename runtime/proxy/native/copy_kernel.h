@@ -6,15 +6,16 @@
 // operations, the second waits for the first to complete, and each starts only after the host
 // queued it (cudaMemcpyAsync ~4 us of host time). Here the proxy queues ONE cuLaunchKernel of a
 // one-CTA kernel (PTX below, JIT-compiled by the driver when the loop starts): its threads copy
-// the data with plain loads and stores, meet at bar.sync, and thread 0 then stores each flag
+// the data with plain loads and stores, meet at barrier.sync, and thread 0 then stores each flag
 // word's new count with st.release.sys. No second operation, no completion to wait for.
 //
 // Why the flag never passes its data. (1) Earlier work on the stream (copies, flags of earlier
 // commands) has completed before the kernel starts, and later work starts after it ends:
 // stream order, as for every other operation of the proxy. (2) Inside the kernel, every data
-// store is ordered before bar.sync; thread 0's st.release.sys after the barrier is cumulative
+// store is ordered before barrier.sync (the non-.aligned form: threads leave the copy loop
+// after different numbers of passes, so they arrive from divergent paths); thread 0's st.release.sys after the barrier is cumulative
 // (PTX memory model: a release orders every write that precedes it in causality order, and
-// bar.sync puts all the CTA's earlier stores there), so any thread, on this GPU, on an NVLink
+// barrier.sync puts all the CTA's earlier stores there), so any thread, on this GPU, on an NVLink
 // peer or on the host, that observes the new count with an acquire (sync.wait's
 // atom.add.acquire.sys) and then reads the data sees the data. This is the same pattern as the
 // megakernel's own ``signal`` (sync.py: CTA barrier, then atom.add.release.sys). Source loads
@@ -50,6 +51,27 @@ static_assert(sizeof(CopyKernelArgs) == 160, "the PTX reads a 160-byte parameter
 
 // The PTX (ISA 7.8, sm_90; the driver JIT-compiles it for the GPU it runs on).
 extern const char kCopyKernelPtx[];
+
+// The mailbox (Mover::mailbox, opt-in; bench_proxy's protocol "mailbox"): the same copy and
+// flags, executed by ONE persistent CTA that the proxy launches once on a stream of its own and
+// that polls a ring of descriptors in pinned host memory (ld.acquire.sys). A WRITE or SIGNAL is
+// then no CUDA call at all: the proxy fills a slot and publishes its sequence number with a
+// release store; the CTA sees it about one PCIe read later (~1 us), copies, barrier.syncs, raises
+// the flags with st.release.sys (ordered as above) and then counts the slot done in ``done``
+// (pinned host memory), which frees it for reuse. Every raise of a GPU word goes through the
+// ring while the mailbox runs (SIGNALs included), executed in posting order by one CTA, so a
+// word's counts stay monotonic and words go out in command order. The cost: one SM held for the
+// whole run, and one CTA's copy rate for every WRITE.
+constexpr const char* kMailboxName = "mgraph_mailbox";
+constexpr uint64_t kMailboxCopy = 1, kMailboxStop = 2;
+constexpr size_t kMailboxSlots = 256;
+struct MailboxSlot {
+  uint64_t seq = 0;  // ticket + 1 once the slot is complete (written last, with release)
+  uint64_t op = 0;   // kMailboxCopy or kMailboxStop
+  CopyKernelArgs args;
+};
+static_assert(sizeof(MailboxSlot) == 176, "the mailbox PTX reads 176-byte slots");
+extern const char kMailboxPtx[];
 
 // The widest of 16, 4, 1 bytes that divides both addresses, both pitches and the width.
 uint64_t copy_unit(uint64_t dst, uint64_t src, uint64_t width, uint64_t dpitch, uint64_t spitch);
