@@ -13,10 +13,10 @@
 // commands) has completed before the kernel starts, and later work starts after it ends:
 // stream order, as for every other operation of the proxy. (2) Inside the kernel, every data
 // store is ordered before barrier.sync (the non-.aligned form: threads leave the copy loop
-// after different numbers of passes, so they arrive from divergent paths); thread 0's st.release.sys after the barrier is cumulative
-// (PTX memory model: a release orders every write that precedes it in causality order, and
-// barrier.sync puts all the CTA's earlier stores there), so any thread, on this GPU, on an NVLink
-// peer or on the host, that observes the new count with an acquire (sync.wait's
+// after different numbers of passes, so they arrive from divergent paths); thread 0's
+// st.release.sys after the barrier is cumulative (PTX memory model: a release orders every
+// write that precedes it in causality order, and barrier.sync puts all the CTA's earlier stores
+// there), so any thread, on this GPU, on an NVLink peer or on the host, that observes the new count with an acquire (sync.wait's
 // atom.add.acquire.sys) and then reads the data sees the data. This is the same pattern as the
 // megakernel's own ``signal`` (sync.py: CTA barrier, then atom.add.release.sys). Source loads
 // are ld.global.cg (L2, not the SM's L1), so data the producer published before its FIFO
