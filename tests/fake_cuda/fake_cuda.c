@@ -279,7 +279,8 @@ FAKE_EXPORT int cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigne
   if (forced != 0) return forced;
   const FakeFunction* f = function_of(function);
   if (f == NULL) return kFakeInvalidHandle;
-  if (f->kind == kMailbox) return launch_mailbox(gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+  if (f->kind == kMailbox)
+    return launch_mailbox(gx, gy, gz, bx, by, bz, shared, stream, params, extra);
   if (gx != 1 || gy != 1 || gz != 1 || bx == 0 || bx > 1024 || by != 1 || bz != 1 ||
       shared != 0 || extra != NULL || params == NULL || params[0] == NULL)
     return kFakeInvalidValue;
@@ -287,7 +288,8 @@ FAKE_EXPORT int cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigne
   const uint64_t u = a->unit;
   // A misaligned access would fault on a GPU: refuse it here.
   const uint64_t pitches = a->height > 1 ? (a->dpitch | a->spitch) : 0;
-  if (a->n_flags > 8 || (u != 1 && u != 4 && u != 16) || ((a->dst | a->src | a->width | pitches) % u))
+  if (a->n_flags > 8 || (u != 1 && u != 4 && u != 16) ||
+      (a->dst | a->src | a->width | pitches) % u != 0)
     return kFakeInvalidValue;
   fakecuda_count_kernel();
   const int flags_first = fakecuda_kernel_flags_first_on();
@@ -299,7 +301,8 @@ FAKE_EXPORT int cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigne
     const void* src = (const void*)(uintptr_t)a->src;
     status = a->height == 1
                  ? cudaMemcpyAsync(dst, src, a->width, 4, stream)
-                 : cudaMemcpy2DAsync(dst, a->dpitch, src, a->spitch, a->width, a->height, 4, stream);
+                 : cudaMemcpy2DAsync(dst, a->dpitch, src, a->spitch, a->width, a->height, 4,
+                                     stream);
   }
   if (status == 0 && !flags_first && n > 0)
     status = fakecuda_enqueue_store_batch(stream, a->flag, a->value, n, 2);
