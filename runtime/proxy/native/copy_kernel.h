@@ -17,8 +17,9 @@
 // st.release.sys after the barrier is cumulative (PTX memory model: a release orders every
 // write that precedes it in causality order, and barrier.sync puts all the CTA's earlier stores
 // there), so any thread, on this GPU, on an NVLink peer or on the host, that observes the new
-// count with an acquire (sync.wait's atom.add.acquire.sys) and then reads the data sees it. This is the same pattern as the
-// megakernel's own ``signal`` (sync.py: CTA barrier, then atom.add.release.sys). Source loads
+// count with an acquire (sync.wait's atom.add.acquire.sys) and then reads the data sees it.
+// The megakernel's own ``signal`` is the same pattern (sync.py: CTA barrier, then
+// atom.add.release.sys). Source loads
 // are ld.global.cg (L2, not the SM's L1), so data the producer published before its FIFO
 // header is read fresh. (3) Counts stay monotonic: each word's value is taken from its host
 // shadow when the launch is queued, in stream order like every other raise of that word.
