@@ -109,7 +109,9 @@ def net_report(rt: TritonRuntime, settle_s: float = 2.0) -> str:
         s = p.loop_stats()
         keys = ("commands", "batches", "max_batch", "coalesced", "writes", "signals", "bytes",
                 "events", "raises", "cuda_calls", "flag_calls")
-        lines.append(f"  proxy {p.name}: " + ", ".join(f"{k} {s.get(k, 0)}" for k in keys))
+        state = "running" if p.running else "stopped"
+        lines.append(f"  proxy {p.name} ({state}): "
+                     + ", ".join(f"{k} {s.get(k, 0)}" for k in keys))
 
     def read() -> dict[int, list[int]]:
         out = {}

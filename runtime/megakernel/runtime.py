@@ -535,7 +535,10 @@ class TritonRuntime:
             if self.settings.net_report and self.net is not None:
                 from .net_report import net_report
 
-                report = "\n" + net_report(self)
+                try:
+                    report = "\n" + net_report(self)
+                except Exception as exc:  # noqa: BLE001 - a diagnostic never hides the timeout
+                    report = f"\n(MGRAPH_NET_REPORT failed: {exc!r})"
             self.failed = WatchdogTimeout(
                 f"watchdog (triton): {who(rank)}, program {pid}: {self._what(task, slot)}: "
                 f"value {value}, target {target}, epoch {epoch}, after "
