@@ -52,8 +52,9 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
 
         op = mg.ops.get_op(op_name)
         graph = op(topology=topology or f"1x{world}", dtype=torch.bfloat16, **kw)
+        trace_dir = os.environ.get("MGRAPH_TEST_TRACE_DIR")  # diagnostics: see _dump_trace
         rt = TritonRuntime(mg.schedule(graph, workers=_workers()),
-                           settings=Settings.from_env(nic_gbps=nic_gbps))
+                           settings=Settings.from_env(nic_gbps=nic_gbps), trace=bool(trace_dir))
         worst = 0.0
         for i in range(relaunches):
             inputs = op.random_inputs(graph, seed=i)  # same seed on every rank: same global data
@@ -83,7 +84,33 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
     except BaseException:  # reported to the parent test
         import traceback
 
-        queue.put((rank, None, traceback.format_exc()))
+        text = traceback.format_exc()
+        if os.environ.get("MGRAPH_TEST_TRACE_DIR") and "rt" in locals():
+            try:
+                _dump_trace(rt, rank, os.environ["MGRAPH_TEST_TRACE_DIR"])
+            except Exception as exc:  # noqa: BLE001 - the rank's own error comes first
+                text += f"\n(trace dump failed: {exc!r})"
+        queue.put((rank, None, text))
+
+
+def _dump_trace(rt, rank: int, where: str) -> None:
+    """MGRAPH_TEST_TRACE_DIR (diagnostics): a failed launch's per-task times, written to
+    ``where/trace_rank{rank}.json``: every task that started, as [name, start, waits met, end,
+    program] in %globaltimer ns (one clock for every process on one GPU, so two ranks sharing
+    it line up), and the tasks that never started."""
+    import json
+
+    raw = rt.d["trace"].view(-1, 4).cpu().tolist()
+    ran, never = [], []
+    for local, tid in enumerate(rt.tables.local_tasks):
+        name = rt.graph.tasks[tid].name
+        if raw[local][0] > 0:
+            ran.append([name, *raw[local]])
+        else:
+            never.append(name)
+    ran.sort(key=lambda row: row[1])
+    with open(os.path.join(where, f"trace_rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "epoch": rt.epoch, "ran": ran, "never": never}, f)
 
 
 def _workers() -> dict[str, int] | None:

@@ -52,3 +52,27 @@ def test_no_failure_is_an_empty_text() -> None:
         q.put((r, "ran", 1e-3))
     reports = rank_reports.collect(q, [_Proc(0)] * 3, timeout=60)
     assert rank_reports.failures(reports, failed=lambda r: r[1] != "ran") == ""
+
+
+def test_a_failed_launch_trace_is_dumped_in_start_order(tmp_path) -> None:
+    """tests/gpu_workers._dump_trace (MGRAPH_TEST_TRACE_DIR): tasks that started, by start time,
+    and those that never did, named."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    import gpu_workers
+
+    names = ["gemm r1 [0:128,0:256]", "node-reduce r1 [0:128,0:256]", "rail-send r1->r0 [0:128]"]
+    trace = torch.tensor([[20, 25, 30, 3], [10, 12, 15, 7], [0, 0, 0, 0]], dtype=torch.int64)
+    rt = SimpleNamespace(
+        d={"trace": trace.view(-1)}, epoch=1, tables=SimpleNamespace(local_tasks=[5, 6, 9]),
+        graph=SimpleNamespace(tasks={5: SimpleNamespace(name=names[0]),
+                                     6: SimpleNamespace(name=names[1]),
+                                     9: SimpleNamespace(name=names[2])}),
+    )  # fmt: skip
+    gpu_workers._dump_trace(rt, 1, str(tmp_path))
+    dumped = json.loads((tmp_path / "trace_rank1.json").read_text())
+    assert dumped["ran"] == [[names[1], 10, 12, 15, 7], [names[0], 20, 25, 30, 3]]
+    assert dumped["never"] == [names[2]] and dumped["rank"] == 1 and dumped["epoch"] == 1
