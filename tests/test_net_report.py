@@ -73,9 +73,9 @@ def test_net_report_on_an_interpreted_runtime() -> None:
     assert "every net word read here is at its count" in row["whole"], row["whole"]
     assert "FIFO:" in row["whole"] and "proxy interpreter (running): commands" in row["whole"]
     assert f"word {row['word']} [task" in row["short"] and row["send"] in row["short"], row
-    assert "raised by rank 1's proxy: 0 of 1" in row["short"], row["short"]
+    assert "raised by rank 1's proxy: 0 of 1, chunk landed" in row["short"], row["short"]
     # the proxy stopped before the launch: nothing it owes landed, its commands are queued
     timeout = row["timeout"]
     assert timeout.startswith("watchdog (triton)") and "network at epoch 1" in timeout, timeout
     assert "commands finished by the proxy" in timeout and "(stopped)" in timeout, timeout
-    assert "raised by rank 1's proxy: 0 of 1" in timeout, timeout
+    assert "raised by rank 1's proxy: 0 of 1, chunk NOT in its destination" in timeout, timeout

@@ -20,10 +20,12 @@ the second read was held up behind the kernel itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import torch
+
+from ..proxy.command import Rect
 
 if TYPE_CHECKING:
     from mgraph.graph import TaskGraph
@@ -56,13 +58,16 @@ def short_words(
     issued: list[int] | None = None,
     here: Collection[int] | None = None,
     starts: bool = True,
+    data: Callable[[int], str] | None = None,
 ) -> list[str]:
     """One line per net word of ``rank`` below ``epoch`` x its raises per launch: its key, the
     task that raises it (task words), the writing proxy, what landed (``values``; ``later``:
     a second read), and what that proxy issued (``issued``: its shadow, shown for words whose
     writer is one of the ranks ``here``, the proxies of this process). With ``here``, words of
     another rank are listed only if a proxy here writes them. ``starts`` false: the "start"
-    words are not raised (one interpreter program runs every rank: no entry barrier)."""
+    words are not raised (one interpreter program runs every rank: no entry barrier).
+    ``data(task id)``: whether that rdma task's chunk is in its destination, said for the
+    short task words a proxy here writes (the copy went out, or only its flag is missing)."""
     lines = []
     for key, w in plan.words[rank].items():
         if key[0] == "start" and not starts:
@@ -85,6 +90,8 @@ def short_words(
             line += f" ({again} after the settle)"
         if issued is not None and ours:
             line += f", issued {int(issued[w])}"
+        if data is not None and ours and key[0] == "task":
+            line += f", chunk {data(key[1])}"
         lines.append(line)
     return lines
 
@@ -131,9 +138,20 @@ def net_report(rt: TritonRuntime, settle_s: float = 2.0) -> str:
     for t in net.transports:
         shadows.update({r: s.tolist() for r, s in getattr(t, "shadow", {}).items()})
     here = set(rt.mine)  # the ranks whose proxies run in this process
+
+    def data(task: int) -> str:
+        t = graph.tasks[task]
+        try:
+            got, want = (net.transports[0].view(graph.buffers[g.buffer].rank, Rect(
+                plan.buffer_index[g.buffer], g.row0, g.row1, g.col0, g.col1)).cpu()
+                for g in (t.writes[0], t.reads[0]))
+        except Exception as exc:  # noqa: BLE001 - a transport without views
+            return f"unknown ({exc!r:.60})"
+        return "landed" if torch.equal(got, want) else "NOT in its destination"
+
     for r in sorted(first):
         lines += short_words(graph, plan, r, epoch, first[r], second[r], shadows.get(r), here,
-                             starts=not rt.single_program)
+                             starts=not rt.single_program, data=data)
     if len(lines) == 2 + len(net.proxies):
         lines.append("  every net word read here is at its count")
     return "\n".join(lines)
