@@ -93,25 +93,30 @@ def _check_structure(graph: TaskGraph) -> _Seen:
     # region -> its accesses (``_check_races``' groups): an access is the int 2 * task +
     # is_write; a region accessed once (~80k of ~110k at 2x8) keeps that int, not a list
     groups = seen.groups
-    get = groups.get
+    # one hash of the region per access: setdefault inserts the access of a new region and
+    # returns it (the same int object), or returns the region's accesses so far
+    setdefault = groups.setdefault
     # the task before's reads and waits, and what their checks found (see their uses)
     last_rank, last_reads, last_near = -1, None, True
     last_waits: list[tuple[int, int]] | None = None
     last_wait_node, last_lists = -1, []
+    last_kind = last_role = None  # the task before's, checked (kind names are shared strings)
     for i, t in enumerate(graph.tasks):
         if t.id != i:
             raise GraphError(f"{_where(t)}: id should be its position {i}")
         if not 0 <= t.rank < world:
             raise GraphError(f"{_where(t)}: rank outside topology {graph.topology}")
-        roles = roles_of.get(t.kind)
-        if roles is None:
-            raise GraphError(f"{_where(t)}: unknown kind {t.kind!r}",
-                             hint="define it with define_kind")
-        if t.role not in roles:
-            raise GraphError(
-                f"{_where(t)}: kind {t.kind!r} cannot run in role {t.role!r}",
-                hint=f"allowed roles: {', '.join(sorted(roles))}",
-            )
+        if t.kind is not last_kind or t.role is not last_role:
+            roles = roles_of.get(t.kind)
+            if roles is None:
+                raise GraphError(f"{_where(t)}: unknown kind {t.kind!r}",
+                                 hint="define it with define_kind")
+            if t.role not in roles:
+                raise GraphError(
+                    f"{_where(t)}: kind {t.kind!r} cannot run in role {t.role!r}",
+                    hint=f"allowed roles: {', '.join(sorted(roles))}",
+                )
+            last_kind, last_role = t.kind, t.role
         rank = t.rank
         node = node_of[rank]
         reads, writes = t.reads, t.writes
@@ -123,9 +128,10 @@ def _check_structure(graph: TaskGraph) -> _Seen:
             near = True  # every region on the task's node
             for r in reads:
                 bid, r0, r1, c0, c1 = r
-                dim = dims.get(bid)
-                if dim is None:
-                    raise GraphError(f"{_where(t)}: region {r} names an unknown buffer")
+                try:
+                    dim = dims[bid]
+                except KeyError:
+                    raise GraphError(f"{_where(t)}: region {r} names an unknown buffer") from None
                 if not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
                     buf = buffers[bid]
                     raise GraphError(
@@ -136,9 +142,10 @@ def _check_structure(graph: TaskGraph) -> _Seen:
             last_rank, last_reads, last_near = rank, reads, near
         for r in writes:
             bid, r0, r1, c0, c1 = r
-            dim = dims.get(bid)
-            if dim is None:
-                raise GraphError(f"{_where(t)}: region {r} names an unknown buffer")
+            try:
+                dim = dims[bid]
+            except KeyError:
+                raise GraphError(f"{_where(t)}: region {r} names an unknown buffer") from None
             if not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
                 buf = buffers[bid]
                 raise GraphError(
@@ -152,23 +159,24 @@ def _check_structure(graph: TaskGraph) -> _Seen:
         if writes:
             wcode = code + 1
             for w in writes:
-                acc = get(w)
-                if acc is None:
-                    groups[w] = wcode
+                acc = setdefault(w, wcode)
+                if acc is wcode:
+                    pass  # a new group (or this task's own write again: the same verdicts)
                 elif acc.__class__ is int:
                     groups[w] = [acc, wcode]
                 else:
                     acc.append(wcode)
         for r in reads:
             if r not in writes:
-                acc = get(r)
-                if acc is None:
-                    groups[r] = code
+                acc = setdefault(r, code)
+                if acc is code:
+                    pass
                 elif acc.__class__ is int:
                     groups[r] = [acc, code]
                 else:
                     acc.append(code)
-        if t.params.get("accumulate"):
+        params = t.params
+        if "accumulate" in params and params["accumulate"]:  # no call for the tasks without
             adds.add(i)
             plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
             if plain:
@@ -608,8 +616,10 @@ def _check_groups(
                 accesses = [(c >> 1, c & 1 == 1) for c in codes]
                 _check_group(graph, reach, regions[i], accesses, adds)
                 break
-    # i -> the writers of the other groups overlapping group i
-    others: dict[int, set[int]] = {}
+    # i -> the writers of the other groups overlapping group i: the one group's writers list
+    # itself (shared, never changed) while there is one such group (most of them), a set of
+    # several groups' writers once there are more
+    others: dict[int, list[int] | set[int]] = {}
     writers_of: dict[int, list[int]] = {}
     # Once per overlapping pair and direction (~10^5 at 2x8): the two directions written out
     # rather than looped over.
@@ -623,7 +633,10 @@ def _check_groups(
                 )
             over = others.get(i)
             if over is None:
-                others[i] = set(ws)
+                others[i] = ws
+            elif over.__class__ is list:
+                over = others[i] = set(over)
+                over.update(ws)
             else:
                 over.update(ws)
         if written[i]:
@@ -635,7 +648,10 @@ def _check_groups(
                 )
             over = others.get(j)
             if over is None:
-                others[j] = set(ws)
+                others[j] = ws
+            elif over.__class__ is list:
+                over = others[j] = set(over)
+                over.update(ws)
             else:
                 over.update(ws)
     preds = reach.preds_of
@@ -653,10 +669,10 @@ def _check_groups(
             direct = preds[tid]
             if direct is covered:
                 continue
-            left = over - direct
-            if not left:
+            if direct.issuperset(over):  # no set made for the answer of nearly every access
                 covered = direct
                 continue
+            left = set(over).difference(direct)
             left.discard(tid)
             for w in left:
                 if is_write and tid in adds and w in adds:
