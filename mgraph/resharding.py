@@ -82,7 +82,13 @@ class Resharder:
 
     def producers(self, region: Region) -> list[Task]:
         """The tasks that wrote any part of ``region`` (none for a program input)."""
-        return [t for w, t in self.writers.get(region.buffer, ()) if w.overlaps(region)]
+        # Region.overlaps inline (the writers are of the same buffer): ~40k tests at 2x8
+        bid, r0, r1, c0, c1 = region
+        return [
+            t
+            for w, t in self.writers.get(bid, ())
+            if w[1] < r1 and r0 < w[2] and w[3] < c1 and c0 < w[4]
+        ]
 
     # -- moving data --------------------------------------------------------------------------
     def reshard(self, value: str, rank: int, runs: tuple[Run, ...]) -> Holding:
