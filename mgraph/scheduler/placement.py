@@ -83,14 +83,16 @@ class Pools:
         if total is None:
             total = [len(s) for s in self.signalers]
         self.total = total
-        index: dict[tuple[int, str], int] = {}
+        # (rank, role) -> pool, numbered in order of first use; a rank's roles in a dict each,
+        # looked up without making a (rank, role) key per task (~80k at 2x8)
+        index: list[dict[str, int]] = [{} for _ in workers]
         self.size: list[int] = []
         self.of: list[int] = [0] * len(tasks)
         for t in tasks:
-            key = (t.rank, t.role)
-            p = index.get(key)
+            roles = index[t.rank]
+            p = roles.get(t.role)
             if p is None:
-                p = index[key] = len(self.size)
+                p = roles[t.role] = len(self.size)
                 self.size.append(0 if t.role == _RDMA else max(1, workers[t.rank].get(t.role, 0)))
             self.of[t.id] = p
         # events some task waits on for fewer than all signals
