@@ -128,8 +128,13 @@ def net_report(rt: TritonRuntime, settle_s: float = 2.0) -> str:
         for t in net.transports:  # peers' words this process raises (mapped flags, shadows)
             for r, flags in getattr(t, "flags", {}).items():
                 if r not in out and isinstance(flags, torch.Tensor):
-                    out[r] = flags.cpu().tolist()
+                    try:  # (a peer process that already exited may have unmapped them)
+                        out[r] = flags.cpu().tolist()
+                    except Exception as exc:  # noqa: BLE001 - the rank's own words still count
+                        unread[r] = repr(exc)[:120]
         return out
+
+    unread: dict[int, str] = {}
 
     first = read()
     time.sleep(settle_s)
@@ -149,9 +154,11 @@ def net_report(rt: TritonRuntime, settle_s: float = 2.0) -> str:
             return f"unknown ({exc!r:.60})"
         return "landed" if torch.equal(got, want) else "NOT in its destination"
 
-    for r in sorted(first):
-        lines += short_words(graph, plan, r, epoch, first[r], second[r], shadows.get(r), here,
+    for r, why in sorted(unread.items()):
+        lines.append(f"  rank {r}'s words could not be read here: {why}")
+    short = []
+    for r in sorted(set(first) & set(second)):
+        short += short_words(graph, plan, r, epoch, first[r], second[r], shadows.get(r), here,
                              starts=not rt.single_program, data=data)
-    if len(lines) == 2 + len(net.proxies):
-        lines.append("  every net word read here is at its count")
+    lines += short or ["  every net word read here is at its count"]
     return "\n".join(lines)
