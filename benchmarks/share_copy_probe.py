@@ -11,9 +11,11 @@ fits, not before the megakernel ends, and the 2x1 GEMM+AR waits at the watchdog 
 whose flag is queued behind it (the v19/v20 hang: "value 1, target 2").
 
 Each mode launches a kernel whose programs spin on a device flag (bounded by --limit seconds):
-``megakernel``: one 256-thread program per SM, as the megakernel (threads and registers left
-free on each SM); ``full``: two 1024-thread programs per SM (no thread left for any other
-block). While it spins, each operation below goes out on a stream of its own, and the probe
+``megakernel``: one 256-thread program per SM, as the megakernel's grid (but with few registers,
+so other blocks fit beside it); ``full``: two 1024-thread programs of at most 32 registers per
+SM (no thread slot or register left for any other block, as with the megakernel's 255
+registers a thread: tests/test_gpu_compile.py-style sm_90 builds of every emulated test's
+kernel give 255). While it spins, each operation below goes out on a stream of its own, and the probe
 reports which completed within --wait seconds (then releases the kernel and waits for the rest):
 1-D device-to-device copies (cudaMemcpyAsync: a coalesced WRITE) of 256 KiB to 32 MiB, a 2-D one
 (cudaMemcpy2DAsync: a strided WRITE), 4-byte host-to-device and device-to-host copies (a flag
@@ -57,8 +59,8 @@ def _cudart() -> ctypes.CDLL:
     raise SystemExit("no CUDA runtime library found")
 
 
-def _operations(rt: ctypes.CDLL, dev: torch.device) -> dict:
-    """name -> function(stream) queueing the operation on ``stream``."""
+def _operations(rt: ctypes.CDLL, dev: torch.device) -> tuple[dict, tuple]:
+    """(name -> function(stream) queueing the operation on ``stream``, the tensors it uses)."""
     src = torch.ones(32 << 20, dtype=torch.uint8, device=dev)
     dst = torch.zeros_like(src)
     host = torch.ones(64, dtype=torch.int32, pin_memory=True)
@@ -96,10 +98,13 @@ def probe(mode: str, wait_s: float, limit_s: float) -> list[dict]:
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     abort = torch.zeros(1, dtype=torch.int32, device=dev)
     one = torch.ones(1, dtype=torch.int32, pin_memory=True)
-    grid, warps = (sms, 8) if mode == "megakernel" else (2 * sms, 32)
+    # full: 2 x 1024 threads of at most 32 registers per SM, every thread slot and register
+    # taken (the megakernel's 256 threads of 255 registers take every register)
+    grid, opts = (sms, dict(num_warps=8)) if mode == "megakernel" else (
+        2 * sms, dict(num_warps=32, maxnreg=32))
     limit = int(limit_s * 1e9)
     flag.fill_(1)  # compiled and loaded before anything spins (GPU.md): this one returns at once
-    _spin[(grid,)](flag, abort, limit, num_warps=warps)
+    _spin[(grid,)](flag, abort, limit, **opts)
     for queue in ops.values():  # the fill's kernel loaded too; the copies are all rewritten
         queue(torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
@@ -107,7 +112,7 @@ def probe(mode: str, wait_s: float, limit_s: float) -> list[dict]:
     torch.cuda.synchronize()
     spinner = torch.cuda.Stream()
     with torch.cuda.stream(spinner):
-        _spin[(grid,)](flag, abort, limit, num_warps=warps)
+        _spin[(grid,)](flag, abort, limit, **opts)
     time.sleep(0.5)  # every program resident and spinning
     streams = {name: torch.cuda.Stream() for name in ops}
     events, issued = {}, {}
@@ -139,7 +144,7 @@ def probe(mode: str, wait_s: float, limit_s: float) -> list[dict]:
             row["after_release_ms"] = round((time.perf_counter() - released) * 1e3, 1)
         rows.append(row)
         when = f"{row['while_spinning_ms']} ms" if name in done else "NOT while the kernel spun"
-        print(f"{mode:10s} grid {grid} x {warps} warps | {name:24s} | {when} (call status "
+        print(f"{mode:10s} grid {grid} {opts} | {name:24s} | {when} (call status "
               f"{status})", flush=True)
     return rows
 
