@@ -14,7 +14,9 @@ proxy issued (its host shadow of the running count; cuda_ipc only) against what 
   the kernel pushed it.
 
 Words are read twice, ``settle_s`` apart, after the kernel ended: a word that landed only in
-the second read was held up behind the kernel itself.
+the second read was held up behind the kernel itself. The proxy's counters are read across the
+settle too: commands still queued (tail < tickets) and no progress means its thread is stuck
+(in a CUDA call, say), not waiting for commands.
 """
 
 from __future__ import annotations
@@ -136,9 +138,17 @@ def net_report(rt: TritonRuntime, settle_s: float = 2.0) -> str:
 
     unread: dict[int, str] = {}
 
+    before = [p.loop_stats() for p in net.proxies]
     first = read()
     time.sleep(settle_s)
     second = read()
+    for p, was in zip(net.proxies, before, strict=True):  # a thread stuck in a call stays put
+        now = p.loop_stats()
+        tail_now = int(net.fifo.tail[0])
+        lines.append(f"  proxy {p.name} during the {settle_s:g} s settle: commands "
+                     f"+{now['commands'] - was['commands']}, cuda_calls "
+                     f"+{now.get('cuda_calls', 0) - was.get('cuda_calls', 0)}, FIFO tail "
+                     f"{tail_now} (tickets {tickets})")
     shadows = {}
     for t in net.transports:
         shadows.update({r: s.tolist() for r, s in getattr(t, "shadow", {}).items()})
