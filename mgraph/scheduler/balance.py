@@ -162,7 +162,8 @@ def _work_and_free_compute(
     one pass over the tasks (hot: 10^5 tasks; each sum added up in task order)."""
     by_nvlink = nvlink_events(graph)
     work = {r: {role.value: [0, 0.0] for role in ROLES} for r in graph.topology.ranks}
-    free: dict[int, float] = {}
+    # per rank: the sum (None until its first such task) in a list, no dict call per task
+    free_of: list[float | None] = [None] * graph.topology.world_size
     compute = _COMPUTE
     for t in graph.tasks:
         cost = costs[t.id]
@@ -174,7 +175,9 @@ def _work_and_free_compute(
                 if e in by_nvlink:
                     break
             else:
-                free[t.rank] = free.get(t.rank, 0.0) + cost
+                so_far = free_of[t.rank]
+                free_of[t.rank] = (0.0 if so_far is None else so_far) + cost  # as dict.get's
+    free = {r: v for r, v in enumerate(free_of) if v is not None}
     return {r: {role: (n, c) for role, (n, c) in roles.items()} for r, roles in work.items()}, free
 
 

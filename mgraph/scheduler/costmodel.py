@@ -202,8 +202,8 @@ def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
             if rate is not None:
                 base = t.flops / rate
             else:
-                params = t.params
-                fill = params.get("expected_fill", 1.0) if params else 1.0
+                params = t.params  # a membership test, no call, for those without a fill
+                fill = params["expected_fill"] if "expected_fill" in params else 1.0
                 # max() of the two without the call: the same float (max keeps the first
                 # unless the second is larger)
                 base = t.flops / compute_rate
