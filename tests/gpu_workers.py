@@ -53,7 +53,7 @@ def check_op(rank: int, world: int, port: int, op_name: str, kw: dict, relaunche
         op = mg.ops.get_op(op_name)
         graph = op(topology=topology or f"1x{world}", dtype=torch.bfloat16, **kw)
         trace_dir = os.environ.get("MGRAPH_TEST_TRACE_DIR")  # diagnostics: see _dump_trace
-        rt = TritonRuntime(mg.schedule(graph, workers=_workers()),
+        rt = TritonRuntime(mg.schedule(graph, workers=_workers(graph)),
                            settings=Settings.from_env(nic_gbps=nic_gbps), trace=bool(trace_dir))
         worst = 0.0
         for i in range(relaunches):
@@ -113,14 +113,32 @@ def _dump_trace(rt, rank: int, where: str) -> None:
         json.dump({"rank": rank, "epoch": rt.epoch, "ran": ran, "never": never}, f)
 
 
-def _workers() -> dict[str, int] | None:
+def _workers(graph=None) -> dict[str, int] | None:
     """MGRAPH_TEST_WORKERS="compute=64,rdma=1" (diagnostics): the programs per role on every
     rank instead of the schedule's split of every SM, e.g. to leave SMs free for work a
-    process queues beside its persistent kernel."""
+    process queues beside its persistent kernel. Without it, ranks sharing one GPU
+    (MGRAPH_TEST_SHARE_GPU=1) running a multi-node graph get one compute worker fewer than the
+    default split: their proxies' same-device copies run as kernels on an SM the rank's own
+    megakernel leaves free (runtime/megakernel/shared_gpu.py; on two GPUs they are copy-engine
+    peer copies and the default split runs)."""
     spec = os.environ.get("MGRAPH_TEST_WORKERS")
     if not spec:
-        return None
+        if graph is None or os.environ.get("MGRAPH_TEST_SHARE_GPU") != "1":
+            return None
+        return shared_gpu_workers(graph)
     return {role: int(n) for role, n in (part.split("=") for part in spec.split(","))}
+
+
+def shared_gpu_workers(graph) -> dict[str, int] | None:
+    """The default split with one compute worker fewer, for a multi-node graph on a shared GPU
+    (see _workers); None for a one-node graph (no proxy)."""
+    import mgraph as mg
+
+    if graph.topology.nodes == 1:
+        return None
+    workers = dict(mg.schedule(graph).ranks[0].workers)
+    workers["compute"] -= 1
+    return workers
 
 
 def _local_reference(graph, rank, full):

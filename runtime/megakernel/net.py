@@ -86,6 +86,8 @@ class KernelNet:
         self.closed = False
         gpu = not rt.interpret
         kind = _transport_kind(settings.transport, gpu, settings.proxy_streams)
+        if gpu and kind != "verbs":
+            _check_shared_gpu(rt)
         per_launch = sum(len(c) for c in plan.commands.values()) + sum(map(len, plan.peers))
         want = max(settings.fifo_slots, min(per_launch, MAX_SLOTS), 2)
         self.slots = 1 << (want - 1).bit_length()
@@ -270,6 +272,17 @@ class KernelNet:
             t.close()
         if errors:
             raise errors[0]
+
+
+def _check_shared_gpu(rt: TritonRuntime) -> None:
+    """Ranks sharing this GPU (ipc_share.py): refuse a schedule whose proxies' same-device copies
+    would never find a free SM (shared_gpu.py), before anything is started."""
+    from .ipc_share import IpcBuffers
+    from .shared_gpu import check_shared_gpu
+
+    if isinstance(getattr(rt, "arena_handle", None), IpcBuffers):
+        sms = torch.cuda.get_device_properties(rt.device).multi_processor_count
+        check_shared_gpu(rt.schedule, sms)
 
 
 def _transport_kind(kind: str, gpu: bool, streams: int) -> str:
