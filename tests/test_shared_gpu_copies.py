@@ -74,3 +74,25 @@ def test_kernel_net_refuses_the_hung_schedule_on_a_shared_gpu(monkeypatch):
         net._check_shared_gpu(shared)
     net._check_shared_gpu(SimpleNamespace(arena_handle=object(), schedule=shared.schedule,
                                           device=shared.device))
+
+
+def test_kernel_net_refuses_the_hung_schedule_with_the_copy_kernel(monkeypatch):
+    """The proxy's copy-and-flag kernel (MGRAPH_PROXY_COPY_KERNEL_BYTES) needs a free SM on
+    separate GPUs too: the same schedule is refused there, and runs once an SM is left free."""
+    from types import SimpleNamespace
+
+    from gpu_workers import shared_gpu_workers
+    from mgraph.runtime.megakernel import net
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=H200_SMS))
+    on = SimpleNamespace(proxy_copy_kernel_bytes=65536)
+    rt = SimpleNamespace(arena_handle=object(), schedule=_schedule(*HUNG), settings=on,
+                         device=torch.device("cuda", 0))
+    with pytest.raises(ScheduleError, match="MGRAPH_PROXY_COPY_KERNEL_BYTES"):
+        net._check_shared_gpu(rt)
+    rt.settings = SimpleNamespace(proxy_copy_kernel_bytes=0)
+    net._check_shared_gpu(rt)
+    workers = shared_gpu_workers(rt.schedule.graph)
+    net._check_shared_gpu(SimpleNamespace(arena_handle=object(), settings=on, device=rt.device,
+                                          schedule=_schedule(*HUNG, workers=workers)))

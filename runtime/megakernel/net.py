@@ -275,14 +275,21 @@ class KernelNet:
 
 
 def _check_shared_gpu(rt: TritonRuntime) -> None:
-    """Ranks sharing this GPU (ipc_share.py): refuse a schedule whose proxies' same-device copies
-    would never find a free SM (shared_gpu.py), before anything is started."""
+    """Refuse, before anything is started, a schedule whose proxies' copies would never find a
+    free SM (shared_gpu.py): ranks sharing this GPU (ipc_share.py), whose WRITEs are same-device
+    copies run as kernels, or the proxy's copy-and-flag kernel (MGRAPH_PROXY_COPY_KERNEL_BYTES),
+    which is a kernel wherever it runs."""
     from .ipc_share import IpcBuffers
     from .shared_gpu import check_shared_gpu
 
-    if isinstance(getattr(rt, "arena_handle", None), IpcBuffers):
+    shared = isinstance(getattr(rt, "arena_handle", None), IpcBuffers)
+    kernel = getattr(getattr(rt, "settings", None), "proxy_copy_kernel_bytes", 0) > 0
+    if shared or kernel:
         sms = torch.cuda.get_device_properties(rt.device).multi_processor_count
-        check_shared_gpu(rt.schedule, sms)
+        why = ("ranks share one GPU, so each proxy WRITE is a same-device copy that runs as a "
+               "kernel" if shared else "MGRAPH_PROXY_COPY_KERNEL_BYTES makes a proxy WRITE a "
+               "copy-and-flag kernel")
+        check_shared_gpu(rt.schedule, sms, why=why)
 
 
 def _transport_kind(kind: str, gpu: bool, streams: int) -> str:

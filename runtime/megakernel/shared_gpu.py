@@ -98,9 +98,11 @@ def starved(schedule: Schedule, spare_sms: Sequence[int]) -> list[tuple[int, int
             for t, ended in zip(r["held"], r["ended"], strict=True) if t is not None and not ended]
 
 
-def check_shared_gpu(schedule: Schedule, sms: int) -> None:
-    """ScheduleError if ``schedule``, run by ranks sharing one GPU of ``sms`` SMs, deadlocks
-    because its proxies' copies find no free SM (module docstring)."""
+def check_shared_gpu(schedule: Schedule, sms: int, why: str = "ranks share one GPU, so each "
+                     "proxy WRITE is a same-device copy that runs as a kernel") -> None:
+    """ScheduleError if ``schedule``, run on GPUs of ``sms`` SMs whose proxy copies are kernels
+    (ranks sharing one GPU, or the copy-and-flag kernel: ``why``), deadlocks because those
+    copies find no free SM (module docstring)."""
     spare = [max(0, sms - sum(rs.workers.values())) for rs in schedule.ranks]
     stuck = starved(schedule, spare)
     if not stuck:
@@ -108,12 +110,12 @@ def check_shared_gpu(schedule: Schedule, sms: int) -> None:
     rank, task = stuck[0]
     programs = max(sum(rs.workers.values()) for rs in schedule.ranks)
     raise ScheduleError(
-        f"{schedule.graph.op}: ranks share one GPU, so each proxy WRITE is a same-device copy that "
-        f"runs as a kernel on an SM its own megakernel left free; with {programs} programs on "
-        f"{sms} SMs no program of any rank ends before a peer's chunk lands, so no chunk ever "
+        f"{schedule.graph.op}: {why} on an SM its own megakernel left free; with {programs} "
+        f"programs on {sms} SMs no program of any rank ends before a peer's chunk lands, so no chunk ever "
         f"does: {len(stuck)} tasks would wait at the watchdog, first rank {rank}'s "
         f"{schedule.graph.tasks[task].name!r} (runtime/megakernel/shared_gpu.py). On separate "
-        "GPUs the copy is a copy-engine peer copy and this schedule runs",
-        hint="leave an SM free on a shared GPU: mg.schedule(graph, workers={...}) with one "
-        "compute worker fewer than the default split (tests/gpu_workers.py does so)",
+        "GPUs, without the copy-and-flag kernel, the copy is a copy-engine peer copy and this "
+        "schedule runs",
+        hint="leave an SM free: mg.schedule(graph, workers={...}) with one compute worker fewer "
+        "than the default split (tests/gpu_workers.py does so on a shared GPU)",
     )
