@@ -32,10 +32,9 @@ pinned host memory, raised by the proxy with host stores once its stream execute
 ``kernel`` WRITEs of up to 64 KiB as ONE launch of a one-CTA copy-and-flag kernel that copies
 and then raises the flags with a release store (runtime/proxy/native/copy_kernel.h: no second
 stream operation after the copy; one stream only, so it skips the rows with several; it also
-runs the 64 KiB WRITE drain, a throughput row; ``kernel_writes`` counts its launches),
-``mailbox`` every WRITE and SIGNAL executed by ONE persistent CTA (launched when the proxy
-starts; it holds an SM) that polls a ring of descriptors in pinned host memory: no CUDA call
-per command (``mailbox_posts`` counts them; one stream; latency and the 64 KiB WRITE drain).
+runs the 64 KiB WRITE drain, a throughput row; ``kernel_writes`` counts its launches).
+(``mailbox``, one persistent CTA polling a descriptor ring, was removed after v20's run:
+slower than the default on every row, benchmarks/results/v20/call3_hang_proxy/.)
 Every row carries ``cuda_calls_per_cmd`` (the proxy's queueing calls / commands), the host time
 of a data call and of a flag call (``data_call_us``, ``flag_call_us``), and the latency
 rows a canary: the consumer reads the first and last element of a command's destination chunk
@@ -95,13 +94,9 @@ PROTOCOLS = {
     # WRITEs up to 64 KiB as ONE launch of the copy-and-flag kernel (copy_kernel.h); larger
     # ones, and SIGNALs, as "old"; one stream only
     "kernel": {"fuse_flags": False, "copy_kernel_bytes": 64 * 1024},
-    # every WRITE and SIGNAL by one persistent CTA polling a ring in pinned host memory: no
-    # CUDA call per command (copy_kernel.h, "The mailbox"); one stream only
-    "mailbox": {"fuse_flags": False, "mailbox": True},
 }
 # Protocols that also run the 64 KiB WRITE drain (a throughput row beside the first protocol's)
-THROUGHPUT_TOO = ("kernel", "mailbox")
-ONE_STREAM = ("kernel", "mailbox")  # skipped in the rows with several copy streams
+THROUGHPUT_TOO = ("kernel",)
 MAX_FLAGS = 1024  # flag words per side; command k of those raising an event uses word k % 1024
 TARGETS = {"drain": 200e3, "latency": 10.0, "bandwidth": 45.0}  # k cmd/s, median us, GB/s@256K
 _EPOCH = 1
@@ -372,8 +367,7 @@ def run_case(case: Case, rig: Rig) -> dict:
                data_call_us=round((ls["cuda_call_ns"] - ls["flag_call_ns"])
                                   / max(ls["cuda_calls"] - ls["flag_calls"], 1) / 1e3, 2),
                cuda_apis=proxy.cuda_apis, canary=canary,
-               kernel_writes=ls.get("kernel_writes", 0),
-               mailbox_posts=ls.get("mailbox_posts", 0))  # fmt: skip
+               kernel_writes=ls.get("kernel_writes", 0))  # fmt: skip
     if errors:
         return {**row, "error": "; ".join(errors)}
     push_t, arrive_t = push_ns.cpu(), arrive_ns.cpu()
@@ -426,7 +420,7 @@ def plan(rig: Rig, quick: bool, two_gpus: bool, flag_modes=("copy",), streams=(1
             if (c.bench == "latency" or (p in THROUGHPUT_TOO and c.bench == "drain"
                                          and c.kind == "write"))
             and (c.flags == "memop" or "gpu_fence" not in PROTOCOLS[p])
-            and (c.streams == 1 or p not in ONE_STREAM)
+            and (c.streams == 1 or "copy_kernel_bytes" not in PROTOCOLS[p])
             and p != "hostflags"]  # fmt: skip
     if "hostflags" in protocols[1:]:  # no GPU flag to raise: once, on one stream (its limit)
         first = next(c.flags for c in base if c.bench == "latency")

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -114,18 +113,6 @@ def test_the_latency_canary_sees_a_flag_ahead_of_its_data() -> None:
     assert got == [[-1, -1, 0], [-1, -1, 2], [-1, -1, 1], [-1, -1, 0]]
 
 
-def check_one_stream(bp: ModuleType, cases: list, base: list, protocol: str) -> None:
-    """A one-stream protocol: the latency cases and the WRITE drain of one stream."""
-    mine = [c for c in cases if c.protocol == protocol]
-    want = [
-        c
-        for c in base
-        if c.streams == 1 and (c.bench == "latency" or (c.bench == "drain" and c.kind == "write"))
-    ]
-    assert [bp.asdict(c) | {"protocol": "new"} for c in mine] == [bp.asdict(c) for c in want]
-    assert {c.bench for c in mine} == {"drain", "latency"}
-
-
 def test_the_gpu_plan_compares_protocols_on_latency() -> None:
     """On a GPU the first protocol runs every case, each other one the latency cases again."""
     sys.path.insert(0, str(SCRIPT.parent))
@@ -133,15 +120,21 @@ def test_the_gpu_plan_compares_protocols_on_latency() -> None:
         import bench_proxy as bp
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    protocols = ("new", "old", "new+driver", "new+gpufence", "kernel", "mailbox", "hostflags")
+    protocols = ("new", "old", "new+driver", "new+gpufence", "kernel", "hostflags")
     cases = bp.plan(bp.Rig(cpu=False), True, False, ("copy", "memop"), (1, 4), protocols)
     base = [c for c in cases if c.protocol == "new"]
     latency = [c for c in base if c.bench == "latency"]
     assert {c.bench for c in base} == {"drain", "latency", "bandwidth"} and latency
-    # The copy kernel and the mailbox: one stream only, the latency cases and the WRITE drain
-    for one in ("kernel", "mailbox"):
-        check_one_stream(bp, cases, base, one)
-    for p in protocols[1:-3]:
+    # The copy kernel: one stream only, its latency cases and the WRITE drain (throughput)
+    kernel = [c for c in cases if c.protocol == "kernel"]
+    want = [
+        c
+        for c in base
+        if c.streams == 1 and (c.bench == "latency" or (c.bench == "drain" and c.kind == "write"))
+    ]
+    assert [bp.asdict(c) | {"protocol": "new"} for c in kernel] == [bp.asdict(c) for c in want]
+    assert {c.bench for c in kernel} == {"drain", "latency"}
+    for p in protocols[1:-2]:
         mine = [c for c in cases if c.protocol == p]
         want = [c for c in latency if p != "new+gpufence" or c.flags == "memop"]  # a memop option
         assert [bp.asdict(c) | {"protocol": "new"} for c in mine] == [bp.asdict(c) for c in want]

@@ -32,7 +32,6 @@ from test_native_cuda_path import (
     data_plan,
     live_objects,
     row_tiles,
-    signal_plan,
     write,
 )
 
@@ -66,14 +65,12 @@ class KernelRig(Rig):
         flag_copy: bool = False,
         coalesce: bool = True,
         host_flags: bool = False,
-        mailbox: bool = False,
     ) -> None:
         self.transport = FakeCudaTransport(fake, host_flags=host_flags)
         self.fifo = CommandFifo(1024)
         self.proxy = NativeProxy(self.fifo, self.transport, 8, rank=0, name="fake",
                                  coalesce=coalesce, flag_copy=flag_copy, timeout=60.0,
-                                 copy_kernel_bytes=0 if mailbox else kernel_bytes,
-                                 mailbox=mailbox)  # fmt: skip
+                                 copy_kernel_bytes=kernel_bytes)  # fmt: skip
 
 
 def _ptxas() -> str | None:
@@ -86,16 +83,9 @@ def _ptxas() -> str | None:
     return hits[0] if hits else None
 
 
-@pytest.mark.parametrize("kernel", ["copy", "mailbox"])
-def test_the_ptx_assembles_for_hopper(tmp_path: Path, kernel: str) -> None:
-    ptx = native.COPY_KERNEL_PTX if kernel == "copy" else native.MAILBOX_PTX
-    if kernel == "copy":
-        assert f".entry {native.COPY_KERNEL_NAME}(.param .align 8 .b8 args[160])" in ptx
-    else:
-        assert (
-            ".entry mgraph_mailbox(.param .u64 ring, .param .u64 done, .param .u64 n_slots)" in ptx
-        )
-        assert ptx.count("ld.acquire.sys.global.u64") == 1  # the poll of a slot's sequence
+def test_the_ptx_assembles_for_hopper(tmp_path: Path) -> None:
+    ptx = native.COPY_KERNEL_PTX
+    assert f".entry {native.COPY_KERNEL_NAME}(.param .align 8 .b8 args[160])" in ptx
     assert ptx.count("st.release.sys.global.u32") == 8  # kKernelFlags, each a release
     ptxas = _ptxas()
     if ptxas is None:
@@ -213,64 +203,3 @@ def test_a_failing_kernel_call_is_a_named_error_and_leaks_nothing(
     assert rig.fifo.tail_value == 0 and rig.transport.flags[1].sum().item() == 0
     del rig
     assert {**live_objects(fake), "live_modules": fake.stat("live_modules")} == live
-
-
-# -- the mailbox: one persistent CTA polling a ring in pinned host memory ----------------------
-@pytest.mark.parametrize("delay_us", [0, 300], ids=["no-delay", "delay"])
-def test_mailbox_writes_land_before_their_flags(fake: FakeCuda, delay_us: int) -> None:
-    """Every WRITE and SIGNAL of data_plan goes through the ring, executed in posting order by
-    the fake kernel: data before flags, counts monotonic, every word at its number of raises."""
-    fake.set_delay_us(delay_us)
-    plan = data_plan()
-    rig = KernelRig(fake, mailbox=True)
-    with Watcher(plan, rig.transport) as watcher:
-        rig.run(plan)
-    assert torch.equal(rig.transport.dst, rig.transport.src)
-    check_final(rig, plan)
-    assert watcher.errors == []
-    s = rig.proxy.loop_stats()
-    # a coalesced group raising more than 8 words adds flag-only descriptors after its copy
-    assert s["mailbox_posts"] == fake.stat("kernel_launches") > s["writes"] + s["signals"]
-    assert s["cuda_calls"] == 1  # the mailbox kernel's launch, nothing per command
-    if delay_us:
-        assert watcher.partial > 0
-
-
-def test_the_checks_catch_a_mailbox_that_flags_first(fake: FakeCuda) -> None:
-    fake.set_delay_us(300)
-    fake.kernel_flags_first(True)
-    plan = data_plan()
-    rig = KernelRig(fake, mailbox=True)
-    with Watcher(plan, rig.transport) as watcher:
-        rig.run(plan)
-    assert any("before tiles" in e for e in watcher.errors)
-
-
-def test_the_mailbox_ring_wraps_and_the_kernel_ends(fake: FakeCuda) -> None:
-    """1000 SIGNALs through the 256-slot ring (each slot reused only once the kernel counted
-    its previous descriptor done); at stop the kernel ends and its stream and ring are freed."""
-    live = {**live_objects(fake), "live_modules": fake.stat("live_modules")}
-    plan = signal_plan(1000)
-    rig = KernelRig(fake, mailbox=True)
-    rig.run(plan)
-    check_final(rig, plan)
-    assert rig.proxy.loop_stats()["mailbox_posts"] == 1000
-    del rig
-    assert {**live_objects(fake), "live_modules": fake.stat("live_modules")} == live
-
-
-def test_one_write_in_flight_is_no_cuda_call_with_the_mailbox(fake: FakeCuda) -> None:
-    rig = KernelRig(fake, mailbox=True, coalesce=False)
-    rig.proxy.start()
-    for i, tile in enumerate(row_tiles(16)):
-        rig.fifo.push(write(tile, event=i % 8, done_event=i % 8, task=i))
-        _wait_for(rig, 0, i % 8, i // 8 + 1)
-        assert rig.transport.landed(tile) and rig.transport.flags[1][i % 8].item() == i // 8 + 1
-    rig.proxy.stop()
-    s = rig.proxy.loop_stats()
-    assert (s["writes"], s["mailbox_posts"], s["cuda_calls"]) == (16, 16, 1)
-
-
-def test_the_mailbox_needs_one_stream(fake: FakeCuda) -> None:
-    with pytest.raises(ProxyError, match=r"mailbox needs one copy stream"):
-        NativeProxy(CommandFifo(64), FakeCudaTransport(fake), 8, rank=0, streams=2, mailbox=True)

@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -137,27 +136,14 @@ _Static_assert(sizeof(FakeCopyArgs) == 160, "copy_kernel.h: CopyKernelArgs is 16
 
 enum { kModuleMagic = 0x4d4f4455, kInvalidPtx = 218, kNotFound = 500 };
 
-enum { kCopyFlags = 1, kMailbox = 2 };
-
-typedef struct {
-  int magic;
-  int kind;  // kCopyFlags or kMailbox
-} FakeFunction;
-
 typedef struct {
   int magic;
   char* image;
-  FakeFunction functions[2];  // handed out by cuModuleGetFunction, per kind
 } FakeModule;
 
 static FakeModule* module_of(void* handle) {
   FakeModule* m = handle;
   return m != NULL && m->magic == kModuleMagic ? m : NULL;
-}
-
-static FakeFunction* function_of(void* handle) {
-  FakeFunction* f = handle;
-  return f != NULL && f->magic == kModuleMagic ? f : NULL;
 }
 
 // CUresult cuModuleLoadData(CUmodule*, const void* image).
@@ -185,14 +171,8 @@ FAKE_EXPORT int cuModuleGetFunction(void** function, void* module, const char* n
   if (function == NULL || name == NULL) return kFakeInvalidValue;
   char entry[160];
   snprintf(entry, sizeof(entry), ".entry %s(", name);
-  const int kind = strcmp(name, "mgraph_copy_flags") == 0 ? kCopyFlags
-                   : strcmp(name, "mgraph_mailbox") == 0   ? kMailbox
-                                                            : 0;
-  if (strstr(m->image, entry) == NULL || kind == 0) return kNotFound;
-  FakeFunction* f = &m->functions[kind - 1];
-  f->magic = kModuleMagic;
-  f->kind = kind;
-  *function = f;
+  if (strstr(m->image, entry) == NULL || strcmp(name, "mgraph_copy_flags") != 0) return kNotFound;
+  *function = m;
   return kFakeSuccess;
 }
 
@@ -200,75 +180,10 @@ FAKE_EXPORT int cuModuleUnload(void* module) {
   FakeModule* m = module_of(module);
   if (m == NULL) return kFakeInvalidHandle;
   m->magic = 0;
-  m->functions[0].magic = m->functions[1].magic = 0;
   free(m->image);
   free(m);
   fakecuda_count_module(-1);
   return kFakeSuccess;
-}
-
-// The mailbox kernel (copy_kernel.h, "The mailbox"): its three parameters (ring, done, slots)
-// and a loop run by the stream's worker, which stays busy until a stop descriptor: poll slot
-// head % slots for sequence head + 1 (acquire), copy, store the flags (release, in order),
-// then the done count (release). The negative control stores the flags before the copy, with
-// the stream's delay between them.
-typedef struct {
-  uint64_t seq, op;
-  FakeCopyArgs args;
-} FakeSlot;
-_Static_assert(sizeof(FakeSlot) == 176, "copy_kernel.h: MailboxSlot is 176 bytes");
-
-typedef struct {
-  FakeSlot* ring;
-  uint64_t* done;
-  uint64_t slots;
-} FakeMailbox;
-
-static void store_flags(const FakeCopyArgs* a) {
-  for (uint64_t k = 0; k < a->n_flags; ++k)
-    __atomic_store_n((uint32_t*)(uintptr_t)a->flag[k], a->value[k], __ATOMIC_RELEASE);
-}
-
-static void mailbox_main(void* arg) {
-  FakeMailbox* m = arg;
-  for (uint64_t head = 0;; ++head) {
-    FakeSlot* slot = &m->ring[head % m->slots];
-    while (__atomic_load_n(&slot->seq, __ATOMIC_ACQUIRE) != head + 1) sched_yield();
-    if (slot->op == 2) break;
-    const FakeCopyArgs a = slot->args;
-    const int first = fakecuda_kernel_flags_first_on();
-    const int delay_us = fakecuda_delay_us();  // each descriptor lags, as each operation does
-    if (first) store_flags(&a);
-    if (delay_us > 0) usleep((useconds_t)delay_us);
-    for (uint64_t r = 0; r < a.height; ++r)
-      memmove((uint8_t*)(uintptr_t)(a.dst + r * a.dpitch),
-              (const uint8_t*)(uintptr_t)(a.src + r * a.spitch), a.width);
-    if (!first) store_flags(&a);
-    fakecuda_count_kernel();
-    __atomic_store_n(m->done, head + 1, __ATOMIC_RELEASE);
-  }
-  free(m);
-}
-
-static int launch_mailbox(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                          unsigned bz, unsigned shared, void* stream, void** params,
-                          void** extra) {
-  if (gx != 1 || gy != 1 || gz != 1 || bx == 0 || bx > 1024 || by != 1 || bz != 1 ||
-      shared != 0 || extra != NULL || params == NULL || params[0] == NULL ||
-      params[1] == NULL || params[2] == NULL)
-    return kFakeInvalidValue;
-  FakeMailbox* m = calloc(1, sizeof(FakeMailbox));
-  if (m == NULL) return kFakeMemoryAllocation;
-  m->ring = (FakeSlot*)(uintptr_t)*(const uint64_t*)params[0];
-  m->done = (uint64_t*)(uintptr_t)*(const uint64_t*)params[1];
-  m->slots = *(const uint64_t*)params[2];
-  if (m->slots == 0 || m->ring == NULL || m->done == NULL) {
-    free(m);
-    return kFakeInvalidValue;
-  }
-  const int status = fakecuda_enqueue_host_fn(stream, mailbox_main, m);
-  if (status != 0) free(m);
-  return status;
 }
 
 // CUresult cuLaunchKernel(f, grid x/y/z, block x/y/z, shared bytes, stream, params, extra).
@@ -277,10 +192,7 @@ FAKE_EXPORT int cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigne
                                void** params, void** extra) {
   const int forced = fakecuda_forced("cuLaunchKernel");
   if (forced != 0) return forced;
-  const FakeFunction* f = function_of(function);
-  if (f == NULL) return kFakeInvalidHandle;
-  if (f->kind == kMailbox)
-    return launch_mailbox(gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+  if (module_of(function) == NULL) return kFakeInvalidHandle;
   if (gx != 1 || gy != 1 || gz != 1 || bx == 0 || bx > 1024 || by != 1 || bz != 1 ||
       shared != 0 || extra != NULL || params == NULL || params[0] == NULL)
     return kFakeInvalidValue;

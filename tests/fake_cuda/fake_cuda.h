@@ -49,7 +49,3 @@ FAKE_EXPORT void fakecuda_count_module(int delta);
 FAKE_EXPORT int fakecuda_kernel_flags_first_on(void);
 // The status fakecuda_fail forces on the entry point ``call`` (0: none).
 FAKE_EXPORT int fakecuda_forced(const char* call);
-// Queues fn(arg) on a stream, run in order by its worker (the fake mailbox kernel).
-FAKE_EXPORT int fakecuda_enqueue_host_fn(void* stream, void (*fn)(void*), void* arg);
-// FAKE_CUDA_DELAY_US / set_delay_us: how long each operation waits.
-FAKE_EXPORT int fakecuda_delay_us(void);

@@ -298,9 +298,7 @@ EXPORT void fakecuda_reset(void) {
 // Streams and events.
 
 enum { kStreamMagic = 0x5354524d, kEventMagic = 0x4556454e };
-enum OpKind {
-  kCopy = 1, kCopy2D = 2, kStore32 = 3, kMark = 4, kBatch = 5, kStoreBatch = 6, kHostFn = 7
-};
+enum OpKind { kCopy = 1, kCopy2D = 2, kStore32 = 3, kMark = 4, kBatch = 5, kStoreBatch = 6 };
 
 // One store of a cuStreamBatchMemOp call.
 typedef struct {
@@ -333,8 +331,6 @@ typedef struct Op {
   size_t n_batch;
   BatchStore* stores;  // kStoreBatch: its stores, executed in array order (as CUDA does)
   size_t n_stores;
-  void (*fn)(void*);   // kHostFn: what a persistent kernel does, run by the stream's worker
-  void* fn_arg;
 } Op;
 
 typedef struct FakeStream {
@@ -445,10 +441,6 @@ static int execute(const Op* op) {
       __atomic_store_n((uint32_t*)op->stores[i].dst, op->stores[i].value, __ATOMIC_RELEASE);
       record_row(op, kStore32, op->stores[i].dst, 4, 1, 4);
     }
-    return 0;
-  }
-  if (op->kind == kHostFn) {
-    op->fn(op->fn_arg);
     return 0;
   }
   if (op->kind != kMark) {
@@ -908,19 +900,6 @@ EXPORT int fakecuda_enqueue_store_batch(void* stream, const uint64_t* addresses,
     free_op(op);
     return 0;
   }
-  return enqueue(s, op);
-}
-
-// Queues ``fn(arg)`` on ``stream``: the stream's worker runs it in order, as a GPU runs a
-// kernel (fake_cuda.c's mailbox kernel; the stream is busy until it returns).
-EXPORT int fakecuda_enqueue_host_fn(void* stream, void (*fn)(void*), void* arg) {
-  FakeStream* s = stream_of(stream);
-  if (s == NULL) return set_error(kFakeInvalidHandle);
-  Op* op = new_op(kHostFn);
-  if (op == NULL) return set_error(kFakeMemoryAllocation);
-  op->fn = fn;
-  op->fn_arg = arg;
-  op->height = 1;
   return enqueue(s, op);
 }
 

@@ -140,11 +140,6 @@ class NativeProxy:
     operation (copy_kernel.h says why it is ordered, and what it costs: an SM per WRITE for a
     few microseconds, so never under a kernel that holds every SM). ``start`` returns once the
     kernel is loaded. Off by default (not yet measured: bench_proxy's protocol ``kernel``).
-    ``mailbox`` (one stream only): every WRITE and SIGNAL on GPU words is executed by ONE
-    persistent CTA, launched when the loop starts, that polls a ring of descriptors in pinned
-    host memory: no CUDA call per command (copy_kernel.h, "The mailbox"; it holds an SM for the
-    whole run, so never beside a kernel that needs every SM). Off by default (not yet measured:
-    bench_proxy's protocol ``mailbox``).
     """
 
     def __init__(
@@ -169,7 +164,6 @@ class NativeProxy:
         driver_copy: bool = False,
         gpu_fence: bool = False,
         copy_kernel_bytes: int = 0,
-        mailbox: bool = False,
     ) -> None:
         if not isinstance(batch, int) or batch < 1:
             raise ProxyError(f"proxy {name}: batch must be a positive int, got {batch!r}")
@@ -192,11 +186,6 @@ class NativeProxy:
                 f"proxy {name}: copy_kernel_bytes={copy_kernel_bytes} needs one copy stream, "
                 f"got streams={streams}",
                 hint="set streams=1 (Settings.proxy_streams) or copy_kernel_bytes=0",
-            )
-        if mailbox and streams != 1:
-            raise ProxyError(
-                f"proxy {name}: mailbox needs one copy stream, got streams={streams}",
-                hint="set streams=1 (Settings.proxy_streams) or mailbox=False",
             )
         native = load()
         for r, t in (counters or {}).items():
@@ -228,7 +217,6 @@ class NativeProxy:
         self._drain.driver_copy = bool(driver_copy)
         self._drain.gpu_fence = bool(gpu_fence)
         self._drain.copy_kernel_bytes = copy_kernel_bytes  # read when the loop starts
-        self._drain.mailbox = bool(mailbox)  # likewise
         self.streams = streams
         # Keep what the loop points into alive as long as the loop.
         self._keep = (fifo, dict(counters or {}))
@@ -314,8 +302,7 @@ class NativeProxy:
         part of it spent holding copies for the emulated NIC), ``cuda_calls`` and
         ``cuda_call_ns`` (the calls queueing copies or flag writes, and their host time), and
         ``flag_calls``/``flag_call_ns`` (of those, the ones raising GPU flags), and
-        ``kernel_writes`` (WRITEs that went out as one copy-and-flag kernel launch) and
-        ``mailbox_posts`` (WRITEs and SIGNALs the mailbox kernel executed)."""
+        ``kernel_writes`` (WRITEs that went out as one copy-and-flag kernel launch)."""
         return dict(self._drain.stats())
 
     @property

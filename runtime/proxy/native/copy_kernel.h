@@ -19,10 +19,10 @@
 // there), so any thread, on this GPU, on an NVLink peer or on the host, that observes the new
 // count with an acquire (sync.wait's atom.add.acquire.sys) and then reads the data sees it.
 // The megakernel's own ``signal`` is the same pattern (sync.py: CTA barrier, then
-// atom.add.release.sys). Source loads
-// are ld.global.cg (L2, not the SM's L1), so data the producer published before its FIFO
-// header is read fresh. (3) Counts stay monotonic: each word's value is taken from its host
-// shadow when the launch is queued, in stream order like every other raise of that word.
+// atom.add.release.sys). Source loads are ld.global.cg (L2, not the SM's L1), so data the
+// producer published before its FIFO header is read fresh. (3) Counts stay monotonic: each
+// word's value is taken from its host shadow when the launch is queued, in stream order like
+// every other raise of that word.
 //
 // The cost: an SM for a few microseconds per WRITE, so it needs an SM that no persistent kernel
 // holds (a megakernel whose grid fills every SM would never let it run: keep it off there), and
@@ -52,27 +52,6 @@ static_assert(sizeof(CopyKernelArgs) == 160, "the PTX reads a 160-byte parameter
 
 // The PTX (ISA 7.8, sm_90; the driver JIT-compiles it for the GPU it runs on).
 extern const char kCopyKernelPtx[];
-
-// The mailbox (Mover::mailbox, opt-in; bench_proxy's protocol "mailbox"): the same copy and
-// flags, executed by ONE persistent CTA that the proxy launches once on a stream of its own and
-// that polls a ring of descriptors in pinned host memory (ld.acquire.sys). A WRITE or SIGNAL is
-// then no CUDA call at all: the proxy fills a slot and publishes its sequence number with a
-// release store; the CTA sees it about one PCIe read later (~1 us), copies, barrier.syncs, raises
-// the flags with st.release.sys (ordered as above) and then counts the slot done in ``done``
-// (pinned host memory), which frees it for reuse. Every raise of a GPU word goes through the
-// ring while the mailbox runs (SIGNALs included), executed in posting order by one CTA, so a
-// word's counts stay monotonic and words go out in command order. The cost: one SM held for the
-// whole run, and one CTA's copy rate for every WRITE.
-constexpr const char* kMailboxName = "mgraph_mailbox";
-constexpr uint64_t kMailboxCopy = 1, kMailboxStop = 2;
-constexpr size_t kMailboxSlots = 256;
-struct MailboxSlot {
-  uint64_t seq = 0;  // ticket + 1 once the slot is complete (written last, with release)
-  uint64_t op = 0;   // kMailboxCopy or kMailboxStop
-  CopyKernelArgs args;
-};
-static_assert(sizeof(MailboxSlot) == 176, "the mailbox PTX reads 176-byte slots");
-extern const char kMailboxPtx[];
 
 // The widest of 16, 4, 1 bytes that divides both addresses, both pitches and the width.
 uint64_t copy_unit(uint64_t dst, uint64_t src, uint64_t width, uint64_t dpitch, uint64_t spitch);

@@ -259,13 +259,6 @@ void CudaApi::launch(void* function, unsigned blocks, unsigned threads, const vo
                "cuLaunchKernel");
 }
 
-void CudaApi::launch_params(void* function, unsigned blocks, unsigned threads, void** params,
-                            void* stream) const {
-  const CallTimer timer(*this);
-  check_driver(launch_kernel_(function, blocks, 1, 1, threads, 1, 1, 0, stream, params, nullptr),
-               "cuLaunchKernel");
-}
-
 void* CudaApi::host_alloc(size_t bytes) const {
   void* ptr = nullptr;
   check(host_alloc_(&ptr, bytes, 0), "cudaHostAlloc");  // cudaHostAllocDefault: pinned, UVA

@@ -46,9 +46,6 @@ class CudaApi {
   // ``blocks`` x ``threads``, on ``stream``; counted with the queueing calls.
   void launch(void* function, unsigned blocks, unsigned threads, const void* args,
               void* stream) const;
-  // The same with the kernel's parameters as cuLaunchKernel takes them (one pointer each).
-  void launch_params(void* function, unsigned blocks, unsigned threads, void** params,
-                     void* stream) const;
   // cuMemGetHandleForAddressRange was found (the verbs backend's dma-buf registration).
   bool has_dmabuf() const { return get_handle_ != nullptr; }
   // A dma-buf fd for [ptr, ptr + bytes) (page-aligned) in ``fd``; "" or why there is none.

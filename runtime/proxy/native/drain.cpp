@@ -90,7 +90,7 @@ Drain::~Drain() {
 void Drain::start() {
   started_ = true;
   thread_ = std::thread([this] { run(); });
-  if (mover.copy_kernel_bytes <= 0 && !mover.mailbox) return;
+  if (mover.copy_kernel_bytes <= 0) return;
   std::unique_lock<std::mutex> lock(mutex_);
   done_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s_),
                     [this] { return ready_.load() || finished_.load(); });

@@ -42,9 +42,8 @@ class Drain {
   // yield (a GPU's proxy, which must see a command within microseconds, at the cost of a core).
   int idle_sleep_us = 200;
 
-  // With the copy kernel or the mailbox (Mover::copy_kernel_bytes, Mover::mailbox) it returns
-  // once the loop's CUDA set-up is done (or failed): the kernels' modules are loaded before the
-  // caller launches spinning kernels.
+  // With the copy kernel (Mover::copy_kernel_bytes) it returns once the loop's CUDA set-up is
+  // done (or failed): the kernel's module is loaded before the caller launches spinning kernels.
   void start();
   bool stop(double timeout_s);   // drain what is queued, then end; false if still running
   void abort();                  // end as soon as possible, dropping what is queued

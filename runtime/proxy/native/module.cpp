@@ -133,7 +133,6 @@ PYBIND11_MODULE(_drain, m) {
   // The copy-and-flag kernel's PTX (tests assemble it with ptxas where one is installed).
   m.attr("COPY_KERNEL_PTX") = std::string(kCopyKernelPtx);
   m.attr("COPY_KERNEL_NAME") = std::string(kCopyKernelName);
-  m.attr("MAILBOX_PTX") = std::string(kMailboxPtx);
   // A Failure thrown while setting up (the NIC's calls) reaches Python as RuntimeError; the
   // Python side turns it into a named error (RdmaUnavailableError or ProxyError).
   py::register_exception_translator([](std::exception_ptr p) {
@@ -328,12 +327,6 @@ PYBIND11_MODULE(_drain, m) {
                                               std::to_string(v));
                       d.mover.copy_kernel_bytes = v;
                     })
-      .def_property("mailbox", [](const Drain& d) { return d.mover.mailbox; },
-                    [](Drain& d, bool v) {
-                      if (d.started())
-                        throw py::value_error("mailbox is fixed once the loop has started");
-                      d.mover.mailbox = v;
-                    })
       .def_property_readonly("kernel_api", [](const Drain& d) {
         return d.mover.cuda.has_kernel();
       }, "the driver has what the copy kernel needs (cuModuleLoadData, cuLaunchKernel, ...)")
@@ -398,7 +391,6 @@ PYBIND11_MODULE(_drain, m) {
         s["flag_calls"] = d.mover.stats.flag_calls.load();
         s["flag_call_ns"] = d.mover.stats.flag_call_ns.load();
         s["kernel_writes"] = d.mover.stats.kernel_writes.load();
-        s["mailbox_posts"] = d.mover.stats.mailbox_posts.load();
         return s;
       })
       .def("sent_to", [](const Drain& d) {

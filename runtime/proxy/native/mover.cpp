@@ -59,11 +59,6 @@ class FlagCalls {
 Mover::~Mover() {
   if (stream_ != nullptr && cuda.loaded()) {
     try {
-      stop_mailbox();  // first (if the loop's finish did not): a running kernel blocks frees
-    } catch (const Failure&) {
-    }
-    if (mailbox_stuck_) return;  // leak rather than hang in a free that waits for the device
-    try {
       cuda.synchronize(stream_);
       for (void* e : marks_) cuda.destroy_event(e);
       cuda.free_host(stage_);
@@ -72,7 +67,6 @@ Mover::~Mover() {
       for (const Completion& c : closed_) cuda.destroy_event(c.event);
       for (void* e : free_events_) cuda.destroy_event(e);
       stop_kernel();
-      free_mailbox();
       cuda.destroy_stream(stream_);
     } catch (const Failure&) {
       // The process may be tearing CUDA down already; nothing useful to report.
@@ -183,20 +177,18 @@ void Mover::start_thread() {
   start_kernel();
   if (fused()) {
     single_.stream = stream_;
-    if (flag_copy) {
-      single_.stage = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
-      for (size_t r = 0; r < kStageWords / kRegionWords; ++r)
-        single_.marks.push_back(cuda.create_event());
-      single_.marked.assign(single_.marks.size(), false);
-    }
-  } else if (flag_copy) {
+    if (!flag_copy) return;
+    single_.stage = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
+    for (size_t r = 0; r < kStageWords / kRegionWords; ++r)
+      single_.marks.push_back(cuda.create_event());
+    single_.marked.assign(single_.marks.size(), false);
+    return;
+  }
+  if (flag_copy) {
     stage_ = static_cast<uint32_t*>(cuda.host_alloc(kStageWords * sizeof(uint32_t)));
     for (size_t r = 0; r < kStageWords / kRegionWords; ++r) marks_.push_back(cuda.create_event());
     marked_.assign(marks_.size(), false);
   }
-  // Last: its kernel runs until the loop ends, and nothing after it may wait for the device
-  // (a pinned allocation, for one, can).
-  start_mailbox();
 }
 
 void Mover::begin_batch(const std::vector<Command>& cmds, int n, bool backlog) {
@@ -447,10 +439,7 @@ void Mover::write(int64_t src_rank, const Rect& src, int64_t dst_rank, const Rec
     done_raised = true;
   } else if (dm.place == Place::kCuda) {
     uint8_t* to = d.base + dst.row0 * d.row_bytes + dst.col0 * d.itemsize;
-    if (mailbox_running_) {
-      write_mailbox(src_rank, dst_rank, s, d, src, to, from, events, done);
-      done_raised = true;
-    } else if (write_kernel(src_rank, dst_rank, s, d, src, to, from, events, done)) {
+    if (write_kernel(src_rank, dst_rank, s, d, src, to, from, events, done)) {
       done_raised = true;  // the kernel raised both sides' words
     } else {
       if (src.rows() == 1 || (width == s.row_bytes && width == d.row_bytes)) {
@@ -493,11 +482,7 @@ void Mover::signal(int64_t src_rank, int64_t dst_rank, int64_t event, int64_t ep
     nic->queue_write(src_rank, dst_rank, 0, 0, 0, 0, 0, event);
   } else {
     check_event(dst_rank, event, "event");
-    if (mailbox_running_ && it->second.place == Place::kCuda) {
-      signal_mailbox(dst_rank, event);
-    } else {
-      defer_raise(dst_rank, event, multi() ? stream_index(lane) : 0, index);
-    }
+    defer_raise(dst_rank, event, multi() ? stream_index(lane) : 0, index);
   }
   stats.signals.fetch_add(1, std::memory_order_relaxed);
 }
@@ -656,7 +641,6 @@ void Mover::finish() {
     nic->quiesce(send_timeout_s, abort);
     poll_network();
   }
-  stop_mailbox();  // every descriptor executed, the kernel ended
   if (stream_ != nullptr) cuda.synchronize(stream_);
   for (StreamState& st : streams_)
     if (st.stream != nullptr) cuda.synchronize(st.stream);

@@ -78,7 +78,6 @@
 #include <vector>
 
 #include "command.h"
-#include "copy_kernel.h"
 #include "cuda_api.h"
 #include "verbs.h"
 
@@ -125,8 +124,6 @@ struct MoverStats {
   std::atomic<int64_t> flag_calls{0}, flag_call_ns{0};
   // WRITEs that went out as one copy-and-flag kernel launch (copy_kernel.h).
   std::atomic<int64_t> kernel_writes{0};
-  // Descriptors posted to the mailbox kernel (WRITEs and SIGNALs; copy_kernel.h).
-  std::atomic<int64_t> mailbox_posts{0};
 };
 
 struct EventKey {
@@ -172,11 +169,6 @@ class Mover {
   // > 0: WRITEs of at most this many bytes go out as one copy-and-flag kernel launch (fixed once
   // the loop starts; one stream only; see "Copy kernel" above).
   int64_t copy_kernel_bytes = 0;
-  // Every WRITE and SIGNAL on GPU words executed by a persistent one-CTA kernel polling a ring
-  // in pinned host memory, no CUDA call per command (fixed once the loop starts; one stream;
-  // copy_kernel.h, "The mailbox").
-  bool mailbox = false;
-  bool mailbox_running() const { return mailbox_running_; }
   bool allow_batch = true;  // use cudaMemcpyBatchAsync for several flag copies where it exists
   bool multi() const { return n_streams > 1; }
   bool fused() const { return fuse_flags && !multi(); }
@@ -241,23 +233,6 @@ class Mover {
   bool write_kernel(int64_t src_rank, int64_t dst_rank, const Buffer& s, const Buffer& d,
                     const Rect& src, uint8_t* to, const uint8_t* from,
                     const std::vector<int64_t>& events, const std::vector<int64_t>& done);
-  // The mailbox (copy_kernel.cpp): its module, stream, ring of slots and done count.
-  struct MailboxSlot* slots_ = nullptr;
-  uint64_t* mailbox_done_ = nullptr;
-  uint64_t mailbox_head_ = 0;
-  void* mailbox_module_ = nullptr;
-  void* mailbox_stream_ = nullptr;
-  bool mailbox_running_ = false;
-  bool mailbox_stuck_ = false;  // its kernel did not end: nothing is freed
-  void start_mailbox();
-  void post_mailbox(uint64_t op, const CopyKernelArgs& args, bool abortable = true);
-  void stop_mailbox();  // after everything posted; then the kernel has ended
-  void free_mailbox();
-  bool raise_by_mailbox(CopyKernelArgs& a, int64_t rank, const std::vector<int64_t>& words);
-  void write_mailbox(int64_t src_rank, int64_t dst_rank, const Buffer& s, const Buffer& d,
-                     const Rect& src, uint8_t* to, const uint8_t* from,
-                     const std::vector<int64_t>& events, const std::vector<int64_t>& done);
-  void signal_mailbox(int64_t rank, int64_t event);
   // Host-resident flags waiting for the stream: ``open_`` behind everything queued so far,
   // ``closed_`` each behind an event recorded before later work (oldest first); events reused.
   struct Completion {
