@@ -280,16 +280,13 @@ def _check_shared_gpu(rt: TritonRuntime) -> None:
     copies run as kernels, or the proxy's copy-and-flag kernel (MGRAPH_PROXY_COPY_KERNEL_BYTES),
     which is a kernel wherever it runs."""
     from .ipc_share import IpcBuffers
-    from .shared_gpu import check_shared_gpu
+    from .shared_gpu import COPY_KERNEL, SHARED, check_shared_gpu
 
     shared = isinstance(getattr(rt, "arena_handle", None), IpcBuffers)
     kernel = getattr(getattr(rt, "settings", None), "proxy_copy_kernel_bytes", 0) > 0
     if shared or kernel:
         sms = torch.cuda.get_device_properties(rt.device).multi_processor_count
-        why = ("ranks share one GPU, so each proxy WRITE is a same-device copy that runs as a "
-               "kernel" if shared else "MGRAPH_PROXY_COPY_KERNEL_BYTES makes a proxy WRITE a "
-               "copy-and-flag kernel")
-        check_shared_gpu(rt.schedule, sms, why=why)
+        check_shared_gpu(rt.schedule, sms, why=SHARED if shared else COPY_KERNEL)
 
 
 def _transport_kind(kind: str, gpu: bool, streams: int) -> str:

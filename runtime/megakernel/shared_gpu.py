@@ -37,7 +37,11 @@ from mgraph.errors import ScheduleError
 if TYPE_CHECKING:
     from mgraph.scheduler.model import Schedule
 
-__all__ = ["starved", "check_shared_gpu"]
+__all__ = ["starved", "check_shared_gpu", "SHARED", "COPY_KERNEL"]
+
+# Why a proxy copy is a kernel (check_shared_gpu's ``why``)
+SHARED = "ranks share one GPU, so each proxy WRITE is a same-device copy that runs as a kernel"
+COPY_KERNEL = "MGRAPH_PROXY_COPY_KERNEL_BYTES makes a proxy WRITE a copy-and-flag kernel"
 
 
 def starved(schedule: Schedule, spare_sms: Sequence[int]) -> list[tuple[int, int]]:
@@ -98,8 +102,7 @@ def starved(schedule: Schedule, spare_sms: Sequence[int]) -> list[tuple[int, int
             for t, ended in zip(r["held"], r["ended"], strict=True) if t is not None and not ended]
 
 
-def check_shared_gpu(schedule: Schedule, sms: int, why: str = "ranks share one GPU, so each "
-                     "proxy WRITE is a same-device copy that runs as a kernel") -> None:
+def check_shared_gpu(schedule: Schedule, sms: int, why: str = SHARED) -> None:
     """ScheduleError if ``schedule``, run on GPUs of ``sms`` SMs whose proxy copies are kernels
     (ranks sharing one GPU, or the copy-and-flag kernel: ``why``), deadlocks because those
     copies find no free SM (module docstring)."""
