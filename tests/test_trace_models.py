@@ -168,16 +168,20 @@ def test_gqa_ring_moves_only_the_kv_heads(gqa):
     assert pushed == W * 2 * (B * 4 * (S // W) * 8) * 4  # ranks x (k, v) x one fp32 slice
 
 
-def test_gqa_heads_sharded_past_the_kv_heads_repeat_them():
-    """8 query heads and 4 KV heads on 8 ranks: a rank cannot hold a whole KV head, so each is
-    repeated in a relayout (the op's kv_heads must divide over the ranks), and it still
-    matches."""
+def test_gqa_heads_sharded_past_the_kv_heads_share_them():
+    """8 query heads and 4 KV heads on 8 ranks: no rank holds a KV head of its own, yet nothing
+    repeats them: each rank binds the one KV head its query head shares (two ranks read each),
+    and it still matches."""
     torch.manual_seed(8)
     x = torch.randn(1, 16, 64)
     for gqa in ("repeat", "sdpa"):
         prog = compiled_matches(Attention(gqa=gqa, mask="causal"), (x,), topology="1x8")
         (att,) = [n for n in prog.opgraph.nodes if n.op == "attention"]
-        assert "kv_heads" not in att.params and len(kv_repeats(prog)) == 2
+        assert att.params["kv_heads"] == 4 and not kv_repeats(prog)
+        g = prog.graph
+        for t in g.tasks:  # each rank's k and v: one KV head (16 tokens x 8), not 2 or 4
+            if t.kind == "attn_block":
+                assert [g.buffers[r.buffer].shape for r in t.reads[1:3]] == [(16, 8)] * 2, t
 
 
 class ReadsRepeatedK(Attention):

@@ -22,7 +22,9 @@ form, which the Program makes on the way in (mgraph/trace/attention_map.py).
 
 Grouped-query attention: option ``kv_heads`` (dividing H) gives k and v that many heads, each
 shared by H / kv_heads query heads (SDPA's ``enable_gqa``); the q blocks of a group read the
-same KV rows. ``kv_block``: keys per ``attn_block`` task; by default the largest multiple of
+same KV rows. Heads sharded, a rank binds the KV heads its query heads share (``kv_box``), so
+kv_heads need not divide by the world size: at 16 ranks, 32 heads and 8 KV heads, two ranks
+read each KV head and nothing repeats it. ``kv_block``: keys per ``attn_block`` task; by default the largest multiple of
 the q block dividing S, at most 8192 (ring_attention's ``default_kv_block``: every task reads
 and writes the fp32 state once, so fewer, longer tasks pay that less often per key; a q block's
 tasks form a chain, so longer ones take no parallelism away). Under a
@@ -141,12 +143,6 @@ def _shapes(
             hint="sequence-sharded attention is ring_attention (ContextParallel)",
         )
     check_layout(shape, lay, topology.world_size, OP, "choose heads divisible by the world size")
-    if lay.kind == "shard" and lay.dim == 1 and kv[1] % topology.world_size:
-        raise ShapeError(
-            f"{OP}: kv_heads={kv[1]} cannot be sharded over {topology.world_size} ranks with "
-            "the query heads",
-            hint="choose kv_heads divisible by the world size",
-        )
     _blocks(S, block, kv_block)
     return out
 
@@ -247,11 +243,20 @@ def _reference(
     return {"out": out.to(q.dtype)}
 
 
+def kv_box(box: Box, H: int, Hkv: int) -> Box:
+    """The KV heads a rank holding the query heads of ``box`` (a whole (batch, head) box) reads:
+    query head h shares KV head h // (H / Hkv). With heads sharded over more ranks than there
+    are KV heads, several ranks read one KV head (each gets its own copy of it), and a rank's
+    heads may span two groups; nothing requires kv_heads to divide by the world size."""
+    rep = H // Hkv
+    (h0, h1) = box[1]
+    return (box[0], (h0 // rep, (h1 - 1) // rep + 1), *box[2:])
+
+
 def _operand(
     b: GraphBuilder,
     name: str,
     rank: int,
-    lay: Layout,
     shape: tuple[int, int, int, int],
     own: Box,
     token_major: bool,
@@ -259,12 +264,14 @@ def _operand(
     """Tensor ``name`` (head-major ``shape``) bound on ``rank``, as a function of (batch,
     head of its heads, first token, end token) -> the region holding those tokens of that
     head: head-major, rows of the head's S; token-major, the batch's token rows and the head's
-    D columns. ``own``: the (batch, head) ranges the rank holds."""
+    D columns. ``own``: the (batch, head) box the rank holds, every token of it (the op's
+    layouts shard batches or heads only)."""
     B, heads, S, D = shape
     role = "output" if name == "out" else "input"
     if token_major:
-        held = layout_pieces((B, S, heads * D), tm_layout(lay), rank, b.world)
-        buf = b.bound_buffer(name, rank, name, held[0], cat_dim=held[1], role=role)
+        (h0, h1) = own[1]
+        piece = (own[0], (0, S), (h0 * D, h1 * D))
+        buf = b.bound_buffer(name, rank, name, [piece], role=role)
 
         def token_rows(bi: int, hi: int, t0: int, t1: int) -> Region:
             row = (bi - own[0][0]) * S
@@ -272,8 +279,7 @@ def _operand(
             return buf.region((row + t0, row + t1), (col, col + D))
 
         return token_rows
-    held = layout_pieces(shape, lay, rank, b.world)
-    buf = b.bound_buffer(name, rank, name, held[0], cat_dim=held[1], role=role)
+    buf = b.bound_buffer(name, rank, name, [own], role=role)
     per_batch = own[1][1] - own[1][0]
 
     def head_rows(bi: int, hi: int, t0: int, t1: int) -> Region:
@@ -319,10 +325,10 @@ def _lower(
         # batch and head ranges are whole boxes: no zigzag below dim 2
         box = layout_pieces(shape, lay, r, b.world)[0][0]
         heads = [(bi, hi) for bi in range(*box[0]) for hi in range(*box[1])]
-        kv_box = layout_pieces((B, Hkv, S, D), lay, r, b.world)[0][0]
-        boxes = {"q": box, "k": kv_box, "v": kv_box, "out": box}
+        kv = kv_box(box, H, Hkv)
+        boxes = {"q": box, "k": kv, "v": kv, "out": box}
         q, k, v, out = (
-            _operand(b, n, r, lay, (B, heads_of[n], S, D), boxes[n], n in tm) for n in TENSORS
+            _operand(b, n, r, (B, heads_of[n], S, D), boxes[n], n in tm) for n in TENSORS
         )
         bias = None
         if mask_shape is not None:
@@ -332,7 +338,7 @@ def _lower(
         ml = b.buffer("attn_ml", r, len(heads) * S, 2, dtype="float32")
         for group, (bi, hi) in enumerate(heads):  # one (batch, head) per S state rows
             base = group * S
-            hk = hi // (H // Hkv)  # its KV head
+            hk = hi // (H // Hkv)  # its KV head (k and v subtract the rank's first)
             for q0 in range(0, S, blk):
                 q1 = min(q0 + blk, S)  # the last block is short where blk does not divide S
                 rows = (base + q0, base + q1)

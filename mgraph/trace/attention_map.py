@@ -4,9 +4,9 @@ ContextParallel), with the forms model code writes:
 - grouped-query attention: ``enable_gqa=True`` with fewer KV heads than query heads, and
   transformers' ``repeat_kv`` (``x[:, :, None].expand(B, Hkv, rep, S, D).reshape(B, H, S, D)``,
   read by this attention only) give the op ``kv_heads``: k and v keep their Hkv heads, each
-  shared by H / Hkv query heads, so nothing repeats them and a ring moves Hkv / H of the bytes.
-  Where the op cannot share them (heads sharded over more ranks than there are KV heads, or
-  ``repeat_kv``'s result read by another op too), each KV head is repeated in a relayout;
+  shared by H / Hkv query heads, so nothing repeats them and a ring moves Hkv / H of the bytes,
+  also with heads sharded over more ranks than there are KV heads (each rank reads the KV heads
+  its query heads share). ``repeat_kv``'s result read by another op too is repeated as written;
 - masks: ``attn_mask`` boolean (True = attend) or additive, of any shape that broadcasts to
   ``[B, H, S, S]``. A mask computed at trace time (``torch.triu``/``arange``/``ones`` on shapes)
   is folded: one equal to the causal mask becomes ``is_causal`` (blocks above the diagonal are
@@ -31,7 +31,6 @@ hides nothing in such a row (all its scores are equal), in eager torch as in the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,21 +52,6 @@ __all__ = ["additive_mask", "token_major_attention"]
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SDPA's boolean mask (True = attend) as the additive one the attention op reads."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-
-
-def _repeat_heads(tr: Tracer, n: CNode, x: Value, heads: int, what: str) -> Value:
-    B, Hkv, S, D = x.shape
-    if heads % Hkv:
-        raise UnsupportedOpError(
-            f"{n.where()}: {heads} query heads are not a multiple of {Hkv} {what} heads",
-            hint="grouped-query attention shares each KV head among heads / kv_heads queries",
-        )
-    steps = [
-        ("view", (B, Hkv, 1, S, D)),
-        ("expand", (B, Hkv, heads // Hkv, S, D)),
-        ("view", (B, heads, S, D)),
-    ]
-    return tr.relayout(n, x, steps, shape=(B, heads, S, D), name=f"{n.name}_{what}_rep")
 
 
 def _is_causal(mask: torch.Tensor, S: int) -> bool:
@@ -156,12 +140,6 @@ def attention(
         if lay.kind == "rows" or (lay.kind == "shard" and lay.dim >= 2):
             as_dim = as_dim_shard(q.shape, lay, tr.world)
             lay = as_dim if as_dim is not None and as_dim.dim < 2 else REPLICATE
-
-    def shared(kv_heads: int) -> bool:
-        """Whether the op can share ``kv_heads`` KV heads among the query heads: always, but
-        with heads sharded each rank must hold whole KV heads."""
-        return ring or not (lay.kind == "shard" and lay.dim == 1 and kv_heads % tr.world)
-
     if len(q.shape) == 4 and len(k.shape) == 4 and k.shape[1] != q.shape[1] and gqa:
         if q.shape[1] % k.shape[1]:
             raise UnsupportedOpError(
@@ -169,11 +147,8 @@ def attention(
                 "KV heads",
                 hint="grouped-query attention shares each KV head among heads / kv_heads queries",
             )
-        if not shared(k.shape[1]):
-            k = _repeat_heads(tr, n, k, q.shape[1], "k")
-            v = _repeat_heads(tr, n, v, q.shape[1], "v")
     elif len(q.shape) == 4 and q.shape == k.shape == v.shape:
-        k, v = _unrepeat_kv(tr, n, k, v, shared)
+        k, v = _unrepeat_kv(tr, n, k, v)
         gqa = k.shape[1] != q.shape[1]
     if not (
         len(q.shape) == 4
@@ -236,17 +211,15 @@ def attention(
 
 
 # -- transformers' repeat_kv, undone ----------------------------------------------------------
-def _unrepeat_kv(
-    tr: Tracer, n: CNode, k: Value, v: Value, shared: Callable[[int], bool]
-) -> tuple[Value, Value]:
-    """k and v before transformers' ``repeat_kv`` when both are its result, read by this
-    attention only, and the op can share their heads (``shared``): their repeat relayouts are
-    taken out of the graph. Else k and v as given."""
+def _unrepeat_kv(tr: Tracer, n: CNode, k: Value, v: Value) -> tuple[Value, Value]:
+    """k and v before transformers' ``repeat_kv`` when both are its result and read by this
+    attention only: their repeat relayouts are taken out of the graph. Else k and v as
+    given."""
     found = [_repeat_of(tr, x) for x in (k, v)]
     if any(f is None for f in found):
         return k, v
     (k_node, k_base), (v_node, v_base) = found  # type: ignore[misc]
-    if k_base.shape != v_base.shape or not shared(k_base.shape[1]):
+    if k_base.shape != v_base.shape:
         return k, v
     if not all(_only_read_by(tr, n, node) for node in (k_node, v_node)):
         return k, v
