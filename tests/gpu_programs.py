@@ -202,8 +202,30 @@ def spmd_cases(rank: int, world: int) -> dict:
         args = tuple(a.to("cuda", BF16) for a in args)
         return check(mg.compile(m, args, topology=f"1x{world}", backend="triton"), m, args)
 
+    def llama_gqa() -> dict:
+        """A Llama block whose KV heads are fewer than the ranks (1 KV head of 128 over 2+
+        ranks): each rank's attention binds the KV head its query heads share, and k's head
+        split of half-head shards is row-sharded (v21)."""
+        import llama_block as lb
+
+        torch.manual_seed(0)
+        model = lb.DecoderBlock(hidden=512, heads=4, kv_heads=1, ffn=1024).to("cuda", BF16)
+        model = model.eval()
+        x = torch.randn(1, 512, 512, device="cuda", dtype=BF16)
+        prog = mg.compile(model, (x,), plan=lb.block_plan(), topology=f"1x{world}",
+                          backend="triton")
+        (att,) = [n for n in prog.lowered.nodes if n.op == "attention"]
+        assert att.params.get("kv_heads") == 1, att.params
+        return check(
+            prog,
+            model,
+            (x,),
+            lambda a, out: ((a[0].chunk(world, 1)[rank],), out.chunk(world, 1)[rank]),
+        )
+
     cases[f"mlp-1x{world}"] = mlp
     cases[f"block-sp-1x{world}"] = block
+    cases[f"llama-gqa-1x{world}"] = llama_gqa
     cases[f"chain-1x{world}"] = chain
     return cases
 
