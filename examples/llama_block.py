@@ -46,7 +46,7 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", 1.0 / theta**exponents, persistent=False)
 
     def rotary(self, x: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(torch.arange(seq).float(), self.inv_freq)
+        freqs = torch.outer(torch.arange(seq, device=x.device).float(), self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)[None]  # [1, S, D]
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -61,7 +61,7 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         n_rep = self.heads // self.kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        mask = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
+        mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=x.device), diagonal=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=~mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
