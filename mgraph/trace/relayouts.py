@@ -82,13 +82,6 @@ def relayout(
         dst = canonical(out_shape, want, self.world)
     if dst is None:
         src = dst = REPLICATE
-    # A sharded input whose chain has no layout (k's head split of half-head column shards:
-    # 8 KV heads over 16 ranks) is gathered whole; each rank then makes only its share of the
-    # rows, not all of them (what follows, e.g. RoPE, then runs on 1/W of them too), and a
-    # consumer that wants another part gathers it (the attention: its KV head from two ranks).
-    if (dst.kind == "replicate" and base.layout is not None and base.layout.kind != "replicate"
-            and self.world > 1 and flat_shape(out_shape)[0] % self.world == 0):
-        dst = canonical(out_shape, Layout("rows", -1, False), self.world)
     if not relayout_feasible(base.shape, steps, src, dst, self.world):
         src = REPLICATE
     params = {
