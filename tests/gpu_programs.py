@@ -204,8 +204,7 @@ def spmd_cases(rank: int, world: int) -> dict:
 
     def llama_gqa() -> dict:
         """A Llama block whose KV heads are fewer than the ranks (1 KV head of 128 over 2+
-        ranks): each rank's attention binds the KV head its query heads share, and k's head
-        split of half-head shards is row-sharded (v21)."""
+        ranks): each rank's attention binds the KV head its query heads share (v21)."""
         import llama_block as lb
 
         torch.manual_seed(0)
