@@ -493,8 +493,12 @@ class Program:
                 globals_[value.name] = self._spmd_input(value, arg, rank, world)
         if self._runtime is None:
             self._runtime = TritonRuntime(self.schedule, rank=rank, settings=settings, **opts)
-        result = self._launch(globals_, lambda ins: local_shards(self.graph, rank, ins), poison,
-                              wait)
+        def local(ins: dict[str, torch.Tensor]) -> dict:
+            # per_buffer: a constant the rank holds in two buffers (a RoPE table read whole and
+            # by rows) gets each buffer's own part
+            return local_shards(self.graph, rank, ins, per_buffer=True)
+
+        result = self._launch(globals_, local, poison, wait)
         # a call that did not wait got copies of its own (masked by the watchdog record); a
         # waiting one, views of the buffers that the next launch rewrites
         private = not self._runtime.last_waited

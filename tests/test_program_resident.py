@@ -133,6 +133,72 @@ def test_resident_inputs_on_a_rank_of_an_spmd_graph():
         rt.load_inputs(mine)
 
 
+def test_an_spmd_rank_holding_an_input_in_two_buffers_gets_each_its_part():
+    """A rank may bind one input twice with different parts (a folded RoPE table read whole by
+    one op and by rows by another): local_shards gives its parts per buffer when asked
+    (``per_buffer``, what a Program passes), load_inputs fills each buffer with its own, and
+    without it the caller gets the named error."""
+    from mgraph.runtime.megakernel.calls import BufferShards
+
+    b = GraphBuilder("twice", mg.Topology.parse("1x2"), "float32", {})
+    b.global_input("x", (32, 16))
+    b.global_output("out", (48, 32))
+    for r in range(2):
+        part = b.bound_buffer("x_rows", r, "x", [piece((32, 16), d0=(16 * r, 16 * r + 16))])
+        whole = b.bound_buffer("x_all", r, "x", [piece((32, 16))])
+        out = b.bound_buffer("out", r, "out", [piece((48, 32), d1=(16 * r, 16 * r + 16))],
+                             role="output")  # fmt: skip
+        b.task(r, Role.COMPUTE, "copy", [part.region()], [out.region((0, 16))], name=f"p{r}")
+        b.task(r, Role.COMPUTE, "copy", [whole.region()], [out.region((16, 48))], name=f"w{r}")
+    g = b.finish()
+    g.validate()
+    x = torch.randn(32, 16)
+    with pytest.raises(mg.InputError, match="two buffers"):
+        local_shards(g, 1, {"x": x})
+    mine = local_shards(g, 1, {"x": x}, per_buffer=True)
+    assert isinstance(mine["x"], BufferShards) and sorted(mine["x"]) == ["x_all@1", "x_rows@1"]
+    shared = _SharedMemory(g, torch.device("cpu"))
+    rt = TritonRuntime(mg.schedule(g), rank=1, interpret=True, shared=shared)
+    rt.load_inputs(mine)
+    assert torch.equal(rt.views["x_rows@1"], x[16:32])
+    assert torch.equal(rt.views["x_all@1"], x)
+    with pytest.raises(mg.InputError, match="no part of input 'x' for its buffer x_all@1"):
+        rt.load_inputs({"x": BufferShards({"x_rows@1": x[16:32]})})
+
+
+def test_a_traced_llama_block_binds_a_rope_table_twice_and_spmd_loads_get_every_part():
+    """Where it happens (found on one H200, two ranks sharing it): a Llama block with one KV head
+    over 2 ranks binds the folded cos table twice on a rank, whole and by rows. The parts a
+    Program hands each rank's load (per buffer) are exactly what the single-process load cuts
+    for each buffer from the global tensor."""
+    import sys
+    from pathlib import Path
+
+    from mgraph.runtime.megakernel.calls import BufferShards, buffer_shard
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    import llama_block as lb
+
+    torch.manual_seed(0)
+    model = lb.DecoderBlock(hidden=256, heads=2, kv_heads=1, ffn=512).eval()
+    x = torch.randn(1, 64, 256)
+    prog = mg.compile(model, (x,), plan=lb.block_plan(), topology="1x2")
+    inputs = prog.inputs(x)
+    twice = False
+    for rank in range(2):
+        mine = local_shards(prog.graph, rank, inputs, per_buffer=True)
+        for name, given in mine.items():
+            bufs = [b for b in prog.graph.buffers.values() if b.rank == rank
+                    and b.role == "input" and b.binding.tensor == name]  # fmt: skip
+            for buf in bufs:
+                part = given[buf.id] if isinstance(given, BufferShards) else given
+                assert torch.equal(part, buffer_shard(buf, inputs)), (rank, buf.id)
+            twice |= isinstance(given, BufferShards)
+    assert twice  # else this test no longer covers the case
+    with pytest.raises(mg.InputError, match="two buffers"):
+        local_shards(prog.graph, 0, inputs)
+
+
 @pytest.mark.multi_gpu(2)
 def test_gpu_program_weights_under_torchrun(tmp_path):
     """The same on 2 H200 (tests/gpu_program_weights.py): 1 GPU and SPMD on 2."""

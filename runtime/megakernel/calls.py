@@ -12,7 +12,7 @@ import torch
 from mgraph.errors import InputError
 from mgraph.graph import Buffer, TaskGraph, torch_dtype
 
-__all__ = ["arena_views", "buffer_shard", "local_shards", "assemble_local"]
+__all__ = ["arena_views", "buffer_shard", "BufferShards", "local_shards", "assemble_local"]
 
 
 def arena_views(graph: TaskGraph, lay, rank: int, arena: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -34,25 +34,43 @@ def buffer_shard(buf, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=b.cat_dim)
 
 
-def local_shards(graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor]) -> dict:
+class BufferShards(dict):
+    """One input's local shards on a rank that holds it in several buffers with different parts
+    (a folded RoPE table read whole by one op and by rows by another): buffer id -> the part
+    that buffer holds. ``local_shards(..., per_buffer=True)`` gives one for such an input, and
+    ``TritonRuntime.load_inputs`` copies each buffer from its own entry."""
+
+
+def local_shards(
+    graph: TaskGraph, rank: int, inputs: dict[str, torch.Tensor], *, per_buffer: bool = False
+) -> dict:
     """The rank's local input tensors (what an SPMD caller passes) cut from GLOBAL inputs; a
     name missing from ``inputs`` is missing from the result too. A rank with two buffers of one
-    input (a chunk and the whole, say) cannot be fed one tensor per name: a named error
-    (single-process runs fill each buffer from the global input)."""
-    out, seen = {}, {}
+    input with different parts (a chunk and the whole, say) cannot be fed one tensor per name:
+    a named error, or with ``per_buffer`` (what a Program passes: it holds the global tensors)
+    a ``BufferShards`` of that input's parts."""
+    bufs_of: dict[str, list[Buffer]] = {}
     for buf in graph.buffers.values():
         if buf.rank == rank and buf.role == "input" and buf.binding is not None:
-            name = buf.binding.tensor
-            if name in seen and seen[name] != buf.binding.pieces:
-                raise InputError(
-                    f"{graph.op}: rank {rank} holds input {name!r} in two buffers with different "
-                    "parts; one local tensor per name cannot feed both",
-                    hint="run it from one process with global inputs (mg.run, a Program), "
-                    "which fills each buffer from the global tensor",
-                )
-            seen[name] = buf.binding.pieces
-            if name in inputs:  # one left out stays out (a resident input, see load_inputs)
-                out[name] = buffer_shard(buf, inputs)
+            bufs_of.setdefault(buf.binding.tensor, []).append(buf)
+    out: dict = {}
+    for name, bufs in bufs_of.items():
+        first = bufs[0].binding
+        apart = any(b.binding.pieces != first.pieces or b.binding.cat_dim != first.cat_dim
+                    for b in bufs[1:])  # fmt: skip
+        if apart and not per_buffer:
+            raise InputError(
+                f"{graph.op}: rank {rank} holds input {name!r} in two buffers with different "
+                "parts; one local tensor per name cannot feed both",
+                hint="run it from one process with global inputs (mg.run, a Program), "
+                "which fills each buffer from the global tensor",
+            )
+        if name not in inputs:  # one left out stays out (a resident input, see load_inputs)
+            continue
+        if apart:
+            out[name] = BufferShards({b.id: buffer_shard(b, inputs) for b in bufs})
+        else:
+            out[name] = buffer_shard(bufs[0], inputs)
     return out
 
 

@@ -32,7 +32,7 @@ from mgraph.settings import Settings
 
 from ..memory import check_inputs, check_outputs_written, gather_outputs
 from ..trace import TaskRecord, Trace
-from .calls import _CallPlan, arena_views, assemble_local, buffer_shard, local_shards
+from .calls import BufferShards, _CallPlan, arena_views, assemble_local, buffer_shard, local_shards
 from .dispatch import PUSH_KIND, body_constexprs, body_params, megakernel_for
 from .encode import (
     GEMM_KINDS,
@@ -317,9 +317,14 @@ class TritonRuntime:
                 continue
             if name not in inputs:
                 raise InputError(f"{graph.op}: rank {self.rank} got no local input {name!r}")
-            x = inputs[name]
+            given = inputs[name]
             plan.loaded.discard(name)
             for buf in bufs:
+                # a BufferShards: the rank holds the input in buffers with different parts
+                x = given.get(buf.id) if isinstance(given, BufferShards) else given
+                if x is None:
+                    raise InputError(f"{graph.op}: rank {self.rank} got no part of input "
+                                     f"{name!r} for its buffer {buf.id}")
                 if x.numel() != buf.rows * buf.cols or x.dtype != torch_dtype(buf.dtype):
                     raise InputError(
                         f"{graph.op}: rank {self.rank} input {name!r} is {tuple(x.shape)} "
