@@ -56,6 +56,15 @@ from ..hardware import HardwareProfile
 from ..kinds import Role
 from ..validate import CounterOrder, topo_order
 from .checks import SimulatedOrder
+from .paths import (
+    critical_path_lengths,
+    network_levels,
+    network_slots,
+    network_waves,
+    path_lengths,
+    push_rotation,
+    staged_keys,
+)
 from .placement import Pools, constrained_lengths, network_makespan, queue_makespan
 
 __all__ = [
@@ -67,6 +76,8 @@ __all__ = [
     "register_policy",
     "list_order",
     "list_order_steps",
+    "keyed_steps",
+    "longest_path_order",
     "Columns",
     "critical_path_lengths",
     "network_levels",
@@ -300,18 +311,7 @@ def list_order_steps(
     rank_of = [0] * n
     for i, tid in enumerate(by_rank):
         rank_of[tid] = i
-    # event -> count -> waiters: a signal visits only the waiters its new count releases (a
-    # join event of a traced layer has ~100 signalers and as many waiters)
-    if facts is not None and facts.released is not None and facts.waits is not None:
-        waiters = facts.released
-        missing = list(facts.waits)
-    else:
-        waiters = {}
-        missing = [0] * n
-        for t in tasks:
-            missing[t.id] = len(t.waits)
-            for e, c in t.waits:
-                waiters.setdefault(e, {}).setdefault(c, []).append(t.id)
+    waiters, missing = _counter_tables(graph, facts)
     count = [0] * len(graph.events)
     # Where the ranking is itself an order the counters allow (longest_path's, when every
     # task costs time: a task's path is longer than each successor's), the simulation takes
@@ -352,48 +352,54 @@ def list_order_steps(
     assert len(order) == n, "policy_input's topo_order already proved every task can run"
 
 
-# The passes below walk the events, not the successor lists: every task waiting for all of an
-# event's signals runs after each of its signalers, so one fold of the event's full waiters
-# serves all its signalers; a partial waiter counts only for the signalers earlier in ``order``
-# (the edges ``succ`` holds, the same maxima and minima).
-def critical_path_lengths(facts: PolicyInput, partial_waits: bool = True) -> list[float]:
-    """Cost of the longest path from each task to the end of the graph, the task included.
-    A partial wait (a count below the event's total) counts as an edge from each of its
-    earlier signalers: a priority, not a bound, since any of them may be the one it needs.
-    ``partial_waits=False`` leaves those edges out: then each value is a lower bound on the
-    time from the task's start to the end in the queue model."""
-    costs, pos, full = facts.costs, facts.pos, facts.full
-    partial = facts.partial if partial_waits else {}
-    tasks = facts.graph.tasks
-    length = list(costs)
-    after: dict[int, float] = {}  # event -> the longest path from its full waiters
-    if not partial:
-        # the loop below without the partial waiters' lookup per signal, the events' values
-        # in a list
-        known: list[float | None] = [None] * len(full)
-        for tid in reversed(facts.order):
-            best = 0.0
-            for e in tasks[tid].signals:
-                v = known[e]
-                if v is None:
-                    v = known[e] = max(map(length.__getitem__, full[e]), default=0.0)
-                if v > best:
-                    best = v
-            length[tid] = costs[tid] + best
-        return length
-    for tid in reversed(facts.order):
-        best = 0.0
+def keyed_steps(
+    graph: TaskGraph,
+    key: Callable[[int], tuple[Any, ...]],
+    facts: PolicyInput | None,
+    order: list[int],
+) -> Iterator[int]:
+    """``list_order_steps`` for the priority ``key(id)``, a tuple that ends with the id (so
+    unique, and ties go by id as there). The heap holds the ready tasks' keys, made as they
+    become ready: a caller that stops early never ranks every task (``_network_choice``: the
+    2x8 layer's staged order stops after 1.3k of its 34k tasks, where ranking took two sorts
+    of all 34k ids and a pass to invert them)."""
+    tasks = graph.tasks
+    waiters, missing = _counter_tables(graph, facts)
+    count = [0] * len(graph.events)
+    heap = [key(tid) for tid, m in enumerate(missing) if not m]
+    heapq.heapify(heap)
+    heappop, heappush = heapq.heappop, heapq.heappush
+    while heap:
+        tid = heappop(heap)[-1]
+        order.append(tid)
+        yield tid
         for e in tasks[tid].signals:
-            v = after.get(e)
-            if v is None:
-                v = after[e] = max(map(length.__getitem__, full[e]), default=0.0)
-            if v > best:
-                best = v
-            for w in partial.get(e, ()):
-                if pos[tid] < pos[w] and length[w] > best:
-                    best = length[w]
-        length[tid] = costs[tid] + best
-    return length
+            count[e] += 1
+            by_count = waiters.get(e)
+            if by_count is None:
+                continue
+            for w in by_count.get(count[e], ()):
+                missing[w] -= 1
+                if missing[w] == 0:
+                    heappush(heap, key(w))
+    assert len(order) == len(tasks), "policy_input's topo_order proved every task can run"
+
+
+def _counter_tables(
+    graph: TaskGraph, facts: PolicyInput | None
+) -> tuple[dict[int, dict[int, list[int]]], list[int]]:
+    """event -> count -> waiters, and each task's number of waits (a copy: the simulation
+    counts it down). A signal visits only the waiters its new count releases (a join event of
+    a traced layer has ~100 signalers and as many waiters)."""
+    if facts is not None and facts.released is not None and facts.waits is not None:
+        return facts.released, list(facts.waits)
+    waiters: dict[int, dict[int, list[int]]] = {}
+    missing = [0] * len(graph.tasks)
+    for t in graph.tasks:
+        missing[t.id] = len(t.waits)
+        for e, c in t.waits:
+            waiters.setdefault(e, {}).setdefault(c, []).append(t.id)
+    return waiters, missing
 
 
 _RDMA = Role.RDMA.value
@@ -401,156 +407,6 @@ _RDMA = Role.RDMA.value
 # critical_path takes the order placed on the workers only when the queue model predicts it
 # shorter than longest_path's by more than this fraction
 PLACED_MARGIN = 0.01
-
-_NEVER = 1 << 30  # the wave of a task no network transfer depends on
-
-
-def network_levels(graph: TaskGraph, facts: PolicyInput) -> list[int]:
-    """For each task, the number of rdma tasks on the longest chain ending at it (itself
-    included): 0 for what needs no network data, 1 for a first-wave send and for what waits on
-    one (a rail reduce-scatter's sums), and so on."""
-    rdma = Role.RDMA.value
-    tasks, pos, partial = graph.tasks, facts.pos, facts.partial
-    signalers = graph.signalers() if partial else {}
-    partial_waits = {(e, w) for e, waiters in partial.items() for w in waiters}
-    level = [0] * len(tasks)
-    reached = [0] * len(graph.events)  # the highest level among an event's signalers so far
-    if not partial_waits:
-        # every wait is a full one (the common case): the loop below without the per-wait
-        # membership test, a one-wait task (nearly all of them) read directly
-        for tid in facts.order:
-            t = tasks[tid]
-            waits = t.waits
-            if len(waits) == 1:
-                lv = reached[waits[0][0]]
-            else:
-                lv = 0
-                for e, _ in waits:
-                    if reached[e] > lv:
-                        lv = reached[e]
-            if t.role == rdma:
-                lv += 1
-            level[tid] = lv
-            for e in t.signals:
-                if reached[e] < lv:
-                    reached[e] = lv
-        return level
-    for tid in facts.order:
-        t = tasks[tid]
-        lv = 0
-        for e, _ in t.waits:
-            if (e, tid) in partial_waits:
-                for s in signalers[e]:
-                    if pos[s] < pos[tid] and level[s] > lv:
-                        lv = level[s]
-            elif reached[e] > lv:  # a full wait: every signaler already ran
-                lv = reached[e]
-        if t.role == rdma:
-            lv += 1
-        level[tid] = lv
-        for e in t.signals:
-            if reached[e] < lv:
-                reached[e] = lv
-    return level
-
-
-def network_waves(graph: TaskGraph, facts: PolicyInput) -> list[int]:
-    """For each task, the earliest network wave that needs it (``_NEVER`` if none).
-
-    An rdma task's wave is its ``network_levels`` value: wave 1 sends data produced locally,
-    wave 2 sends what wave 1 made possible (a reduce-scatter's all-gather), and so on. A task's
-    wave is the smallest wave among the rdma tasks that depend on it: the lower, the sooner the
-    network waits for it.
-    """
-    rdma = Role.RDMA.value
-    level = network_levels(graph, facts)
-    return _earliest_downstream(
-        graph, facts, [level[t.id] if t.role == rdma else _NEVER for t in graph.tasks]
-    )
-
-
-def _earliest_downstream(graph: TaskGraph, facts: PolicyInput, own: list[int]) -> list[int]:
-    """For each task, the smallest ``own`` value among itself and the tasks that depend on it
-    (through full waits, and partial waits that come after it in the order)."""
-    tasks, pos, full, partial = graph.tasks, facts.pos, facts.full, facts.partial
-    need = [_NEVER] * len(tasks)
-    first: dict[int, int] = {}  # event -> the smallest value among its full waiters
-    if not partial:
-        # the loop below without the partial waiters' lookup per signal, the events' values
-        # in a list
-        known: list[int | None] = [None] * len(full)
-        for tid in reversed(facts.order):
-            best = own[tid]
-            for e in tasks[tid].signals:
-                v = known[e]
-                if v is None:
-                    v = known[e] = min(map(need.__getitem__, full[e]), default=_NEVER)
-                if v < best:
-                    best = v
-            need[tid] = best
-        return need
-    for tid in reversed(facts.order):
-        best = own[tid]
-        for e in tasks[tid].signals:
-            v = first.get(e)
-            if v is None:
-                v = first[e] = min(map(need.__getitem__, full[e]), default=_NEVER)
-            if v < best:
-                best = v
-            for w in partial.get(e, ()):
-                if pos[tid] < pos[w] and need[w] < best:
-                    best = need[w]
-        need[tid] = best
-    return need
-
-
-def network_slots(
-    graph: TaskGraph,
-    facts: PolicyInput,
-    lag: int | None = None,
-    level: list[int] | None = None,
-) -> list[int]:
-    """For each task, the earliest slot among the RDMA tasks that depend on it (itself
-    included; ``_NEVER`` if none), where a rank's RDMA tasks take slots in (network wave, id)
-    order: every first-wave send of the rank, then the second wave (a reduce-scatter's
-    all-gather), and so on.
-
-    Ordering by it, chunk c's tiles, node sums and send come before chunk c+1's, so each send
-    leaves while later tiles compute. Wave-major, so the one RDMA worker's queue never holds a
-    send behind a second-wave task that waits a network round trip (slots in id order
-    interleave them: simulated 2x8 GEMM+AR 4096x256x4096 0.81 ms against 0.58 wave-major).
-
-    With ``lag`` k the waves interleave instead, k sends apart: the j-th send (in id order) of
-    wave w takes the slot after the (j + k)-th of wave w - 1, so a later wave's send follows
-    k more sends of the wave before it (``staged_order``: k = 1). Wave-major put every tile
-    of a chunk that only a second-wave send needs (the chunks a rank reduces for its own node)
-    after every first-wave chunk, so nothing of the node broadcast could start before half of
-    the GEMM had run (simulated 2x8 GEMM+AR 32768x2048x32768: first broadcast at 5.8 ms).
-    ``level``: ``network_levels(graph, facts)`` when the caller has it.
-    """
-    rdma = Role.RDMA.value
-    if level is None:
-        level = network_levels(graph, facts)
-    # an rdma task's wave is its own level: every rdma task that depends on it is a level up
-    by_rank: dict[int, list[tuple[int, int]]] = {}
-    for t in graph.tasks:
-        if t.role == rdma:
-            by_rank.setdefault(t.rank, []).append((level[t.id], t.id))
-    own = [_NEVER] * len(graph.tasks)
-    for sends in by_rank.values():
-        sends.sort()
-        if lag is not None:
-            index: dict[int, int] = {}  # wave -> its sends so far, in id order
-            keyed = []
-            for w, tid in sends:
-                j = index.get(w, 0)
-                index[w] = j + 1
-                keyed.append((j + lag * (w - 1), w, tid))
-            keyed.sort()
-            sends = [(w, tid) for _, w, tid in keyed]
-        for slot, (_, tid) in enumerate(sends):
-            own[tid] = slot
-    return _earliest_downstream(graph, facts, own)
 
 
 def staged_order(
@@ -570,67 +426,29 @@ def staged_order(
     (a tile placed as soon as its counters allow holds its worker for a network transfer):
     2x8 ring attention S=12288 3.2 -> 6.6 ms, AG+GEMM 4096 0.38 -> 0.52 ms. ``critical_path``
     keeps it only where ``network_makespan`` predicts it shorter."""
-    return list_order(graph, _staged_priority(graph, facts, length, turn), facts)
+    _, _, stage, slot = staged_keys(graph, facts)
+    return list_order(graph, Columns(stage, slot, then=Columns([-x for x in length], turn)), facts)
 
 
-def _staged_priority(
-    graph: TaskGraph,
-    facts: PolicyInput,
-    length: list[float],
-    turn: list[int],
-    plain: Columns | None = None,
-) -> Columns:
-    """``plain``: ``Columns([-x for x in length], turn)`` when the caller ranked it already."""
-    rdma = Role.RDMA.value
-    level = network_levels(graph, facts)
-    stage = [0 if t.role == rdma else -level[t.id] for t in graph.tasks]
-    slot = network_slots(graph, facts, lag=1, level=level)
-    return Columns(stage, slot, then=plain or Columns([-x for x in length], turn))
-
-
-def push_rotation(graph: TaskGraph) -> list[int]:
-    """The tie-break of the builtin policies for tasks that write into exactly one node peer:
-    how far that peer is from the task's GPU, starting at the next one, (peer - gpu - 1) mod
-    gpus_per_node. 0 for tasks writing no peer or several (a broadcast loads all links alike),
-    and for every task on nodes of 1 or 2 GPUs (one peer: nothing to rotate).
-
-    An NVLink-role task adds ``k * gpus_per_node``, k being how many NVLink tasks of its rank
-    into the same peer come before it in id order (its chunk, where a lowering splits a copy per
-    (chunk, peer): gemm_allreduce's node broadcast, allgather_gemm's and ring attention's pushes
-    and forwards). Those copies are of equal path length, and by peer alone a rank's NVLink queue
-    held every chunk's copy to r+1 before any to r+2: a worker blocked on a late chunk's copy
-    while other chunks' copies were ready (simulated 2x8 GEMM+AR 16384: 3.837 -> 3.518 ms;
-    AG+GEMM 16384: 4.648 -> 4.312 ms). With k first they go chunk by chunk, each chunk's from
-    the next GPU on, whatever peer order the lowering emitted them in."""
-    topo = graph.topology
-    per_node = topo.gpus_per_node
-    holder = {bid: b.rank for bid, b in graph.buffers.items()}
-    out = [0] * len(graph.tasks)
-    if per_node <= 2:
-        return out
-    nvlink = Role.NVLINK.value
-    seen: dict[tuple[int, int], int] = {}  # (rank, peer) -> NVLink tasks so far, in id order
-    for t in graph.tasks:
-        peer = -1
-        rank = t.rank
-        node = rank // per_node
-        for w in t.writes:
-            h = holder[w[0]]
-            if h == rank or h == peer or h // per_node != node:
-                continue
-            if peer >= 0:  # a second peer: no single target
-                peer = -2
-                break
-            peer = h
-        if peer < 0:
-            continue
-        turn = (peer - rank - 1) % per_node
-        if t.role == nvlink:
-            k = seen.get((rank, peer), 0)
-            seen[rank, peer] = k + 1
-            turn += k * per_node
-        out[t.id] = turn
-    return out
+def longest_path_order(
+    graph: TaskGraph, facts: PolicyInput, by_length: Columns, descending: bool
+) -> list[int]:
+    """``list_order(graph, by_length, facts)``: longest_path's order from its priority
+    (``Columns([-x for x in length], turn)``) and ``path_lengths``' flag, which, when True,
+    proves the ranking itself an order the counters allow (each task after the signalers of
+    every event it waits on), so it is the order the simulation would take, without the
+    simulation (~25 ms at 2x8). The proof holds only for lengths computed over an order of
+    validation's own simulation, whose tables ``list_order`` would simulate with anyway."""
+    order = facts.order
+    if (
+        descending
+        and facts.graph is graph
+        and not facts.partial
+        and isinstance(order, CounterOrder)
+        and facts.released is order.released
+    ):
+        return SimulatedOrder(list(by_length.ranked()), graph)
+    return list_order(graph, by_length, facts)
 
 
 # -- the builtin policies ----------------------------------------------------------------------
@@ -663,8 +481,6 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     megakernel's static GEMM prefix (runtime/megakernel/encode.py: the compute queue's leading
     GEMM tasks) from 2048 tiles to 4 there, which the simulator does not model, so the measured
     schedules stay until a GPU run compares."""
-    length = critical_path_lengths(facts)
-    turn = push_rotation(graph)
     rdma = any(t.role == _RDMA for t in graph.tasks)
     if (
         rdma
@@ -672,15 +488,17 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
         and facts.workers is not None
         and facts.hardware is not None
     ):
-        return _network_choice(graph, facts, length, turn)
+        return _network_choice(graph, facts)
+    length, descending = path_lengths(facts)
+    by_length = Columns([-x for x in length], push_rotation(graph))
+    plain_order = longest_path_order(graph, facts, by_length, descending)
     if facts.workers is None or rdma:
-        return list_order(graph, Columns([-x for x in length], turn), facts)
+        return plain_order
     # the backward schedule breaks ties as the mirror of longest_path's order, so tasks it
     # cannot tell apart keep that order (a lowering's tile bands, push_rotation)
     rank = [0] * len(graph.tasks)
-    for i, tid in enumerate(Columns([-x for x in length], turn).ranked()):
+    for i, tid in enumerate(by_length.ranked()):
         rank[tid] = i
-    plain_order = list_order(graph, rank, facts)  # longest_path's
     pools = Pools(graph, facts.workers, facts.total, facts.partial)
     plain = queue_makespan(graph, pools, plain_order, facts.costs)
     # Nothing to gain where longest_path's order is predicted within the margin of the bound
@@ -709,15 +527,14 @@ def critical_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     return placed_order if better < plain * (1.0 - PLACED_MARGIN) else plain_order
 
 
-def _network_choice(
-    graph: TaskGraph, facts: PolicyInput, length: list[float], turn: list[int]
-) -> list[int]:
+def _network_choice(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     """``critical_path`` on a graph with RDMA tasks: longest_path's order or ``staged_order``,
     whichever ``network_makespan`` predicts shorter (staged only by more than the margin)."""
     assert facts.workers is not None and facts.hardware is not None
     costs = facts.costs
-    by_length = Columns([-x for x in length], turn)
-    plain = list_order(graph, by_length, facts)
+    length, descending, stage, slot = staged_keys(graph, facts)
+    by_length = Columns([-x for x in length], push_rotation(graph))
+    plain = longest_path_order(graph, facts, by_length, descending)
     pools = Pools(graph, facts.workers, facts.total, facts.partial)
     before = network_makespan(graph, pools, plain, costs, facts.hardware)
     need = before * (1.0 - PLACED_MARGIN)
@@ -729,8 +546,9 @@ def _network_choice(
     # the plain one predicts the same, so it is never taken, as before.
     tail = None if facts.partial else [x - c for x, c in zip(length, costs, strict=True)]
     staged: list[int] = []
-    steps = list_order_steps(
-        graph, _staged_priority(graph, facts, length, turn, by_length), facts, staged
+    neg, turn = by_length.columns
+    steps = keyed_steps(
+        graph, lambda tid: (stage[tid], slot[tid], neg[tid], turn[tid], tid), facts, staged
     )
     after = network_makespan(graph, pools, steps, costs, facts.hardware, limit=need, tail=tail)
     return staged if after < need else plain
@@ -751,9 +569,9 @@ def longest_path(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     """Longest remaining path (by estimated cost, a worker for every task) first, ties by
     ``push_rotation`` then id: the classic list-scheduling priority, ``critical_path``'s order
     before it counted the workers (kept to compare against)."""
-    length = critical_path_lengths(facts)
-    turn = push_rotation(graph)
-    return list_order(graph, Columns([-x for x in length], turn), facts)
+    length, descending = path_lengths(facts)
+    by_length = Columns([-x for x in length], push_rotation(graph))
+    return longest_path_order(graph, facts, by_length, descending)
 
 
 @register_policy("network_first")
