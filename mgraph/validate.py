@@ -8,8 +8,9 @@ particular, so it orders nothing here (conservative: a race it hides would be a 
 
 from __future__ import annotations
 
+import struct
 from array import array
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterable
 from itertools import chain
 
@@ -33,8 +34,8 @@ def validate(graph: TaskGraph) -> list[int]:
         # counter simulation and the race check start from (each pass over every task and
         # region of a 2x8 layer costs ~20-30 ms of its own)
         seen = _check_structure(graph)
-        order = _simulate(graph, seen.waiters, seen.missing)
-        _check_races(graph, order, seen.adds, seen)
+        order = _simulate(graph, seen.waiters, seen.missing, seen.shared)
+        _check_races(graph, order, seen)
     return order
 
 
@@ -48,14 +49,16 @@ class _Seen:
     (``adds``), each event's waiters by count and each task's number of waits (``topo_order``'s
     tables), each event's signalers, and every region's accesses (``_check_races``' groups)."""
 
-    __slots__ = ("adds", "waiters", "missing", "signalers", "groups")
+    __slots__ = ("adds", "waiters", "missing", "shared", "signalers", "groups", "fields")
 
     def __init__(self, ntasks: int, nevents: int) -> None:
         self.adds: set[int] = set()
         self.waiters: dict[int, dict[int, list[int]]] = defaultdict(dict)
         self.missing = [0] * ntasks
+        self.shared: set[int] = set()
         self.signalers: list[list[int]] = [[] for _ in range(nevents)]
         self.groups: dict[Region, int | list[int]] = {}
+        self.fields: list[str | int] = []
 
 
 def _check_structure(graph: TaskGraph) -> _Seen:
@@ -75,9 +78,9 @@ def _check_structure(graph: TaskGraph) -> _Seen:
     for buf in buffers.values():
         if not 0 <= buf.rank < world or buf.rows <= 0 or buf.cols <= 0:
             raise GraphError(f"buffer {buf.id} has rank {buf.rank} / shape {buf.shape}")
-    # buffer id -> (rows, cols, node): a region's bounds and node with one lookup (~240k
-    # regions at 2x8)
-    dims = {bid: (buf.rows, buf.cols, node_of[buf.rank]) for bid, buf in buffers.items()}
+    # buffer id -> (rows, cols), and -> node
+    dims = {bid: (buf.rows, buf.cols) for bid, buf in buffers.items()}
+    node_of_buffer = {bid: node_of[buf.rank] for bid, buf in buffers.items()}
     roles_of = {name: {r.value for r in spec.roles} for name, spec in KINDS.items()}
     same_shape = (TaskKind.COPY.value, TaskKind.REDUCE.value)
     reduce = TaskKind.REDUCE.value
@@ -96,8 +99,11 @@ def _check_structure(graph: TaskGraph) -> _Seen:
     # one hash of the region per access: setdefault inserts the access of a new region and
     # returns it (the same int object), or returns the region's accesses so far
     setdefault = groups.setdefault
-    # the task before's reads and waits, and what their checks found (see their uses)
-    last_rank, last_reads, last_near = -1, None, True
+    ngroups = 0
+    # every group's region's five fields, in group order, for _overlaps: put in while the
+    # region is at hand (walking the groups' regions again afterwards took ~15 ms at 2x8)
+    fields = seen.fields.extend
+    # the task before's waits, and what their checks found (see their uses)
     last_waits: list[tuple[int, int]] | None = None
     last_wait_node, last_lists = -1, []
     last_kind = last_role = None  # the task before's, checked (kind names are shared strings)
@@ -120,61 +126,55 @@ def _check_structure(graph: TaskGraph) -> _Seen:
         rank = t.rank
         node = node_of[rank]
         reads, writes = t.reads, t.writes
-        # A task on the rank of the task before it reading the same regions (a relayout's
-        # tiles: ~half the tasks at 2x8) passes the same read checks: their verdict is kept
-        if rank == last_rank and reads == last_reads:
-            near = last_near
-        else:
-            near = True  # every region on the task's node
-            for r in reads:
-                bid, r0, r1, c0, c1 = r
-                try:
-                    dim = dims[bid]
-                except KeyError:
-                    raise GraphError(f"{_where(t)}: region {r} names an unknown buffer") from None
-                if not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
-                    buf = buffers[bid]
-                    raise GraphError(
-                        f"{_where(t)}: region {r} is outside buffer {buf.id} {buf.shape}"
-                    )
-                if dim[2] != node:
-                    near = False
-            last_rank, last_reads, last_near = rank, reads, near
-        for r in writes:
-            bid, r0, r1, c0, c1 = r
-            try:
-                dim = dims[bid]
-            except KeyError:
-                raise GraphError(f"{_where(t)}: region {r} names an unknown buffer") from None
-            if not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
-                buf = buffers[bid]
-                raise GraphError(
-                    f"{_where(t)}: region {r} is outside buffer {buf.id} {buf.shape}"
-                )
-            if dim[2] != node:
-                near = False
-        # the task's accesses into the race check's groups (its writes, then the reads it
-        # does not also write), as _check_races' own pass makes them
+        near = True  # every region on the task's node
+        # The task's accesses into the race check's groups (its writes, then the reads it does
+        # not also write). A region's bounds are checked when its group is made: one check per
+        # distinct region (~50k of ~115k accesses at 2x8), and the one hash the group costs
+        # anyway; a region already grouped passed them. A bad one is named by _region_error,
+        # in the order reads, then writes, as when every access was checked.
         code = 2 * i
-        if writes:
-            wcode = code + 1
+        wcode = code + 1
+        try:
             for w in writes:
                 acc = setdefault(w, wcode)
-                if acc is wcode:
-                    pass  # a new group (or this task's own write again: the same verdicts)
+                if acc is wcode:  # a new group, or this task's own write again
+                    if len(groups) > ngroups:
+                        ngroups += 1
+                        bid, r0, r1, c0, c1 = w
+                        dim = dims.get(bid)
+                        if dim is None or not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
+                            _region_error(graph, t, dims)
+                        fields(w)
                 elif acc.__class__ is int:
                     groups[w] = [acc, wcode]
                 else:
                     acc.append(wcode)
-        for r in reads:
-            if r not in writes:
+                if node_of_buffer[w[0]] != node:
+                    near = False
+            for r in reads:
                 acc = setdefault(r, code)
-                if acc is code:
-                    pass
+                if acc is code:  # a new group, or this task's own read again
+                    if len(groups) > ngroups:
+                        ngroups += 1
+                        bid, r0, r1, c0, c1 = r
+                        dim = dims.get(bid)
+                        if dim is None or not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
+                            _region_error(graph, t, dims)
+                        fields(r)
                 elif acc.__class__ is int:
-                    groups[r] = [acc, code]
-                else:
+                    # a region this task writes holds its write last (it went in just now):
+                    # ``r not in writes`` without comparing regions
+                    if acc != wcode:
+                        groups[r] = [acc, code]
+                elif acc[-1] != wcode:
                     acc.append(code)
+                if node_of_buffer[r[0]] != node:
+                    near = False
+        except (TypeError, ValueError):
+            # a region that is no 5-tuple of ints: the error the checks meet first in
+            # their own order (reads, then writes)
+            _region_error(graph, t, dims)
+            raise
         params = t.params
         if "accumulate" in params and params["accumulate"]:  # no call for the tasks without
             adds.add(i)
@@ -206,6 +206,8 @@ def _check_structure(graph: TaskGraph) -> _Seen:
                 waiting = waiters[e].setdefault(count, [])
                 waiting.append(i)
                 last_lists.append(waiting)
+            if len(last_lists) > 1:
+                seen.shared.update(map(id, last_lists))
             last_waits, last_wait_node = waits, node
         far_signal = False
         for e in t.signals:
@@ -232,6 +234,19 @@ def _check_structure(graph: TaskGraph) -> _Seen:
     if transfer is not None:
         raise transfer
     return seen
+
+
+def _region_error(graph: TaskGraph, t: Task, dims: dict) -> None:
+    """Raise the error of task ``t``'s first bad region, reads before writes, if it has one."""
+    for r in chain(t.reads, t.writes):
+        bid, r0, r1, c0, c1 = r
+        try:
+            dim = dims[bid]
+        except KeyError:
+            raise GraphError(f"{_where(t)}: region {r} names an unknown buffer") from None
+        if not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
+            buf = graph.buffers[bid]
+            raise GraphError(f"{_where(t)}: region {r} is outside buffer {buf.id} {buf.shape}")
 
 
 # -- transfers ---------------------------------------------------------------------------------
@@ -354,35 +369,48 @@ def topo_order(graph: TaskGraph) -> CounterOrder:
     # scanning every waiter (a join event of a traced layer has ~100 signals and many waiters)
     waiters: dict[int, dict[int, list[int]]] = defaultdict(dict)
     missing = [0] * len(tasks)
+    shared: set[int] = set()
     for t in tasks:
         missing[t.id] = len(t.waits)
         for e, c in t.waits:
-            waiters[e].setdefault(c, []).append(t.id)
-    return _simulate(graph, waiters, missing)
+            waiting = waiters[e].setdefault(c, [])
+            waiting.append(t.id)
+            if len(t.waits) > 1:
+                shared.add(id(waiting))
+    return _simulate(graph, waiters, missing, shared)
 
 
 def _simulate(
-    graph: TaskGraph, waiters: dict[int, dict[int, list[int]]], missing: list[int]
+    graph: TaskGraph, waiters: dict[int, dict[int, list[int]]], missing: list[int],
+    shared: set[int],
 ) -> CounterOrder:
     """``topo_order`` from its tables (``waiters``: event -> count -> waiting task ids, in id
-    order; ``missing``: each task's number of waits), which it consumes."""
+    order; ``missing``: each task's number of waits; ``shared``: the id() of each waiters list
+    holding a task with more than one wait), which it consumes. A list's tasks that wait for
+    nothing else are all ready when it is released, with no count kept for them."""
     tasks = graph.tasks
     waits = missing.copy()
     count = [0] * len(graph.events)
-    ready = deque([tid for tid, n in enumerate(waits) if not n])  # no pass over the tasks
-    order: list[int] = []
-    while ready:
-        tid = ready.popleft()
-        order.append(tid)
+    # the order is the queue too: a for loop over a list reaches the tasks appended meanwhile,
+    # in the order a deque would hand them out
+    order = [tid for tid, n in enumerate(waits) if not n]  # no pass over the tasks
+    released = waiters.get
+    for tid in order:
         for e in tasks[tid].signals:
-            count[e] += 1
-            by_count = waiters.get(e)
+            c = count[e] = count[e] + 1
+            by_count = released(e)
             if by_count is None:
                 continue
-            for w in by_count.get(count[e], ()):
-                missing[w] -= 1
-                if missing[w] == 0:
-                    ready.append(w)
+            ready = by_count.get(c)
+            if ready is None:
+                continue
+            if id(ready) not in shared:
+                order.extend(ready)  # each waits for this count only (nearly every task)
+                continue
+            for w in ready:
+                n = missing[w] = missing[w] - 1
+                if not n:
+                    order.append(w)
     if len(order) < len(tasks):
         _explain_stuck(graph, set(range(len(tasks))) - set(order))
     out = CounterOrder(order)
@@ -520,9 +548,7 @@ class Reachability:
         return self.before(a, b) or self.before(b, a)
 
 
-def _check_races(
-    graph: TaskGraph, order: list[int], adds: set[int] | None = None, seen: _Seen | None = None
-) -> None:
+def _check_races(graph: TaskGraph, order: list[int], seen: _Seen) -> None:
     """Every two accesses of overlapping regions, one of them a write, are ordered.
 
     Accesses of one exact region form a group. Inside a group, sorted in topological order, it
@@ -537,59 +563,25 @@ def _check_races(
     are usually none; the rest are checked one by one. A GEMM tile reading a row of ~100
     elementwise tiles is one set operation, not 100 searches. The overlapping pairs of groups
     are found by one sort of all regions (``_overlapping_pairs``), not a sweep per buffer.
+
+    The groups, and the signalers and accumulating tasks, are what _check_structure's pass
+    collected (``seen``). Writes that accumulate (atomic adds into a zeroed buffer) commute
+    with each other: two of them on one region are no race; against a plain write or a read
+    they still are.
     """
-    # Writes that accumulate (atomic adds into a zeroed buffer) commute with each other: two of
-    # them on one region are no race; against a plain write or a read they still are.
-    if adds is None:  # _check_structure's, when validate runs it first
-        adds = {t.id for t in graph.tasks if t.params.get("accumulate")}
-    if seen is not None:  # the groups and signalers _check_structure's pass collected
-        groups = seen.groups
-        reach = Reachability(graph, order, seen.signalers)
-    else:
-        groups, reach = _groups(graph), Reachability(graph, order)
-    _check_groups(graph, groups, reach, adds)
+    reach = Reachability(graph, order, seen.signalers)
+    _check_groups(graph, seen, reach)
 
 
-def _groups(graph: TaskGraph) -> dict[Region, int | list[int]]:
-    """Region -> its accesses, regions of every buffer in one table. An access is the int
-    2 * task + is_write; a region accessed once (~80k of ~110k at 2x8) keeps that int, not a
-    list of tuples."""
-    groups: dict[Region, int | list[int]] = {}
-    get = groups.get
-    for t in graph.tasks:
-        code = 2 * t.id
-        writes = t.writes
-        if writes:
-            wcode = code + 1
-            for w in writes:
-                acc = get(w)
-                if acc is None:
-                    groups[w] = wcode
-                elif acc.__class__ is int:
-                    groups[w] = [acc, wcode]
-                else:
-                    acc.append(wcode)
-        for r in t.reads:
-            if r not in writes:
-                acc = get(r)
-                if acc is None:
-                    groups[r] = code
-                elif acc.__class__ is int:
-                    groups[r] = [acc, code]
-                else:
-                    acc.append(code)
-    return groups
-
-
-def _check_groups(
-    graph: TaskGraph, groups: dict[Region, int | list[int]], reach: Reachability, adds: set[int]
-) -> None:
-    """_check_races on the regions' accesses (``_groups``)."""
+def _check_groups(graph: TaskGraph, seen: _Seen, reach: Reachability) -> None:
+    """_check_races on the regions' accesses (``_Seen.groups``)."""
+    groups, adds = seen.groups, seen.adds
     regions = list(groups)
     codes_of = list(groups.values())
     written = bytearray(len(regions))  # group i has a writer
     pos = reach.pos
     before = reach.before
+    preds = reach.preds_of
     for i, codes in enumerate(codes_of):
         if codes.__class__ is int:
             written[i] = codes & 1  # one access: nothing to order inside the group
@@ -604,7 +596,9 @@ def _check_groups(
                 if not ((a & 1 and ta in adds) or (b & 1 and tb in adds)):
                     if ta != tb:
                         x, y = (a, b) if pos[ta] <= pos[tb] else (b, a)
-                        if not before(x >> 1, y >> 1):
+                        # before()'s direct-predecessor test first, without the call (the
+                        # reader of a tile almost always waits on its writer's event)
+                        if x >> 1 not in preds[y >> 1] and not before(x >> 1, y >> 1):
                             r = regions[i]
                             _race(graph, x >> 1, r, x & 1 == 1, y >> 1, r, y & 1 == 1)
                     continue
@@ -623,7 +617,7 @@ def _check_groups(
     writers_of: dict[int, list[int]] = {}
     # Once per overlapping pair and direction (~10^5 at 2x8): the two directions written out
     # rather than looped over.
-    for i, j in _overlapping_pairs(regions, written):
+    for i, j in _overlapping_pairs(seen.fields, written):
         if written[j]:
             ws = writers_of.get(j)
             if ws is None:
@@ -684,14 +678,15 @@ def _check_groups(
                     _race(graph, tid, region, is_write, w, theirs, True)
 
 
-def _overlapping_pairs(regions: list[Region], written: bytearray) -> Iterable[tuple[int, int]]:
-    """Index pairs (i, j) of distinct ``regions`` that overlap, one of them ``written``.
+def _overlapping_pairs(fields: list[str | int], written: bytearray) -> Iterable[tuple[int, int]]:
+    """Index pairs (i, j) of distinct groups whose regions overlap, one of them ``written``.
 
     All regions sorted by (buffer, row0): the regions whose rows can meet region i's are the
     ones after it up to the first starting at or past its row1 (a binary search), so the
     candidate pairs are those of a per-buffer row sweep, found by a few tensor ops rather than
-    a Python loop over ~10^5 regions (torch, not numpy: numpy is no dependency of mgraph)."""
-    n = len(regions)
+    a Python loop over ~10^5 regions (torch, not numpy: numpy is no dependency of mgraph).
+    ``fields``: the groups' regions' fields one after the other (``_Seen.fields``)."""
+    n = len(written)
     if n < 2:
         return []
     # One intra-op thread: on ~10^5 elements a second one costs more than it brings, and on a
@@ -700,31 +695,35 @@ def _overlapping_pairs(regions: list[Region], written: bytearray) -> Iterable[tu
     if threads != 1:
         torch.set_num_threads(1)
     try:
-        return _overlaps(regions, written)
+        return _overlaps(fields, written)
     finally:
         if threads != 1:
             torch.set_num_threads(threads)
 
 
-def _overlaps(regions: list[Region], written: bytearray) -> Iterable[tuple[int, int]]:
-    n = len(regions)
-    # columns of int64 through array('q'): torch.tensor() of 10^5 tuples is ~4x slower. All
-    # regions' fields go in one flat list (zip(*regions) passes ~10^5 arguments and took twice
-    # as long), the buffer ids replaced by ints, and become ONE array viewed as five columns
-    # (five arrays from strided slices took ~12 ms more at 2x8).
-    flat = list(chain.from_iterable(regions))
+def _overlaps(flat: list[str | int], written: bytearray) -> Iterable[tuple[int, int]]:
+    n = len(written)
+    # The fields become ONE int64 buffer viewed as five columns, the buffer ids replaced by
+    # ints. struct.pack, not array("q", flat): array converts each int through PyArg_Parse
+    # (~500 instructions an int, ~6% of validate at 2x8).
     buffer_ids = flat[0::5]
     index = {b: i for i, b in enumerate(dict.fromkeys(buffer_ids))}
-    flat[0::5] = [index[b] for b in buffer_ids]  # all ints now: one array, viewed as columns
-    buf, row0, row1, col0, col1 = (
-        torch.frombuffer(array("q", flat), dtype=torch.int64).view(-1, 5).unbind(1)
-    )
+    flat[0::5] = map(index.__getitem__, buffer_ids)  # (made for this call only)
+    packed = bytearray(8 * len(flat))
+    try:
+        struct.pack_into(f"{len(flat)}q", packed, 0, *flat)
+    except struct.error:
+        array("q", flat)  # a field that is no int64: the error array gave here before
+        raise
+    buf, row0, row1, col0, col1 = torch.frombuffer(packed, dtype=torch.int64).view(-1, 5).unbind(1)
     wrote = torch.frombuffer(bytearray(written), dtype=torch.uint8).bool()
     key = (buf << 32) | row0
     by_key = torch.argsort(key, stable=True)
-    key_sorted = key[by_key]
     # in sorted order, the first region of the same buffer starting at or after row1
-    end = torch.searchsorted(key_sorted, (buf[by_key] << 32) | row1[by_key], side="left")
+    # (index_select, not t[idx]: ~4x faster on CPU, and ~2x10^5 candidates are gathered)
+    end = torch.searchsorted(
+        key.index_select(0, by_key), ((buf << 32) | row1).index_select(0, by_key), side="left"
+    )
     counts = (end - torch.arange(1, n + 1)).clamp_(min=0)
     total = int(counts.sum())
     if total == 0:
@@ -732,9 +731,13 @@ def _overlaps(regions: list[Region], written: bytearray) -> Iterable[tuple[int, 
     # expand each sorted position p into its candidates p+1 .. end[p]-1
     left = torch.repeat_interleave(torch.arange(n), counts)
     starts = torch.cumsum(counts, 0) - counts
-    right = left + 1 + (torch.arange(total) - torch.repeat_interleave(starts, counts))
-    i, j = by_key[left], by_key[right]
-    keep = (col0[i] < col1[j]) & (col0[j] < col1[i]) & (wrote[i] | wrote[j])
+    right = left + 1 + (torch.arange(total) - starts.index_select(0, left))
+    i, j = by_key.index_select(0, left), by_key.index_select(0, right)
+    keep = (
+        (col0.index_select(0, i) < col1.index_select(0, j))
+        & (col0.index_select(0, j) < col1.index_select(0, i))
+        & (wrote.index_select(0, i) | wrote.index_select(0, j))
+    )
     # pairs made as the caller walks them, not held as a list of ~10^5 tuples first
     return zip(i[keep].tolist(), j[keep].tolist(), strict=True)
 
