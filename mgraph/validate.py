@@ -46,8 +46,9 @@ def _where(t: Task) -> str:
 
 class _Seen:
     """What ``_check_structure``'s pass collects for the later checks: the accumulating tasks
-    (``adds``), each event's waiters by count and each task's number of waits (``topo_order``'s
-    tables), each event's signalers, and every region's accesses (``_check_races``' groups)."""
+    (``adds``), each event's waiters by count, each task's number of waits and the waiters lists
+    holding a task with several (``_simulate``'s tables), each event's signalers, every region's
+    accesses (``_check_races``' groups) and the groups' regions' fields (``_overlaps``')."""
 
     __slots__ = ("adds", "waiters", "missing", "shared", "signalers", "groups", "fields")
 
