@@ -218,9 +218,10 @@ def test_cut_queues_trusts_a_list_order_only_as_it_was_made():
 
 
 def test_structure_check_of_tasks_like_the_one_before():
-    """_check_structure keeps the verdict of a task's read checks and waits for the next task
-    on its rank with equal reads and waits (a relayout's tiles): a bad write of such a task is
-    still found, and equal waits on a rank of another node are still refused."""
+    """_check_structure checks a region's bounds once (when its race group is made) and keeps
+    the waits' verdict for the next task on its rank with equal waits (a relayout's tiles): a
+    bad write of a task like the one before is still found, and equal waits on a rank of
+    another node are still refused."""
     import pytest
 
     from mgraph.errors import GraphError
