@@ -119,8 +119,10 @@ def test_renormalising_graphs_are_as_before_the_flag():
     model = qwen3_moe()
     x = torch.randn(B, S, SMALL["hidden_size"])
     prog = mg.compile(model, (x,), plan={"layer.mlp": mg.ExpertParallel(router="gate")})
+    # re-pinned on purpose (v21): a relayout tile's bytes hint is twice its write, not all of
+    # its input (the graph digest counts Task.bytes; the schedule did not move)
     assert (graph_digest(prog.graph), schedule_digest(prog.schedule)) == (
-        "95983153c323a785", "e793676ca0a76a8b")  # fmt: skip
+        "77384e842dad3cb7", "e793676ca0a76a8b")  # fmt: skip
 
 
 @pytest.mark.parametrize("topology", ["1x1", "1x2"])
