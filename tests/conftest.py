@@ -7,9 +7,29 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+# -- the fake CUDA libraries (tests/fake_cuda) of the native proxy's tests --------------------
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory: pytest.TempPathFactory):
+    """The fake CUDA runtime and driver, built once per test module (needs gcc: the modules
+    that use it skip themselves without it)."""
+    import fake_cuda
+
+    return fake_cuda.build(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.fixture
+def fake(fake_lib):
+    """``fake_lib`` reset before and after the test: a hold, a delay or a trace of one test
+    never reaches the next, and no stream of a failed test stays stuck."""
+    fake_lib.reset()
+    yield fake_lib
+    fake_lib.reset()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,8 +40,6 @@ def pytest_collection_modifyitems(config, items):
     handed out before the short ones, so no worker starts a minute-long file while the other
     has nothing left; run serially, only the order changes. The order is the same in every
     process, as xdist requires of its workers."""
-    import pytest
-
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.path])  # stable: the order within a file is kept
 

@@ -15,9 +15,7 @@ epoch x its raises per launch and every chunk must land."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 
-import fake_cuda
 import pytest
 import torch
 from fake_cuda import FakeCuda
@@ -34,18 +32,6 @@ if not available():
 
 native = load()
 SRC = 1  # the rank whose proxy runs here
-
-
-@pytest.fixture(scope="module")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> FakeCuda:
-    return fake_cuda.build(tmp_path_factory.mktemp("fake_cuda"))
-
-
-@pytest.fixture
-def fake(fake_lib: FakeCuda) -> Iterator[FakeCuda]:
-    fake_lib.reset()
-    yield fake_lib
-    fake_lib.reset()
 
 
 class _Transport:

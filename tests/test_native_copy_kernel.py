@@ -42,18 +42,6 @@ from mgraph.runtime.proxy.native import NativeProxy, load
 native = load()  # test_native_cuda_path skipped this module already if it is not built
 
 
-@pytest.fixture(scope="module")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> FakeCuda:
-    return fake_cuda.build(tmp_path_factory.mktemp("fake_cuda"))
-
-
-@pytest.fixture
-def fake(fake_lib: FakeCuda) -> FakeCuda:
-    fake_lib.reset()
-    yield fake_lib
-    fake_lib.reset()
-
-
 class KernelRig(Rig):
     """Rig's proxy with the copy kernel on (every WRITE of the plans qualifies by size)."""
 

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,18 +51,6 @@ ROWS, COLS = 128, 64  # float32: 256-byte rows
 N_FLAGS = 16  # flag words per rank
 STAGE_WORDS, REGION_WORDS = 1 << 16, 1 << 10  # mover.h: kStageWords, kRegionWords
 Key = tuple[int, int]  # (rank, flag word)
-
-
-@pytest.fixture(scope="module")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> FakeCuda:
-    return fake_cuda.build(tmp_path_factory.mktemp("fake_cuda"))
-
-
-@pytest.fixture
-def fake(fake_lib: FakeCuda) -> Iterator[FakeCuda]:
-    fake_lib.reset()
-    yield fake_lib
-    fake_lib.reset()  # releases a hold: no stream of a failed test stays stuck
 
 
 class FakeCudaTransport:

@@ -15,11 +15,8 @@ loop's floor, sits well apart from both, so a loaded CI machine does not decide 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 
-import fake_cuda
-import pytest
 import torch
 from fake_cuda import FakeCuda
 from test_native_cuda_path import COLS, FakeCudaTransport, Plan, check_final, native, row_tiles
@@ -34,18 +31,6 @@ CALL_US = 1000  # one copy call's host time
 N_ROWS = 64
 BATCH = 64  # one batch: its end costs a data and a flag call per stream
 STREAMS = 2
-
-
-@pytest.fixture(scope="module")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> FakeCuda:
-    return fake_cuda.build(tmp_path_factory.mktemp("fake_cuda"))  # one build per process
-
-
-@pytest.fixture
-def fake(fake_lib: FakeCuda) -> Iterator[FakeCuda]:
-    fake_lib.reset()
-    yield fake_lib
-    fake_lib.reset()
 
 
 def row_plan() -> Plan:

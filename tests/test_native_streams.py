@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 
 import fake_cuda
 import pytest
@@ -43,18 +42,6 @@ from mgraph.runtime.proxy.native import NativeProxy
 
 STREAMS = 4
 LANES = 8  # lanes 0..7 onto 4 streams: lanes L and L + 4 share a stream
-
-
-@pytest.fixture(scope="module")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> FakeCuda:
-    return fake_cuda.build(tmp_path_factory.mktemp("fake_cuda"))  # one build per process
-
-
-@pytest.fixture
-def fake(fake_lib: FakeCuda) -> Iterator[FakeCuda]:
-    fake_lib.reset()
-    yield fake_lib
-    fake_lib.reset()  # releases a hold: no stream of a failed test stays stuck
 
 
 class StreamRig:
