@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -22,11 +21,7 @@ import torch  # noqa: E402
 
 import mgraph as mg  # noqa: E402
 from mgraph.runtime.megakernel.control import C_DECISIONS  # noqa: E402
-from mgraph.runtime.megakernel.runtime import (  # noqa: E402
-    TritonRuntime,
-    _SharedMemory,
-    local_shards,
-)
+from mgraph.runtime.megakernel.runtime import TritonRuntime, _SharedMemory  # noqa: E402
 from mgraph.settings import Settings  # noqa: E402
 
 
@@ -56,19 +51,8 @@ def main() -> None:
     for launch in range(3):
         inputs = op.random_inputs(graph, seed=launch)
         want = op.run_reference(inputs, graph.params)["out"]
-        got: list = [None, None]
-
-        def rank(r: int, inputs: dict = inputs, got: list = got, launch: int = launch) -> None:
-            try:
-                got[r] = rts[r].run(local_shards(graph, r, inputs)).outputs["out"]
-            except Exception as exc:  # noqa: BLE001 - reported in the JSON
-                failures.append(f"launch {launch} rank {r}: {exc!r}"[:500])
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        got, failed = interp_threads.run_ranks(rts, graph, inputs)
+        failures += [f"launch {launch} rank {r}: {exc!r}"[:500] for r, exc in failed]
         if failures:
             break
         out = torch.cat(got, dim=1)  # out is sharded along N

@@ -20,7 +20,7 @@ import inspect
 import sys
 import threading
 
-__all__ = ["install"]
+__all__ = ["install", "run_ranks"]
 
 _installed = False
 
@@ -96,3 +96,26 @@ def install() -> None:
     # Spinning programs hand the GIL over often, so the one they wait for gets to run.
     sys.setswitchinterval(1e-4)
     _installed = True
+
+
+def run_ranks(rts: list, graph, inputs: dict) -> tuple[list, list[tuple[int, Exception]]]:
+    """One launch of every rank's runtime of ``graph`` at once, each from its own host thread
+    (as the ranks' processes would), on the GLOBAL ``inputs``: (each rank's "out", cloned out
+    of its buffer, or None where it raised; (rank, exception) for each that raised)."""
+    from mgraph.runtime.megakernel import local_shards
+
+    outs: list = [None] * len(rts)
+    failed: list[tuple[int, Exception]] = []
+
+    def rank(r: int) -> None:
+        try:
+            outs[r] = rts[r].run(local_shards(graph, r, inputs)).outputs["out"].clone()
+        except Exception as exc:  # noqa: BLE001 - the caller reports it
+            failed.append((r, exc))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(rts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs, failed
