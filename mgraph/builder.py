@@ -317,22 +317,15 @@ class GraphBuilder:
         tiles: Iterable[tuple[Region, str, dict[str, Any]]],
         *,
         flops: float,
-        gathers: bool = False,
     ) -> None:
         """One task per (write region, name, params) of ``tiles``, all on ``rank`` in ``role``
         doing ``kind`` to the same ``reads`` with the same ``flops`` hint and no waits or
-        signals: what ``task`` makes for each, the shared parts (the reads' bytes, the role's
-        name) worked out once. For ops that emit a rank's row tiles of one input in bulk
-        (relayout: ~40k tasks of a traced 2x8 layer). ``gathers``: each task reads only as
-        many elements as it writes, of the write's dtype, from somewhere in ``reads`` (a
-        relayout tile's gather), so its bytes hint is twice its write's, not all of ``reads``
-        (which the cost model would charge every tile: a 2x8 layer's head split, 8 MiB a
-        128-row tile)."""
+        signals, the role's name worked out once. For ops that emit a rank's row tiles of one
+        input in bulk (relayout: ~40k tasks of a traced 2x8 layer), whose tiles GATHER: each
+        reads only as many elements as it writes, of the write's dtype, from somewhere in
+        ``reads``, so its bytes hint is twice its write's, not all of ``reads`` (which the
+        cost model would charge every tile: a 2x8 layer's head split, 8 MiB a 128-row tile)."""
         item = self._itemsize
-        read_bytes = 0
-        if not gathers:
-            for r in reads:
-                read_bytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
         role = role._value_ if role.__class__ is Role else role
         prefix = self.label_prefix
         tasks = self.tasks
@@ -347,8 +340,7 @@ class GraphBuilder:
                     hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or "
                     "raise the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
                 )
-            written = (w[2] - w[1]) * (w[4] - w[3]) * item[w[0]]
-            nbytes = 2 * written if gathers else read_bytes + written
+            nbytes = 2 * (w[2] - w[1]) * (w[4] - w[3]) * item[w[0]]
             tasks.append(
                 Task(tid, prefix + name if prefix else name, rank, role, kind, list(reads), [w],
                      [], [], flops, nbytes, params or {})  # fmt: skip

@@ -231,7 +231,7 @@ def _lower(
                 f"relayout r{r} [{t0}:{t1}]",
                 params,
             ))  # fmt: skip
-        b.tasks_alike(r, Role.COMPUTE, RELAYOUT.name, [whole], made, flops=flops, gathers=True)
+        b.tasks_alike(r, Role.COMPUTE, RELAYOUT.name, [whole], made, flops=flops)
 
 
 def _aligned(
