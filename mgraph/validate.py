@@ -34,7 +34,7 @@ def validate(graph: TaskGraph) -> list[int]:
         # counter simulation and the race check start from (each pass over every task and
         # region of a 2x8 layer costs ~20-30 ms of its own)
         seen = _check_structure(graph)
-        order = _simulate(graph, seen.waiters, seen.missing, seen.shared)
+        order = _simulate(graph, seen.waiters, seen.missing)
         _check_races(graph, order, seen)
     return order
 
@@ -46,17 +46,16 @@ def _where(t: Task) -> str:
 
 class _Seen:
     """What ``_check_structure``'s pass collects for the later checks: the accumulating tasks
-    (``adds``), each event's waiters by count, each task's number of waits and the waiters lists
-    holding a task with several (``_simulate``'s tables), each event's signalers, every region's
-    accesses (``_check_races``' groups) and the groups' regions' fields (``_overlaps``')."""
+    (``adds``), each event's waiters by count and each task's number of waits (``_simulate``'s
+    tables), each event's signalers, every region's accesses (``_check_races``' groups) and the
+    groups' regions' fields (``_overlaps``')."""
 
-    __slots__ = ("adds", "waiters", "missing", "shared", "signalers", "groups", "fields")
+    __slots__ = ("adds", "waiters", "missing", "signalers", "groups", "fields")
 
     def __init__(self, ntasks: int, nevents: int) -> None:
         self.adds: set[int] = set()
         self.waiters: dict[int, dict[int, list[int]]] = defaultdict(dict)
         self.missing = [0] * ntasks
-        self.shared: set[int] = set()
         self.signalers: list[list[int]] = [[] for _ in range(nevents)]
         self.groups: dict[Region, int | list[int]] = {}
         self.fields: list[str | int] = []
@@ -207,8 +206,6 @@ def _check_structure(graph: TaskGraph) -> _Seen:
                 waiting = waiters[e].setdefault(count, [])
                 waiting.append(i)
                 last_lists.append(waiting)
-            if len(last_lists) > 1:
-                seen.shared.update(map(id, last_lists))
             last_waits, last_wait_node = waits, node
         far_signal = False
         for e in t.signals:
@@ -370,25 +367,18 @@ def topo_order(graph: TaskGraph) -> CounterOrder:
     # scanning every waiter (a join event of a traced layer has ~100 signals and many waiters)
     waiters: dict[int, dict[int, list[int]]] = defaultdict(dict)
     missing = [0] * len(tasks)
-    shared: set[int] = set()
     for t in tasks:
         missing[t.id] = len(t.waits)
         for e, c in t.waits:
-            waiting = waiters[e].setdefault(c, [])
-            waiting.append(t.id)
-            if len(t.waits) > 1:
-                shared.add(id(waiting))
-    return _simulate(graph, waiters, missing, shared)
+            waiters[e].setdefault(c, []).append(t.id)
+    return _simulate(graph, waiters, missing)
 
 
 def _simulate(
-    graph: TaskGraph, waiters: dict[int, dict[int, list[int]]], missing: list[int],
-    shared: set[int],
+    graph: TaskGraph, waiters: dict[int, dict[int, list[int]]], missing: list[int]
 ) -> CounterOrder:
     """``topo_order`` from its tables (``waiters``: event -> count -> waiting task ids, in id
-    order; ``missing``: each task's number of waits; ``shared``: the id() of each waiters list
-    holding a task with more than one wait), which it consumes. A list's tasks that wait for
-    nothing else are all ready when it is released, with no count kept for them."""
+    order; ``missing``: each task's number of waits), which it consumes."""
     tasks = graph.tasks
     waits = missing.copy()
     count = [0] * len(graph.events)
@@ -402,13 +392,7 @@ def _simulate(
             by_count = released(e)
             if by_count is None:
                 continue
-            ready = by_count.get(c)
-            if ready is None:
-                continue
-            if id(ready) not in shared:
-                order.extend(ready)  # each waits for this count only (nearly every task)
-                continue
-            for w in ready:
+            for w in by_count.get(c, ()):
                 n = missing[w] = missing[w] - 1
                 if not n:
                     order.append(w)
