@@ -18,7 +18,7 @@ from ..errors import ScheduleError, UnknownNameError
 from ..graph import TaskGraph, gc_paused
 from ..hardware import H200, HardwareProfile
 from ..kinds import ROLES, Role
-from .balance import DAMPING, balance_workers, costed_partition, static_partition
+from .balance import DAMPING, balance_workers, static_partition
 from .batches import proxy_batches
 from .checks import (
     check_batches,
@@ -89,14 +89,11 @@ def _schedule(
 ) -> Schedule:
     choose = get_policy(policy)  # an unknown name fails before any work
     override = None if workers is None else _check_override(graph, hardware, workers)
+    costs = task_costs(graph, hardware)
     world = graph.topology.world_size
     # the partition first: critical_path places the tasks on these workers to order them
-    if override is None:
-        costs, partition = costed_partition(graph, hardware)
-        workers = [partition[r] for r in range(world)]
-    else:
-        costs = task_costs(graph, hardware)
-        workers = [dict(override) for _ in range(world)]
+    partition = static_partition(graph, hardware, costs) if override is None else None
+    workers = [dict(override) if override is not None else partition[r] for r in range(world)]
     order = choose(graph, policy_input(graph, costs, topo, workers, hardware))
     # the queues cut from ``order``, and check_cut_schedule's queue check, in one pass
     queues, counter_order = cut_queues(graph, order)

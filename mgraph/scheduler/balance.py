@@ -18,9 +18,9 @@ from ..graph import TaskGraph
 from ..hardware import HardwareProfile
 from ..kinds import ROLES, Role
 from .controller import COST_CAP, DAMP_DEN, DAMP_NUM, LEFT_CAP, RoleProgress, decide
-from .costmodel import costs_and_work, task_costs
+from .costmodel import task_costs
 
-__all__ = ["DAMPING", "balance_workers", "static_partition", "costed_partition"]
+__all__ = ["DAMPING", "balance_workers", "static_partition"]
 
 DAMPING = DAMP_NUM / DAMP_DEN  # fraction of the gap the controller closes per decision
 
@@ -117,25 +117,7 @@ def static_partition(
     """
     if costs is None:
         costs = task_costs(graph, hardware)
-    return _partition(graph, hardware, *_work_and_free_compute(graph, costs))
-
-
-def costed_partition(
-    graph: TaskGraph, hardware: HardwareProfile
-) -> tuple[list[float], dict[int, dict[str, int]]]:
-    """``task_costs`` and ``static_partition`` on them, the partition's sums taken as the costs
-    are made (costmodel.costs_and_work): one pass over the tasks, not two."""
-    costs, works, free_compute = costs_and_work(graph, hardware, nvlink_events(graph))
-    return costs, _partition(graph, hardware, works, free_compute)
-
-
-def _partition(
-    graph: TaskGraph,
-    hardware: HardwareProfile,
-    works: dict[int, dict[str, tuple[int, float]]],
-    free_compute: dict[int, float],
-) -> dict[int, dict[str, int]]:
-    """``static_partition`` from ``role_work`` and the free compute of each rank."""
+    works, free_compute = _work_and_free_compute(graph, costs)
     out: dict[int, dict[str, int]] = {}
     for rank, work in works.items():
         n_comp, w_comp = work[_COMPUTE]

@@ -178,17 +178,6 @@ class _Rates:
 
 def task_costs(graph: TaskGraph, hw: HardwareProfile) -> list[float]:
     """``task_cost`` of every task, indexed by task id."""
-    return costs_and_work(graph, hw)[0]
-
-
-def costs_and_work(
-    graph: TaskGraph, hw: HardwareProfile, waits_on: set[int] | None = None
-) -> tuple[list[float], dict[int, dict[str, tuple[int, float]]], dict[int, float]]:
-    """``task_costs``; given ``waits_on`` (a set of events) also ``role_work`` on them and per
-    rank the summed cost of its compute tasks that wait on none of those events (ranks
-    without such tasks left out), else two empty dicts. The static partition's inputs
-    (balance.py), summed in task order as each cost is made, not in a second pass over the
-    tasks (~34k at 2x8)."""
     # One pass (~10^5 tasks at 2x8): the remote bytes ``remote_bytes`` would give, summed the
     # same way, but a task's reads only for an nvlink task (the only role whose cost reads them).
     beside = compute_ranks(graph)
@@ -200,11 +189,6 @@ def costs_and_work(
     compute, nvlink = _COMPUTE, _NVLINK
     where = {bid: (b.rank, ITEMSIZE[b.dtype]) for bid, b in graph.buffers.items()}
     out = [0.0] * len(graph.tasks)
-    tally = waits_on is not None
-    work = {r: {role.value: [0, 0.0] for role in ROLES} for r in graph.topology.ranks}
-    compute_work = {r: roles[compute] for r, roles in work.items()}
-    # per rank: the free compute sum (None until its first such task), no dict call per task
-    free_of: list[float | None] = [None] * graph.topology.world_size
     for t in graph.tasks:
         rank = t.rank
         remote_write = 0
@@ -226,17 +210,7 @@ def costs_and_work(
                 moved = t.bytes * fill / hbm
                 if moved > base:
                     base = moved
-            c = out[t.id] = base + remote_write / epilogue
-            if tally:
-                cell = compute_work[rank]
-                cell[0] += 1
-                cell[1] += c
-                for e, _ in t.waits:
-                    if e in waits_on:
-                        break
-                else:
-                    so_far = free_of[rank]
-                    free_of[rank] = (0.0 if so_far is None else so_far) + c  # as dict.get's
+            out[t.id] = base + remote_write / epilogue
             continue
         remote_read = 0
         if role == nvlink:
@@ -244,15 +218,8 @@ def costs_and_work(
                 holder, item = where[r[0]]
                 if holder != rank:
                     remote_read += (r[2] - r[1]) * (r[4] - r[3]) * item
-        c = out[t.id] = cost(t, remote_read, remote_write, rank in beside)
-        if tally:
-            cell = work[rank][role]
-            cell[0] += 1
-            cell[1] += c
-    if not tally:
-        return out, {}, {}
-    sums = {r: {role: (n, c) for role, (n, c) in roles.items()} for r, roles in work.items()}
-    return out, sums, {r: v for r, v in enumerate(free_of) if v is not None}
+        out[t.id] = cost(t, remote_read, remote_write, rank in beside)
+    return out
 
 
 def role_work(graph: TaskGraph, costs: list[float]) -> dict[int, dict[str, tuple[int, float]]]:
