@@ -76,7 +76,6 @@ __all__ = [
     "register_policy",
     "list_order",
     "list_order_steps",
-    "keyed_steps",
     "longest_path_order",
     "Columns",
     "critical_path_lengths",
@@ -352,39 +351,6 @@ def list_order_steps(
     assert len(order) == n, "policy_input's topo_order already proved every task can run"
 
 
-def keyed_steps(
-    graph: TaskGraph,
-    key: Callable[[int], tuple[Any, ...]],
-    facts: PolicyInput | None,
-    order: list[int],
-) -> Iterator[int]:
-    """``list_order_steps`` for the priority ``key(id)``, a tuple that ends with the id (so
-    unique, and ties go by id as there). The heap holds the ready tasks' keys, made as they
-    become ready: a caller that stops early never ranks every task (``_network_choice``: the
-    2x8 layer's staged order stops after 1.3k of its 34k tasks, where ranking took two sorts
-    of all 34k ids and a pass to invert them)."""
-    tasks = graph.tasks
-    waiters, missing = _counter_tables(graph, facts)
-    count = [0] * len(graph.events)
-    heap = [key(tid) for tid, m in enumerate(missing) if not m]
-    heapq.heapify(heap)
-    heappop, heappush = heapq.heappop, heapq.heappush
-    while heap:
-        tid = heappop(heap)[-1]
-        order.append(tid)
-        yield tid
-        for e in tasks[tid].signals:
-            count[e] += 1
-            by_count = waiters.get(e)
-            if by_count is None:
-                continue
-            for w in by_count.get(count[e], ()):
-                missing[w] -= 1
-                if missing[w] == 0:
-                    heappush(heap, key(w))
-    assert len(order) == len(tasks), "policy_input's topo_order proved every task can run"
-
-
 def _counter_tables(
     graph: TaskGraph, facts: PolicyInput | None
 ) -> tuple[dict[int, dict[int, list[int]]], list[int]]:
@@ -546,10 +512,7 @@ def _network_choice(graph: TaskGraph, facts: PolicyInput) -> list[int]:
     # the plain one predicts the same, so it is never taken, as before.
     tail = None if facts.partial else [x - c for x, c in zip(length, costs, strict=True)]
     staged: list[int] = []
-    neg, turn = by_length.columns
-    steps = keyed_steps(
-        graph, lambda tid: (stage[tid], slot[tid], neg[tid], turn[tid], tid), facts, staged
-    )
+    steps = list_order_steps(graph, Columns(stage, slot, then=by_length), facts, staged)
     after = network_makespan(graph, pools, steps, costs, facts.hardware, limit=need, tail=tail)
     return staged if after < need else plain
 
