@@ -75,6 +75,7 @@ from .kinds import KINDS
 from .layout import REPLICATE, Layout, binding_runs, flat_shape, layout_runs
 from .lower import lower
 from .plans import ParallelStyle
+from .prune import prune
 from .scheduler import Schedule, schedule
 from .settings import Settings
 from .topology import Topology
@@ -124,7 +125,9 @@ def compile(  # noqa: A001  (mg.compile mirrors torch.compile)
         # replaces (benchmarks/NOTES.md v15: 3.79 against 3.54 ms, the layer on one H200).
         lowered = fuse_glu(lowered)
     with gc_paused():  # the graph is 10^6 small long-lived objects: mgraph.graph.gc_paused
-        graph = lower(lowered)
+        # what the layouts make but no output uses goes (mgraph/prune.py: at 2x8 the KV heads
+        # a rank's attention does not read)
+        graph = prune(lower(lowered))
         # validation's counter order is the one scheduling starts from: computed once
         order = validate_graph(graph) if validate else None
         if backend == "triton":

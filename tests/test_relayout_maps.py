@@ -22,9 +22,10 @@ R = importlib.import_module("mgraph.ops.relayout")
 GPU_KEYS = set(R._GPU_PARAMS)
 
 
-class _Task:  # what the CPU body reads of a task
-    def __init__(self, params: dict) -> None:
+class _Task:  # what the CPU body reads of a task: its params, and the box of x it reads
+    def __init__(self, params: dict, read: tuple) -> None:
         self.params = params
+        self.reads = [read]
 
 
 def brute_where(params: dict) -> torch.Tensor:
@@ -41,7 +42,7 @@ def brute_where(params: dict) -> torch.Tensor:
     out_cols = out_runs[0][3] - out_runs[0][2]
     index = torch.arange(in_rows * in_cols, dtype=torch.int64).reshape(in_rows, in_cols)
     where = torch.full((t1 - t0, out_cols), -1, dtype=torch.int64)
-    R._relayout_cpu(_Task(params), [index], [where])
+    R._relayout_cpu(_Task(params, ("x", 0, in_rows, 0, in_cols)), [index], [where])
     assert int(where.min()) >= 0
     return where
 
@@ -80,10 +81,16 @@ def has_form(params: dict) -> bool:
 
 def check_maps(graph: mg.TaskGraph) -> tuple[int, int]:
     """Every tile's params equal the brute-force fit, except tiles of a chain with no sub-dim
-    form, which get none. Returns (tiles that fit, tiles with no form)."""
+    form, which get none; every element a tile gathers lies in the box of x it reads.
+    Returns (tiles that fit, tiles with no form)."""
     fitted = formless = 0
     for t in graph.tasks:
         where = brute_where(t.params)
+        buf, q0, q1, p0, p1 = t.reads[0]
+        cols = graph.buffers[buf].cols
+        rows_read, cols_read = where // cols, where % cols
+        assert q0 <= int(rows_read.min()) and int(rows_read.max()) < q1, (t.name, t.reads)
+        assert p0 <= int(cols_read.min()) and int(cols_read.max()) < p1, (t.name, t.reads)
         if not has_form(t.params):
             assert gpu_params(t) == {}, t.name
             formless += 1

@@ -180,7 +180,7 @@ def _lower(
     # Replicated in and out (a head split or repeat_kv's expand of a replicated value): every
     # rank's gather map is the same, so its tiles are fitted once, not once per rank (at 2x8
     # the 16 fits took ~0.1 s of a warm compile). The fits are only read below.
-    fitted: dict[tuple, tuple[list[tuple[int, int]], list[tuple[dict[str, int], int]]]] = {}
+    fitted: dict[tuple, tuple[list, list, list]] = {}
     same_maps = _rank_free(src, dst, b.world)
     for r in b.topo.ranks:
         x = b.bound_buffer("x", r, "x", runs_pieces(layout_runs(shape, src, r, b.world)))
@@ -197,18 +197,19 @@ def _lower(
         tiles = split(out.rows, tile_rows)
         key = tuple(tiles)
         if same_maps and key in fitted:
-            tiles, fits = fitted[key]
+            tiles, fits, bands = fitted[key]
         else:
             fits = _tile_fits(shape, steps, src, dst, r, b.world, tiles)
             if any(not digits for digits, _ in fits):
                 tiles, fits = _aligned(shape, steps, src, dst, r, b.world, tiles, fits,
                                        tile_rows)
+            bands = _column_bands(shape, steps, src, dst, r, b.world, tiles, x.rows, x.cols)
             if same_maps:
-                fitted[key] = tiles, fits
+                fitted[key] = tiles, fits, bands
         # Hot: a traced layer's head splits and merges are ~half its tasks at 2x8 (42k), so
-        # what every tile of the rank shares is made once: the region read (all of x) and
-        # the flops hint, which depends on no tile (the kind's own facet, asked once).
-        whole = x.region()
+        # what every tile of the rank shares is made once: the regions read (a band of x's
+        # columns per run of tiles, _column_bands) and the flops hint, which depends on no
+        # tile (the kind's own facet, asked once).
         flops = RELAYOUT.flops_fn((), (), common)
         # Each task's params are ``{**common, "rows": [t0, t1], **digits, "base": base}``
         # (tile_gathers' params, "base" in its place after "rows"). The tiles of one fit share
@@ -231,7 +232,52 @@ def _lower(
                 f"relayout r{r} [{t0}:{t1}]",
                 params,
             ))  # fmt: skip
-        b.tasks_alike(r, Role.COMPUTE, RELAYOUT.name, [whole], made, flops=flops)
+        for i0, i1, box in bands:
+            read = _new_region(Region, (x.id, *box))
+            b.tasks_alike(r, Role.COMPUTE, RELAYOUT.name, [read], made[i0:i1], flops=flops)
+
+
+def _column_bands(
+    shape: tuple, steps: Sequence, src: Layout, dst: Layout, rank: int, world: int,
+    tiles: list[tuple[int, int]], xrows: int, xcols: int,
+) -> list[tuple[int, int, tuple[int, int, int, int]]]:
+    """(first tile, end tile, (row0, row1, col0, col1) of x) per run of consecutive tiles that
+    read the same columns of x: what they read, not all of x. A head split of k at 2x8 read
+    all 8 KV heads in every tile, so each tile waited for every rank's shard of k, gathered
+    across both nodes; now it waits for its head's two (and mgraph.prune drops the tiles of
+    heads no attention on the rank reads, and the copies only they read). All of x where the
+    map wraps rows (its columns then say nothing) or has no sub-dim form."""
+    whole = [(0, len(tiles), (0, xrows, 0, xcols))]
+    maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
+    if maps is None or not tiles:
+        return whole
+    # x's element (i, j) of the output buffer is at flat position F[i] + G[j] of x's buffer:
+    # row F // xcols + G // xcols and column F % xcols + G % xcols when those never sum past
+    # a row (then the two axes' extremes bound every tile's box)
+    f_row, f_col = maps[0] // xcols, maps[0] % xcols
+    g_row, g_col = maps[1] // xcols, maps[1] % xcols
+    if int(f_col.max()) + int(g_col.max()) >= xcols:
+        return whole
+    sizes = torch.tensor([t1 - t0 for t0, t1 in tiles])
+    tile_of = torch.repeat_interleave(torch.arange(len(tiles)), sizes)
+    f_row, f_col = f_row[tiles[0][0]:tiles[-1][1]], f_col[tiles[0][0]:tiles[-1][1]]
+
+    def per_tile(v: torch.Tensor, how: str) -> list[int]:
+        out = torch.zeros(len(tiles), dtype=v.dtype)
+        return out.scatter_reduce(0, tile_of, v, how, include_self=False).tolist()
+
+    g = (int(g_row.min()), int(g_row.max()), int(g_col.min()), int(g_col.max()))
+    boxes = zip(per_tile(f_row, "amin"), per_tile(f_row, "amax"), per_tile(f_col, "amin"),
+                per_tile(f_col, "amax"), strict=True)
+    bands: list[tuple[int, int, tuple[int, int, int, int]]] = []
+    for i, (r0, r1, c0, c1) in enumerate(boxes):
+        r0, r1, c0, c1 = r0 + g[0], r1 + g[1] + 1, c0 + g[2], c1 + g[3] + 1
+        if bands and bands[-1][2][2:] == (c0, c1):
+            first, _, (q0, q1, _, _) = bands[-1]
+            bands[-1] = (first, i + 1, (min(q0, r0), max(q1, r1), c0, c1))
+        else:
+            bands.append((i, i + 1, (r0, r1, c0, c1)))
+    return bands
 
 
 def _aligned(
@@ -404,10 +450,18 @@ def _relayout_cpu(
     p = task.params
     shape = tuple(p["in_shape"])
     rank, world = p["rank"], p["world"]
+    runs = layout_runs(shape, Layout.from_json(p["in_layout"]), rank, world)
+    # the task reads a box of x's buffer (_column_bands): placed in a buffer of NaN, so a box
+    # that missed an element the steps take would show in the output
+    _, q0, q1, p0, p1 = task.reads[0]
+    fill = math.nan if reads[0].dtype.is_floating_point else 0
+    x = torch.full((sum(r1 - r0 for r0, r1, _, _ in runs), runs[0][3] - runs[0][2]), fill,
+                   dtype=reads[0].dtype)
+    x[q0:q1, p0:p1] = reads[0]
     full = torch.empty(flat_shape(shape), dtype=reads[0].dtype)
     offset = 0
-    for r0, r1, c0, c1 in layout_runs(shape, Layout.from_json(p["in_layout"]), rank, world):
-        full[r0:r1, c0:c1] = reads[0][offset : offset + r1 - r0]
+    for r0, r1, c0, c1 in runs:
+        full[r0:r1, c0:c1] = x[offset : offset + r1 - r0]
         offset += r1 - r0
     out_shape = steps_shape(shape, p["steps"])
     result = apply_steps(full.reshape(shape), p["steps"]).reshape(flat_shape(out_shape))
