@@ -355,7 +355,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # ``validate_graph``: compile's flag is named ``validate``): the profile wraps them for the
 # duration of one compile, so it times the real call.
 COMPILE_STAGES = (
-    "trace", "fuse_pointwise", "token_major_attention", "fuse_glu", "lower", "validate",
+    "trace", "fuse_pointwise", "token_major_attention", "fuse_glu", "lower", "prune", "validate",
     "check_triton_bodies", "schedule",
 )
 

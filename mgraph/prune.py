@@ -13,8 +13,7 @@ tasks ordered before it (validation's race check insists on it), and every such 
 chain of waits: the producers of what a kept task reads are kept. A wait's count stays right:
 all the signalers of an event a kept task waits on are kept.
 
-Events no kept task signals or waits on, and scratch buffers no kept task touches, go too;
-task and event ids are renumbered to their new positions.
+Task ids are renumbered to the tasks' new positions. Events and buffers stay as they are.
 """
 
 from __future__ import annotations
@@ -26,18 +25,25 @@ __all__ = ["prune"]
 
 def prune(graph: TaskGraph) -> TaskGraph:
     """``graph`` without the tasks no output depends on (in place; returned for chaining)."""
+    # ~40k tasks at 2x8, inside the compile-time budget: one pass for the signalers and the
+    # roots, one walk up the waits, one renumbering; events and buffers stay (an event nobody
+    # signals or waits on is an idle counter, a scratch buffer nobody touches idle bytes)
     tasks, buffers = graph.tasks, graph.buffers
-    kept_buffers = {bid for bid, buf in buffers.items() if buf.role != "scratch"}
+    scratch = {bid for bid, buf in buffers.items() if buf.role == "scratch"}
     signalers: list[list[int]] = [[] for _ in graph.events]
-    for t in tasks:
-        for e in t.signals:
-            signalers[e].append(t.id)
     live = bytearray(len(tasks))
-    stack = [
-        t.id for t in tasks if not t.writes or any(w[0] in kept_buffers for w in t.writes)
-    ]
-    for i in stack:
-        live[i] = 1
+    stack = []
+    for t in tasks:
+        i = t.id
+        for e in t.signals:
+            signalers[e].append(i)
+        writes = t.writes
+        # most tasks write one region: its buffer decides
+        if not writes or writes[0][0] not in scratch or (
+            len(writes) > 1 and any(w[0] not in scratch for w in writes)
+        ):
+            live[i] = 1
+            stack.append(i)
     done = bytearray(len(graph.events))  # events whose signalers are all kept already
     while stack:
         for e, _ in tasks[stack.pop()].waits:
@@ -50,36 +56,7 @@ def prune(graph: TaskGraph) -> TaskGraph:
                     stack.append(s)
     if all(live):
         return graph
-    graph.tasks = [t for t in tasks if live[t.id]]
-    _renumber(graph)
-    return graph
-
-
-def _renumber(graph: TaskGraph) -> None:
-    """Task ids, then event ids, to their positions; unused events and scratch buffers out."""
-    used = bytearray(len(graph.events))
-    touched: set[str] = set()
-    for i, t in enumerate(graph.tasks):
+    graph.tasks = kept = [t for t in tasks if live[t.id]]
+    for i, t in enumerate(kept):
         t.id = i
-        for e, _ in t.waits:
-            used[e] = 1
-        for e in t.signals:
-            used[e] = 1
-        touched.update(r[0] for r in t.reads)
-        touched.update(r[0] for r in t.writes)
-    new_id = [-1] * len(graph.events)
-    events = []
-    for ev in graph.events:
-        if used[ev.id]:
-            new_id[ev.id] = len(events)
-            ev.id = len(events)
-            events.append(ev)
-    graph.events = events
-    for t in graph.tasks:
-        if t.waits:
-            t.waits = [(new_id[e], count) for e, count in t.waits]
-        if t.signals:
-            t.signals = [new_id[e] for e in t.signals]
-    graph.buffers = {
-        bid: buf for bid, buf in graph.buffers.items() if buf.role != "scratch" or bid in touched
-    }
+    return graph

@@ -222,9 +222,29 @@ def spmd_cases(rank: int, world: int) -> dict:
             lambda a, out: ((a[0].chunk(world, 1)[rank],), out.chunk(world, 1)[rank]),
         )
 
+    def llama_gqa_pruned() -> dict:
+        """8 heads, 2 KV heads: from 4 ranks on, two ranks share a KV head and k's columns are
+        cut mid-head, so k is gathered and each rank's split and RoPE of the other KV head
+        are pruned (mgraph/prune.py, v22)."""
+        import llama_block as lb
+
+        torch.manual_seed(1)
+        model = lb.DecoderBlock(hidden=512, heads=8, kv_heads=2, ffn=1024).to("cuda", BF16)
+        model = model.eval()
+        x = torch.randn(1, 1024, 512, device="cuda", dtype=BF16)
+        prog = mg.compile(model, (x,), plan=lb.block_plan(), topology=f"1x{world}",
+                          backend="triton")
+        return check(
+            prog,
+            model,
+            (x,),
+            lambda a, out: ((a[0].chunk(world, 1)[rank],), out.chunk(world, 1)[rank]),
+        )
+
     cases[f"mlp-1x{world}"] = mlp
     cases[f"block-sp-1x{world}"] = block
     cases[f"llama-gqa-1x{world}"] = llama_gqa
+    cases[f"llama-gqa-pruned-1x{world}"] = llama_gqa_pruned
     cases[f"chain-1x{world}"] = chain
     return cases
 
