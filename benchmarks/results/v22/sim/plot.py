@@ -1,0 +1,41 @@
+"""predicted.png from rows.jsonl (benchmarks/sim_llama_layer.py): the simulator's time for the
+Llama-8B-size layer per topology, one bar per label. Run from the repository root."""
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TOPOLOGIES = ["1x2", "2x4", "2x8"]
+SPAN = 0.8  # of each topology's slot, shared by the labels
+
+
+def main() -> None:
+    rows = [json.loads(line) for line in (HERE / "rows.jsonl").read_text().splitlines()]
+    labels = list(dict.fromkeys(r["label"] for r in rows))  # in the order they were run
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, label in enumerate(labels):
+        ys = [
+            next(r["predicted_ms"] for r in rows if r["label"] == label and r["topology"] == t)
+            for t in TOPOLOGIES
+        ]
+        width = SPAN / len(labels)
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(TOPOLOGIES))]
+        ax.bar(xs, ys, width, label=label)
+        for x, y in zip(xs, ys, strict=True):
+            ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(TOPOLOGIES)))
+    ax.set_xticklabels(TOPOLOGIES)
+    ax.set_ylabel("predicted ms (simulator, H200 profile)")
+    ax.set_title("Llama-8B-size layer, TP+SP, bf16, S=4096: predicted, not measured")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(HERE / "predicted.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
