@@ -18,8 +18,9 @@ setup(
         Pybind11Extension(
             "mgraph.runtime.proxy.native._drain",
             sources=[
-                str(NATIVE / f) for f in ("module.cpp", "drain.cpp", "mover.cpp", "cuda_api.cpp",
-                                             "copy_kernel.cpp", "verbs.cpp", "verbs_api.cpp")
+                str(NATIVE / f) for f in ("module.cpp", "drain.cpp", "mover.cpp", "raise.cpp",
+                                             "cuda_api.cpp", "copy_kernel.cpp", "verbs.cpp",
+                                             "verbs_api.cpp")
             ],
             depends=[str(p) for p in sorted([*NATIVE.glob("*.h"), *NATIVE.glob("*.cpp")])],
             cxx_std=17,

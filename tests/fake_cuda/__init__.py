@@ -7,7 +7,8 @@ runtime/proxy/native/cuda_api.cpp. ``build(folder)`` compiles, with gcc, this fo
 three shared libraries that export exactly those symbols with CUDA 12's C ABI (int status, 0 =
 success):
 
-- ``libfakecudart.so`` (fake_cudart.c): the runtime, and every bit of state;
+- ``libfakecudart.so`` (fake_cudart.c, and fake_controls.c for the test controls, statistics
+  and trace; fake_controls.h is what the two share): the runtime, and every bit of state;
 - ``libfakecuda.so`` (fake_cuda.c): the driver's cuGetErrorString, cuStreamWriteValue32(_v2),
   cuStreamBatchMemOp(_v2) and cuMemcpyAsync, queuing onto the runtime's streams (it links the
   runtime);
@@ -55,7 +56,7 @@ entry point returns a status), three deliberate bugs for negative controls (``ev
 cudaEventSynchronize returns at once; ``unordered_stores``: cuStreamWriteValue32 stores when
 called, ahead of the stream; ``kernel_flags_first``: the copy kernel stores its flags before
 copying), ``start_trace``/``trace`` (every executed operation, in order) and
-``stat`` (named counters: see ``kStatNames`` in fake_cudart.c). A trace row's ``stream`` is the
+``stat`` (named counters: see ``kStatNames`` in fake_controls.c). A trace row's ``stream`` is the
 stream's creation number (1, 2, ... over the process), so per-stream order can be checked.
 
 All FakeCuda objects of a process share one library instance (the proxy dlopens the same path),
@@ -75,7 +76,8 @@ import torch
 __all__ = ["FakeCuda", "build", "TRACE_FIELDS", "COPY", "COPY_2D", "STORE_32", "MARK"]
 
 HERE = Path(__file__).resolve().parent
-# Columns of a trace row, and its operation kinds (fake_cudart.c: TraceRow, OpKind).
+# Columns of a trace row, and its operation kinds (TraceRow in fake_controls.h, OpKind in
+# fake_cudart.c).
 TRACE_FIELDS = ("seq", "kind", "dst", "width", "height", "dpitch", "value", "stream")
 COPY, COPY_2D, STORE_32, MARK = 1, 2, 3, 4
 # cudaError_t / CUresult values the tests use.
@@ -189,7 +191,7 @@ def build(folder: Path) -> FakeCuda:
         raise RuntimeError("fake cuda: gcc is not on PATH")
     folder.mkdir(parents=True, exist_ok=True)
     runtime = folder / "libfakecudart.so"
-    _gcc(runtime, ["fake_cudart.c"], "-Wl,-soname,libfakecudart.so")
+    _gcc(runtime, ["fake_cudart.c", "fake_controls.c"], "-Wl,-soname,libfakecudart.so")
     # The driver finds the runtime next to itself ($ORIGIN) and, once the runtime is loaded,
     # by its soname: one instance, so the driver's stores share the runtime's streams.
     link = ["-L", str(folder), "-lfakecudart", "-Wl,-rpath,$ORIGIN"]

@@ -1,5 +1,6 @@
-// What the fake driver (fake_cuda.c) needs from the fake runtime (fake_cudart.c): both libraries
-// share the runtime's streams, so a cuStreamWriteValue32 is ordered with the copies around it.
+// What the fake driver (fake_cuda.c) needs from the fake runtime (fake_cudart.c, fake_controls.c):
+// both libraries share the runtime's streams, so a cuStreamWriteValue32 is ordered with the copies
+// around it.
 #pragma once
 
 #include <stdint.h>
