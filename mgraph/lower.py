@@ -191,22 +191,23 @@ class _Lowering:
             last_rank, last_reads, last_waits = t.rank, reads, None
             key = None  # [rank, id of each producer list of the regions t reads, in order]
             for r in reads:
+                # a buffer nothing has written yet (a parameter, the op's own scratch) is
+                # skipped before the region is hashed: half the reads of a GEMM op's tasks
+                ws = writers.get(r[0])  # regions are (buffer, row0, row1, col0, col1)
+                if not ws:
+                    continue
                 found = of_region.get(r)
                 if found is None:
-                    bid = r[0]  # regions are (buffer, row0, row1, col0, col1)
-                    ws = writers.get(bid)
-                    found = []
-                    if ws:
-                        buf = buffers[bid]
-                        if r[1] == 0 and r[3] == 0 and r[2] == buf.rows and r[4] == buf.cols:
-                            # all of the buffer (attention's k and v of a head, a relayout's
-                            # input): every writer overlaps it, no index needed
-                            found = [w[1] for w in ws]
-                        else:
-                            idx = index.get(bid)
-                            if idx is None or idx.size != len(ws):
-                                idx = index[bid] = _WriterIndex(ws)
-                            found = idx.overlapping(r)
+                    buf = buffers[r[0]]
+                    if r[1] == 0 and r[3] == 0 and r[2] == buf.rows and r[4] == buf.cols:
+                        # all of the buffer (attention's k and v of a head, a relayout's
+                        # input): every writer overlaps it, no index needed
+                        found = [w[1] for w in ws]
+                    else:
+                        idx = index.get(r[0])
+                        if idx is None or idx.size != len(ws):
+                            idx = index[r[0]] = _WriterIndex(ws)
+                        found = idx.overlapping(r)
                     of_region[r] = found
                 if found:
                     if key is None:
