@@ -28,6 +28,8 @@ down from r's local index l (l-1, l-2, ...): every GPU pushes and forwards to l+
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from ..builder import GraphBuilder, edge_tile, piece, require_divisible, shard_range
 from ..errors import UnknownNameError
 from ..graph import ITEMSIZE, Buffer, Region, Task
@@ -141,44 +143,60 @@ def _lower(
     # in L2 at large K (v11: AG+GEMM 8192x8192x14336, 0.86x). Other nodes' shards stay
     # row-major: they arrive chunk by chunk over the network, and a band would wait for 8.
     banded = grouped(shard_tiles)
-    # Hot (~15k GEMM tiles in a 2x8 layer): regions made directly (validation checks their
-    # bounds) and the flops hint computed once per tile shape (gemm_tasks does the same)
-    cost: dict[tuple[int, int], float] = {}
-    task = b.task
     for r in topo.ranks:
-        wid, oid = w[r].id, out[r].id
-        for s in gemm_shard_order(topo, r):
-            # gather="peer": a node peer's shard is read where it lies (its input buffer,
-            # written before the launch: the entry barrier orders it), no copy and no wait.
-            direct = s == r or (gather == "peer" and topo.node_of(s) == topo.node_of(r))
-            src = a[s].id if direct else gathered[r].id
-            offset = 0 if direct else s * rows
-            base = s * rows  # the shard's first row of out
-            # the waits of a row band, joined once for its column tiles (b.after gives the same
-            # event for the same arrivals; each task copies the list)
-            band_waits: dict[tuple[int, int], list[tuple[int, int]]] = {}
-            for t0, t1, c0, c1 in banded if topo.node_of(s) == topo.node_of(r) else shard_tiles:
-                waits = []
-                if not direct:
-                    waits = band_waits.get((t0, t1))
-                    if waits is None:
-                        waits = band_waits[(t0, t1)] = b.after(
-                            r, unique_tasks(mover.arrivals(r, s, (t0, t1)))
-                        )
-                flops = cost.get((t1 - t0, c1 - c0))
-                if flops is None:
-                    flops = cost[(t1 - t0, c1 - c0)] = gemm_flops(t1 - t0, c1 - c0, K)
-                task(
-                    r,
-                    _COMPUTE,
-                    GEMM,
-                    [_new(Region, (src, offset + t0, offset + t1, 0, K)),
-                     _new(Region, (wid, 0, K, c0, c1))],
-                    [_new(Region, (oid, base + t0, base + t1, c0, c1))],
-                    waits=waits,
-                    name=f"gemm r{r} shard {s} [{base + t0}:{base + t1},{c0}:{c1}]",
-                    flops=flops,
-                )  # fmt: skip
+        b.tasks_made(r, _COMPUTE, GEMM, _gemm_specs(b, r, K, rows, a, w, out, gathered, mover, gather,
+                                                    banded, shard_tiles))  # fmt: skip
+
+
+def _gemm_specs(
+    b: GraphBuilder,
+    r: int,
+    K: int,
+    rows: int,
+    a: list[Buffer],
+    w: list[Buffer],
+    out: list[Buffer],
+    gathered: list[Buffer],
+    mover: _Gather,
+    gather: str,
+    banded: list[tuple[int, int, int, int]],
+    shard_tiles: list[tuple[int, int, int, int]],
+) -> Iterator[tuple[list[Region], list[Region], list[tuple[int, int]], str, float]]:
+    """Rank ``r``'s GEMM tiles, shard by shard, as GraphBuilder.tasks_made's specs: hot (~15k
+    tiles in a 2x8 layer), so regions are made directly (validation checks their bounds) and
+    the flops hint once per tile shape (as collectives.gemm_tasks does)."""
+    topo = b.topo
+    cost: dict[tuple[int, int], float] = {}
+    wid, oid = w[r].id, out[r].id
+    for s in gemm_shard_order(topo, r):
+        # gather="peer": a node peer's shard is read where it lies (its input buffer,
+        # written before the launch: the entry barrier orders it), no copy and no wait.
+        direct = s == r or (gather == "peer" and topo.node_of(s) == topo.node_of(r))
+        src = a[s].id if direct else gathered[r].id
+        offset = 0 if direct else s * rows
+        base = s * rows  # the shard's first row of out
+        # the waits of a row band, joined once for its column tiles (b.after gives the same
+        # event for the same arrivals; each task copies the list)
+        band_waits: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for t0, t1, c0, c1 in banded if topo.node_of(s) == topo.node_of(r) else shard_tiles:
+            waits = ()
+            if not direct:
+                waits = band_waits.get((t0, t1))
+                if waits is None:
+                    waits = band_waits[(t0, t1)] = b.after(
+                        r, unique_tasks(mover.arrivals(r, s, (t0, t1)))
+                    )
+            flops = cost.get((t1 - t0, c1 - c0))
+            if flops is None:
+                flops = cost[(t1 - t0, c1 - c0)] = gemm_flops(t1 - t0, c1 - c0, K)
+            yield (
+                [_new(Region, (src, offset + t0, offset + t1, 0, K)),
+                 _new(Region, (wid, 0, K, c0, c1))],
+                [_new(Region, (oid, base + t0, base + t1, c0, c1))],
+                waits,
+                f"gemm r{r} shard {s} [{base + t0}:{base + t1},{c0}:{c1}]",
+                flops,
+            )  # fmt: skip
 
 
 def gemm_shard_order(topo: Topology, rank: int) -> list[int]:

@@ -7,7 +7,7 @@ then moves one rectangle per command instead of one tile.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import ShapeError
@@ -120,29 +120,28 @@ def gemm_flops(m: int, n: int, k: int) -> float:
 
 
 def gemm_tasks(
-    b: GraphBuilder, rank: int, a: Buffer, w: Buffer, k: int, tiles: Iterable[Tile], dst: Buffer
+    b: GraphBuilder, rank: int, a: Buffer, w: Buffer, k: int, tiles: Sequence[Tile], dst: Buffer
 ) -> dict[Tile, Task]:
     """``gemm_task`` of each of ``tiles`` in order (no waits, signals or params), by tile."""
-    # Hot (a 2x8 layer's reduce-scatters: 16k tiles): the regions made directly as in
-    # gemm_task, and the flops hint, the kind's facet, computed once per tile shape
+    # Hot (a 2x8 layer's reduce-scatters: 16k tiles): made in bulk (GraphBuilder.tasks_made),
+    # the regions directly as in gemm_task, the flops hint once per tile shape
     cost: dict[tuple[int, int], float] = {}
-    task = b.task
     aid, wid, did = a.id, w.id, dst.id
-    done: dict[Tile, Task] = {}
-    for tile in tiles:
-        t0, t1, c0, c1 = tile
-        shape = (t1 - t0, c1 - c0)
-        flops = cost.get(shape)
-        if flops is None:
-            flops = cost[shape] = gemm_flops(shape[0], shape[1], k)
-        done[tile] = task(
-            rank, _COMPUTE, _GEMM,
-            [_new(Region, (aid, t0, t1, 0, k)), _new(Region, (wid, 0, k, c0, c1))],
-            [_new(Region, (did, t0, t1, c0, c1))],
-            name=f"gemm r{rank} [{t0}:{t1},{c0}:{c1}]",
-            flops=flops,
-        )  # fmt: skip
-    return done
+
+    def specs() -> Iterator[tuple[list[Region], list[Region], tuple, str, float]]:
+        for t0, t1, c0, c1 in tiles:
+            flops = cost.get((t1 - t0, c1 - c0))
+            if flops is None:
+                flops = cost[(t1 - t0, c1 - c0)] = gemm_flops(t1 - t0, c1 - c0, k)
+            yield (
+                [_new(Region, (aid, t0, t1, 0, k)), _new(Region, (wid, 0, k, c0, c1))],
+                [_new(Region, (did, t0, t1, c0, c1))],
+                (),
+                f"gemm r{rank} [{t0}:{t1},{c0}:{c1}]",
+                flops,
+            )
+
+    return dict(zip(tiles, b.tasks_made(rank, _COMPUTE, _GEMM, specs()), strict=True))
 
 
 def shift(tile: Tile, rows: int) -> Tile:
