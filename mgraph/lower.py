@@ -185,7 +185,9 @@ class _Lowering:
                     t.waits.extend(last_waits)
                 continue
             last_rank, last_reads, last_waits = rank, reads, None
-            key = None  # [rank, id of each producer list of the regions t reads, in order]
+            # the producer lists of the regions t reads, in order: the first, and all of them
+            # once there are two (most tasks read one earlier op's buffer: no list, no tuple())
+            first = lists = None
             for r in reads:
                 bid = r[0]  # regions are (buffer, row0, row1, col0, col1)
                 buf = buffers[bid]
@@ -209,22 +211,22 @@ class _Lowering:
                         found = idx.overlapping(r)
                     of_region[r] = found
                 if found:
-                    if key is None:
-                        key = [rank, id(found)]
-                        lists = [found]
+                    if first is None:
+                        first = found
+                    elif lists is None:
+                        lists = [first, found]
                     else:
-                        key.append(id(found))
                         lists.append(found)
-            if key is None:
+            if first is None:
                 continue
-            key = tuple(key)
+            key = (rank, id(first)) if lists is None else (rank, *[id(f) for f in lists])
             waits = waits_of.get(key)
             if waits is None:
                 # the producers of all its regions, each once, in the order first met (a
                 # list has no repeats). Attention's q blocks each read all of k and v (~10^3
                 # producers): the ids are merged by dict.fromkeys, not a loop.
-                if len(lists) == 1:
-                    producers = lists[0]
+                if lists is None:
+                    producers = first
                 else:
                     merged = []
                     for found in lists:
