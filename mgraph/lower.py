@@ -138,12 +138,17 @@ class _Lowering:
         writers = self.reshard.writers
         buffers = self.b.buffers
         remote = self.remote
+        # a rank's tiles mostly write one buffer in a row: its writer list and rank are
+        # looked up when the buffer changes, not per write
+        last_bid, noted, holder = None, None, -1
         for t in new:
             rank = t.rank
             for w in t.writes:
                 bid = w[0]
-                writers[bid].append((w, t))
-                if buffers[bid].rank != rank:
+                if bid != last_bid:
+                    last_bid, noted, holder = bid, writers[bid], buffers[bid].rank
+                noted.append((w, t))
+                if holder != rank:
                     remote.add(bid)
         self.scanned = len(self.b.tasks)
 
