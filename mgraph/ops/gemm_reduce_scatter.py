@@ -274,10 +274,12 @@ class _Plan:
                         ready[t] = gemms[q][t]
                     continue
                 label = f"node-reduce for r{d}"
+                sid, off = sums[q].id, (topo.node_of(d) - d) * rows  # slot(q, d, t), hoisted
                 for t in self.tiles_of(d):
+                    t0, t1, c0, c1 = t
                     ready[t] = push_reduce(
                         b, q, {p: (_new(Region, (pid, *t)), done[t]) for p, pid, done in members},
-                        tile_region(sums[q], slot(q, d, t)), self.recv, label,
+                        _new(Region, (sid, t0 + off, t1 + off, c0, c1)), self.recv, label,
                     )
         recv: dict[tuple[int, int], Buffer] = {}  # (dest, source node) -> landing buffer
         arrived: dict[tuple[int, int], dict[Tile, Task]] = {}  # (dest, source node) -> tile -> send
