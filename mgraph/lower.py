@@ -133,25 +133,23 @@ class _Lowering:
                     f"{node.where()}: op {node.op} left output {value.name!r} unbound"
                 )
         # Resharder.note_writer's append, inlined: once per write (~80k at 2x8); and the
-        # buffers other ranks touch, which GraphBuilder.finish would find in a pass of its own
+        # buffers other ranks write, which GraphBuilder.finish would find in a pass of its own
+        # (those they read, _add_readiness found in its pass over the reads)
         writers = self.reshard.writers
         buffers = self.b.buffers
         remote = self.remote
-        last_rank, last_reads = -1, None
+        # a rank's tiles mostly write one buffer in a row: its writer list and rank are
+        # looked up when the buffer changes, not per write
+        last_bid, noted, holder = None, None, -1
         for t in new:
             rank = t.rank
             for w in t.writes:
                 bid = w[0]
-                writers[bid].append((w, t))
-                if buffers[bid].rank != rank:
+                if bid != last_bid:
+                    last_bid, noted, holder = bid, writers[bid], buffers[bid].rank
+                noted.append((w, t))
+                if holder != rank:
                     remote.add(bid)
-            reads = t.reads
-            if rank == last_rank and reads == last_reads:
-                continue  # the same buffers as the task before (a relayout's tiles)
-            last_rank, last_reads = rank, reads
-            for r in reads:
-                if buffers[r[0]].rank != rank:
-                    remote.add(r[0])
         self.scanned = len(self.b.tasks)
 
     def note_remote(self, tasks: list[Task]) -> None:
@@ -163,8 +161,10 @@ class _Lowering:
                     self.remote.add(r[0])
 
     def _add_readiness(self, tasks: list[Task]) -> None:
-        """Each task that reads an earlier op's buffer waits for the writers of what it reads."""
+        """Each task that reads an earlier op's buffer waits for the writers of what it reads;
+        the buffers of other ranks that ``tasks`` read are added to ``remote`` on the way."""
         writers = self.reshard.writers
+        remote = self.remote
         index = self._writer_index
         after = self.b.after
         # Many tasks read the same regions (every column tile of a GEMM row reads one A tile):
@@ -184,47 +184,54 @@ class _Lowering:
         last_rank, last_reads, last_waits = -1, None, None
         for t in tasks:
             reads = t.reads
-            if t.rank == last_rank and reads == last_reads:
+            rank = t.rank
+            if rank == last_rank and reads == last_reads:
                 if last_waits:
                     t.waits.extend(last_waits)
                 continue
-            last_rank, last_reads, last_waits = t.rank, reads, None
-            key = None  # [rank, id of each producer list of the regions t reads, in order]
+            last_rank, last_reads, last_waits = rank, reads, None
+            # the producer lists of the regions t reads, in order: the first, and all of them
+            # once there are two (most tasks read one earlier op's buffer: no list, no tuple())
+            first = lists = None
             for r in reads:
+                bid = r[0]  # regions are (buffer, row0, row1, col0, col1)
+                buf = buffers[bid]
+                if buf.rank != rank:
+                    remote.add(bid)
+                # a buffer nothing has written yet (a parameter, the op's own scratch) is
+                # skipped before the region is hashed: half the reads of a GEMM op's tasks
+                ws = writers.get(bid)
+                if not ws:
+                    continue
                 found = of_region.get(r)
                 if found is None:
-                    bid = r[0]  # regions are (buffer, row0, row1, col0, col1)
-                    ws = writers.get(bid)
-                    found = []
-                    if ws:
-                        buf = buffers[bid]
-                        if r[1] == 0 and r[3] == 0 and r[2] == buf.rows and r[4] == buf.cols:
-                            # all of the buffer (attention's k and v of a head, a relayout's
-                            # input): every writer overlaps it, no index needed
-                            found = [w[1] for w in ws]
-                        else:
-                            idx = index.get(bid)
-                            if idx is None or idx.size != len(ws):
-                                idx = index[bid] = _WriterIndex(ws)
-                            found = idx.overlapping(r)
+                    if r[1] == 0 and r[3] == 0 and r[2] == buf.rows and r[4] == buf.cols:
+                        # all of the buffer (attention's k and v of a head, a relayout's
+                        # input): every writer overlaps it, no index needed
+                        found = [w[1] for w in ws]
+                    else:
+                        idx = index.get(bid)
+                        if idx is None or idx.size != len(ws):
+                            idx = index[bid] = _WriterIndex(ws)
+                        found = idx.overlapping(r)
                     of_region[r] = found
                 if found:
-                    if key is None:
-                        key = [t.rank, id(found)]
-                        lists = [found]
+                    if first is None:
+                        first = found
+                    elif lists is None:
+                        lists = [first, found]
                     else:
-                        key.append(id(found))
                         lists.append(found)
-            if key is None:
+            if first is None:
                 continue
-            key = tuple(key)
+            key = (rank, id(first)) if lists is None else (rank, *[id(f) for f in lists])
             waits = waits_of.get(key)
             if waits is None:
                 # the producers of all its regions, each once, in the order first met (a
                 # list has no repeats). Attention's q blocks each read all of k and v (~10^3
                 # producers): the ids are merged by dict.fromkeys, not a loop.
-                if len(lists) == 1:
-                    producers = lists[0]
+                if lists is None:
+                    producers = first
                 else:
                     merged = []
                     for found in lists:
@@ -233,7 +240,7 @@ class _Lowering:
                             ids = ids_of[id(found)] = [p.id for p in found]
                         merged.append(ids)
                     producers = [all_tasks[i] for i in dict.fromkeys(chain.from_iterable(merged))]
-                waits = waits_of[key] = after(t.rank, producers)
+                waits = waits_of[key] = after(rank, producers)
             last_waits = waits
             t.waits.extend(waits)
 

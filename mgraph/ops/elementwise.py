@@ -614,6 +614,9 @@ def _lower_mapped(
                 pieces = (((0, 1), (c0, c1)),)
             reads.append((b.bound_buffer(name, r, name, pieces), form))
         out = b.bound_buffer("out", r, "out", runs_pieces(runs), role="output")
+        if gather is not None:  # G's range and F's columns (by buffer width), once a rank
+            g_range = (int(gather[2].min()), int(gather[2].max()))
+            f_cols_of: dict[int, torch.Tensor] = {}
         for i, ((t0, g0, n), window) in enumerate(zip(tiles, windows, strict=True)):
             task_params = {**params, "row0": g0}
             for k, (lo, _) in enumerate(window, start=1):
@@ -621,9 +624,14 @@ def _lower_mapped(
             regions = []
             for (buf, form), code in zip(reads, codes, strict=True):
                 if code == GATHER:
-                    fits, f_rows, g_cols = gather
-                    task_params.update(fits[i], gather_cols=buf.cols)
-                    regions.append(buf.region(*_gather_box(f_rows[t0 : t0 + n], g_cols, buf)))
+                    fits, f_rows, _ = gather
+                    width = buf.cols
+                    task_params.update(fits[i], gather_cols=width)
+                    f_cols = f_cols_of.get(width)
+                    if f_cols is None:
+                        f_cols = f_cols_of[width] = f_rows % width
+                    box = _gather_box(f_rows[t0 : t0 + n], f_cols[t0 : t0 + n], *g_range, width)
+                    regions.append(buf.region(*box))
                 elif code:  # the window, in the buffer's rows (it holds the span from its start)
                     (lo, hi), first = window[code - 1], spans[code - 1][0]
                     regions.append(buf.region((lo - first, hi - first)))
@@ -642,16 +650,19 @@ def _lower_mapped(
             )
 
 
-def _gather_box(f_rows: torch.Tensor, g_cols: torch.Tensor, buf: Any) -> tuple:
-    """(rows, cols) of the box of ``buf`` that positions F[i] + G[j] reach: exact when no row
-    of the tile wraps past the buffer's width, else whole buffer rows."""
-    width = buf.cols
-    g_lo, g_hi = int(g_cols.min()), int(g_cols.max())
-    row, col = f_rows // width, f_rows % width
-    if int(col.max()) + g_hi < width:
-        rows = (int(row.min()), int(row.max()) + 1)
-        return rows, (int(col.min()) + g_lo, int(col.max()) + g_hi + 1)
-    return (int(f_rows.min() + g_lo) // width, int(f_rows.max() + g_hi) // width + 1), None
+def _gather_box(
+    f_rows: torch.Tensor, f_cols: torch.Tensor, g_lo: int, g_hi: int, width: int
+) -> tuple:
+    """(rows, cols) of the box of a buffer ``width`` wide that positions F[i] + G[j] reach
+    (``f_cols``: F % width; ``g_lo``, ``g_hi``: G's least and greatest): exact when no row of
+    the tile wraps past the buffer's width, else whole buffer rows. Two reductions a tile
+    (F // width's least and greatest are F's, divided): a 2x8 layer's rope has 256 tiles of
+    512 rows, and torch's per-call cost, not the rows, dominated."""
+    lo, hi = (int(v) for v in torch.aminmax(f_rows))
+    c_lo, c_hi = (int(v) for v in torch.aminmax(f_cols))
+    if c_hi + g_hi < width:
+        return (lo // width, hi // width + 1), (c_lo + g_lo, c_hi + g_hi + 1)
+    return ((lo + g_lo) // width, (hi + g_hi) // width + 1), None
 
 
 def _window(a: int, m: int, g0: int, g1: int) -> tuple[int, int]:

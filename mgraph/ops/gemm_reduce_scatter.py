@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from ..builder import GraphBuilder, edge_tile, piece, require_divisible, shard_range
 from ..errors import UnknownNameError
-from ..graph import ITEMSIZE, Buffer, Task
+from ..graph import ITEMSIZE, Buffer, Region, Task
 from ..kinds import Role, TaskKind
 from ..topology import Topology
 from .collectives import (
@@ -38,7 +38,7 @@ from .collectives import (
     bounding,
     check_options,
     default_chunk_bytes,
-    gemm_task,
+    gemm_tasks,
     group_chunks,
     grouped,
     push_reduce,
@@ -56,6 +56,7 @@ ALGORITHMS = ("auto", "accumulate", "push")
 gemm_reduce_scatter = OpDef(OP, dims=("M", "N", "K"), inputs=("a", "b"), outputs=("out",))
 
 GEMM, REDUCE, COPY = TaskKind.GEMM.value, TaskKind.REDUCE.value, TaskKind.COPY.value
+_new = tuple.__new__  # a Region without NamedTuple.__new__ (collectives.tile_region's, inlined)
 
 
 def _tile_sizes(topology: Topology, M: int, N: int, tile: list[int]) -> tuple[int, int]:
@@ -132,16 +133,10 @@ def _lower(
         plan.accumulate(a, w, out, ks)
         return
     if world == 1:  # nothing to reduce: the GEMM's tiles are the output (no partial, no copy)
-        for t in plan.gemm_order(0):
-            gemm_task(b, 0, a[0], w[0], ks, t, out[0])
+        gemm_tasks(b, 0, a[0], w[0], ks, plan.gemm_order(0), out[0])
         return
     part = [b.buffer("partial", r, M, N) for r in topo.ranks]
-    gemms: list[dict[Tile, Task]] = []
-    for r in topo.ranks:
-        done: dict[Tile, Task] = {}
-        for t in plan.gemm_order(r):
-            done[t] = gemm_task(b, r, a[r], w[r], ks, t, part[r])
-        gemms.append(done)
+    gemms = [gemm_tasks(b, r, a[r], w[r], ks, plan.gemm_order(r), part[r]) for r in topo.ranks]
     if topo.nodes == 1:
         plan.node_reduce(part, gemms, out)
     elif hierarchical:
@@ -166,10 +161,16 @@ class _Plan:
         self.itemsize = ITEMSIZE[b.dtype]
         self.chunk_bytes = chunk_bytes
         self.recv: dict[tuple[int, int], Buffer] = {}  # push_reduce's receive buffers
+        self._tiles_of: dict[int, list[Tile]] = {}
+        self._orders: dict[int, list[Tile]] = {}  # node -> gemm_order of its ranks (>1 node)
 
     def tiles_of(self, dest: int) -> list[Tile]:
-        """Rank ``dest``'s output tiles in global rows."""
-        return [shift(t, dest * self.rows) for t in self.shard_tiles]
+        """Rank ``dest``'s output tiles in global rows (one list per rank: callers only read
+        it, and every rank's GEMM order and reduces walk it)."""
+        tiles = self._tiles_of.get(dest)
+        if tiles is None:
+            tiles = self._tiles_of[dest] = [shift(t, dest * self.rows) for t in self.shard_tiles]
+        return tiles
 
     def chunks(self, tiles: list[Tile]) -> list[list[Tile]]:
         return group_chunks(tiles, self.itemsize, self.chunk_bytes)
@@ -195,10 +196,15 @@ class _Plan:
                 d = members[(local + i) % len(members)]
                 order.extend(shift(t, d * self.rows) for t in band)
             return order
+        # the same for every rank of the node: built once (callers only read it)
+        cached = self._orders.get(home)
+        if cached is not None:
+            return cached
         for j in rotated(topo.nodes, home + 1):
-            dests = topo.node_ranks(j)
-            for t in self.shard_tiles:
-                order.extend(shift(t, d * self.rows) for d in dests)
+            # tile by tile, the node's destinations interleaved
+            for same in zip(*[self.tiles_of(d) for d in topo.node_ranks(j)], strict=True):
+                order.extend(same)
+        self._orders[home] = order
         return order
 
     # -- one node, accumulate: GEMM epilogues reduce-add into the owner's output -------------
@@ -258,17 +264,22 @@ class _Plan:
 
         for q in topo.ranks:
             node, local = topo.node_of(q), topo.local_of(q)
-            members = topo.node_ranks(node)
+            # per member: its partial's id and GEMM tasks, looked up once (~1k tiles a rank)
+            members = [(p, part[p].id, gemms[p]) for p in topo.node_ranks(node)]
             for j in rotated(N, node + 1):
                 d = topo.rank(j, local)
                 ready = sum_ready[(q, d)] = {}
-                for t in self.tiles_of(d):
-                    if G == 1:
+                if G == 1:
+                    for t in self.tiles_of(d):
                         ready[t] = gemms[q][t]
-                        continue
+                    continue
+                label = f"node-reduce for r{d}"
+                sid, off = sums[q].id, (topo.node_of(d) - d) * rows  # slot(q, d, t), hoisted
+                for t in self.tiles_of(d):
+                    t0, t1, c0, c1 = t
                     ready[t] = push_reduce(
-                        b, q, {p: (tile_region(part[p], t), gemms[p][t]) for p in members},
-                        tile_region(sums[q], slot(q, d, t)), self.recv, f"node-reduce for r{d}",
+                        b, q, {p: (_new(Region, (pid, *t)), done[t]) for p, pid, done in members},
+                        _new(Region, (sid, t0 + off, t1 + off, c0, c1)), self.recv, label,
                     )
         recv: dict[tuple[int, int], Buffer] = {}  # (dest, source node) -> landing buffer
         arrived: dict[tuple[int, int], dict[Tile, Task]] = {}  # (dest, source node) -> tile -> send
