@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from .graph import Region, TaskGraph
 if TYPE_CHECKING:
     from .validate import _Seen
 
-__all__ = ["check_races", "order_edges", "Reachability"]
+__all__ = ["check_races", "order_edges", "Reachability", "region_table"]
 
 
 # -- races -------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ def _check_groups(graph: TaskGraph, seen: _Seen, reach: Reachability) -> None:
     writers_of: dict[int, list[int]] = {}
     # Once per overlapping pair and direction (~10^5 at 2x8): the two directions written out
     # rather than looped over.
-    for i, j in _overlapping_pairs(seen.fields, written):
+    for i, j in _overlapping_pairs(seen.table, written):
         if written[j]:
             ws = writers_of.get(j)
             if ws is None:
@@ -245,44 +246,92 @@ def _check_groups(graph: TaskGraph, seen: _Seen, reach: Reachability) -> None:
                     _race(graph, tid, region, is_write, w, theirs, True)
 
 
-def _overlapping_pairs(fields: list[str | int], written: bytearray) -> Iterable[tuple[int, int]]:
+def region_table(
+    fields: list[str | int], count: int, dims: Mapping[str, tuple[int, int]]
+) -> tuple[torch.Tensor | Exception | None, bool]:
+    """The ``count`` groups' regions (``_Seen.fields``: five fields a region; the buffer ids are
+    replaced by ints in place) as ONE int64 tensor of five columns, for ``_overlaps``, and
+    whether every region lies inside its buffer, tested on that tensor at once:
+    _check_structure's bounds check, which as a Python test per distinct region was ~8% of it
+    at 2x8. In the tensor's place the error packing raised where a field is no int64
+    (``_overlapping_pairs`` raises it, where the packing used to be), None where a region has
+    not five fields; False where the test cannot tell (those cases, a buffer dimension that is
+    no int64): the caller then checks the regions one by one."""
+    if len(fields) != 5 * count:
+        return None, False
+    if not count:
+        return torch.zeros((0, 5), dtype=torch.int64), True
+    # struct.pack, not array("q", flat): array converts each int through PyArg_Parse (~500
+    # instructions an int, ~6% of validate at 2x8)
+    buffer_ids = fields[0::5]
+    index = {b: i for i, b in enumerate(dict.fromkeys(buffer_ids))}
+    fields[0::5] = map(index.__getitem__, buffer_ids)
+    packed = bytearray(8 * len(fields))
+    try:
+        try:
+            struct.pack_into(f"{len(fields)}q", packed, 0, *fields)
+        except struct.error:
+            array("q", fields)  # a field that is no int64: the error array gives here
+            raise
+    except Exception as error:
+        return error, False
+    table = torch.frombuffer(packed, dtype=torch.int64).view(-1, 5)
+    shapes = [dims.get(b) for b in index]
+    if None in shapes:  # (a region's fields out of step: one of them has not five)
+        return None, False
+    if any(rows.__class__ is not int or cols.__class__ is not int for rows, cols in shapes):
+        return table, False
+    with _one_thread():
+        try:
+            rows, cols = torch.tensor(shapes, dtype=torch.int64).index_select(0, table[:, 0]).T
+        except (OverflowError, RuntimeError):
+            return table, False
+        _, row0, row1, col0, col1 = table.unbind(1)
+        inside = (
+            (row0 >= 0) & (row0 < row1) & (row1 <= rows)
+            & (col0 >= 0) & (col0 < col1) & (col1 <= cols)
+        )  # fmt: skip
+        return table, bool(inside.all())
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread for torch: on ~10^5 elements a second one costs more than it brings,
+    and on a busy machine it waits for a core (the sort: 5 ms on one thread, 50-100 ms on
+    two)."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
+
+def _overlapping_pairs(
+    table: torch.Tensor | Exception | None, written: bytearray
+) -> Iterable[tuple[int, int]]:
     """Index pairs (i, j) of distinct groups whose regions overlap, one of them ``written``.
 
     All regions sorted by (buffer, row0): the regions whose rows can meet region i's are the
     ones after it up to the first starting at or past its row1 (a binary search), so the
     candidate pairs are those of a per-buffer row sweep, found by a few tensor ops rather than
     a Python loop over ~10^5 regions (torch, not numpy: numpy is no dependency of mgraph).
-    ``fields``: the groups' regions' fields one after the other (``_Seen.fields``)."""
+    ``table``: the groups' regions (``region_table``)."""
     n = len(written)
     if n < 2:
         return []
-    # One intra-op thread: on ~10^5 elements a second one costs more than it brings, and on a
-    # busy machine it waits for a core (the sort: 5 ms on one thread, 50-100 ms on two).
-    threads = torch.get_num_threads()
-    if threads != 1:
-        torch.set_num_threads(1)
-    try:
-        return _overlaps(fields, written)
-    finally:
-        if threads != 1:
-            torch.set_num_threads(threads)
+    if isinstance(table, Exception):
+        raise table
+    assert table is not None, "a region of other than five fields is a structure error"
+    with _one_thread():
+        return _overlaps(table, written)
 
 
-def _overlaps(flat: list[str | int], written: bytearray) -> Iterable[tuple[int, int]]:
+def _overlaps(table: torch.Tensor, written: bytearray) -> Iterable[tuple[int, int]]:
     n = len(written)
-    # The fields become ONE int64 buffer viewed as five columns, the buffer ids replaced by
-    # ints. struct.pack, not array("q", flat): array converts each int through PyArg_Parse
-    # (~500 instructions an int, ~6% of validate at 2x8).
-    buffer_ids = flat[0::5]
-    index = {b: i for i, b in enumerate(dict.fromkeys(buffer_ids))}
-    flat[0::5] = map(index.__getitem__, buffer_ids)  # (made for this call only)
-    packed = bytearray(8 * len(flat))
-    try:
-        struct.pack_into(f"{len(flat)}q", packed, 0, *flat)
-    except struct.error:
-        array("q", flat)  # a field that is no int64: the error array gave here before
-        raise
-    buf, row0, row1, col0, col1 = torch.frombuffer(packed, dtype=torch.int64).view(-1, 5).unbind(1)
+    buf, row0, row1, col0, col1 = table.unbind(1)
     wrote = torch.frombuffer(bytearray(written), dtype=torch.uint8).bool()
     key = (buf << 32) | row0
     by_key = torch.argsort(key, stable=True)

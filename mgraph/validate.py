@@ -9,12 +9,17 @@ particular, so it orders nothing here (conservative: a race it hides would be a 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from itertools import chain
+from typing import TYPE_CHECKING
 
 from .errors import CycleError, GraphError, TransferError, UnsatisfiableWaitError
 from .graph import Region, Task, TaskGraph, gc_paused
 from .kinds import KINDS, Role, TaskKind
-from .races import Reachability, check_races, order_edges
+from .races import Reachability, check_races, order_edges, region_table
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["validate", "topo_order", "CounterOrder", "order_edges", "Reachability"]
 
@@ -43,10 +48,10 @@ def _where(t: Task) -> str:
 class _Seen:
     """What ``_check_structure``'s pass collects for the later checks: the accumulating tasks
     (``adds``), each event's waiters by count and each task's number of waits (``_simulate``'s
-    tables), each event's signalers, every region's accesses (``check_races``' groups) and the
-    groups' regions' fields (``_overlaps``')."""
+    tables), each event's signalers, every region's accesses (``check_races``' groups), the
+    groups' regions' fields and the int64 table made of them (``races.region_table``)."""
 
-    __slots__ = ("adds", "waiters", "missing", "signalers", "groups", "fields")
+    __slots__ = ("adds", "waiters", "missing", "signalers", "groups", "fields", "table")
 
     def __init__(self, ntasks: int, nevents: int) -> None:
         self.adds: set[int] = set()
@@ -55,6 +60,7 @@ class _Seen:
         self.signalers: list[list[int]] = [[] for _ in range(nevents)]
         self.groups: dict[Region, int | list[int]] = {}
         self.fields: list[str | int] = []
+        self.table: torch.Tensor | Exception | None = None
 
 
 def _check_structure(graph: TaskGraph) -> _Seen:
@@ -96,66 +102,60 @@ def _check_structure(graph: TaskGraph) -> _Seen:
     # returns it (the same int object), or returns the region's accesses so far
     setdefault = groups.setdefault
     ngroups = 0
-    # every group's region's five fields, in group order, for _overlaps: put in while the
+    # every group's region's five fields, in group order, for region_table: put in while the
     # region is at hand (walking the groups' regions again afterwards took ~15 ms at 2x8)
     fields = seen.fields.extend
     # the task before's waits, and what their checks found (see their uses)
     last_waits: list[tuple[int, int]] | None = None
     last_wait_node, last_lists = -1, []
     last_kind = last_role = None  # the task before's, checked (kind names are shared strings)
-    for i, t in enumerate(graph.tasks):
-        if t.id != i:
-            raise GraphError(f"{_where(t)}: id should be its position {i}")
-        if not 0 <= t.rank < world:
-            raise GraphError(f"{_where(t)}: rank outside topology {graph.topology}")
-        if t.kind is not last_kind or t.role is not last_role:
-            roles = roles_of.get(t.kind)
-            if roles is None:
-                raise GraphError(f"{_where(t)}: unknown kind {t.kind!r}",
-                                 hint="define it with define_kind")
-            if t.role not in roles:
-                raise GraphError(
-                    f"{_where(t)}: kind {t.kind!r} cannot run in role {t.role!r}",
-                    hint=f"allowed roles: {', '.join(sorted(roles))}",
-                )
-            last_kind, last_role = t.kind, t.role
-        rank = t.rank
-        node = node_of[rank]
-        reads, writes = t.reads, t.writes
-        near = True  # every region on the task's node
-        # The task's accesses into the race check's groups (its writes, then the reads it does
-        # not also write). A region's bounds are checked when its group is made: one check per
-        # distinct region (~50k of ~115k accesses at 2x8), and the one hash the group costs
-        # anyway; a region already grouped passed them. A bad one is named by _region_error,
-        # in the order reads, then writes, as when every access was checked.
-        code = 2 * i
-        wcode = code + 1
-        try:
+    upto = 0  # tasks[:upto]: those whose regions any failure checks first (see its use)
+    try:
+        for i, t in enumerate(graph.tasks):
+            if t.id != i:
+                raise GraphError(f"{_where(t)}: id should be its position {i}")
+            if not 0 <= t.rank < world:
+                raise GraphError(f"{_where(t)}: rank outside topology {graph.topology}")
+            if t.kind is not last_kind or t.role is not last_role:
+                roles = roles_of.get(t.kind)
+                if roles is None:
+                    raise GraphError(f"{_where(t)}: unknown kind {t.kind!r}",
+                                     hint="define it with define_kind")
+                if t.role not in roles:
+                    raise GraphError(
+                        f"{_where(t)}: kind {t.kind!r} cannot run in role {t.role!r}",
+                        hint=f"allowed roles: {', '.join(sorted(roles))}",
+                    )
+                last_kind, last_role = t.kind, t.role
+            rank = t.rank
+            node = node_of[rank]
+            reads, writes = t.reads, t.writes
+            near = True  # every region on the task's node
+            # The task's accesses into the race check's groups (its writes, then the reads it
+            # does not also write), the one hash a region costs. Bounds are checked after the
+            # pass, every distinct region's at once (``races.region_table``); a failure before
+            # that checks the regions of the tasks up to ``upto`` first, this one's included
+            # from here on, so the first bad region in task order is still the error raised.
+            upto = i + 1
+            code = 2 * i
+            wcode = code + 1
             for w in writes:
                 acc = setdefault(w, wcode)
                 if acc is wcode:  # a new group, or this task's own write again
                     if len(groups) > ngroups:
                         ngroups += 1
-                        bid, r0, r1, c0, c1 = w
-                        dim = dims.get(bid)
-                        if dim is None or not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
-                            _region_error(graph, t, dims)
                         fields(w)
                 elif acc.__class__ is int:
                     groups[w] = [acc, wcode]
                 else:
                     acc.append(wcode)
-                if node_of_buffer[w[0]] != node:
+                if node_of_buffer[w[0]] != node:  # (a KeyError: an unknown buffer)
                     near = False
             for r in reads:
                 acc = setdefault(r, code)
                 if acc is code:  # a new group, or this task's own read again
                     if len(groups) > ngroups:
                         ngroups += 1
-                        bid, r0, r1, c0, c1 = r
-                        dim = dims.get(bid)
-                        if dim is None or not (0 <= r0 < r1 <= dim[0] and 0 <= c0 < c1 <= dim[1]):
-                            _region_error(graph, t, dims)
                         fields(r)
                 elif acc.__class__ is int:
                     # a region this task writes holds its write last (it went in just now):
@@ -166,68 +166,78 @@ def _check_structure(graph: TaskGraph) -> _Seen:
                     acc.append(code)
                 if node_of_buffer[r[0]] != node:
                     near = False
-        except (TypeError, ValueError):
-            # a region that is no 5-tuple of ints: the error the checks meet first in
-            # their own order (reads, then writes)
-            _region_error(graph, t, dims)
-            raise
-        params = t.params
-        if "accumulate" in params and params["accumulate"]:  # no call for the tasks without
-            adds.add(i)
-            plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
-            if plain:
-                raise GraphError(
-                    f"{_where(t)} accumulates into {plain[0]}, whose buffer is not zeroed",
-                    hint="create the buffer with zeroed=True (runtimes zero it every launch)",
-                )
-        waits = t.waits
-        missing[i] = len(waits)
-        if waits == last_waits and node == last_wait_node:
-            # the waits of the task before it (a rank's relayout tiles, and tiles reading one
-            # band): checked already, and its waiter lists are known
-            for waiting in last_lists:
-                waiting.append(i)
-        else:
-            last_lists = []
-            for e, count in waits:
-                if not 0 <= e < nevents or count <= 0:
-                    raise GraphError(f"{_where(t)}: bad wait (event {e}, count {count})")
-                if event_node[e] != node:
-                    ev = events[e]
+            params = t.params
+            if "accumulate" in params and params["accumulate"]:  # no call for the tasks without
+                adds.add(i)
+                plain = [w for w in t.writes if not buffers[w.buffer].zeroed]
+                if plain:
                     raise GraphError(
-                        f"{_where(t)} waits on event {ev.name!r} of rank {ev.rank}, on another "
-                        "node",
-                        hint="a task can only spin on counters of its own node",
+                        f"{_where(t)} accumulates into {plain[0]}, whose buffer is not zeroed",
+                        hint="create the buffer with zeroed=True (runtimes zero it every launch)",
                     )
-                waiting = waiters[e].setdefault(count, [])
-                waiting.append(i)
-                last_lists.append(waiting)
-            last_waits, last_wait_node = waits, node
-        far_signal = False
-        for e in t.signals:
-            if not 0 <= e < nevents:
-                raise GraphError(f"{_where(t)}: signals unknown event {e}")
-            if event_node[e] != node:
-                far_signal = True
-            signalers[e].append(i)
-        if transfer is None:
-            if t.kind in same_shape:
-                # _same_shapes_error's test inline (~9k copies and reduces at 2x8, most of
-                # them node-local, which need nothing else); the error itself is built by it
-                ref = t.writes[0] if t.kind == reduce else t.reads[0]
-                rows, cols = ref[2] - ref[1], ref[4] - ref[3]
-                dtype = dtype_of[t.reads[0][0]]
-                for regions in (t.reads, t.writes):
-                    for r in regions:
-                        if r[2] - r[1] != rows or r[4] - r[3] != cols or dtype_of[r[0]] != dtype:
-                            transfer = _same_shapes_error(graph, t)
-                if transfer is None and (not near or far_signal or t.role == rdma):
+            waits = t.waits
+            missing[i] = len(waits)
+            if waits == last_waits and node == last_wait_node:
+                # the waits of the task before it (a rank's relayout tiles, and tiles reading one
+                # band): checked already, and its waiter lists are known
+                for waiting in last_lists:
+                    waiting.append(i)
+            else:
+                last_lists = []
+                for e, count in waits:
+                    if not 0 <= e < nevents or count <= 0:
+                        raise GraphError(f"{_where(t)}: bad wait (event {e}, count {count})")
+                    if event_node[e] != node:
+                        ev = events[e]
+                        raise GraphError(
+                            f"{_where(t)} waits on event {ev.name!r} of rank {ev.rank}, on another "
+                            "node",
+                            hint="a task can only spin on counters of its own node",
+                        )
+                    waiting = waiters[e].setdefault(count, [])
+                    waiting.append(i)
+                    last_lists.append(waiting)
+                last_waits, last_wait_node = waits, node
+            far_signal = False
+            for e in t.signals:
+                if not 0 <= e < nevents:
+                    raise GraphError(f"{_where(t)}: signals unknown event {e}")
+                if event_node[e] != node:
+                    far_signal = True
+                signalers[e].append(i)
+            if transfer is None:
+                if t.kind in same_shape:
+                    # _same_shapes_error's test inline (~9k copies and reduces at 2x8, most of
+                    # them node-local, which need nothing else); the error itself is built by it
+                    ref = t.writes[0] if t.kind == reduce else t.reads[0]
+                    rows, cols = ref[2] - ref[1], ref[4] - ref[3]
+                    dtype = dtype_of[t.reads[0][0]]
+                    for regions in (t.reads, t.writes):
+                        for r in regions:
+                            if r[2] - r[1] != rows or r[4] - r[3] != cols or dtype_of[r[0]] != dtype:
+                                transfer = _same_shapes_error(graph, t)
+                    if transfer is None and (not near or far_signal or t.role == rdma):
+                        transfer = _transfer_error(graph, t, node_of, near and not far_signal)
+                elif not near or far_signal or t.role == rdma:
                     transfer = _transfer_error(graph, t, node_of, near and not far_signal)
-            elif not near or far_signal or t.role == rdma:
-                transfer = _transfer_error(graph, t, node_of, near and not far_signal)
+    except Exception:
+        # any error, also a TypeError or KeyError from a malformed region: a bad region of an
+        # earlier task (or of this one, once its accesses are reached) was the error before
+        _first_region_error(graph, graph.tasks[:upto], dims)
+        raise
+    table, inside = region_table(seen.fields, ngroups, dims)
+    if not inside:
+        _first_region_error(graph, graph.tasks, dims)
+    seen.table = table
     if transfer is not None:
         raise transfer
     return seen
+
+
+def _first_region_error(graph: TaskGraph, tasks: Iterable[Task], dims: dict) -> None:
+    """Raise the error of the first bad region of ``tasks``, in task order, if there is one."""
+    for t in tasks:
+        _region_error(graph, t, dims)
 
 
 def _region_error(graph: TaskGraph, t: Task, dims: dict) -> None:
