@@ -146,7 +146,9 @@ class _Rates:
     and the rate functions (pydantic attribute reads and divisions) were most of its time. Each
     rate is the same expression as its function's, so every cost is the same float."""
 
-    __slots__ = ("hw", "math", "compute", "hbm", "epilogue", "rdma_fixed", "rdma_wire")
+    __slots__ = (
+        "hw", "math", "compute", "hbm", "epilogue", "rdma_fixed", "rdma_wire", "nvlink"
+    )  # fmt: skip
 
     def __init__(self, hw: HardwareProfile) -> None:
         self.hw = hw
@@ -156,6 +158,12 @@ class _Rates:
         self.epilogue = epilogue_rate_per_sm(hw)
         self.rdma_fixed = (hw.proxy_command_us + hw.rdma_latency_us) * 1e-6
         self.rdma_wire = hw.rdma_gbps * 1e9
+        # beside -> (pull rate, push rate): nvlink_seconds' two rates
+        self.nvlink = {
+            beside: (nvlink_rate_per_sm(hw, beside=beside),
+                     nvlink_rate_per_sm(hw, push=True, beside=beside))
+            for beside in (False, True)
+        }  # fmt: skip
 
     def cost(self, t: Task, remote_read: int, remote_write: int, beside: bool) -> float:
         fill = t.params.get("expected_fill", 1.0) if t.params else 1.0
@@ -168,7 +176,8 @@ class _Rates:
             return base + remote_write / self.epilogue
         if t.role == _NVLINK:
             if remote_read or remote_write:
-                return nvlink_seconds(self.hw, remote_read * fill, remote_write * fill, beside)
+                pull, push = self.nvlink[beside]  # nvlink_seconds' expression
+                return remote_read * fill / pull + remote_write * fill / push
             return t.bytes * fill / self.hbm
         # An rdma worker only pushes a command; the transfer itself is the NIC's and the
         # proxy's. For the critical path it is what delays the consumer: proxy + wire + latency.

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
+from operator import getitem
 
 from ..graph import TaskGraph
 from ..hardware import HardwareProfile
@@ -83,15 +84,21 @@ class Pools:
         if total is None:
             total = [len(s) for s in self.signalers]
         self.total = total
-        # (rank, role) -> pool, numbered in order of first use: the pairs made and looked up
-        # by C-level zip, dict.fromkeys and map, not a Python loop over the tasks (~34k at 2x8)
-        pairs = list(zip([t.rank for t in tasks], [t.role for t in tasks], strict=True))
-        number: dict[tuple[int, str], int] = {}
+        # role -> rank -> pool: a pool for every rank up to the last with tasks in each role
+        # the tasks have, looked up by C-level maps over the tasks' roles and ranks (~38k at
+        # 2x8), no (rank, role) pair made and hashed per task
+        ranks = [t.rank for t in tasks]
+        roles = [t.role for t in tasks]
+        last = max(ranks, default=-1)
         size: list[int] = []
-        for rank, role in dict.fromkeys(pairs):
-            number[rank, role] = len(size)
-            size.append(0 if role == _RDMA else max(1, workers[rank].get(role, 0)))
-        of = list(map(number.__getitem__, pairs))
+        pools_of: dict[str, list[int]] = {}
+        for role in dict.fromkeys(roles):
+            pools_of[role] = list(range(len(size), len(size) + last + 1))
+            size.extend(
+                0 if role == _RDMA else max(1, workers[rank].get(role, 0))
+                for rank in range(last + 1)
+            )
+        of = list(map(getitem, map(pools_of.__getitem__, roles), ranks))
         self.size = size
         self.of = of
         # events some task waits on for fewer than all signals
