@@ -283,12 +283,7 @@ class GraphBuilder:
         tasks = self.tasks
         tid = len(tasks)
         if tid >= self.budget.max_tasks:
-            raise SizeLimitError(
-                f"{self.op}: the graph would have more than {self.budget.max_tasks} tasks (stopped "
-                f"building at task {kind!r} on rank {rank})",
-                hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or raise "
-                "the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
-            )
+            raise self._too_many_tasks(kind, rank)
         if name is None:
             name = f"{kind}#{tid}"
         elif self.label_prefix:
@@ -309,6 +304,14 @@ class GraphBuilder:
         )
         tasks.append(task)
         return task
+
+    def _too_many_tasks(self, kind: str, rank: int) -> SizeLimitError:
+        return SizeLimitError(
+            f"{self.op}: the graph would have more than {self.budget.max_tasks} tasks (stopped "
+            f"building at task {kind!r} on rank {rank})",
+            hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or raise "
+            "the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
+        )
 
     def tasks_made(
         self,
@@ -331,12 +334,7 @@ class GraphBuilder:
         for reads, writes, waits, name, flops in specs:
             tid = len(tasks)
             if tid >= limit:
-                raise SizeLimitError(
-                    f"{self.op}: the graph would have more than {limit} tasks (stopped "
-                    f"building at task {kind!r} on rank {rank})",
-                    hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or "
-                    "raise the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
-                )
+                raise self._too_many_tasks(kind, rank)
             nbytes = 0
             for r in reads:
                 nbytes += (r[2] - r[1]) * (r[4] - r[3]) * item[r[0]]
@@ -376,12 +374,7 @@ class GraphBuilder:
         for w, name, params in tiles:
             tid = len(tasks)
             if tid >= limit:
-                raise SizeLimitError(
-                    f"{self.op}: the graph would have more than {limit} tasks (stopped "
-                    f"building at task {kind!r} on rank {rank})",
-                    hint="use larger tiles (--set tile=...), smaller sizes or fewer ranks, or "
-                    "raise the limit: MGRAPH_MAX_TASKS or Settings(max_tasks=...)",
-                )
+                raise self._too_many_tasks(kind, rank)
             nbytes = 2 * (w[2] - w[1]) * (w[4] - w[3]) * item[w[0]]
             tasks.append(
                 Task(tid, prefix + name if prefix else name, rank, role, kind, list(reads), [w],

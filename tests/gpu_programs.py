@@ -202,44 +202,34 @@ def spmd_cases(rank: int, world: int) -> dict:
         args = tuple(a.to("cuda", BF16) for a in args)
         return check(mg.compile(m, args, topology=f"1x{world}", backend="triton"), m, args)
 
-    def llama_gqa() -> dict:
-        """A Llama block whose KV heads are fewer than the ranks (1 KV head of 128 over 2+
-        ranks): each rank's attention binds the KV head its query heads share (v21)."""
+    def llama(heads: int, kv_heads: int, tokens: int, seed: int) -> dict:
         import llama_block as lb
 
-        torch.manual_seed(0)
-        model = lb.DecoderBlock(hidden=512, heads=4, kv_heads=1, ffn=1024).to("cuda", BF16)
-        model = model.eval()
-        x = torch.randn(1, 512, 512, device="cuda", dtype=BF16)
+        torch.manual_seed(seed)
+        model = lb.DecoderBlock(hidden=512, heads=heads, kv_heads=kv_heads, ffn=1024)
+        model = model.to("cuda", BF16).eval()
+        x = torch.randn(1, tokens, 512, device="cuda", dtype=BF16)
         prog = mg.compile(model, (x,), plan=lb.block_plan(), topology=f"1x{world}",
                           backend="triton")
         (att,) = [n for n in prog.lowered.nodes if n.op == "attention"]
-        assert att.params.get("kv_heads") == 1, att.params
+        assert att.params.get("kv_heads", heads) == kv_heads, att.params
         return check(
             prog,
             model,
             (x,),
             lambda a, out: ((a[0].chunk(world, 1)[rank],), out.chunk(world, 1)[rank]),
         )
+
+    def llama_gqa() -> dict:
+        """A Llama block whose KV heads are fewer than the ranks (1 KV head of 128 over 2+
+        ranks): each rank's attention binds the KV head its query heads share (v21)."""
+        return llama(heads=4, kv_heads=1, tokens=512, seed=0)
 
     def llama_gqa_pruned() -> dict:
         """8 heads, 2 KV heads: from 4 ranks on, two ranks share a KV head and k's columns are
         cut mid-head, so k is gathered and each rank's split and RoPE of the other KV head
         are pruned (mgraph/prune.py, v22)."""
-        import llama_block as lb
-
-        torch.manual_seed(1)
-        model = lb.DecoderBlock(hidden=512, heads=8, kv_heads=2, ffn=1024).to("cuda", BF16)
-        model = model.eval()
-        x = torch.randn(1, 1024, 512, device="cuda", dtype=BF16)
-        prog = mg.compile(model, (x,), plan=lb.block_plan(), topology=f"1x{world}",
-                          backend="triton")
-        return check(
-            prog,
-            model,
-            (x,),
-            lambda a, out: ((a[0].chunk(world, 1)[rank],), out.chunk(world, 1)[rank]),
-        )
+        return llama(heads=8, kv_heads=2, tokens=1024, seed=1)
 
     cases[f"mlp-1x{world}"] = mlp
     cases[f"block-sp-1x{world}"] = block

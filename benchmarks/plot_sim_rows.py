@@ -1,7 +1,11 @@
-"""predicted.png from rows.jsonl (benchmarks/sim_llama_layer.py): the simulator's time for the
-Llama-8B-size layer per topology, one bar per label. Run from the repository root."""
+"""DIR/predicted.png from DIR/rows.jsonl (benchmarks/sim_llama_layer.py's rows): the simulator's
+time for the Llama-8B-size layer per topology, one bar per label, in the order they were run.
+
+    python benchmarks/plot_sim_rows.py benchmarks/results/v22/sim
+"""
 
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -9,13 +13,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 TOPOLOGIES = ["1x2", "2x4", "2x8"]
 SPAN = 0.8  # of each topology's slot, shared by the labels
 
 
-def main() -> None:
-    rows = [json.loads(line) for line in (HERE / "rows.jsonl").read_text().splitlines()]
+def main(where: Path) -> None:
+    rows = [json.loads(line) for line in (where / "rows.jsonl").read_text().splitlines()]
     labels = list(dict.fromkeys(r["label"] for r in rows))  # in the order they were run
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, label in enumerate(labels):
@@ -34,8 +37,8 @@ def main() -> None:
     ax.set_title("Llama-8B-size layer, TP+SP, bf16, S=4096: predicted, not measured")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(HERE / "predicted.png", dpi=110)
+    fig.savefig(where / "predicted.png", dpi=110)
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]))
