@@ -123,7 +123,9 @@ class Resharder:
                 cost = 2
             else:
                 cost = 3
-            candidates += [(cost, h) for h in hs]
+            # a rank's first holding is the one its producer wrote; later ones were filled by
+            # resharding, so copying from them waits for that fill
+            candidates += [(cost + 0.5 * (i > 0), h) for i, h in enumerate(hs)]
         candidates.sort(key=lambda c: (c[0], c[1].buffer.rank))
         r0, r1, c0, c1 = run
         row_cuts, col_cuts = {r0, r1}, {c0, c1}
