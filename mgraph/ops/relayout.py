@@ -199,11 +199,11 @@ def _lower(
         if same_maps and key in fitted:
             tiles, fits, bands = fitted[key]
         else:
-            fits = _tile_fits(shape, steps, src, dst, r, b.world, tiles)
+            maps = _rank_maps(shape, _steps(steps), src, dst, r, b.world)
+            fits = _tile_fits(maps, tiles)
             if any(not digits for digits, _ in fits):
-                tiles, fits = _aligned(shape, steps, src, dst, r, b.world, tiles, fits,
-                                       tile_rows)
-            bands = _column_bands(shape, steps, src, dst, r, b.world, tiles, x.rows, x.cols)
+                tiles, fits = _aligned(maps, tiles, fits, tile_rows)
+            bands = _column_bands(maps, tiles, x.rows, x.cols)
             if same_maps:
                 fitted[key] = tiles, fits, bands
         # Hot: a traced layer's head splits and merges are ~half its tasks at 2x8 (42k), so
@@ -238,8 +238,8 @@ def _lower(
 
 
 def _column_bands(
-    shape: tuple, steps: Sequence, src: Layout, dst: Layout, rank: int, world: int,
-    tiles: list[tuple[int, int]], xrows: int, xcols: int,
+    maps: tuple[torch.Tensor, torch.Tensor] | None, tiles: list[tuple[int, int]], xrows: int,
+    xcols: int,
 ) -> list[tuple[int, int, tuple[int, int, int, int]]]:
     """(first tile, end tile, (row0, row1, col0, col1) of x) per run of consecutive tiles that
     read the same columns of x: what they read, not all of x. A head split of k at 2x8 read
@@ -248,7 +248,6 @@ def _column_bands(
     heads no attention on the rank reads, and the copies only they read). All of x where the
     map wraps rows (its columns then say nothing) or has no sub-dim form."""
     whole = [(0, len(tiles), (0, xrows, 0, xcols))]
-    maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
     if maps is None or not tiles:
         return whole
     # x's element (i, j) of the output buffer is at flat position F[i] + G[j] of x's buffer:
@@ -281,8 +280,8 @@ def _column_bands(
 
 
 def _aligned(
-    shape: tuple, steps: Sequence, src: Layout, dst: Layout, rank: int, world: int,
-    tiles: list[tuple[int, int]], fits: list, tile_rows: int,
+    maps: tuple[torch.Tensor, torch.Tensor] | None, tiles: list[tuple[int, int]], fits: list,
+    tile_rows: int,
 ) -> tuple[list[tuple[int, int]], list]:
     """Tiles that line up with the row map's digits where ``tile_rows`` rows do not.
 
@@ -292,7 +291,6 @@ def _aligned(
     wherever T is a divisor of a digit's radix times the digits inside it (T = d * p_k, d |
     radix_{k+1}): the largest such T up to ``tile_rows`` is taken (the body's row block). The
     tiles are kept as they were when no T fits every tile."""
-    maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
     digits = _fit_axis(maps[0]) if maps is not None and len(maps[0]) > 1 else None
     if not digits:
         return tiles, fits
@@ -302,7 +300,7 @@ def _aligned(
         inner *= radix
     size = max(t for t in sizes if t <= tile_rows)
     aligned = split(tiles[-1][1], size)
-    new = _tile_fits(shape, steps, src, dst, rank, world, aligned)
+    new = _tile_fits(maps, aligned)
     if all(d for d, _ in new):
         return aligned, new
     return tiles, fits
@@ -402,17 +400,18 @@ def tile_gathers(
     tile whose map has no gather form."""
     return [
         {**digits, "base": base} if digits else {}
-        for digits, base in _tile_fits(shape, steps, src, dst, rank, world, tiles)
+        for digits, base in _tile_fits(
+            _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world), tiles
+        )
     ]
 
 
 def _tile_fits(
-    shape: Sequence[int], steps: Sequence, src: Layout, dst: Layout, rank: int, world: int,
-    tiles: Sequence[tuple[int, int]],
+    maps: tuple[torch.Tensor, torch.Tensor] | None, tiles: Sequence[tuple[int, int]],
 ) -> list[tuple[dict[str, int], int]]:
-    """tile_gathers' params per tile as (the params with base 0, or {}; the tile's base): the
-    tiles of a fit share its dict (the lowering builds each task's params from it)."""
-    maps = _rank_maps(tuple(shape), _steps(steps), src, dst, rank, world)
+    """tile_gathers' params per tile, from the rank's gather maps (``_rank_maps``), as (the
+    params with base 0, or {}; the tile's base): the tiles of a fit share its dict (the
+    lowering builds each task's params from it)."""
     if maps is None:
         return [({}, 0) for _ in tiles]
     rows, cols = maps
